@@ -1,0 +1,56 @@
+"""Paged causal attention reference: write the new K/V into their pages, then attend.
+
+Covers prefill chunks over a cached prefix, decode rows and multi-token queries alike:
+query i of request b sits at absolute position seq_len_b - query_len_b + i and sees
+every cached key at or before it.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v: [T, Hk, D]; caches: [P, page_size, Hk, D]; slot_mapping: [T] = page * page_size + offset."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    query_lens: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D] flat over requests -> [T, Hq, D]. GQA: Hq is a multiple of Hk.
+
+    Computed in fp32 (softmax included), returned in q's dtype.
+    """
+    page_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    start = 0
+    for b, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        num_pages = (seq_len + page_size - 1) // page_size
+        pages = page_table[b, :num_pages].long()
+        keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:seq_len]
+        values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:seq_len]
+        q_b = q[start : start + query_len]
+        first_pos = seq_len - query_len
+        q_pos = torch.arange(first_pos, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [query_len, seq_len]
+        o = F.scaled_dot_product_attention(
+            q_b.transpose(0, 1).float(),
+            keys.transpose(0, 1).float(),
+            values.transpose(0, 1).float(),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start : start + query_len] = o.transpose(0, 1).to(q.dtype)
+        start += query_len
+    return out

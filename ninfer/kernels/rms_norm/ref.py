@@ -1,0 +1,21 @@
+"""RMSNorm references, with each family's exact cast order (it matters in bf16)."""
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """Llama style: w * normalize(x).to(dtype); zero-centred (Qwen3.5): (normalize(x) * (1 + w)).to(dtype)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet output norm: norm before gate, plain w, silu(gate) in fp32."""
+    dtype = x.dtype
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * normed.to(dtype)
+    return (out * torch.nn.functional.silu(gate.float())).to(dtype)

@@ -1,0 +1,1 @@
+"""Model files (one per architecture family), shared layers, and the forward contract."""

@@ -1,0 +1,91 @@
+"""CausalLM: what every architecture's top module offers the runner and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ninfer.models.config import ModelConfig
+from ninfer.models.forward_batch import ForwardBatch
+from ninfer.models.kv_cache import KVCache
+from ninfer.models.state_cache import StateCache
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Sizes the engine needs to allocate a model's KV pages and state slots."""
+
+    num_attention_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_linear_layers: int = 0
+    conv_dim: int = 0
+    conv_kernel: int = 0
+    num_v_heads: int = 0
+    k_head_dim: int = 0
+    v_head_dim: int = 0
+
+
+class CausalLM(nn.Module):
+    """Subclasses build `model` (the trunk) and `lm_head`, and implement forward.
+
+    forward(input_ids [T], batch) -> final-normed hidden states [T, H], updating the
+    caches referenced by the batch; compute_logits maps selected rows to vocab logits.
+    """
+
+    config: ModelConfig
+    lm_head: nn.Linear
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def cache_spec(self) -> CacheSpec:
+        c = self.config
+        spec = CacheSpec(
+            num_attention_layers=len(c.attention_layer_ids),
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+        )
+        if not c.is_hybrid:
+            return spec
+        return CacheSpec(
+            num_attention_layers=spec.num_attention_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            num_linear_layers=len(c.linear_layer_ids),
+            conv_dim=c.linear_conv_dim,
+            conv_kernel=c.linear_conv_kernel_dim,
+            num_v_heads=c.linear_num_value_heads,
+            k_head_dim=c.linear_key_head_dim,
+            v_head_dim=c.linear_value_head_dim,
+        )
+
+    def allocate_caches(
+        self, num_pages: int, page_size: int, num_state_slots: int, dtype: torch.dtype | None = None
+    ) -> tuple[KVCache, StateCache | None]:
+        """Storage for num_pages KV pages and num_state_slots StateImages on the model's device."""
+        spec = self.cache_spec()
+        param = next(self.parameters())
+        dtype = dtype or param.dtype
+        kv = KVCache.allocate(
+            spec.num_attention_layers, num_pages, page_size, spec.num_kv_heads, spec.head_dim, dtype, param.device
+        )
+        if not spec.num_linear_layers:
+            return kv, None
+        states = StateCache.allocate(
+            spec.num_linear_layers,
+            num_state_slots,
+            spec.conv_dim,
+            spec.conv_kernel,
+            spec.num_v_heads,
+            spec.k_head_dim,
+            spec.v_head_dim,
+            dtype,
+            param.device,
+        )
+        return kv, states

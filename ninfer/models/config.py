@@ -1,0 +1,242 @@
+"""ModelConfig: the architecture facts every model file needs, parsed once from an HF config.
+
+One flat dataclass for all families keeps the model files free of HF config quirks
+(nested text_config, rope_parameters vs rope_theta, layer_types vs interval).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+# model_type -> our family key (one model file per family)
+FAMILY_BY_MODEL_TYPE = {
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
+    "qwen3_next": "qwen3_next",
+    "llama": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "qwen3_moe": "llama",
+}
+
+
+class ConfigError(ValueError):
+    """The artifact's config cannot describe a model we can build."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str  # HF model_type of the text trunk (e.g. "qwen3_5_text", "qwen2")
+    family: str  # our model file: "qwen3_5", "qwen3_next", "llama"
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    torch_dtype: str = "bfloat16"
+
+    # rotary
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    rope_scaling: dict[str, Any] | None = None  # llama3 / linear / yarn parameters, if any
+    mrope_section: tuple[int, ...] | None = None  # Qwen3.5+: interleaved T/H/W sections
+    mrope_interleaved: bool = False
+
+    # attention flavour
+    attention_bias: bool = False  # Qwen2: q/k/v biases
+    qk_norm: bool = False  # Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next
+    attn_output_gate: bool = False  # Qwen3.5 / Qwen3-Next: sigmoid gate interleaved in q_proj
+    zero_centered_norm: bool = False  # (1 + w) RMSNorm: Qwen3.5 / Qwen3-Next
+
+    # hybrid layout
+    layer_types: tuple[str, ...] = ()
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+
+    # mixture of experts (num_experts == 0 means dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    # multi-token prediction head (weights in mtp.*)
+    mtp_num_hidden_layers: int = 0
+
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ---- derived facts -------------------------------------------------------------
+    @property
+    def is_hybrid(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
+
+    @property
+    def linear_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION]
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def layer_is_moe(self, layer_id: int) -> bool:
+        if not self.is_moe or layer_id in self.mlp_only_layers:
+            return False
+        return (layer_id + 1) % max(self.decoder_sparse_step, 1) == 0
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---- parsing -------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Parse an HF config dict (composite VLM configs use their text_config)."""
+        top = hf
+        model_type = hf.get("model_type")
+        text = hf.get("text_config")
+        if isinstance(text, dict):
+            hf = {**text}
+            model_type = hf.get("model_type") or f"{model_type}_text"
+            for key in ("tie_word_embeddings",):
+                if key in top and key not in hf:
+                    hf[key] = top[key]
+        if model_type is None:
+            raise ConfigError(f"{source}: no model_type")
+        base_type = model_type.removesuffix("_text")
+        family = FAMILY_BY_MODEL_TYPE.get(model_type) or FAMILY_BY_MODEL_TYPE.get(base_type)
+        if family is None:
+            raise ConfigError(
+                f"{source}: unsupported model_type {model_type!r} "
+                f"(supported: {', '.join(sorted(set(FAMILY_BY_MODEL_TYPE)))})"
+            )
+
+        def need(key: str) -> Any:
+            if key not in hf or hf[key] is None:
+                raise ConfigError(f"{source}: missing required key {key!r} for {model_type}")
+            return hf[key]
+
+        hidden = int(need("hidden_size"))
+        num_heads = int(need("num_attention_heads"))
+        num_layers = int(need("num_hidden_layers"))
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        rope = dict(hf.get("rope_parameters") or {})
+        legacy_scaling = hf.get("rope_scaling")
+        if isinstance(legacy_scaling, dict):
+            rope = {**legacy_scaling, **rope}
+        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None
+        if rope_type not in (None, "default", "mrope"):
+            scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        mrope_section = rope.get("mrope_section")
+
+        hybrid = family in ("qwen3_5", "qwen3_next")
+        layer_types = hf.get("layer_types")
+        if hybrid and not layer_types:
+            interval = int(hf.get("full_attention_interval", 4))
+            layer_types = [
+                LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)
+            ]
+        if not layer_types:
+            layer_types = [FULL_ATTENTION] * num_layers
+        if len(layer_types) != num_layers:
+            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+        bad = set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
+        if bad:
+            raise ConfigError(f"{source}: unsupported layer types {sorted(bad)}")
+
+        eos = hf.get("eos_token_id", top.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        if base_type == "qwen3_moe" and not num_experts:
+            raise ConfigError(f"{source}: qwen3_moe config without num_experts")
+        intermediate = hf.get("intermediate_size")
+        if intermediate is None and not num_experts:
+            raise ConfigError(f"{source}: missing required key 'intermediate_size' for {model_type}")
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or top.get("dtype") or top.get("torch_dtype") or "bfloat16"
+
+        return cls(
+            model_type=model_type,
+            family=family,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(intermediate or 0),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            hidden_act=str(hf.get("hidden_act", "silu")),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            torch_dtype=str(dtype).removeprefix("torch."),
+            rope_theta=rope_theta,
+            partial_rotary_factor=partial,
+            rope_scaling=scaling,
+            mrope_section=tuple(mrope_section) if mrope_section and family == "qwen3_5" else None,
+            mrope_interleaved=bool(rope.get("mrope_interleaved", family == "qwen3_5")) and family == "qwen3_5",
+            attention_bias=bool(hf.get("attention_bias", base_type == "qwen2")),
+            qk_norm=base_type in ("qwen3", "qwen3_moe") or hybrid,
+            attn_output_gate=hybrid and bool(hf.get("attn_output_gate", True)),
+            zero_centered_norm=hybrid,
+            layer_types=tuple(layer_types),
+            linear_conv_kernel_dim=int(hf.get("linear_conv_kernel_dim", 4)),
+            linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(hf.get("linear_value_head_dim", 128)),
+            linear_num_key_heads=int(hf.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(hf.get("linear_num_value_heads", 32)),
+            num_experts=num_experts,
+            num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+            # Qwen3.5-MoE always renormalises the top-k weights; the others follow the config.
+            norm_topk_prob=True if family == "qwen3_5" else bool(hf.get("norm_topk_prob", True)),
+            decoder_sparse_step=int(hf.get("decoder_sparse_step", 1) or 1),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            mtp_num_hidden_layers=int(hf.get("mtp_num_hidden_layers", hf.get("num_nextn_predict_layers", 0)) or 0),
+            bos_token_id=hf.get("bos_token_id", top.get("bos_token_id")),
+            eos_token_id=eos_ids,
+            pad_token_id=hf.get("pad_token_id", top.get("pad_token_id")),
+            extra={"top_level": {k: v for k, v in top.items() if k != "text_config"}},
+        )

@@ -1,0 +1,43 @@
+"""Routed mixture of experts with an optional sigmoid-gated shared expert."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ninfer.kernels.moe import fused_experts, route
+from ninfer.models.config import ModelConfig
+from ninfer.models.layers.mlp import MLP
+
+
+class Experts(nn.Module):
+    """All experts' weights fused in 3-D tensors (the Qwen3.5 checkpoint layout)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, expert_ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

