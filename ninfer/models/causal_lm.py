@@ -29,7 +29,7 @@ class CacheSpec:
 
 
 class CausalLM(nn.Module):
-    """Subclasses build `model` (the trunk) and `lm_head`, and implement forward.
+    """Subclasses build `model` (the trunk, with `embed_tokens`) and `lm_head`, and implement forward.
 
     forward(input_ids [T], batch) -> final-normed hidden states [T, H], updating the
     caches referenced by the batch; compute_logits maps selected rows to vocab logits.
@@ -40,6 +40,11 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
+
+    def tie_weights(self) -> None:
+        """Share the input embedding with lm_head when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

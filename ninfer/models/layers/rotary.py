@@ -38,8 +38,13 @@ def _inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.config = config
         self.mrope_section = config.mrope_section if config.mrope_interleaved else None
         self.register_buffer("inv_freq", _inverse_frequencies(config), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute the table after the model was built on the meta device."""
+        self.inv_freq = _inverse_frequencies(self.config).to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] or [3, T] (t, h, w) -> cos, sin: [T, rotary_dim] in dtype (computed in fp32)."""

@@ -1,0 +1,141 @@
+"""Tokenizer over the `tokenizers` library, with UTF-8-safe incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as strings or AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        add_bos_token: bool = False,
+        config: dict[str, Any] | None = None,
+    ):
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.pad_token = pad_token
+        self.add_bos_token = add_bos_token
+        self.config = config or {}
+        self.bos_token_id = self.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = self.token_to_id(eos_token) if eos_token else None
+        self.pad_token_id = self.token_to_id(pad_token) if pad_token else None
+        self.special_token_ids = frozenset(
+            t.id if hasattr(t, "id") else i
+            for i, t in backend.get_added_tokens_decoder().items()
+            if t.special
+        )
+
+    @classmethod
+    def from_files(cls, tokenizer_json: Path, tokenizer_config: dict[str, Any] | None = None) -> Tokenizer:
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+        cfg = tokenizer_config or {}
+        return cls(
+            backend,
+            bos_token=_token_content(cfg.get("bos_token")),
+            eos_token=_token_content(cfg.get("eos_token")),
+            pad_token=_token_content(cfg.get("pad_token")),
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+            config=cfg,
+        )
+
+    @classmethod
+    def from_json_string(cls, tokenizer_json: str, tokenizer_config: dict[str, Any] | None = None) -> Tokenizer:
+        backend = tokenizers.Tokenizer.from_str(tokenizer_json)
+        cfg = tokenizer_config or {}
+        return cls(
+            backend,
+            bos_token=_token_content(cfg.get("bos_token")),
+            eos_token=_token_content(cfg.get("eos_token")),
+            pad_token=_token_content(cfg.get("pad_token")),
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+            config=cfg,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Chat prompts are rendered by the template, which already holds any BOS: no specials by default."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def incremental(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+    def to_json(self) -> str:
+        return self.backend.to_str()
+
+    def dump_config(self) -> str:
+        return json.dumps(self.config)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token stream into text deltas without splitting a UTF-8 character.
+
+    Byte-level BPE tokens may end mid-character, and some decoders change earlier text
+    once more tokens arrive (e.g. leading-space cleanup), so each step decodes a small
+    window ending at the new tokens and emits text only once it no longer ends in an
+    incomplete character (U+FFFD). Concatenated deltas equal decode(all ids).
+    """
+
+    # How many already-emitted tokens the decode window keeps as left context.
+    _CONTEXT_TOKENS = 6
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0  # window start
+        self._read_offset = 0  # tokens before this are already emitted as text
+
+    def push(self, new_ids: list[int]) -> str:
+        """Add committed token ids; return the newly complete text (possibly empty)."""
+        self.token_ids.extend(new_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.token_ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
+        full_text = decode(self.token_ids[self._prefix_offset :], self.skip_special_tokens)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self._read_offset = len(self.token_ids)
+        self._prefix_offset = max(0, self._read_offset - self._CONTEXT_TOKENS)
+        return delta
+
+    def flush(self) -> str:
+        """Text still held back at the end of the stream (an incomplete character decodes as U+FFFD)."""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.token_ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
+        full_text = decode(self.token_ids[self._prefix_offset :], self.skip_special_tokens)
+        self._read_offset = len(self.token_ids)
+        self._prefix_offset = max(0, self._read_offset - self._CONTEXT_TOKENS)
+        return full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else ""
