@@ -1,0 +1,142 @@
+"""ContextCache: checkpoints a later request can resume from (design: context-cache.md).
+
+A checkpoint at frontier F holds the exact token ids [0, F), references to the KV pages
+covering them, and one state slot holding the StateImage after token F-1 together with
+that position's logits (so an exact full-prompt hit can sample without recomputing).
+Recurrent state cannot be cut mid-way, so hybrid models only reuse at F exactly; pure
+attention models may reuse any common prefix (KV is valid position by position).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.state_pool import StatePool
+
+ROOT = "root"
+PRIVATE_ENDPOINT = "private_endpoint"
+
+
+@dataclass
+class Checkpoint:
+    checkpoint_id: int
+    token_ids: list[int]  # identity: the exact tokens [0, F)
+    pages: list[int]  # KV pages covering [0, F), one reference held by this checkpoint
+    state_slot: int
+    path: str
+    session_key: str | None
+    last_used: int = 0
+
+    @property
+    def frontier(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    checkpoint: Checkpoint
+    num_reused_tokens: int
+
+    @property
+    def is_exact_frontier(self) -> bool:
+        """Reuse ends at the checkpoint's frontier, so its state slot applies."""
+        return self.num_reused_tokens == self.checkpoint.frontier
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Longest common prefix by binary search over C-speed slice compares."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass
+class ContextCache:
+    kv_pool: KVPool
+    state_pool: StatePool
+    exact_frontier_only: bool  # True for models with recurrent state
+    enabled: bool = True
+    checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
+    _ids: itertools.count = field(default_factory=itertools.count)
+    _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def __len__(self) -> int:
+        return len(self.checkpoints)
+
+    def lookup(self, prompt: list[int], session_key: str | None = None) -> CacheHit | None:
+        """The checkpoint that lets this prompt skip the most tokens (ties: same session, then newest)."""
+        if not self.enabled:
+            return None
+        best: tuple[tuple[int, bool, int], CacheHit] | None = None
+        for ck in self.checkpoints.values():
+            frontier = ck.frontier
+            if frontier == 0:
+                continue
+            if self.exact_frontier_only:
+                if frontier > len(prompt) or prompt[:frontier] != ck.token_ids:
+                    continue
+                reused = frontier
+            else:
+                common = _common_prefix_len(ck.token_ids, prompt)
+                # Logits are kept only at the frontier: a full-prompt hit elsewhere recomputes one token.
+                reused = common if common == frontier or common < len(prompt) else common - 1
+                if reused <= 0:
+                    continue
+            key = (reused, session_key is not None and ck.session_key == session_key, ck.last_used)
+            if best is None or key > best[0]:
+                best = (key, CacheHit(ck, reused))
+        return best[1] if best else None
+
+    def touch(self, checkpoint: Checkpoint) -> None:
+        checkpoint.last_used = next(self._clock)
+
+    def find_identical(self, token_ids: list[int]) -> Checkpoint | None:
+        for ck in self.checkpoints.values():
+            if ck.frontier == len(token_ids) and ck.token_ids == token_ids:
+                return ck
+        return None
+
+    def insert(
+        self, token_ids: list[int], pages: list[int], state_slot: int, path: str, session_key: str | None
+    ) -> Checkpoint:
+        """Register a checkpoint; it takes over one reference to each page and the slot."""
+        ck = Checkpoint(next(self._ids), list(token_ids), list(pages), state_slot, path, session_key)
+        self.touch(ck)
+        self.checkpoints[ck.checkpoint_id] = ck
+        return ck
+
+    def remove(self, checkpoint: Checkpoint, release_resources: bool = True) -> None:
+        """Drop a checkpoint; with release_resources False the caller adopts its pages and slot."""
+        del self.checkpoints[checkpoint.checkpoint_id]
+        if release_resources:
+            self.kv_pool.release(checkpoint.pages)
+            self.state_pool.release(checkpoint.state_slot)
+
+    def victims(self, keep: Checkpoint | None = None) -> list[Checkpoint]:
+        """Eviction order: least recently used first, never `keep`."""
+        return sorted((c for c in self.checkpoints.values() if c is not keep), key=lambda c: c.last_used)
+
+    def pages_freed_by_evicting(self, victims: list[Checkpoint]) -> list[int]:
+        """Cumulative free-page gain after evicting victims[0..i] (pages shared elsewhere free nothing)."""
+        remaining_refs: dict[int, int] = {}
+        gains: list[int] = []
+        freed = 0
+        for ck in victims:
+            for page in ck.pages:
+                refs = remaining_refs.setdefault(page, self.kv_pool.refcount(page)) - 1
+                remaining_refs[page] = refs
+                if refs == 0:
+                    freed += 1
+            gains.append(freed)
+        return gains
+
+    def clear(self) -> None:
+        for ck in list(self.checkpoints.values()):
+            self.remove(ck)

@@ -1,0 +1,150 @@
+"""EngineCore: one loop iteration = schedule -> run -> commit, plus throughput records.
+
+Single-threaded by design: requests and aborts are applied between steps, so the
+scheduler and pools never see concurrent mutation. Transports (client.py) drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from ninfer.config import EngineConfig
+from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.request import EngineError, EngineOutput, EngineRequest, ErrorCode, FinishReason
+from ninfer.engine.runner import ModelRunner
+from ninfer.engine.scheduler import Scheduler, SchedulerLimits
+from ninfer.engine.state_pool import StatePool
+from ninfer.engine.stop_checker import StopChecker
+from ninfer.frontend.tokenizer import Tokenizer
+from ninfer.models.causal_lm import CausalLM
+
+log = logging.getLogger("ninfer.engine")
+
+class EngineCore:
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.kv_pool = KVPool(config.num_kv_pages, config.page_size)
+        self.state_pool = StatePool(config.num_state_slots)
+        self.cache = ContextCache(
+            self.kv_pool,
+            self.state_pool,
+            exact_frontier_only=model.config.is_hybrid,
+            enabled=config.prefix_reuse,
+        )
+        self.scheduler = Scheduler(
+            SchedulerLimits(config.max_concurrency, config.max_context, config.prefill_chunk, config.prefix_reuse),
+            self.kv_pool,
+            self.state_pool,
+            self.cache,
+            make_stop_checker=lambda r: StopChecker(tokenizer, r.stop_token_ids, r.stop_strings),
+            clock=clock,
+        )
+        self.runner = ModelRunner(
+            model,
+            config.num_kv_pages,
+            config.page_size,
+            config.num_state_slots,
+            num_valid_tokens=tokenizer.vocab_size,
+        )
+        self.failed: str | None = None
+        self._last_stats_at = clock()
+        self._host_active_s = 0.0
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, request: EngineRequest) -> list[EngineOutput]:
+        if self.failed is not None:
+            return [self._failure_output(request.request_id, request)]
+        error = self.scheduler.add(request)
+        return [error] if error is not None else []
+
+    def abort(self, request_id: str) -> list[EngineOutput]:
+        out = self.scheduler.abort(request_id)
+        return [out] if out is not None else []
+
+    def step(self) -> list[EngineOutput]:
+        """Run one step; on an engine-wide failure every request ends with an error."""
+        if self.failed is not None:
+            return []
+        started = time.perf_counter()
+        try:
+            step = self.scheduler.schedule()
+            if step is None:
+                return self.scheduler.take_pending_outputs()
+            sampled = self.runner.execute(step)
+            outputs = self.scheduler.update(step, sampled)
+        except Exception as exc:  # noqa: BLE001 - an engine bug must not hang clients
+            log.exception("engine step failed")
+            return self._fail(f"{type(exc).__name__}: {exc}")
+        finally:
+            self._host_active_s += time.perf_counter() - started
+        self._maybe_log_stats()
+        return outputs
+
+    def _fail(self, message: str) -> list[EngineOutput]:
+        self.failed = message
+        outputs = []
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            outputs.append(self._failure_output(seq.request_id, seq.request))
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        return outputs
+
+    def _failure_output(self, request_id: str, request: EngineRequest) -> EngineOutput:
+        return EngineOutput(
+            request_id=request_id,
+            finish_reason=FinishReason.ERROR,
+            prompt_tokens=len(request.prompt_token_ids),
+            error=EngineError(ErrorCode.ENGINE_FAILURE, "the engine failed; see the server log"),
+        )
+
+    def _maybe_log_stats(self) -> None:
+        interval = self.config.log_stats_interval_ms / 1000.0
+        now = self.clock()
+        if interval <= 0 or now - self._last_stats_at < interval:
+            return
+        elapsed = now - self._last_stats_at
+        stats = self.scheduler.stats.reset()
+        host = self._host_active_s
+        self._host_active_s = 0.0
+        self._last_stats_at = now
+        if not (stats.prefill_tokens or stats.decode_tokens):
+            return
+        running = self.scheduler.running
+        prefilling = sum(1 for s in running if s.is_prefilling)
+        avg_batch = stats.decode_rows / stats.decode_rounds if stats.decode_rounds else 0.0
+        parts = []
+        if stats.prefill_tokens:
+            parts.append(f"prefill {stats.prefill_tokens / elapsed:,.0f} tok/s ({stats.prefill_tokens} tok)")
+        if stats.decode_tokens:
+            parts.append(f"decode {stats.decode_tokens / elapsed:,.1f} tok/s ({stats.decode_tokens} tok)")
+        parts.append(f"running {len(running)} (prefill {prefilling}, decode {len(running) - prefilling})")
+        if self.scheduler.waiting:
+            parts.append(f"waiting {len(self.scheduler.waiting)}")
+        if stats.decode_rounds:
+            parts.append(f"batch {avg_batch:.1f}")
+        parts.append(f"host {host:.2f}s ({100 * host / elapsed:.0f}%)")
+        log.info("throughput: %s", " · ".join(parts))
+
+    def pool_accounting(self) -> dict[str, int]:
+        """Resource usage for tests and /health diagnostics."""
+        return {
+            "kv_pages_used": self.kv_pool.num_used,
+            "state_slots_free": self.state_pool.num_free,
+            "checkpoints": len(self.cache),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }

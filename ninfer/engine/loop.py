@@ -1,0 +1,50 @@
+"""EngineLoop: drives an EngineCore from an inbox of messages, publishing outputs.
+
+The same loop runs in a thread (in-process engine for tests and offline use) and as the
+main function of the engine process. It blocks on the inbox only when idle.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ninfer.engine.core import EngineCore
+from ninfer.engine.messages import Abort, AddRequest, Failed, FromEngine, Outputs, Shutdown, ToEngine
+
+log = logging.getLogger("ninfer.engine")
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        core: EngineCore,
+        receive: Callable[[float | None], ToEngine | None],
+        publish: Callable[[FromEngine], None],
+    ):
+        """receive(timeout) returns the next message or None after timeout (None = block)."""
+        self.core = core
+        self.receive = receive
+        self.publish = publish
+
+    def run(self) -> None:
+        reported_failure = False
+        while True:
+            idle = not self.core.has_work
+            message = self.receive(None if idle else 0.0)
+            outputs = []
+            while message is not None:
+                if isinstance(message, Shutdown):
+                    return
+                if isinstance(message, AddRequest):
+                    outputs.extend(self.core.add_request(message.request))
+                elif isinstance(message, Abort):
+                    outputs.extend(self.core.abort(message.request_id))
+                message = self.receive(0.0)
+            if self.core.has_work:
+                outputs.extend(self.core.step())
+            if outputs:
+                self.publish(Outputs(outputs))
+            if self.core.failed is not None and not reported_failure:
+                reported_failure = True
+                self.publish(Failed(self.core.failed))

@@ -1,0 +1,53 @@
+"""Messages on the wire between the API process and the engine process (msgpack)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ninfer.engine.request import EngineOutput, EngineRequest
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request: EngineRequest
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class Outputs(msgspec.Struct, tag=True):
+    outputs: list[EngineOutput]
+
+
+class Ready(msgspec.Struct, tag=True):
+    info: dict[str, object]
+
+
+class Failed(msgspec.Struct, tag=True):
+    """The engine can no longer serve: /health reports 503."""
+
+    message: str
+
+
+ToEngine = AddRequest | Abort | Shutdown
+FromEngine = Outputs | Ready | Failed
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_from_engine = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(message: ToEngine | FromEngine) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_engine(data: bytes) -> ToEngine:
+    return _to_engine.decode(data)
+
+
+def decode_from_engine(data: bytes) -> FromEngine:
+    return _from_engine.decode(data)

@@ -1,0 +1,523 @@
+"""Scheduler: admission, step planning and commit — pure CPU logic, no tensors.
+
+Contract with the runner: schedule() returns a SchedulerStep (which tokens of which
+requests to compute, where their KV pages and state slots are, which rows to sample,
+and the slot/page copies to perform before and after the forward); update() takes the
+sampled token ids back and returns the EngineOutputs to stream.
+
+Policy (ARCHITECTURE.md, "Engine"): FIFO admission reserving the full prompt plus
+effective-output pages and one state slot until completion, no preemption; a step is
+either one prefill chunk of one request or one decode round of every decode-ready
+request, alternating while both kinds of work exist.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ninfer.engine.context_cache import PRIVATE_ENDPOINT, ROOT, CacheHit, Checkpoint, ContextCache
+from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.request import (
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    ErrorCode,
+    FinishReason,
+    PromptProgress,
+    SamplingParams,
+    Timings,
+)
+from ninfer.engine.sequence import Sequence, SequenceStatus
+from ninfer.engine.state_pool import StatePool
+from ninfer.engine.stop_checker import StopChecker
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class ResetSlot:
+    slot: int
+
+
+@dataclass(frozen=True)
+class CopySlot:
+    """Copy a whole StateImage (recurrent + conv state and the stored last logits)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class CopyPage:
+    src: int
+    dst: int
+
+
+SlotAction = ResetSlot | CopySlot | CopyPage
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute now (empty: sample from the slot's stored logits)
+    num_computed_tokens: int
+    page_ids: list[int]
+    state_slot: int
+    compute_logits: bool  # keep the last row's logits in the slot (for sampling or a capture)
+    sample: bool
+    sampling: SamplingParams
+    seed: int
+    num_generated: int  # RNG position: model-sampled tokens so far
+    output_token_ids: list[int]  # for presence/frequency penalties
+
+
+@dataclass(frozen=True)
+class SchedulerStep:
+    kind: StepKind
+    chunks: list[ScheduledChunk]
+    # Performed in order before the forward: restores, copy-on-write, resets, and the
+    # snapshots captured at the previous step's frontiers (nothing has run since).
+    before: list[SlotAction] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_concurrency: int
+    max_context: int
+    prefill_chunk: int
+    prefix_reuse: bool = True
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the last throughput record (the engine reads and resets them)."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    decode_rounds: int = 0
+    decode_rows: int = 0
+
+    def reset(self) -> SchedulerStats:
+        snapshot = SchedulerStats(self.prefill_tokens, self.decode_tokens, self.decode_rounds, self.decode_rows)
+        self.prefill_tokens = self.decode_tokens = self.decode_rounds = self.decode_rows = 0
+        return snapshot
+
+
+class Scheduler:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        kv_pool: KVPool,
+        state_pool: StatePool,
+        cache: ContextCache,
+        make_stop_checker: Callable[[EngineRequest], StopChecker],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.limits = limits
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.cache = cache
+        self.make_stop_checker = make_stop_checker
+        self.clock = clock
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+        self._pending_actions: list[SlotAction] = []
+        self._outbox: list[EngineOutput] = []  # outputs ready to send (admission progress, finals, errors)
+        self._last_step_kind: StepKind | None = None
+
+    # ---- requests in ---------------------------------------------------------------
+    def add(self, request: EngineRequest) -> EngineOutput | None:
+        """Validate and queue a request; returns a terminal error output if it can never run."""
+        now = self.clock()
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            return self._error(request, ErrorCode.INVALID_REQUEST, "prompt has no tokens")
+        if prompt_len > self.limits.max_context:
+            return self._error(
+                request,
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"prompt has {prompt_len} tokens; the context ceiling is {self.limits.max_context}",
+                prompt_tokens=prompt_len,
+            )
+        if request.max_new_tokens < 0:
+            return self._error(request, ErrorCode.INVALID_REQUEST, "max_new_tokens must be >= 0")
+        max_new = min(request.max_new_tokens, self.limits.max_context - prompt_len)
+        reserve_pages = self.kv_pool.pages_for(prompt_len + max_new)
+        if reserve_pages > self.kv_pool.num_pages:
+            return self._error(
+                request,
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"prompt plus output needs {prompt_len + max_new} KV tokens; "
+                f"the KV capacity is {self.kv_pool.num_pages * self.kv_pool.page_size}",
+                prompt_tokens=prompt_len,
+            )
+        budget = request.thinking_budget
+        if budget is not None:
+            if budget.max_thinking_tokens <= 0:
+                return self._error(request, ErrorCode.INVALID_REQUEST, "thinking budget must be positive")
+            close = len(budget.close_token_ids)
+            if budget.max_thinking_tokens < max_new < budget.max_thinking_tokens + close + 1:
+                return self._error(
+                    request,
+                    ErrorCode.THINKING_BUDGET_CAPACITY,
+                    f"output capacity {max_new} passes the thinking budget {budget.max_thinking_tokens} "
+                    f"but cannot fit the {close}-token close sequence plus one token",
+                )
+        seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
+        seq = Sequence(
+            request=request,
+            max_new_tokens=max_new,
+            seed=seed,
+            stop_checker=self.make_stop_checker(request),
+            timings=Timings(arrived=now),
+        )
+        self.waiting.append(seq)
+        return None
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                return self._final_output(seq, FinishReason.CANCELLED)
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self._finish(seq, FinishReason.CANCELLED)
+                return self._drain_outbox_for(request_id)
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running)
+
+    # ---- planning ------------------------------------------------------------------
+    def schedule(self) -> SchedulerStep | None:
+        self._expire_waiting()
+        self._admit()
+        prefilling = [s for s in self.running if s.is_prefilling]
+        decode_ready = [s for s in self.running if not s.is_prefilling]
+        if prefilling and (not decode_ready or self._last_step_kind is StepKind.DECODE):
+            step = self._prefill_step(prefilling[0])
+        elif decode_ready:
+            step = self._decode_step(decode_ready)
+        else:
+            step = None
+        if step is None and self._pending_actions:
+            step = SchedulerStep(StepKind.DECODE, [], before=self._pending_actions)
+            self._pending_actions = []
+        return step
+
+    def _prefill_step(self, seq: Sequence) -> SchedulerStep:
+        num_tokens = seq.next_prefill_chunk(self.limits.prefill_chunk)
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        last = end == seq.prompt_len
+        captures_here = any(f == end for f, _ in seq.capture_frontiers)
+        chunk = self._chunk(seq, seq.token_ids[start:end], compute_logits=last or captures_here, sample=last)
+        return self._step(StepKind.PREFILL, [chunk])
+
+    def _decode_step(self, seqs: list[Sequence]) -> SchedulerStep:
+        chunks = [
+            self._chunk(s, s.token_ids[s.num_computed_tokens :], compute_logits=True, sample=True) for s in seqs
+        ]
+        return self._step(StepKind.DECODE, chunks)
+
+    def _chunk(self, seq: Sequence, token_ids: list[int], compute_logits: bool, sample: bool) -> ScheduledChunk:
+        sample = sample and seq.num_output_tokens < seq.max_new_tokens
+        return ScheduledChunk(
+            request_id=seq.request_id,
+            token_ids=token_ids,
+            num_computed_tokens=seq.num_computed_tokens,
+            page_ids=seq.pages,
+            state_slot=seq.state_slot,
+            compute_logits=compute_logits,
+            sample=sample,
+            sampling=seq.request.sampling,
+            seed=seq.seed,
+            num_generated=seq.num_output_tokens - seq.num_forced_tokens,
+            output_token_ids=seq.token_ids[seq.prompt_len :],
+        )
+
+    def _step(self, kind: StepKind, chunks: list[ScheduledChunk]) -> SchedulerStep:
+        step = SchedulerStep(kind, chunks, before=self._pending_actions)
+        self._pending_actions = []
+        self._last_step_kind = kind
+        return step
+
+    # ---- admission -----------------------------------------------------------------
+    def _expire_waiting(self) -> None:
+        now = self.clock()
+        for seq in list(self.waiting):
+            deadline = seq.request.deadline
+            if deadline is not None and now >= deadline:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                self._outbox.append(
+                    self._error(seq.request, ErrorCode.QUEUE_TIMEOUT, "request was not admitted before its deadline")
+                )
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.limits.max_concurrency:
+            if not self._try_admit(self.waiting[0]):
+                return  # FIFO: later requests wait behind the head
+            self.running.append(self.waiting.popleft())
+
+    def _try_admit(self, seq: Sequence) -> bool:
+        page_size = self.kv_pool.page_size
+        hit = self.cache.lookup(seq.token_ids, seq.request.session_key) if self.limits.prefix_reuse else None
+        reused = hit.num_reused_tokens if hit else 0
+        shared_pages = hit.checkpoint.pages[: reused // page_size] if hit else []
+        # A partially filled last page is copied: its other owners may write past our frontier.
+        cow_src = hit.checkpoint.pages[reused // page_size] if hit and reused % page_size else None
+        num_private_pages = self.kv_pool.pages_for(seq.prompt_len + seq.max_new_tokens) - len(shared_pages)
+
+        victims = self.cache.victims(keep=hit.checkpoint if hit else None)
+        page_gains = [0, *self.cache.pages_freed_by_evicting(victims)]
+        num_evict = 0
+        while self.kv_pool.num_free + page_gains[num_evict] < num_private_pages:
+            if num_evict == len(victims):
+                return False  # waits until running requests finish
+            num_evict += 1
+        adopt = False
+        if self.state_pool.num_free + num_evict == 0:
+            if num_evict < len(victims):
+                num_evict += 1
+            elif hit and hit.is_exact_frontier:
+                adopt = True  # no slot left: the request consumes the checkpoint itself
+            else:
+                return False
+
+        # Commit. Share the prefix before evicting anything that might release it.
+        self.kv_pool.share(shared_pages)
+        for victim in victims[:num_evict]:
+            self.cache.remove(victim)
+        private_pages = self.kv_pool.allocate(num_private_pages)
+        if cow_src is not None:
+            self._pending_actions.append(CopyPage(cow_src, private_pages[0]))
+        if adopt:
+            self.cache.remove(hit.checkpoint, release_resources=False)
+            self.kv_pool.release(hit.checkpoint.pages)  # our own references were taken above
+            seq.state_slot = hit.checkpoint.state_slot
+        else:
+            seq.state_slot = self.state_pool.allocate()
+            if hit and hit.is_exact_frontier:
+                self._pending_actions.append(CopySlot(hit.checkpoint.state_slot, seq.state_slot))
+                self.cache.touch(hit.checkpoint)
+            else:
+                self._pending_actions.append(ResetSlot(seq.state_slot))
+        seq.pages = shared_pages + private_pages
+        seq.reuse_path = hit.checkpoint.path if hit else ROOT
+        seq.num_computed_tokens = seq.num_cached_tokens = reused
+        if hit and hit.is_exact_frontier:
+            seq.logits_frontier = reused
+        seq.status = SequenceStatus.RUNNING
+        seq.timings.admitted = self.clock()
+        if self.limits.prefix_reuse and reused < seq.prompt_len:
+            frontiers = {seq.prompt_len: seq.request.endpoint_path}
+            for hint in seq.request.capture_hints:
+                if reused < hint.frontier <= seq.prompt_len:
+                    frontiers[hint.frontier] = hint.path
+            seq.capture_frontiers = sorted(frontiers.items())
+        # The first progress event reports the reuse choice: processed == cache.
+        seq.unsent_progress = PromptProgress(seq.prompt_len, reused, reused, 0.0)
+        self._outbox.append(self._delta_output(seq))
+        return True
+
+    # ---- commit --------------------------------------------------------------------
+    def update(self, step: SchedulerStep, sampled: dict[str, int]) -> list[EngineOutput]:
+        """Apply the runner's sampled tokens (request id -> token) for a finished step."""
+        now = self.clock()
+        by_id = {s.request_id: s for s in self.running}
+        for chunk in step.chunks:
+            seq = by_id.get(chunk.request_id)
+            if seq is None or seq.is_finished:
+                continue  # cancelled while the step ran
+            was_prefilling = seq.is_prefilling
+            seq.num_computed_tokens += len(chunk.token_ids)
+            if chunk.compute_logits:
+                seq.logits_frontier = seq.num_computed_tokens
+            if step.kind is StepKind.PREFILL:
+                self.stats.prefill_tokens += len(chunk.token_ids)
+                self._capture_prompt_frontiers(seq)
+            if was_prefilling:
+                elapsed_ms = (now - seq.timings.admitted) * 1000.0
+                seq.unsent_progress = PromptProgress(
+                    seq.prompt_len, seq.num_cached_tokens, min(seq.num_computed_tokens, seq.prompt_len), elapsed_ms
+                )
+            if chunk.sample:
+                if step.kind is StepKind.DECODE:
+                    self.stats.decode_tokens += 1
+                self._commit(seq, sampled[chunk.request_id], now)
+            elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
+                self._finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
+        if step.kind is StepKind.DECODE and step.chunks:
+            self.stats.decode_rounds += 1
+            self.stats.decode_rows += len(step.chunks)
+        return self._collect_outputs()
+
+    def _commit(self, seq: Sequence, token_id: int, now: float) -> None:
+        seq.timings.first_token = seq.timings.first_token or now
+        seq.timings.last_token = now
+        self._append_token(seq, token_id, forced=False)
+        if seq.is_finished:
+            return
+        # The output limit wins over the thinking cap (spec: limits first, then the forced close).
+        if seq.num_output_tokens >= seq.max_new_tokens:
+            self._finish(seq, FinishReason.LENGTH)
+            return
+        budget = seq.request.thinking_budget
+        if budget is None or not seq.thinking_open:
+            return
+        if token_id == budget.think_end_token_id:
+            seq.thinking_open = False
+            return
+        seq.num_thinking_tokens += 1
+        if seq.num_thinking_tokens >= budget.max_thinking_tokens:
+            # Close thinking without sampling; the close tokens are computed with the next step.
+            seq.thinking_open = False
+            for forced in budget.close_token_ids:
+                self._append_token(seq, forced, forced=True)
+                if seq.is_finished:
+                    return
+
+    def _append_token(self, seq: Sequence, token_id: int, forced: bool) -> None:
+        seq.token_ids.append(token_id)
+        seq.unsent_token_ids.append(token_id)
+        if forced:
+            seq.num_forced_tokens += 1
+            seq.unsent_forced += 1
+        stop = seq.stop_checker.append(token_id)
+        seq.unsent_text += stop.text
+        if stop.stopped:
+            self._finish(seq, FinishReason.STOP, stop.stop_reason)
+
+    def _capture_prompt_frontiers(self, seq: Sequence) -> None:
+        while seq.capture_frontiers and seq.capture_frontiers[0][0] <= seq.num_computed_tokens:
+            frontier, path = seq.capture_frontiers.pop(0)
+            if frontier == seq.num_computed_tokens:
+                self._capture_copy(seq, frontier, path)
+
+    def _capture_copy(self, seq: Sequence, frontier: int, path: str) -> None:
+        """Snapshot an active sequence at a prompt frontier (state copied after this step)."""
+        tokens = seq.token_ids[:frontier]
+        existing = self.cache.find_identical(tokens)
+        if existing is not None:
+            self.cache.touch(existing)
+            return
+        if self.state_pool.num_free == 0:
+            victims = self.cache.victims()
+            if not victims:
+                return  # every slot is active: skip this capture
+            self.cache.remove(victims[0])
+        slot = self.state_pool.allocate()
+        pages = seq.pages[: self.kv_pool.pages_for(frontier)]
+        self.kv_pool.share(pages)
+        self.cache.insert(tokens, pages, slot, path, seq.request.session_key)
+        # Runs before the next forward, so it still sees the state right after this frontier.
+        self._pending_actions.append(CopySlot(seq.state_slot, slot))
+
+    # ---- finishing -----------------------------------------------------------------
+    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        if reason is FinishReason.LENGTH or reason is FinishReason.CANCELLED:
+            seq.unsent_text += seq.stop_checker.flush()
+        self.running.remove(seq)
+        self._release_or_capture_endpoint(seq)
+        self._outbox.append(self._final_output(seq, reason, stop_reason))
+
+    def _release_or_capture_endpoint(self, seq: Sequence) -> None:
+        frontier = seq.num_computed_tokens
+        keep = (
+            self.limits.prefix_reuse
+            and frontier > 0
+            and seq.logits_frontier == frontier
+            and self.cache.find_identical(seq.token_ids[:frontier]) is None
+        )
+        if keep:
+            num_pages = self.kv_pool.pages_for(frontier)
+            self.kv_pool.release(seq.pages[num_pages:])
+            self.cache.insert(
+                seq.token_ids[:frontier], seq.pages[:num_pages], seq.state_slot, seq.request.endpoint_path,
+                seq.request.session_key,
+            )
+        else:
+            self.kv_pool.release(seq.pages)
+            self.state_pool.release(seq.state_slot)
+        seq.pages = []
+        seq.state_slot = None
+
+    # ---- outputs -------------------------------------------------------------------
+    def _collect_outputs(self) -> list[EngineOutput]:
+        outputs = self._outbox
+        self._outbox = []
+        for seq in self.running:
+            if seq.unsent_token_ids or seq.unsent_progress is not None:
+                outputs.append(self._delta_output(seq))
+        return outputs
+
+    def _drain_outbox_for(self, request_id: str) -> EngineOutput | None:
+        for i, out in enumerate(self._outbox):
+            if out.request_id == request_id and out.finished:
+                return self._outbox.pop(i)
+        return None
+
+    def take_pending_outputs(self) -> list[EngineOutput]:
+        """Outputs produced outside a step (deadline expiry, progress at admission)."""
+        return self._collect_outputs()
+
+    def _delta_output(self, seq: Sequence) -> EngineOutput:
+        out = EngineOutput(
+            request_id=seq.request_id,
+            new_token_ids=seq.unsent_token_ids,
+            text=seq.unsent_text,
+            forced_token_count=seq.unsent_forced,
+            prompt_tokens=seq.prompt_len,
+            cached_tokens=seq.num_cached_tokens,
+            completion_tokens=seq.num_output_tokens,
+            reuse_path=seq.reuse_path,
+            progress=seq.unsent_progress,
+            timings=seq.timings,
+        )
+        seq.unsent_token_ids, seq.unsent_text, seq.unsent_forced = [], "", 0
+        seq.unsent_progress = None
+        return out
+
+    def _final_output(
+        self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> EngineOutput:
+        out = self._delta_output(seq)
+        out.finish_reason = reason
+        out.stop_reason = stop_reason
+        return out
+
+    def _error(
+        self, request: EngineRequest, code: ErrorCode, message: str, prompt_tokens: int | None = None
+    ) -> EngineOutput:
+        return EngineOutput(
+            request_id=request.request_id,
+            finish_reason=FinishReason.ERROR,
+            prompt_tokens=len(request.prompt_token_ids),
+            error=EngineError(
+                code, message, prompt_tokens=prompt_tokens,
+                max_context=self.limits.max_context if code is ErrorCode.CONTEXT_LENGTH_EXCEEDED else None,
+            ),
+        )

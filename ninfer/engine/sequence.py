@@ -1,0 +1,84 @@
+"""Sequence: the engine's mutable view of one admitted request.
+
+There is no separate prefill phase in the bookkeeping: token_ids holds prompt and
+committed output, and every step computes token_ids[num_computed_tokens:] (a prompt
+chunk, the last sampled token, or forced thinking-close tokens plus the last one).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ninfer.engine.request import EngineRequest, PromptProgress, Timings
+from ninfer.engine.stop_checker import StopChecker
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request: EngineRequest
+    max_new_tokens: int  # effective output limit (request limit clamped to the context ceiling)
+    seed: int
+    stop_checker: StopChecker
+    timings: Timings
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    reuse_path: str = "root"
+    pages: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    capture_frontiers: list[tuple[int, str]] = field(default_factory=list)  # ascending, still to capture
+    num_thinking_tokens: int = 0  # model-origin tokens while thinking is open
+    thinking_open: bool = False
+    num_forced_tokens: int = 0
+    logits_frontier: int = -1  # num_computed_tokens when the slot's stored logits were last written
+    # pending output delta (flushed to the client after each step)
+    unsent_token_ids: list[int] = field(default_factory=list)
+    unsent_text: str = ""
+    unsent_forced: int = 0
+    unsent_progress: PromptProgress | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.request.prompt_token_ids)
+        self.thinking_open = self.request.thinking_budget is not None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def next_prefill_chunk(self, max_chunk_tokens: int) -> int:
+        """Tokens of the next prompt chunk: at most max_chunk_tokens, ending at the next capture frontier."""
+        end = min(self.prompt_len, self.num_computed_tokens + max_chunk_tokens)
+        for frontier, _ in self.capture_frontiers:
+            if self.num_computed_tokens < frontier < end:
+                end = frontier
+                break
+        return end - self.num_computed_tokens

@@ -1,0 +1,519 @@
+"""Scheduler, pools and context cache with a strict fake runner (no model).
+
+The fake runner stands in for the device: each state slot holds the token history it
+summarises and each KV page the tokens written at its offsets. On every step it checks
+that a chunk's slot summarises exactly token_ids[:num_computed] and that its pages hold
+exactly those tokens, so restores, snapshots, sharing and copy-on-write are verified
+the way the real model would depend on them. The "model" samples a deterministic
+function of the whole history, so reuse must not change outputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.request import (
+    CaptureHint,
+    EngineOutput,
+    EngineRequest,
+    ErrorCode,
+    FinishReason,
+    SamplingParams,
+    ThinkingBudget,
+)
+from ninfer.engine.scheduler import (
+    CopyPage,
+    CopySlot,
+    ResetSlot,
+    Scheduler,
+    SchedulerLimits,
+    SchedulerStep,
+    StepKind,
+)
+from ninfer.engine.state_pool import StatePool
+from ninfer.engine.stop_checker import StopChecker
+
+VOCAB = 200  # sampled ids stay below the byte tokenizer's 256 symbols
+
+
+def next_token(history: list[int]) -> int:
+    digest = hashlib.sha256(bytes(str(history), "ascii")).digest()
+    return 32 + digest[0] % 90  # printable ASCII
+
+
+class FakeRunner:
+    def __init__(self, num_pages: int, page_size: int, num_slots: int, recurrent: bool):
+        self.recurrent = recurrent  # attention-only models carry no state in their slot
+        self.page_size = page_size
+        self.pages: dict[int, dict[int, int]] = {p: {} for p in range(num_pages)}
+        self.slots: dict[int, list[int] | None] = {s: None for s in range(num_slots)}
+        self.slot_logits: dict[int, list[int] | None] = {s: None for s in range(num_slots)}
+
+    def execute(self, step: SchedulerStep, histories: dict[str, list[int]]) -> dict[str, int]:
+        for action in step.before:
+            if isinstance(action, ResetSlot):
+                self.slots[action.slot] = []
+                self.slot_logits[action.slot] = None
+            elif isinstance(action, CopySlot):
+                self.slots[action.dst] = list(self.slots[action.src])
+                self.slot_logits[action.dst] = self.slot_logits[action.src]
+            elif isinstance(action, CopyPage):
+                self.pages[action.dst] = dict(self.pages[action.src])
+        sampled = {}
+        for chunk in step.chunks:
+            full = histories[chunk.request_id]
+            computed = chunk.num_computed_tokens
+            if self.recurrent:
+                assert self.slots[chunk.state_slot] == full[:computed], "state slot does not summarise the prefix"
+            for pos in range(computed):
+                page = chunk.page_ids[pos // self.page_size]
+                assert self.pages[page].get(pos % self.page_size) == full[pos], f"KV wrong at {pos}"
+            assert chunk.token_ids == full[computed : computed + len(chunk.token_ids)]
+            for i, tok in enumerate(chunk.token_ids):
+                pos = computed + i
+                self.pages[chunk.page_ids[pos // self.page_size]][pos % self.page_size] = tok
+            self.slots[chunk.state_slot] = full[: computed + len(chunk.token_ids)]
+            if chunk.compute_logits and chunk.token_ids:
+                self.slot_logits[chunk.state_slot] = list(self.slots[chunk.state_slot])
+            if chunk.sample:
+                logits_of = self.slot_logits[chunk.state_slot]
+                assert logits_of == full[: computed + len(chunk.token_ids)], "sampling from stale logits"
+                sampled[chunk.request_id] = next_token(logits_of)
+        return sampled
+
+
+class Harness:
+    def __init__(
+        self,
+        byte_tokenizer,
+        *,
+        max_concurrency: int = 2,
+        kv_tokens: int = 512,
+        page_size: int = 8,
+        extra_slots: int = 2,
+        prefill_chunk: int = 16,
+        max_context: int = 256,
+        hybrid: bool = True,
+        prefix_reuse: bool = True,
+    ):
+        self.now = 0.0
+        num_pages = kv_tokens // page_size
+        num_slots = max_concurrency + extra_slots
+        self.kv_pool = KVPool(num_pages, page_size)
+        self.state_pool = StatePool(num_slots)
+        self.cache = ContextCache(self.kv_pool, self.state_pool, exact_frontier_only=hybrid, enabled=prefix_reuse)
+        self.scheduler = Scheduler(
+            SchedulerLimits(max_concurrency, max_context, prefill_chunk, prefix_reuse),
+            self.kv_pool,
+            self.state_pool,
+            self.cache,
+            make_stop_checker=lambda r: StopChecker(byte_tokenizer, r.stop_token_ids, r.stop_strings),
+            clock=lambda: self.now,
+        )
+        self.runner = FakeRunner(num_pages, page_size, num_slots, recurrent=hybrid)
+        self.outputs: dict[str, list[EngineOutput]] = {}
+        self.steps: list[SchedulerStep] = []
+
+    def add(self, request: EngineRequest) -> None:
+        err = self.scheduler.add(request)
+        self.outputs.setdefault(request.request_id, [])
+        if err is not None:
+            self.outputs[request.request_id].append(err)
+
+    def step(self) -> SchedulerStep | None:
+        step = self.scheduler.schedule()
+        if step is None:
+            self._record(self.scheduler.take_pending_outputs())
+            return None
+        histories = {s.request_id: s.token_ids for s in self.scheduler.running}
+        sampled = self.runner.execute(step, histories)
+        self._record(self.scheduler.update(step, sampled))
+        self.steps.append(step)
+        self.now += 0.01
+        return step
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_work:
+                self._record(self.scheduler.take_pending_outputs())
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+    def _record(self, outputs: list[EngineOutput]) -> None:
+        for out in outputs:
+            self.outputs.setdefault(out.request_id, []).append(out)
+
+    def final(self, request_id: str) -> EngineOutput:
+        finals = [o for o in self.outputs[request_id] if o.finished]
+        assert len(finals) == 1, f"{request_id}: {len(finals)} terminal outputs"
+        return finals[0]
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in self.outputs[request_id] for t in o.new_token_ids]
+
+    def text(self, request_id: str) -> str:
+        return "".join(o.text for o in self.outputs[request_id])
+
+    def assert_balanced(self) -> None:
+        """Every page and slot is owned by a running request or a checkpoint, or is free."""
+        self.kv_pool.check_balanced()
+        self.state_pool.check_balanced()
+        expected_refs: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            for p in seq.pages:
+                expected_refs[p] = expected_refs.get(p, 0) + 1
+        for ck in self.cache.checkpoints.values():
+            for p in ck.pages:
+                expected_refs[p] = expected_refs.get(p, 0) + 1
+        for page in range(self.kv_pool.num_pages):
+            assert self.kv_pool.refcount(page) == expected_refs.get(page, 0), f"page {page} refcount"
+        owned = {s.state_slot for s in self.scheduler.running} | {
+            c.state_slot for c in self.cache.checkpoints.values()
+        }
+        assert len(owned) == len(self.scheduler.running) + len(self.cache)  # no slot owned twice
+        assert self.state_pool.num_free == self.state_pool.num_slots - len(owned)
+
+    def assert_empty(self) -> None:
+        self.cache.clear()
+        self.assert_balanced()
+        assert self.kv_pool.num_free == self.kv_pool.num_pages
+        assert self.state_pool.num_free == self.state_pool.num_slots
+
+
+def req(request_id: str, prompt: list[int], max_new: int = 8, **kw) -> EngineRequest:
+    return EngineRequest(request_id, prompt, SamplingParams(temperature=0.0), max_new_tokens=max_new, **kw)
+
+
+def expected_continuation(prompt: list[int], num_tokens: int) -> list[int]:
+    history = list(prompt)
+    for _ in range(num_tokens):
+        history.append(next_token(history))
+    return history[len(prompt) :]
+
+
+PROMPT = [ord(c) for c in "The quick brown fox jumps over the lazy dog, again and again."]
+
+
+def test_single_request_chunks_then_decodes(byte_tokenizer):
+    h = Harness(byte_tokenizer, prefill_chunk=16)
+    h.add(req("a", PROMPT, max_new=5))
+    h.run()
+    kinds = [s.kind for s in h.steps if s.chunks]
+    chunk_sizes = [s.num_tokens for s in h.steps if s.kind is StepKind.PREFILL]
+    assert chunk_sizes == [16, 16, 16, len(PROMPT) - 48]
+    assert kinds[4:] == [StepKind.DECODE] * 4  # the 5th token comes from the 4th decode round
+    final = h.final("a")
+    assert final.finish_reason is FinishReason.LENGTH
+    assert h.tokens("a") == expected_continuation(PROMPT, 5)
+    assert final.completion_tokens == 5 and final.prompt_tokens == len(PROMPT) and final.cached_tokens == 0
+    h.assert_balanced()
+    h.assert_empty()
+
+
+def test_progress_events_monotonic_and_complete(byte_tokenizer):
+    h = Harness(byte_tokenizer, prefill_chunk=20)
+    h.add(req("a", PROMPT, max_new=2))
+    h.run()
+    progress = [o.progress for o in h.outputs["a"] if o.progress is not None]
+    assert progress[0].processed == progress[0].cache == 0
+    assert [p.processed for p in progress] == [0, 20, 40, 60, len(PROMPT)]
+    assert progress[-1].processed == progress[-1].total == len(PROMPT)
+    first_token_out = next(o for o in h.outputs["a"] if o.new_token_ids)
+    assert first_token_out.progress is not None and first_token_out.progress.processed == len(PROMPT)
+
+
+def test_decode_interleaves_with_long_prefill(byte_tokenizer):
+    h = Harness(byte_tokenizer, prefill_chunk=8, max_concurrency=2)
+    h.add(req("a", PROMPT[:10], max_new=30))
+    for _ in range(3):
+        h.step()  # a is decoding now
+    h.add(req("b", PROMPT * 2, max_new=3))
+    h.run()
+    kinds = [s.kind for s in h.steps]
+    first_b = next(i for i, s in enumerate(h.steps) if any(c.request_id == "b" for c in s.chunks))
+    window = kinds[first_b : first_b + 10]
+    assert window == [StepKind.PREFILL, StepKind.DECODE] * 5  # a never starves behind b's prefill
+    assert h.tokens("a") == expected_continuation(PROMPT[:10], 30)
+    assert h.tokens("b") == expected_continuation(PROMPT * 2, 3)
+    decode_with_both = [s for s in h.steps if s.kind is StepKind.DECODE and len(s.chunks) == 2]
+    assert decode_with_both, "b joins a's decode batch after its prefill"
+    h.assert_empty()
+
+
+def test_fifo_admission_never_overcommits_kv(byte_tokenizer):
+    # 64 KV tokens: a reserves 40 + 20 = 60 -> b (30 + 10) must wait for a, c waits behind b.
+    h = Harness(byte_tokenizer, kv_tokens=64, page_size=4, max_concurrency=3, prefix_reuse=False)
+    h.add(req("a", PROMPT[:40], max_new=20))
+    h.add(req("b", PROMPT[:30], max_new=10))
+    h.add(req("c", PROMPT[:4], max_new=2))
+    admitted_order = []
+    while h.scheduler.has_work:
+        h.step()
+        for seq in h.scheduler.running:
+            if seq.request_id not in admitted_order:
+                admitted_order.append(seq.request_id)
+        reserved = sum(len(s.pages) for s in h.scheduler.running)
+        assert reserved <= h.kv_pool.num_pages
+        h.assert_balanced()
+    assert admitted_order == ["a", "b", "c"]
+    first_b_step = next(i for i, s in enumerate(h.steps) if any(c.request_id == "b" for c in s.chunks))
+    a_done_step = max(i for i, s in enumerate(h.steps) if any(c.request_id == "a" for c in s.chunks))
+    assert first_b_step > a_done_step
+    for rid, n in (("a", 20), ("b", 10), ("c", 2)):
+        assert h.final(rid).completion_tokens == n
+    h.assert_empty()
+
+
+@pytest.mark.parametrize("when", ["waiting", "prefilling", "decoding"])
+def test_cancel_frees_everything(byte_tokenizer, when):
+    h = Harness(byte_tokenizer, max_concurrency=1, prefill_chunk=8)
+    h.add(req("a", PROMPT, max_new=50))
+    h.add(req("b", PROMPT[:20], max_new=50))
+    target = {"waiting": "b", "prefilling": "a", "decoding": "a"}[when]
+    steps = {"waiting": 1, "prefilling": 2, "decoding": 12}[when]
+    for _ in range(steps):
+        h.step()
+    out = h.scheduler.abort(target)
+    assert out is not None and out.finish_reason is FinishReason.CANCELLED
+    h._record([out])
+    h.assert_balanced()
+    h.run()
+    assert h.final(target).finish_reason is FinishReason.CANCELLED
+    h.assert_balanced()
+    h.assert_empty()
+
+
+def test_stop_token_and_stop_string(byte_tokenizer):
+    h = Harness(byte_tokenizer)
+    expected = expected_continuation(PROMPT, 40)
+    stop_tok = expected[6]
+    h.add(req("tok", PROMPT, max_new=40, stop_token_ids=[stop_tok]))
+    text = bytes(expected).decode()
+    stop_str = text[10:13]
+    first = text.find(stop_str)
+    h.add(req("str", PROMPT, max_new=40, stop_strings=["zzzz-never", stop_str]))
+    h.run()
+    out = h.final("tok")
+    assert out.finish_reason is FinishReason.STOP and out.stop_reason == stop_tok
+    n = expected.index(stop_tok) + 1
+    assert h.tokens("tok") == expected[:n]
+    assert h.text("tok") == bytes(expected[: n - 1]).decode()  # the stop token's text is withheld
+    out = h.final("str")
+    assert out.finish_reason is FinishReason.STOP and out.stop_reason == stop_str
+    assert h.text("str") == text[:first]
+    assert h.tokens("str") == expected[: first + len(stop_str)]  # committed up to the completing token
+    h.assert_empty()
+
+
+def test_max_new_tokens_zero_processes_prompt_only(byte_tokenizer):
+    h = Harness(byte_tokenizer)
+    h.add(req("a", PROMPT, max_new=0))
+    h.run()
+    out = h.final("a")
+    assert out.finish_reason is FinishReason.LENGTH and out.completion_tokens == 0
+    assert h.tokens("a") == []
+    assert all(s.kind is StepKind.PREFILL for s in h.steps if s.chunks)
+    h.assert_empty()
+
+
+def test_endpoint_reuse_is_exact_and_output_identical(byte_tokenizer):
+    h = Harness(byte_tokenizer)
+    h.add(req("t1", PROMPT, max_new=6))
+    h.run()
+    turn1 = h.tokens("t1")
+    frontier = len(PROMPT) + len(turn1) - 1  # the last sampled token was never computed
+    follow = PROMPT + turn1 + [ord(c) for c in " And next?"]
+    h.add(req("t2", follow, max_new=6))
+    h.run()
+    out = h.final("t2")
+    assert out.cached_tokens == frontier and out.reuse_path == "private_endpoint"
+    assert h.tokens("t2") == expected_continuation(follow, 6)
+    # the same conversation without reuse gives the same tokens
+    h2 = Harness(byte_tokenizer, prefix_reuse=False)
+    h2.add(req("t2", follow, max_new=6))
+    h2.run()
+    assert h2.tokens("t2") == h.tokens("t2") and h2.final("t2").cached_tokens == 0
+    h.assert_balanced()
+    h.assert_empty()
+
+
+def test_prompt_end_capture_serves_a_divergent_continuation(byte_tokenizer):
+    h = Harness(byte_tokenizer)
+    h.add(req("t1", PROMPT, max_new=4))
+    h.run()
+    follow = PROMPT + [ord(c) for c in " (edited reply) then more"]
+    h.add(req("t2", follow, max_new=3))
+    h.run()
+    assert h.final("t2").cached_tokens == len(PROMPT)
+    assert h.tokens("t2") == expected_continuation(follow, 3)
+    h.assert_empty()
+
+
+def test_full_prompt_hit_samples_from_stored_logits(byte_tokenizer):
+    h = Harness(byte_tokenizer)
+    h.add(req("a", PROMPT, max_new=3))
+    h.run()
+    h.add(req("b", PROMPT, max_new=3))
+    h.run()
+    out = h.final("b")
+    assert out.cached_tokens == len(PROMPT)
+    assert h.tokens("b") == h.tokens("a")
+    progress = [o.progress for o in h.outputs["b"] if o.progress]
+    assert progress[0].cache == progress[0].processed == progress[0].total == len(PROMPT)
+    assert not any(s.kind is StepKind.PREFILL and s.chunks[0].request_id == "b" for s in h.steps)
+    h.assert_empty()
+
+
+def test_capture_hint_inside_prompt_and_partial_page_copy(byte_tokenizer):
+    # frontier 21 is mid-page (page size 8): a resumer must copy page 2 before writing.
+    h = Harness(byte_tokenizer, page_size=8, prefill_chunk=16)
+    h.add(req("a", PROMPT, max_new=2, capture_hints=[CaptureHint(21, "shared_stable_prefix")]))
+    h.run()
+    prefill_sizes = [s.num_tokens for s in h.steps if s.kind is StepKind.PREFILL]
+    assert prefill_sizes[:2] == [16, 5]  # the chunk ends exactly at the frontier
+    other = PROMPT[:21] + [ord(c) for c in "completely different"]
+    h.add(req("b", other, max_new=4))
+    h.run()
+    out = h.final("b")
+    assert out.cached_tokens == 21 and out.reuse_path == "shared_stable_prefix"
+    assert h.tokens("b") == expected_continuation(other, 4)
+    assert any(isinstance(a, CopyPage) for s in h.steps for a in s.before)
+    h.assert_empty()
+
+
+def test_attention_only_models_reuse_any_common_prefix(byte_tokenizer):
+    h = Harness(byte_tokenizer, hybrid=False)
+    h.add(req("a", PROMPT, max_new=2))
+    h.run()
+    other = PROMPT[:30] + [ord(c) for c in "XYZ diverges here"]
+    h.add(req("b", other, max_new=3))
+    h.run()
+    assert h.final("b").cached_tokens == 30
+    assert h.tokens("b") == expected_continuation(other, 3)
+    h.assert_empty()
+
+
+def test_hybrid_models_reuse_only_at_frontiers(byte_tokenizer):
+    h = Harness(byte_tokenizer, hybrid=True)
+    h.add(req("a", PROMPT, max_new=2))
+    h.run()
+    other = PROMPT[:30] + [ord(c) for c in "XYZ diverges here"]
+    h.add(req("b", other, max_new=3))
+    h.run()
+    assert h.final("b").cached_tokens == 0 and h.final("b").reuse_path == "root"
+    h.assert_empty()
+
+
+def test_lru_eviction_under_slot_pressure(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=1)
+    prompts = {f"r{i}": [ord(c) for c in f"conversation number {i} " * 3] for i in range(4)}
+    for rid, prompt in prompts.items():
+        h.add(req(rid, prompt, max_new=3))
+        h.run()
+        h.assert_balanced()
+        assert len(h.cache) <= h.state_pool.num_slots
+    # the newest conversation is still resumable, the oldest was evicted
+    newest = prompts["r3"] + h.tokens("r3") + [ord("!")]
+    oldest = prompts["r0"] + h.tokens("r0") + [ord("!")]
+    h.add(req("n", newest, max_new=2))
+    h.add(req("o", oldest, max_new=2))
+    h.run()
+    assert h.final("n").cached_tokens > 0
+    assert h.final("o").cached_tokens == 0
+    h.assert_empty()
+
+
+def test_no_free_slot_adopts_the_checkpoint(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=0)
+    h.add(req("a", PROMPT, max_new=3))
+    h.run()
+    follow = PROMPT + h.tokens("a") + [ord("?")]
+    h.add(req("b", follow, max_new=3))
+    h.run()
+    assert h.final("b").cached_tokens == len(PROMPT) + 2
+    assert h.tokens("b") == expected_continuation(follow, 3)
+    h.assert_empty()
+
+
+def test_thinking_budget_forces_close_at_cap(byte_tokenizer):
+    close = [ord(c) for c in "\nOK.\n"] + [256]  # 256 = <eos> plays </think>'s role here
+    budget = ThinkingBudget(max_thinking_tokens=5, close_token_ids=close, think_end_token_id=255)
+    h = Harness(byte_tokenizer)
+    h.add(req("a", PROMPT, max_new=20, thinking_budget=budget))
+    h.run()
+    toks = h.tokens("a")
+    assert toks[5 : 5 + len(close)] == close
+    assert h.final("a").completion_tokens == 20
+    assert sum(o.forced_token_count for o in h.outputs["a"]) == len(close)
+    # the model continues from the inserted tokens
+    assert toks[5 + len(close) :] == expected_continuation(PROMPT + toks[: 5 + len(close)], 20 - 5 - len(close))
+    h.assert_empty()
+
+
+def test_thinking_budget_capacity_rejected_at_preparation(byte_tokenizer):
+    budget = ThinkingBudget(max_thinking_tokens=10, close_token_ids=[1, 2, 3], think_end_token_id=255)
+    h = Harness(byte_tokenizer)
+    h.add(req("a", PROMPT, max_new=13, thinking_budget=budget))  # 10 < 13 < 10 + 3 + 1
+    assert h.final("a").error.code is ErrorCode.THINKING_BUDGET_CAPACITY
+    h.add(req("ok-under", PROMPT, max_new=10, thinking_budget=budget))  # never reaches the cap
+    h.add(req("ok-fits", PROMPT, max_new=14, thinking_budget=budget))
+    h.run()
+    assert h.final("ok-under").finish_reason is FinishReason.LENGTH
+    assert h.final("ok-fits").finish_reason is FinishReason.LENGTH
+
+
+def test_length_limit_wins_over_thinking_cap(byte_tokenizer):
+    budget = ThinkingBudget(max_thinking_tokens=4, close_token_ids=[10, 11], think_end_token_id=255)
+    h = Harness(byte_tokenizer)
+    h.add(req("a", PROMPT, max_new=4, thinking_budget=budget))
+    h.run()
+    assert h.final("a").completion_tokens == 4
+    assert 10 not in h.tokens("a")
+
+
+def test_context_ceiling_and_output_clamp(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_context=70)
+    h.add(req("long", PROMPT * 2, max_new=4))
+    err = h.final("long").error
+    assert err.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    assert err.prompt_tokens == len(PROMPT) * 2 and err.max_context == 70
+    h.add(req("clamped", PROMPT, max_new=100))
+    h.run()
+    assert h.final("clamped").completion_tokens == 70 - len(PROMPT)
+    assert h.final("clamped").finish_reason is FinishReason.LENGTH
+
+
+def test_pending_deadline_expires_in_queue(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_concurrency=1)
+    h.add(req("a", PROMPT, max_new=30))
+    h.add(req("b", PROMPT[:10], max_new=3, deadline=0.05))
+    h.run()
+    assert h.final("b").error.code is ErrorCode.QUEUE_TIMEOUT
+    assert h.final("a").finish_reason is FinishReason.LENGTH
+    h.assert_empty()
+
+
+def test_staggered_arrivals_many_requests_balanced(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_concurrency=3, kv_tokens=256, page_size=8, extra_slots=2, prefill_chunk=12)
+    prompts = {f"r{i}": [ord(c) for c in f"request {i}: " + "lorem ipsum " * (i % 4 + 1)] for i in range(9)}
+    pending = list(prompts.items())
+    step_no = 0
+    while pending or h.scheduler.has_work:
+        if pending and step_no % 3 == 0:
+            rid, prompt = pending.pop(0)
+            h.add(req(rid, prompt, max_new=5 + step_no % 7, stop_strings=["um l"] if step_no % 2 else []))
+        if step_no == 10:
+            aborted = h.scheduler.abort("r2")
+            h._record([aborted] if aborted else [])
+        h.step()
+        h.assert_balanced()
+        step_no += 1
+        assert step_no < 2000
+    for rid in prompts:
+        assert len([o for o in h.outputs[rid] if o.finished]) == 1
+    h.assert_empty()
