@@ -49,10 +49,9 @@ class ModelRunner:
         logits = self.slot_logits.index_select(0, slots)
         batch = SamplingBatch.build(
             [c.sampling for c in to_sample],
-            [c.seed for c in to_sample],
-            [c.num_generated for c in to_sample],
             [c.output_token_ids for c in to_sample],
             device=self.device,
+            num_generated=[c.num_generated for c in to_sample],
         )
         token_ids = self.sampler.sample(logits, batch).tolist()
         return {c.request_id: t for c, t in zip(to_sample, token_ids)}

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import collections
 import enum
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ninfer.engine.context_cache import PRIVATE_ENDPOINT, ROOT, CacheHit, Checkpoint, ContextCache
 from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.sampler import fresh_seed
 from ninfer.engine.request import (
     EngineError,
     EngineOutput,
@@ -73,8 +75,7 @@ class ScheduledChunk:
     state_slot: int
     compute_logits: bool  # keep the last row's logits in the slot (for sampling or a capture)
     sample: bool
-    sampling: SamplingParams
-    seed: int
+    sampling: SamplingParams  # seed always set (the engine draws one when the request has none)
     num_generated: int  # RNG position: model-sampled tokens so far
     output_token_ids: list[int]  # for presence/frequency penalties
 
@@ -176,11 +177,13 @@ class Scheduler:
                     f"output capacity {max_new} passes the thinking budget {budget.max_thinking_tokens} "
                     f"but cannot fit the {close}-token close sequence plus one token",
                 )
-        seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
+        sampling = request.sampling
+        if sampling.seed is None:
+            sampling = msgspec.structs.replace(sampling, seed=fresh_seed())
         seq = Sequence(
             request=request,
             max_new_tokens=max_new,
-            seed=seed,
+            sampling=sampling,
             stop_checker=self.make_stop_checker(request),
             timings=Timings(arrived=now),
         )
@@ -249,8 +252,7 @@ class Scheduler:
             state_slot=seq.state_slot,
             compute_logits=compute_logits,
             sample=sample,
-            sampling=seq.request.sampling,
-            seed=seq.seed,
+            sampling=seq.sampling,
             num_generated=seq.num_output_tokens - seq.num_forced_tokens,
             output_token_ids=seq.token_ids[seq.prompt_len :],
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ninfer.engine.request import EngineRequest, PromptProgress, Timings
+from ninfer.engine.request import EngineRequest, PromptProgress, SamplingParams, Timings
 from ninfer.engine.stop_checker import StopChecker
 
 
@@ -24,7 +24,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     request: EngineRequest
     max_new_tokens: int  # effective output limit (request limit clamped to the context ceiling)
-    seed: int
+    sampling: SamplingParams  # the request's, with the seed resolved
     stop_checker: StopChecker
     timings: Timings
     token_ids: list[int] = field(default_factory=list)

@@ -1,0 +1,215 @@
+"""The real engine (scheduler + runner + model) against transformers' greedy generate.
+
+Every architecture family on a tiny random checkpoint (fp32): alone, batched with other
+requests arriving at staggered steps under small prefill chunks, with prefix reuse
+versus recompute, and through both client transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+import torch
+import transformers as tf
+
+from ninfer.config import EngineConfig
+from ninfer.engine.client import InProcessEngineClient
+from ninfer.engine.core import EngineCore
+from ninfer.engine.request import EngineRequest, FinishReason, SamplingParams
+from tests.models.helpers import load_ours, normal_init, randomize_, save_hf, uniform_init
+from tests.unit.conftest import make_byte_tokenizer
+
+VOCAB = 257  # the byte tokenizer's ids
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+HYBRID = dict(
+    COMMON,
+    num_hidden_layers=4,
+    head_dim=16,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+GDN_INIT = {"A_log": uniform_init(0.01, 2.0, torch.log), "linear_attn.norm.weight": normal_init(1.0, 0.3)}
+
+
+def _rope(partial: float = 1.0) -> dict:
+    return {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}
+
+
+ARCHITECTURES = {
+    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON, num_hidden_layers=2, intermediate_size=128)),
+    "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON, num_hidden_layers=2, intermediate_size=128)),
+    "qwen3": lambda: tf.Qwen3ForCausalLM(
+        tf.Qwen3Config(**COMMON, num_hidden_layers=2, intermediate_size=128, head_dim=16)
+    ),
+    "qwen3_moe": lambda: tf.Qwen3MoeForCausalLM(
+        tf.Qwen3MoeConfig(
+            **COMMON, num_hidden_layers=2, intermediate_size=128, head_dim=16, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        )
+    ),
+    "qwen3_5": lambda: tf.Qwen3_5ForCausalLM(
+        tf.Qwen3_5TextConfig(**HYBRID, intermediate_size=128, rope_parameters=_rope(0.25))
+    ),
+    "qwen3_5_moe": lambda: tf.Qwen3_5MoeForCausalLM(
+        tf.Qwen3_5MoeTextConfig(**HYBRID, **MOE, rope_parameters=_rope(0.25))
+    ),
+    "qwen3_next": lambda: tf.Qwen3NextForCausalLM(
+        tf.Qwen3NextConfig(**HYBRID, **MOE, intermediate_size=128, rope_parameters=_rope(0.25), norm_topk_prob=True)
+    ),
+}
+
+
+@functools.cache
+def _models(arch: str, tmp_root: str):
+    hf = randomize_(ARCHITECTURES[arch]().eval(), seed=7, overrides=GDN_INIT)
+    config, tensors = save_hf(hf, f"{tmp_root}/{arch}")
+    return hf, load_ours(config, tensors)
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("engine-models"))
+
+
+def hf_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
+    out = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+        pad_token_id=0, eos_token_id=None,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def run_engine(core: EngineCore, arrivals: dict[int, list[EngineRequest]], max_steps: int = 5000) -> dict:
+    """Feed requests at the given step numbers; collect token ids and the terminal output per request."""
+    tokens: dict[str, list[int]] = {}
+    finals = {}
+    step = 0
+    while step < max_steps:
+        for request in arrivals.get(step, []):
+            tokens[request.request_id] = []
+            for out in core.add_request(request):
+                finals[out.request_id] = out
+        if not core.has_work and step > max(arrivals):
+            break
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+        step += 1
+    return {rid: (tokens[rid], finals.get(rid)) for rid in tokens}
+
+
+def greedy(request_id: str, prompt: list[int], max_new: int) -> EngineRequest:
+    return EngineRequest(request_id, prompt, SamplingParams(temperature=0.0), max_new_tokens=max_new)
+
+
+PROMPTS = [
+    [ord(c) for c in "Hello there, engine! " * 3],
+    [ord(c) for c in "A much longer prompt that spans several prefill chunks. " * 2],
+    [ord(c) for c in "short"],
+]
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_greedy_matches_transformers_alone_and_batched(arch, tmp_root):
+    hf, ours = _models(arch, tmp_root)
+    tokenizer = make_byte_tokenizer()
+    expected = [hf_greedy(hf, p, 12) for p in PROMPTS]
+
+    alone = EngineCore(ours, tokenizer, EngineConfig(max_concurrency=1, prefill_chunk=16, max_context=256))
+    for i, prompt in enumerate(PROMPTS):
+        got = run_engine(alone, {0: [greedy(f"r{i}", prompt, 12)]})
+        assert got[f"r{i}"][0] == expected[i], f"{arch} alone, prompt {i}"
+
+    batched = EngineCore(
+        ours, tokenizer, EngineConfig(max_concurrency=3, prefill_chunk=7, max_context=256, prefix_reuse=False)
+    )
+    got = run_engine(batched, {0: [greedy("a", PROMPTS[0], 12)], 3: [greedy("b", PROMPTS[1], 12)],
+                               5: [greedy("c", PROMPTS[2], 12)]})
+    for rid, want in zip("abc", expected):
+        toks, final = got[rid]
+        assert toks == want, f"{arch} batched {rid}"
+        assert final.finish_reason is FinishReason.LENGTH and final.completion_tokens == 12
+    acc = batched.pool_accounting()
+    assert acc["kv_pages_used"] == 0 and acc["running"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_next"])
+def test_prefix_reuse_equals_recompute(arch, tmp_root):
+    hf, ours = _models(arch, tmp_root)
+    tokenizer = make_byte_tokenizer()
+    core = EngineCore(ours, tokenizer, EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=256))
+    first = run_engine(core, {0: [greedy("t1", PROMPTS[0], 8)]})["t1"][0]
+    follow = PROMPTS[0] + first + [ord(c) for c in " and then?"]
+    toks, final = run_engine(core, {0: [greedy("t2", follow, 10)]})["t2"]
+    assert final.cached_tokens == len(PROMPTS[0]) + len(first) - 1
+    assert final.reuse_path == "private_endpoint"
+    assert toks == hf_greedy(hf, follow, 10)
+    again, final = run_engine(core, {0: [greedy("t3", follow, 10)]})["t3"]  # exact full-prompt hit
+    assert final.cached_tokens == len(follow) and again == toks
+
+
+def test_seeded_sampling_reproducible_across_batches(tmp_root):
+    _, ours = _models("qwen3_5", tmp_root)
+    tokenizer = make_byte_tokenizer()
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=10, seed=-12345)
+    req = lambda rid: EngineRequest(rid, PROMPTS[1], params, max_new_tokens=10)  # noqa: E731
+    core = EngineCore(ours, tokenizer, EngineConfig(max_concurrency=3, prefill_chunk=32, prefix_reuse=False))
+    alone = run_engine(core, {0: [req("x")]})["x"][0]
+    mixed = run_engine(core, {0: [greedy("g", PROMPTS[0], 10)], 1: [req("y")], 2: [greedy("h", PROMPTS[2], 5)]})
+    assert mixed["y"][0] == alone
+
+
+@pytest.mark.parametrize("transport", ["thread", "process"])
+def test_client_transports_stream_and_cancel(transport, tmp_root):
+    _, ours = _models("llama", tmp_root)
+    tokenizer = make_byte_tokenizer()
+    config = EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=256)
+    if transport == "process":
+        pytest.importorskip("zmq")
+        from ninfer.engine.client import ProcessEngineClient
+
+        client = ProcessEngineClient(config, functools.partial(_build_llama_core, tmp_root))
+    else:
+        client = InProcessEngineClient(config, lambda: EngineCore(ours, tokenizer, config))
+
+    async def scenario():
+        await client.start()
+        try:
+            outs = [o async for o in client.generate(greedy("a", PROMPTS[0], 6))]
+            assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 6
+            # leaving a stream early cancels the request in the engine
+            stream = client.generate(greedy("b", PROMPTS[1], 200))
+            first = await stream.__anext__()
+            assert first.request_id == "b"
+            await stream.aclose()
+            outs = [o async for o in client.generate(greedy("c", PROMPTS[2], 3))]
+            assert outs[-1].completion_tokens == 3
+            assert client.healthy
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())
+
+
+def _build_llama_core(tmp_root: str) -> EngineCore:
+    """Runs inside the engine process: rebuild the same model from the saved checkpoint."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    directory = Path(tmp_root) / "llama"
+    config = json.loads((directory / "config.json").read_text())
+    tensors = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    model = load_ours(config, tensors)
+    return EngineCore(model, make_byte_tokenizer(), EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=256))
