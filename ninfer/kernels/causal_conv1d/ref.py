@@ -1,0 +1,51 @@
+"""Depthwise causal conv1d + silu over a varlen batch, continuing from per-slot conv states.
+
+The conv state of a request is the last kernel-1 *pre-conv* inputs it has seen (zeros for
+a fresh sequence), so a chunk of any length, even shorter than kernel-1, continues exactly
+where the previous chunk stopped. Computed in fp32, returned in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_lens: tuple[int, ...],
+) -> torch.Tensor:
+    """x: [T, C] flat over requests; weight: [C, K]; conv_state: [num_slots, C, K-1] (updated in place).
+
+    Request b owns rows sum(query_lens[:b]) ... + query_lens[b] and state slot state_slots[b].
+    Returns silu(conv(x)) [T, C].
+    """
+    state_len = conv_state.shape[-1]
+    weight_f = weight.float()
+    out = torch.empty_like(x)
+    slots = state_slots.tolist()
+    start = 0
+    for slot, query_len in zip(slots, query_lens):
+        if query_len == 0:
+            continue
+        chunk = x[start : start + query_len].t().float()  # [C, L]
+        window = torch.cat((conv_state[slot].float(), chunk), dim=-1)  # [C, K-1+L]
+        # Depthwise conv without padding: the state supplies the causal left context.
+        y = F.conv1d(window.unsqueeze(0), weight_f.unsqueeze(1), groups=window.shape[0])[0]  # [C, L]
+        out[start : start + query_len] = F.silu(y).t().to(x.dtype)
+        conv_state[slot] = window[:, window.shape[-1] - state_len :].to(conv_state.dtype)
+        start += query_len
+    return out
+
+
+def causal_conv1d_update(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
+) -> torch.Tensor:
+    """Decode form, one new token per request: x: [B, C] -> silu(conv) [B, C]; conv_state updated in place."""
+    window = torch.cat((conv_state[state_slots].float(), x.float().unsqueeze(-1)), dim=-1)  # [B, C, K]
+    y = (window * weight.float().unsqueeze(0)).sum(-1)
+    conv_state[state_slots] = window[..., 1:].to(conv_state.dtype)
+    return F.silu(y).to(x.dtype)

@@ -1,0 +1,156 @@
+"""Gated delta rule (Gated DeltaNet's linear attention) references, chunked and recurrent.
+
+Per v-head h, with fp32 state S [dk, dv] and per-token log-decay g <= 0 and rate beta:
+    S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
+q and k are l2-normalised inside the kernel (eps 1e-6 inside the rsqrt) and q is scaled by
+dk^-0.5. Grouped value heads: v-head h reads q/k head h // (Hv / Hk). Every request starts
+from its state slot (zeros = fresh sequence) and leaves its final state there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+L2NORM_EPS = 1e-6
+
+
+def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, Hk, dk] -> fp32 [T, Hv, dk]: l2-normalised, q scaled, k/q heads shared by their v-head group."""
+    q = q.float()
+    k = k.float()
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS) * q.shape[-1] ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
+    group = num_v_heads // q.shape[1]
+    if group > 1:
+        q = q.repeat_interleave(group, dim=1)
+        k = k.repeat_interleave(group, dim=1)
+    return q, k
+
+
+def _recurrent_scan(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 q, k: [..., L, H, dk]; v: [..., L, H, dv]; g, beta: [..., L, H]; state [..., H, dk, dv]."""
+    out = torch.empty_like(v)
+    for t in range(v.shape[-3]):
+        q_t, k_t, v_t = q[..., t, :, :], k[..., t, :, :], v[..., t, :, :]
+        state = state * g[..., t, :].exp()[..., None, None]
+        predicted = torch.einsum("...hkv,...hk->...hv", state, k_t)
+        update = (v_t - predicted) * beta[..., t, :, None]
+        state = state + k_t.unsqueeze(-1) * update.unsqueeze(-2)
+        out[..., t, :, :] = torch.einsum("...hkv,...hk->...hv", state, q_t)
+    return out, state
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_lens: tuple[int, ...],
+) -> torch.Tensor:
+    """Token-by-token form (decode, short verify rows).
+
+    q, k: [T, Hk, dk]; v: [T, Hv, dv]; g, beta: [T, Hv]; state: [num_slots, Hv, dk, dv] fp32,
+    updated in place at state_slots[b]. Returns o [T, Hv, dv] in v's dtype.
+    """
+    num_v_heads = v.shape[1]
+    qf, kf = _prepare_qk(q, k, num_v_heads)
+    vf, gf, betaf = v.float(), g.float(), beta.float()
+    if query_lens and all(n == query_lens[0] for n in query_lens):
+        # Equal lengths (every decode round): one scan over the whole batch.
+        num_requests, query_len = len(query_lens), query_lens[0]
+        out, final = _recurrent_scan(
+            *(x.reshape(num_requests, query_len, *x.shape[1:]) for x in (qf, kf, vf, gf, betaf)),
+            state[state_slots].float(),
+        )
+        state[state_slots] = final.to(state.dtype)
+        return out.reshape(v.shape).to(v.dtype)
+    out = torch.empty_like(vf)
+    start = 0
+    for slot, query_len in zip(state_slots.tolist(), query_lens):
+        rows = slice(start, start + query_len)
+        out[rows], final = _recurrent_scan(qf[rows], kf[rows], vf[rows], gf[rows], betaf[rows], state[slot].float())
+        state[slot] = final.to(state.dtype)
+        start += query_len
+    return out.to(v.dtype)
+
+
+def _chunked_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request, fp32, head-major: q, k [H, L, dk]; v [H, L, dv]; g, beta [H, L]; state [H, dk, dv].
+
+    Within a chunk (positions i, j; G = cumulative log-decay from the chunk start, S0 the state
+    entering it) the written values u solve the unit lower-triangular system
+        u_i + sum_{j<i} beta_i exp(G_i - G_j) (k_i . k_j) u_j = beta_i (v_i - exp(G_i) S0^T k_i),
+    after which outputs and the exit state are plain matmuls:
+        o_i = exp(G_i) S0^T q_i + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) u_j
+        S   = exp(G_last) S0 + sum_j exp(G_last - G_j) k_j u_j^T
+    """
+    out = torch.empty_like(v)
+    length = v.shape[1]
+    for start in range(0, length, chunk_size):
+        end = min(start + chunk_size, length)
+        q_c, k_c, v_c = q[:, start:end], k[:, start:end], v[:, start:end]
+        beta_c = beta[:, start:end, None]
+        cum = g[:, start:end].cumsum(-1)  # [H, C]
+        size = end - start
+        causal = torch.ones(size, size, dtype=torch.bool, device=v.device).tril()
+        # exp(G_i - G_j) for j <= i; the masked entries would overflow, so mask before exp.
+        pair_decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()
+        system = (beta_c * (k_c @ k_c.transpose(-1, -2)) * pair_decay).tril(-1)
+        system = system + torch.eye(size, dtype=v.dtype, device=v.device)
+        # Solve for the two right-hand sides at once: values, and keys reading the entry state.
+        rhs = torch.cat((beta_c * v_c, beta_c * cum.exp()[..., None] * k_c), dim=-1)
+        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        u_from_values, u_per_state = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+        u = u_from_values - u_per_state @ state  # [H, C, dv]
+        scores = (q_c @ k_c.transpose(-1, -2)) * pair_decay
+        out[:, start:end] = (q_c * cum.exp()[..., None]) @ state + scores @ u
+        tail_decay = (cum[:, -1:] - cum).exp()[..., None]  # exp(G_last - G_j)
+        state = state * cum[:, -1].exp()[:, None, None] + (k_c * tail_decay).transpose(-1, -2) @ u
+    return out, state
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_lens: tuple[int, ...],
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Chunked form (prefill chunks); same arguments and result as recurrent_gated_delta_rule."""
+    num_v_heads = v.shape[1]
+    qf, kf = _prepare_qk(q, k, num_v_heads)
+    vf, gf, betaf = v.float(), g.float(), beta.float()
+    out = torch.empty_like(vf)
+    start = 0
+    for slot, query_len in zip(state_slots.tolist(), query_lens):
+        rows = slice(start, start + query_len)
+        o, final = _chunked_scan(
+            qf[rows].transpose(0, 1),
+            kf[rows].transpose(0, 1),
+            vf[rows].transpose(0, 1),
+            gf[rows].t(),
+            betaf[rows].t(),
+            state[slot].float(),
+            chunk_size,
+        )
+        out[rows] = o.transpose(0, 1)
+        state[slot] = final.to(state.dtype)
+        start += query_len
+    return out.to(v.dtype)

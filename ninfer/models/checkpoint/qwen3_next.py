@@ -1,0 +1,48 @@
+"""Checkpoint rules for Qwen3-Next.
+
+Beyond the Qwen3.5 rules (per-expert experts, MTP), the hub checkpoints fuse the GDN input
+projections with rows grouped per key head:
+    in_proj_qkvz: for each key head [q (dk) | k (dk) | v (r*dv) | z (r*dv)],  r = Hv / Hk
+    in_proj_ba:   for each key head [b (r) | a (r)]
+which we split into in_proj_qkv ([q | k | v], head-major) / in_proj_z / in_proj_b / in_proj_a.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ninfer.models.checkpoint import qwen3_5
+from ninfer.models.config import ModelConfig
+from ninfer.models.registry import WeightSlice
+
+
+def _split_qkvz(prefix: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[WeightSlice]:
+    num_k_heads, k_dim, v_dim = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    group = config.linear_num_value_heads // num_k_heads
+    hidden = tensor.shape[-1]
+    q, k, v, z = tensor.view(num_k_heads, -1, hidden).split([k_dim, k_dim, group * v_dim, group * v_dim], dim=1)
+    key_dim = config.linear_key_dim
+    # Key head h's v/z group holds v-heads h*r .. h*r+r-1, so flattening keeps v-head order.
+    yield f"{prefix}.in_proj_qkv.weight", slice(0, key_dim), q.reshape(-1, hidden)
+    yield f"{prefix}.in_proj_qkv.weight", slice(key_dim, 2 * key_dim), k.reshape(-1, hidden)
+    yield f"{prefix}.in_proj_qkv.weight", slice(2 * key_dim, None), v.reshape(-1, hidden)
+    yield f"{prefix}.in_proj_z.weight", None, z.reshape(-1, hidden)
+
+
+def _split_ba(prefix: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[WeightSlice]:
+    group = config.linear_num_value_heads // config.linear_num_key_heads
+    hidden = tensor.shape[-1]
+    b, a = tensor.view(config.linear_num_key_heads, 2 * group, hidden).split([group, group], dim=1)
+    yield f"{prefix}.in_proj_b.weight", None, b.reshape(-1, hidden)
+    yield f"{prefix}.in_proj_a.weight", None, a.reshape(-1, hidden)
+
+
+def convert(name: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[WeightSlice]:
+    if name.endswith(".in_proj_qkvz.weight"):
+        yield from _split_qkvz(name.removesuffix(".in_proj_qkvz.weight"), tensor, config)
+    elif name.endswith(".in_proj_ba.weight"):
+        yield from _split_ba(name.removesuffix(".in_proj_ba.weight"), tensor, config)
+    else:
+        yield from qwen3_5.convert(name, tensor, config)

@@ -1,0 +1,69 @@
+"""GatedDeltaNet: Qwen3.5 / Qwen3-Next linear-attention token mixer over per-slot states.
+
+Projections in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (Qwen3.5 checkpoint names;
+Qwen3-Next's fused in_proj_qkvz / in_proj_ba are split by its checkpoint rule), a depthwise
+causal conv over q|k|v, the gated delta rule, then a silu(z)-gated RMSNorm per v-head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ninfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from ninfer.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from ninfer.models.config import ModelConfig
+from ninfer.models.forward_batch import ForwardBatch
+from ninfer.models.layers.norm import GatedRMSNorm
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, state_layer_index: int):
+        super().__init__()
+        self.state_layer_index = state_layer_index  # index among the model's linear layers in the StateCache
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.k_head_dim = config.linear_key_head_dim
+        self.v_head_dim = config.linear_value_head_dim
+        self.key_dim = config.linear_key_dim
+        self.value_dim = config.linear_value_dim
+        conv_dim = config.linear_conv_dim
+        hidden = config.hidden_size
+        self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        # nn.Conv1d only for its checkpoint-compatible weight [conv_dim, 1, K]; the op is causal_conv1d.
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.v_head_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        conv_state, recurrent_state = batch.state_cache.layer(self.state_layer_index)
+        conv_weight = self.conv1d.weight.squeeze(1)
+        decode_only = batch.is_decode_only
+
+        qkv = self.in_proj_qkv(x)
+        if decode_only:
+            qkv = causal_conv1d_update(qkv, conv_weight, conv_state, batch.state_slots)
+        else:
+            qkv = causal_conv1d(qkv, conv_weight, conv_state, batch.state_slots, batch.query_lens_cpu)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(num_tokens, self.num_k_heads, self.k_head_dim)
+        k = k.reshape(num_tokens, self.num_k_heads, self.k_head_dim)
+        v = v.reshape(num_tokens, self.num_v_heads, self.v_head_dim)
+
+        # Gates in fp32: exp(A_log) overflows half precision and g feeds an exp per token.
+        beta = torch.sigmoid(self.in_proj_b(x).float())
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+
+        rule = recurrent_gated_delta_rule if decode_only else chunk_gated_delta_rule
+        core = rule(q, k, v, g, beta, recurrent_state, batch.state_slots, batch.query_lens_cpu)
+
+        z = self.in_proj_z(x).reshape(num_tokens, self.num_v_heads, self.v_head_dim)
+        out = self.norm(core, z).reshape(num_tokens, self.value_dim)
+        return self.out_proj(out)
