@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ninfer.engine.sampling_defaults import SamplingOverrides
 
 
 class ConfigValueError(ValueError):
@@ -51,3 +53,41 @@ class EngineConfig:
     def num_state_slots(self) -> int:
         extra = self.max_concurrency if self.device_state_slots is None else self.device_state_slots
         return self.max_concurrency + extra
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    engine: EngineConfig
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)  # --temperature … --seed
+    artifact: str | None = None  # None: the embedded default model
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    model_id: str | None = None  # public alias override
+    cors: bool = False
+    max_request_mib: int = 384
+    default_max_tokens: int = 8192
+    default_thinking_budget: int | None = None
+    no_thinking: bool = False
+    preserve_thinking: bool = False
+    tolerant_tool_calls: bool = False
+    greedy: bool = False
+    log_level: str = "info"
+    dtype: str = "auto"  # auto: the artifact's dtype on GPU, float32 on CPU
+    engine_process: bool = True  # False: the engine runs in a thread of the API process
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigValueError(message)
+
+        check(1 <= self.port <= 65535, "--port must be in 1..65535")
+        check(self.api_key is None or len(self.api_key) > 0, "--api-key must not be empty")
+        check(self.model_id is None or len(self.model_id) > 0, "--model-id must not be empty")
+        check(self.max_request_mib >= 1, "--max-request-mib must be >= 1")
+        check(self.default_max_tokens >= 1, "--default-max-tokens must be >= 1")
+        check(
+            self.default_thinking_budget is None or self.default_thinking_budget >= 1,
+            "--default-thinking-budget must be a positive integer",
+        )
+        check(self.dtype in ("auto", "bfloat16", "float16", "float32"), "--dtype must be auto, bfloat16, float16 or float32")

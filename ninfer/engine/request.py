@@ -96,6 +96,7 @@ class Timings(msgspec.Struct):
 
     arrived: float = 0.0
     admitted: float | None = None  # admission committed the reuse choice
+    prompt_done: float | None = None  # the last prompt token was computed
     first_token: float | None = None
     last_token: float | None = None
 

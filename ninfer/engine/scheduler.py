@@ -331,6 +331,8 @@ class Scheduler:
             seq.logits_frontier = reused
         seq.status = SequenceStatus.RUNNING
         seq.timings.admitted = self.clock()
+        if reused == seq.prompt_len:
+            seq.timings.prompt_done = seq.timings.admitted
         if self.limits.prefix_reuse and reused < seq.prompt_len:
             frontiers = {seq.prompt_len: seq.request.endpoint_path}
             for hint in seq.request.capture_hints:
@@ -358,6 +360,8 @@ class Scheduler:
             if step.kind is StepKind.PREFILL:
                 self.stats.prefill_tokens += len(chunk.token_ids)
                 self._capture_prompt_frontiers(seq)
+            if was_prefilling and not seq.is_prefilling:
+                seq.timings.prompt_done = now
             if was_prefilling:
                 elapsed_ms = (now - seq.timings.admitted) * 1000.0
                 seq.unsent_progress = PromptProgress(

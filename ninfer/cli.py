@@ -1,0 +1,198 @@
+"""Command line: `ninfer-serve [ARTIFACT] [options]`, `ninfer serve …`, `ninfer chat …`.
+
+Options become frozen config objects validated once; an invalid value or combination
+stops start-up with a message naming the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from ninfer.config import ConfigValueError, EngineConfig, ServeConfig
+from ninfer.engine.sampling_defaults import SamplingOverrides
+from ninfer.log import LEVELS
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def _kv_capacity(text: str) -> int | str:
+    if text == "auto":
+        return text
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be a positive token count or 'auto'")
+    return value
+
+
+def add_serve_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("artifact", nargs="?", help="HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    net = parser.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    net.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
+    net.add_argument("--api-key", help="require this value as a Bearer token or x-api-key header (default: unset)")
+    net.add_argument("--model-id", help="public OpenAI model alias (default: the artifact's model_id)")
+    net.add_argument("--cors", action="store_true", help="add permissive browser CORS headers (default off)")
+    net.add_argument("--max-request-mib", type=int, default=384, help="request body limit before JSON parsing (default 384)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-context", type=int, default=8192, help="logical context ceiling of each sequence (default 8192)")
+    engine.add_argument("--kv-capacity", type=_kv_capacity, help="shared KV pool in tokens, or 'auto' to size it from free GPU memory minus 1 GiB (default: --max-context)")
+    engine.add_argument("--max-concurrency", type=int, default=1, help="maximum admitted requests, 1..8 (default 1)")
+    engine.add_argument("--max-pending-requests", type=_non_negative_int, default=16, help="additional requests allowed to wait for admission (default 16)")
+    engine.add_argument("--pending-timeout-ms", type=int, default=30000, help="maximum preparation-plus-admission wait (default 30000)")
+    engine.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per prefill step (default 1024)")
+    engine.add_argument("--device", type=int, default=0, help="CUDA device index (default 0; CPU when no GPU is present)")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="weight dtype (default auto: the artifact's on GPU, float32 on CPU)")
+    engine.add_argument("--no-prefix-reuse", action="store_true", help="disable compatible-prefix caching (default: reuse on)")
+    engine.add_argument("--device-state-slots", type=_non_negative_int, help="checkpoint StateImages beyond the active lanes (default: --max-concurrency)")
+    engine.add_argument("--in-process-engine", action="store_true", help="run the engine in a thread of the API process instead of its own process")
+    gen = parser.add_argument_group("generation")
+    gen.add_argument("--default-max-tokens", type=int, default=8192, help="output limit when a request omits one (default 8192)")
+    gen.add_argument("--default-thinking-budget", type=int, help="positive thinking-token cap for thinking-enabled requests (default unset)")
+    gen.add_argument("--no-thinking", action="store_true", help="disable thinking by default (default: thinking on)")
+    gen.add_argument("--preserve-thinking", action="store_true", help="keep closed-turn assistant reasoning in prompts by default (default off)")
+    gen.add_argument("--tolerant-tool-calls", action="store_true", help="recover complete Qwen calls with malformed wrapper/suffix output (default off)")
+    gen.add_argument("--temperature", type=float, help="process-level temperature override, 0..2")
+    gen.add_argument("--top-p", type=float, help="process-level top-p override, 0..1")
+    gen.add_argument("--top-k", type=int, help="process-level top-k override, 0..20 (0 selects the top-20 cap)")
+    gen.add_argument("--min-p", type=float, help="process-level min-p override, 0..1")
+    gen.add_argument("--presence-penalty", type=float, help="process-level presence-penalty override, -2..2")
+    gen.add_argument("--frequency-penalty", type=float, help="process-level frequency-penalty override, -2..2")
+    gen.add_argument("--seed", type=int, help="fixed seed when a request omits one (default: a fresh random seed per request)")
+    gen.add_argument("--greedy", action="store_true", help="force exact argmax for all requests (default off)")
+    logs = parser.add_argument_group("logging")
+    logs.add_argument("--log-level", default="info", choices=list(LEVELS), help="stderr verbosity (default info)")
+    logs.add_argument("--log-stats-interval-ms", type=_non_negative_int, default=5000, help="throughput record interval; 0 disables it (default 5000)")
+
+
+def _sampling_overrides(args: argparse.Namespace) -> SamplingOverrides:
+    checks = [
+        ("--temperature", args.temperature, 0.0, 2.0),
+        ("--top-p", args.top_p, 0.0, 1.0),
+        ("--top-k", args.top_k, 0, 20),
+        ("--min-p", args.min_p, 0.0, 1.0),
+        ("--presence-penalty", args.presence_penalty, -2.0, 2.0),
+        ("--frequency-penalty", args.frequency_penalty, -2.0, 2.0),
+    ]
+    for flag, value, low, high in checks:
+        if value is not None and not (low <= value <= high):
+            raise ConfigValueError(f"{flag} must be in {low}..{high}")
+    return SamplingOverrides(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+    )
+
+
+def resolve_device(index: int) -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        if not 0 <= index < torch.cuda.device_count():
+            raise ConfigValueError(f"--device {index}: only {torch.cuda.device_count()} CUDA devices are visible")
+        return f"cuda:{index}"
+    return "cpu"
+
+
+def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
+    """-> (config, kv_capacity_auto)."""
+    if args.no_prefix_reuse and args.device_state_slots is not None:
+        raise ConfigValueError("--no-prefix-reuse cannot be combined with --device-state-slots")
+    kv_auto = args.kv_capacity == "auto"
+    engine = EngineConfig(
+        max_concurrency=args.max_concurrency,
+        max_pending_requests=args.max_pending_requests,
+        pending_timeout_ms=args.pending_timeout_ms,
+        prefill_chunk=args.prefill_chunk,
+        max_context=args.max_context,
+        kv_capacity=None if kv_auto else args.kv_capacity,
+        device_state_slots=args.device_state_slots,
+        prefix_reuse=not args.no_prefix_reuse,
+        log_stats_interval_ms=args.log_stats_interval_ms,
+        device=resolve_device(args.device),
+    )
+    config = ServeConfig(
+        engine=engine,
+        sampling=_sampling_overrides(args),
+        artifact=args.artifact,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        model_id=args.model_id,
+        cors=args.cors,
+        max_request_mib=args.max_request_mib,
+        default_max_tokens=args.default_max_tokens,
+        default_thinking_budget=args.default_thinking_budget,
+        no_thinking=args.no_thinking,
+        preserve_thinking=args.preserve_thinking,
+        tolerant_tool_calls=args.tolerant_tool_calls,
+        greedy=args.greedy,
+        log_level=args.log_level,
+        dtype=args.dtype,
+        engine_process=not args.in_process_engine,
+    )
+    return config, kv_auto
+
+
+def _run_serve(args: argparse.Namespace, prog: str) -> int:
+    from ninfer.artifact import ArtifactError
+    from ninfer.server.server import serve
+
+    try:
+        config, kv_auto = serve_config(args)
+        serve(config, kv_capacity_auto=kv_auto)
+    except (ConfigValueError, ArtifactError) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ninfer-serve", description="Serve one model over OpenAI- and Anthropic-compatible HTTP.")
+    add_serve_options(parser)
+    return _run_serve(parser.parse_args(argv), "ninfer-serve")
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from ninfer.chat import run_chat
+
+    return asyncio.run(run_chat(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ninfer", description="NInfer: one-GPU LLM inference server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser = sub.add_parser("serve", help="run the HTTP server (same as ninfer-serve)")
+    add_serve_options(serve_parser)
+    chat = sub.add_parser("chat", help="one chat turn on an artifact, streamed to stdout")
+    chat.add_argument("prompt", help="the user message")
+    chat.add_argument("--model", help="HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    chat.add_argument("--system", help="a system message")
+    chat.add_argument("--max-tokens", type=int, default=256, help="output limit (default 256)")
+    chat.add_argument("--temperature", type=float, help="sampling temperature (default: the model's)")
+    chat.add_argument("--seed", type=int, help="sampling seed")
+    chat.add_argument("--greedy", action="store_true", help="exact argmax decoding")
+    chat.add_argument("--no-thinking", action="store_true", help="disable thinking on templates with a switch")
+    chat.add_argument("--device", type=int, default=0, help="CUDA device index (CPU when no GPU is present)")
+    chat.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    chat.add_argument("--log-level", default="warning", choices=list(LEVELS))
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _run_serve(args, "ninfer serve")
+    return _run_chat(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Build an EngineCore from an artifact path: runs inside the engine process (picklable spec)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.config import EngineConfig
+from ninfer.engine.core import EngineCore
+from ninfer.log import setup_logging
+
+log = logging.getLogger("ninfer.engine")
+
+KV_HEADROOM_BYTES = 1 << 30  # --kv-capacity auto leaves this much device memory free
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    artifact_path: str
+    engine: EngineConfig
+    dtype: str = "auto"
+    log_level: str = "info"
+    kv_capacity_auto: bool = False
+    speculative: bool = False  # loads the MTP head's weights and KV layer only when speculation uses them
+
+
+def resolve_dtype(name: str, artifact_dtype: str, device: str) -> torch.dtype:
+    """auto: the artifact's dtype on a GPU; float32 on CPU, where bf16 matmuls are slow and inexact."""
+    if name == "auto":
+        if device.startswith("cuda"):
+            return getattr(torch, artifact_dtype, torch.bfloat16)
+        return torch.float32
+    return getattr(torch, name)
+
+
+def build_engine_core(spec: EngineSpec) -> EngineCore:
+    from ninfer.artifact import open_artifact
+
+    setup_logging(spec.log_level)
+    started = time.perf_counter()
+    artifact = open_artifact(spec.artifact_path)
+    if artifact.config.mtp_num_hidden_layers and not spec.speculative:
+        artifact.config = artifact.config.replace(mtp_num_hidden_layers=0)
+    device = spec.engine.device
+    dtype = resolve_dtype(spec.dtype, artifact.config.torch_dtype, device)
+    log.info("loading %s (%s, %s) on %s", artifact.model_id, artifact.config.model_type, str(dtype).removeprefix("torch."), device)
+    # The bar is a transient terminal line; redirected stderr gets only the milestone records.
+    model = artifact.load_model(dtype=dtype, device=device, progress=sys.stderr.isatty())
+    num_params = sum(p.numel() for p in model.parameters())
+    log.info("model loaded in %.1fs: %.2fB parameters", time.perf_counter() - started, num_params / 1e9)
+    engine = spec.engine
+    if spec.kv_capacity_auto:
+        engine = dataclasses.replace(engine, kv_capacity=_auto_kv_tokens(model, engine))
+    core = EngineCore(model, artifact.tokenizer, engine)
+    kv = core.runner.kv_cache
+    log.info(
+        "KV pool: %d tokens in %d pages (%.1f MiB) · state slots: %d (%d active + %d checkpoint)",
+        engine.num_kv_pages * engine.page_size,
+        engine.num_kv_pages,
+        kv.k.numel() * kv.k.element_size() * 2 / (1 << 20),
+        engine.num_state_slots,
+        engine.max_concurrency,
+        engine.num_state_slots - engine.max_concurrency,
+    )
+    return core
+
+
+def _auto_kv_tokens(model, engine: EngineConfig) -> int:
+    """Free device memory minus headroom, divided by KV bytes per token; CPU follows --max-context."""
+    if not engine.device.startswith("cuda"):
+        return engine.max_context
+    spec = model.cache_spec()
+    element = next(model.parameters()).element_size()
+    bytes_per_token = 2 * spec.num_attention_layers * spec.num_kv_heads * spec.head_dim * element
+    state_bytes = 0
+    if spec.num_linear_layers:
+        conv = spec.num_linear_layers * spec.conv_dim * (spec.conv_kernel - 1) * element
+        recurrent = spec.num_linear_layers * spec.num_v_heads * spec.k_head_dim * spec.v_head_dim * 4
+        state_bytes = engine.num_state_slots * (conv + recurrent)
+    free, _ = torch.cuda.mem_get_info(torch.device(engine.device))
+    budget = free - KV_HEADROOM_BYTES - state_bytes
+    return max(engine.page_size, budget // max(bytes_per_token, 1))

@@ -1,0 +1,204 @@
+"""PromptBuilder: Conversation -> the artifact's chat template -> token ids + cache hints.
+
+Also computes the turn-closure frontier (context-cache.md, capture point 2): the token
+offset just before the first assistant opener of the open turn, or before the
+generation prologue when closed-turn reasoning is preserved, so the next turn can reuse
+the stable conversation even when its re-render of this turn differs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ninfer.engine.request import CaptureHint
+from ninfer.frontend.capabilities import TemplateCapabilities
+from ninfer.frontend.conversation import Conversation, MediaPart, Message, TextPart
+from ninfer.frontend.template import ChatTemplate, TemplateError
+from ninfer.frontend.tokenizer import Tokenizer
+
+TURN_CLOSURE = "private_turn_closure"
+
+
+class PromptError(ValueError):
+    """The conversation cannot be rendered by the loaded template (HTTP 400 invalid_prompt)."""
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    token_ids: list[int]
+    thinking: bool  # the prompt leaves a think block open: output starts in the reasoning channel
+    capture_hints: list[CaptureHint]
+    enable_thinking: bool | None  # the value given to the template (None: it has no switch)
+    preserve_thinking: bool | None
+
+
+class PromptBuilder:
+    def __init__(
+        self,
+        template: ChatTemplate,
+        tokenizer: Tokenizer,
+        capabilities: TemplateCapabilities,
+        *,
+        default_thinking: bool = True,
+        default_preserve_thinking: bool = False,
+    ):
+        self.template = template
+        self.tokenizer = tokenizer
+        self.capabilities = capabilities
+        self.default_thinking = default_thinking
+        self.default_preserve_thinking = default_preserve_thinking
+
+    # ---- public ----------------------------------------------------------------------
+    def build(self, conversation: Conversation, with_capture_hints: bool = True) -> PreparedPrompt:
+        kwargs = self.template_kwargs(conversation)
+        messages = conversation.messages
+        text = self._render(messages, conversation, kwargs, add_generation_prompt=not conversation.continue_final_message)
+        token_ids = self.tokenizer.encode(text)
+        thinking = not conversation.continue_final_message and self._opens_thinking(text)
+        hints: list[CaptureHint] = []
+        if with_capture_hints and not conversation.continue_final_message:
+            frontier = self._turn_closure_frontier(conversation, kwargs, token_ids)
+            if frontier is not None:
+                hints.append(CaptureHint(frontier, TURN_CLOSURE))
+        return PreparedPrompt(
+            token_ids=token_ids,
+            thinking=thinking,
+            capture_hints=hints,
+            enable_thinking=kwargs.get("enable_thinking"),
+            preserve_thinking=kwargs.get("preserve_thinking"),
+        )
+
+    def template_kwargs(self, conversation: Conversation) -> dict[str, Any]:
+        caps = self.capabilities
+        kwargs: dict[str, Any] = {}
+        if caps.supports_thinking_switch:
+            kwargs["enable_thinking"] = (
+                self.default_thinking if conversation.enable_thinking is None else conversation.enable_thinking
+            )
+        if conversation.reasoning_effort is not None and caps.effort_tiers:
+            kwargs["reasoning_effort"] = conversation.reasoning_effort
+        if caps.supports_preserve_thinking:
+            preserve = conversation.preserve_thinking
+            kwargs["preserve_thinking"] = self.default_preserve_thinking if preserve is None else preserve
+        return kwargs
+
+    # ---- rendering -------------------------------------------------------------------
+    def _render(
+        self, messages: list[Message], conversation: Conversation, kwargs: dict[str, Any], add_generation_prompt: bool
+    ) -> str:
+        template_messages = [self._template_message(m) for m in messages]
+        tools = [self._template_tool(t) for t in conversation.tools] or None
+        try:
+            text = self.template.render(template_messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+        except TemplateError as error:
+            lowered = self._render_with_inline_system(template_messages, tools, add_generation_prompt, kwargs)
+            if lowered is None:
+                raise PromptError(f"the model's chat template rejected the conversation: {error}") from error
+            text = lowered
+        if conversation.continue_final_message:
+            text = self._cut_after_final_message(text, messages[-1])
+        return text
+
+    def _render_with_inline_system(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool, kwargs: dict
+    ) -> str | None:
+        """Templates that only allow a leading system turn (Qwen3.5) still get mid-conversation
+        system messages at their positions: render them as sentinel user turns, then relabel
+        those ChatML blocks as system blocks."""
+        inline = [i for i, m in enumerate(messages) if m["role"] == "system" and i > 0]
+        if not inline:
+            return None
+        sentinels = {}
+        patched = list(messages)
+        for i in inline:
+            sentinel = f"NINFER-SYSTEM-{uuid.uuid4().hex}"
+            sentinels[sentinel] = messages[i]["content"]
+            patched[i] = {"role": "user", "content": sentinel}
+        try:
+            text = self.template.render(patched, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+        except TemplateError:
+            return None
+        for sentinel, content in sentinels.items():
+            block = f"<|im_start|>user\n{sentinel}<|im_end|>"
+            if text.count(block) != 1 or not isinstance(content, str):
+                return None
+            text = text.replace(block, f"<|im_start|>system\n{content}<|im_end|>")
+        return text
+
+    @staticmethod
+    def _cut_after_final_message(text: str, final: Message) -> str:
+        """Continue a prefilled assistant message: drop what the template appends after its text."""
+        final_text = final.text
+        end = text.rfind(final_text) if final_text else -1
+        if end < 0:
+            raise PromptError("the assistant prefill does not appear in the rendered prompt")
+        return text[: end + len(final_text)]
+
+    @staticmethod
+    def _template_message(message: Message) -> dict[str, Any]:
+        role = "system" if message.role == "developer" else message.role
+        out: dict[str, Any] = {"role": role}
+        if message.has_media:
+            parts = []
+            for part in message.content:
+                if isinstance(part, TextPart):
+                    parts.append({"type": "text", "text": part.text})
+                elif isinstance(part, MediaPart):
+                    parts.append({"type": part.kind})
+            out["content"] = parts
+        else:
+            out["content"] = message.text
+        if message.reasoning is not None:
+            out["reasoning_content"] = message.reasoning
+        if message.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "type": "function",
+                    **({"id": c.call_id} if c.call_id else {}),
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in message.tool_calls
+            ]
+        if message.tool_call_id is not None:
+            out["tool_call_id"] = message.tool_call_id
+        return out
+
+    @staticmethod
+    def _template_tool(tool) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description is not None:
+            function["description"] = tool.description
+        if tool.parameters is not None:
+            function["parameters"] = tool.parameters
+        return {"type": "function", "function": function}
+
+    def _opens_thinking(self, text: str) -> bool:
+        caps = self.capabilities
+        if not caps.supports_thinking:
+            return False
+        tail = text.rstrip()
+        return tail.endswith(caps.think_open)
+
+    def _turn_closure_frontier(
+        self, conversation: Conversation, kwargs: dict[str, Any], token_ids: list[int]
+    ) -> int | None:
+        """Token count of the stable conversation before the open turn's first assistant opener."""
+        messages = conversation.messages
+        last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
+        if last_user is None:
+            return None
+        preserve = kwargs.get("preserve_thinking", False)
+        cut = len(messages)
+        if not preserve:
+            cut = next((i for i in range(last_user + 1, len(messages)) if messages[i].role == "assistant"), cut)
+        try:
+            prefix = self._render(messages[:cut], conversation, kwargs, add_generation_prompt=False)
+        except PromptError:
+            return None
+        prefix_ids = self.tokenizer.encode(prefix)
+        frontier = len(prefix_ids)
+        if 0 < frontier < len(token_ids) and token_ids[:frontier] == prefix_ids:
+            return frontier
+        return None

@@ -1,0 +1,1 @@
+"""HTTP server: routes, protocol adapters, SSE, errors, request logging."""

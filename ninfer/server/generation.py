@@ -1,0 +1,256 @@
+"""Generation: one request's life from prepared prompt to final usage, for every endpoint.
+
+It sends the EngineRequest, waits for admission (so preparation errors become ordinary
+HTTP errors before any stream starts), feeds committed output through the output
+decoder, and keeps the counters that usage and llama.cpp-style timings report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ninfer.engine.client import EngineUnavailable, Ticket
+from ninfer.engine.request import (
+    CaptureHint,
+    EngineOutput,
+    EngineRequest,
+    ErrorCode,
+    FinishReason,
+    PromptProgress,
+)
+from ninfer.engine.sampling_defaults import SamplingOverrides
+from ninfer.frontend.output_decoder import OutputDecoder
+from ninfer.frontend.prompt_builder import PreparedPrompt
+from ninfer.server.errors import APIError
+from ninfer.server.serving import Serving
+from ninfer.server.timings import Timings, compute_timings
+
+log = logging.getLogger("ninfer.server")
+
+
+@dataclass
+class GenerationOptions:
+    max_tokens: int | None = None  # None: --default-max-tokens
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
+    stop: list[str] = field(default_factory=list)
+    tools: dict[str, dict | None] | None = None  # callable tools for the decoder; None: calls stay text
+    thinking_budget: int | None = None  # request-specific cap (Anthropic); None: the process default
+    extra_capture_hints: list[CaptureHint] = field(default_factory=list)
+    session_key: str | None = None
+
+
+@dataclass
+class ProgressEvent:
+    progress: PromptProgress
+
+
+@dataclass
+class FinishEvent:
+    reason: FinishReason
+    stop_reason: int | str | None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def engine_error_to_api(output: EngineOutput) -> APIError:
+    error = output.error
+    if error is None:
+        return APIError(500, "the engine ended the request without a result", code="internal_error")
+    if error.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED:
+        return APIError(400, error.message, code=error.code.value, param="messages")
+    if error.code is ErrorCode.THINKING_BUDGET_CAPACITY:
+        return APIError(400, error.message, code=error.code.value, param="max_tokens")
+    if error.code is ErrorCode.QUEUE_TIMEOUT:
+        return APIError(503, "the request waited longer than --pending-timeout-ms for admission", code=error.code.value)
+    if error.code is ErrorCode.OVERLOADED:
+        return APIError(429, error.message, code=error.code.value)
+    if error.code is ErrorCode.INVALID_REQUEST:
+        return APIError(400, error.message, code="invalid_prompt")
+    return APIError(500, error.message, code=error.code.value, type="server_error")
+
+
+class Generation:
+    def __init__(
+        self,
+        serving: Serving,
+        request_id: str,
+        prepared: PreparedPrompt,
+        options: GenerationOptions,
+        ticket: Ticket,
+    ):
+        self.serving = serving
+        self.request_id = request_id
+        self.prepared = prepared
+        self.options = options
+        self.ticket = ticket
+        config = serving.config
+        self.sampling = serving.sampling_defaults.resolve(
+            prepared.thinking, serving.process_sampling, options.sampling, greedy=config.greedy
+        )
+        self.max_tokens = config.default_max_tokens if options.max_tokens is None else options.max_tokens
+        self.decoder = OutputDecoder(
+            thinking=prepared.thinking,
+            tools=options.tools,
+            tolerant=config.tolerant_tool_calls,
+            think_end_token_id=serving.think_end_token_id,
+        )
+        self.engine_request = EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=prepared.token_ids,
+            sampling=self.sampling,
+            max_new_tokens=self.max_tokens,
+            stop_token_ids=serving.stop_token_ids,
+            stop_strings=options.stop,
+            thinking_budget=serving.thinking_budget(prepared.thinking, options.thinking_budget),
+            capture_hints=[*prepared.capture_hints, *options.extra_capture_hints],
+            session_key=options.session_key,
+            deadline=ticket.deadline,
+        )
+        self.prompt_tokens = len(prepared.token_ids)
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.reuse_path = "root"
+        self.last: EngineOutput | None = None
+        self._stream: AsyncIterator[EngineOutput] | None = None
+        self._first: EngineOutput | None = None
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}{uuid.uuid4().hex}"
+
+    async def start(self) -> None:
+        """Send the request and wait for admission; engine preparation errors raise APIError."""
+        if self.prompt_tokens > self.serving.max_model_len:
+            raise APIError(
+                400,
+                f"the prompt has {self.prompt_tokens} tokens; the context ceiling is {self.serving.max_model_len}",
+                code="context_length_exceeded",
+                param="messages",
+            )
+        try:
+            self._stream = self.serving.engine.generate(self.engine_request)
+            first = await self._stream.__anext__()
+        except EngineUnavailable as exc:
+            raise APIError(503, "the engine is unavailable", code="engine_unavailable") from exc
+        if first.error is not None:
+            await self.close()
+            raise engine_error_to_api(first)
+        self._first = first
+        self._absorb(first)
+        log.info(
+            "request %s admitted: prompt %d tok (cache %d, %s), max %d%s",
+            self.request_id,
+            self.prompt_tokens,
+            first.cached_tokens,
+            first.reuse_path,
+            self.max_tokens,
+            ", thinking" if self.prepared.thinking else "",
+        )
+
+    async def events(self) -> AsyncIterator[object]:
+        """Progress, decoder events (reasoning/content/tool calls), then one FinishEvent."""
+        assert self._stream is not None, "start() first"
+        pending = [self._first] if self._first is not None else []
+        self._first = None
+        try:
+            while True:
+                out = pending.pop() if pending else await self._stream.__anext__()
+                if out is not self.last:
+                    self._absorb(out)
+                if out.error is not None:
+                    raise engine_error_to_api(out)
+                if out.progress is not None:
+                    yield ProgressEvent(out.progress)
+                for event in self.decoder.feed(out.new_token_ids, out.text, out.forced_token_count):
+                    yield event
+                if out.finished:
+                    for event in self.decoder.finish():
+                        yield event
+                    self._log_done(out)
+                    yield FinishEvent(out.finish_reason, out.stop_reason)
+                    return
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.aclose()  # aborts the request in the engine if it is still running
+
+    def _absorb(self, out: EngineOutput) -> None:
+        self.last = out
+        self.cached_tokens = out.cached_tokens
+        self.completion_tokens = out.completion_tokens
+        self.reuse_path = out.reuse_path
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.cached_tokens, self.completion_tokens, self.decoder.reasoning_tokens)
+
+    def timings(self) -> Timings:
+        stamps = self.last.timings if self.last is not None else None
+        return compute_timings(stamps, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+
+    def _log_done(self, out: EngineOutput) -> None:
+        timings = self.timings()
+        pct = 100.0 * self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        reason = out.finish_reason.value if out.finish_reason else "?"
+        log.info(
+            "request %s done: %s · prompt %d (cache %d, %.0f%%, %s) · completion %d · ttft %.2fs · %.1f tok/s",
+            self.request_id,
+            reason,
+            self.prompt_tokens,
+            self.cached_tokens,
+            pct,
+            self.reuse_path.replace("_", " "),
+            self.completion_tokens,
+            timings.prompt_ms / 1000.0,
+            timings.predicted_per_second,
+        )
+        diagnostics = getattr(self.decoder, "diagnostics", None)
+        reason_text = getattr(diagnostics, "fallback_reason", None)
+        if reason_text and reason_text != "none":
+            log.warning("request %s: tool-call markup returned as text (%s)", self.request_id, reason_text)
+
+
+async def race_disconnect(receive, awaitable):
+    """Run `awaitable`, cancelling it if the HTTP client disconnects first."""
+    task = asyncio.ensure_future(awaitable)
+
+    async def watch() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone
+            pass
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its request was cancelled in the engine."""

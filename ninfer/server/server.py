@@ -1,0 +1,99 @@
+"""Run the HTTP server: open the artifact, start the engine, serve with uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+import sys
+import time
+
+import uvicorn
+
+from ninfer.artifact import open_artifact
+from ninfer.artifact.default_model import default_model_path
+from ninfer.config import ServeConfig
+from ninfer.engine.builder import EngineSpec, build_engine_core
+from ninfer.engine.client import EngineClient, InProcessEngineClient, ProcessEngineClient
+from ninfer.log import setup_logging
+from ninfer.server.app import create_app
+from ninfer.server.serving import Serving
+
+log = logging.getLogger("ninfer.server")
+
+# A dead or silent peer is dropped within ~20 s together with the 5 s SSE heartbeat.
+TCP_USER_TIMEOUT_MS = 15_000
+TCP_KEEPALIVE_IDLE_S = 5
+TCP_KEEPALIVE_INTERVAL_S = 5
+TCP_KEEPALIVE_PROBES = 2
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening socket whose accepted connections inherit keepalive and TCP_USER_TIMEOUT (Linux)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if sys.platform.startswith("linux"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, TCP_KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, TCP_KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, TCP_KEEPALIVE_PROBES)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
+    sock.bind(address)
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Serving:
+    """Open the artifact on the API side (tokenizer and template; weights stay lazy) and the engine client."""
+    artifact_path = config.artifact or str(default_model_path())
+    artifact = open_artifact(artifact_path)
+    spec = EngineSpec(
+        artifact_path=artifact_path,
+        engine=config.engine,
+        dtype=config.dtype,
+        log_level=config.log_level,
+        kv_capacity_auto=kv_capacity_auto,
+    )
+    build = functools.partial(build_engine_core, spec)
+    client: EngineClient
+    if config.engine_process:
+        client = ProcessEngineClient(config.engine, build)
+    else:
+        client = InProcessEngineClient(config.engine, build)
+    return Serving.create(config, artifact, client)
+
+
+def serve(config: ServeConfig, kv_capacity_auto: bool = False) -> None:
+    setup_logging(config.log_level)
+    started = time.perf_counter()
+    serving = build_serving(config, kv_capacity_auto)
+    caps = serving.capabilities
+    log.info(
+        "model %s · template: thinking %s%s%s",
+        serving.model_id,
+        ("on by default" if caps.thinking_default else "off by default") if caps.supports_thinking else "unsupported",
+        f" · effort {'/'.join(caps.effort_tiers)} (default {caps.default_effort})" if caps.effort_tiers else "",
+        " · preserve_thinking" if caps.supports_preserve_thinking else "",
+    )
+    log.info("sampling defaults: %s", serving.sampling_defaults.describe())
+    asyncio.run(_run(serving, config, started))
+
+
+async def _run(serving: Serving, config: ServeConfig, started: float) -> None:
+    await serving.engine.start()
+    sock = listen_socket(config.host, config.port)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(serving), log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30)
+    )
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    log.info("ready in %.1fs: http://%s:%d/v1 (max context %d, concurrency %d)", time.perf_counter() - started,
+             host, config.port, config.engine.max_context, config.engine.max_concurrency)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        log.info("shutting down")
+        await serving.engine.shutdown()
+        sock.close()

@@ -1,0 +1,107 @@
+"""Serving: what the API process resolved once at start-up about the loaded artifact.
+
+Identity, tokenizer, chat template and its capabilities, prompt builder, sampling
+defaults, stop tokens and the thinking-budget close sequence, plus the engine client.
+Endpoints read it; nothing in it changes while serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ninfer.artifact import Artifact
+from ninfer.config import ServeConfig
+from ninfer.engine.client import EngineClient
+from ninfer.engine.request import ThinkingBudget
+from ninfer.engine.sampling_defaults import SamplingDefaults, SamplingOverrides
+from ninfer.frontend.capabilities import TemplateCapabilities
+from ninfer.frontend.prompt_builder import PromptBuilder
+from ninfer.frontend.template import ChatTemplate
+
+log = logging.getLogger("ninfer.server")
+
+# Qwen's canonical early-close guidance, committed when a thinking budget runs out.
+THINKING_CLOSE_GUIDANCE = (
+    "\n\nConsidering the limited time by the user, I have to give the solution based on the thinking directly now."
+)
+
+# A minimal ChatML template for artifacts that ship none.
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class Serving:
+    config: ServeConfig
+    artifact: Artifact
+    engine: EngineClient
+    model_id: str
+    template: ChatTemplate
+    capabilities: TemplateCapabilities
+    prompt_builder: PromptBuilder
+    sampling_defaults: SamplingDefaults
+    process_sampling: SamplingOverrides
+    stop_token_ids: list[int]
+    think_end_token_id: int | None
+    thinking_close_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, config: ServeConfig, artifact: Artifact, engine: EngineClient) -> Serving:
+        source = artifact.chat_template
+        if source is None:
+            log.warning("the artifact has no chat template; using a plain ChatML template")
+            source = FALLBACK_TEMPLATE
+        tokenizer = artifact.tokenizer
+        template = ChatTemplate.for_tokenizer(source, tokenizer)
+        capabilities = TemplateCapabilities.resolve(template)
+        builder = PromptBuilder(
+            template,
+            tokenizer,
+            capabilities,
+            default_thinking=not config.no_thinking,
+            default_preserve_thinking=config.preserve_thinking,
+        )
+        think_end = tokenizer.token_to_id(capabilities.think_close) if capabilities.think_close else None
+        close_ids: list[int] = []
+        if capabilities.think_close:
+            close_ids = tokenizer.encode(THINKING_CLOSE_GUIDANCE + "\n" + capabilities.think_close + "\n\n")
+        return cls(
+            config=config,
+            artifact=artifact,
+            engine=engine,
+            model_id=config.model_id or artifact.model_id,
+            template=template,
+            capabilities=capabilities,
+            prompt_builder=builder,
+            sampling_defaults=SamplingDefaults.for_model(artifact.config, artifact.generation_defaults),
+            process_sampling=config.sampling,
+            stop_token_ids=_stop_token_ids(artifact),
+            think_end_token_id=think_end,
+            thinking_close_ids=close_ids,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.engine.max_context
+
+    def thinking_budget(self, thinking: bool, requested: int | None = None) -> ThinkingBudget | None:
+        """The cap for a thinking-enabled request: the request's own, else the process default."""
+        budget = requested if requested is not None else self.config.default_thinking_budget
+        if not thinking or budget is None or self.think_end_token_id is None:
+            return None
+        return ThinkingBudget(budget, self.thinking_close_ids, self.think_end_token_id)
+
+
+def _stop_token_ids(artifact: Artifact) -> list[int]:
+    """End-of-turn ids from the config, generation defaults and tokenizer, in that order."""
+    ids: list[int] = list(artifact.config.eos_token_id)
+    generation_eos = artifact.generation_defaults.get("eos_token_id")
+    if isinstance(generation_eos, int):
+        generation_eos = [generation_eos]
+    for token_id in [*(generation_eos or []), artifact.tokenizer.eos_token_id]:
+        if token_id is not None and token_id not in ids:
+            ids.append(token_id)
+    return ids
