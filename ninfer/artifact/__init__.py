@@ -1,0 +1,33 @@
+"""Open model artifacts: Hugging Face directories and GGUF files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ninfer.artifact.artifact import Artifact, ArtifactError
+from ninfer.artifact.default_model import default_model_path
+from ninfer.artifact.gguf_file import open_gguf
+from ninfer.artifact.hf_directory import open_hf_directory
+
+GGUF_MAGIC = b"GGUF"
+
+
+def open_artifact(path: str | os.PathLike[str]) -> Artifact:
+    """Open an HF model directory or a GGUF file; ArtifactError names what is wrong."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        return open_hf_directory(path)
+    if not path.exists():
+        raise ArtifactError(f"{path}: does not exist")
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(len(GGUF_MAGIC))
+    except OSError as error:
+        raise ArtifactError(f"{path}: cannot read ({error.strerror or error})") from error
+    if magic != GGUF_MAGIC:
+        raise ArtifactError(f"{path}: neither a model directory nor a GGUF file")
+    return open_gguf(path)
+
+
+__all__ = ["Artifact", "ArtifactError", "default_model_path", "open_artifact"]

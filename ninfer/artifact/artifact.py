@@ -1,0 +1,94 @@
+"""Artifact: one opened model (HF directory or GGUF file) with everything the server needs.
+
+Opening reads only metadata (config, tokenizer, template, tensor headers) and checks
+that the tensors fill the model exactly, so a broken artifact fails at open naming the
+file; weights are read lazily, one tensor at a time, when the model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ninfer.frontend.tokenizer import Tokenizer
+from ninfer.models.causal_lm import CausalLM
+from ninfer.models.config import ModelConfig
+from ninfer.models.loader import WeightLoadError, load_model
+
+HF_DIRECTORY = "hf_directory"
+GGUF = "gguf"
+
+# Manifest beside config.json (HF directory) or `<file>.ninfer.json` beside a GGUF file.
+MANIFEST_NAME = "ninfer.json"
+
+
+class ArtifactError(ValueError):
+    """The artifact is malformed or unsupported; the message names the file and the problem."""
+
+
+@dataclass
+class Artifact:
+    path: Path
+    kind: str  # HF_DIRECTORY or GGUF
+    model_id: str
+    hf_config: dict[str, Any]  # config.json, or the HF-style config rebuilt from GGUF metadata
+    config: ModelConfig
+    tokenizer: Tokenizer
+    chat_template: str | None  # the artifact's own template, byte for byte
+    generation_defaults: dict[str, Any]
+    num_tensors: int  # how many (name, tensor) pairs weights() yields
+    read_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Lazily read (name, tensor) pairs in HF checkpoint naming."""
+        return self.read_weights()
+
+    def load_model(
+        self, dtype: torch.dtype | None = None, device: torch.device | str = "cpu", progress: bool = True
+    ) -> CausalLM:
+        return load_model(
+            self.config,
+            self.weights(),
+            dtype=dtype,
+            device=device,
+            total=self.num_tensors,
+            progress=progress,
+            source=str(self.path),
+        )
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as error:
+        raise ArtifactError(f"{path}: cannot read ({error.strerror or error})") from error
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ArtifactError(f"{path}: invalid JSON ({error})") from error
+
+
+def read_model_id(manifest: Path, default: str) -> str:
+    """The manifest's model_id when the manifest exists, else `default`."""
+    if not manifest.is_file():
+        return default
+    data = read_json(manifest)
+    model_id = data.get("model_id") if isinstance(data, dict) else None
+    if not isinstance(model_id, str) or not model_id.strip():
+        raise ArtifactError(f'{manifest}: needs a non-empty string "model_id"')
+    return model_id
+
+
+def check_weights(config: ModelConfig, shapes: Iterable[tuple[str, tuple[int, ...]]], source: str) -> None:
+    """Dry-run the load on the meta device: every parameter filled exactly once, shapes agree.
+
+    No tensor data is read; this catches missing, unknown and mis-shaped tensors at open.
+    """
+    tensors = ((name, torch.empty(shape, device="meta")) for name, shape in shapes)
+    try:
+        load_model(config, tensors, dtype=torch.float32, device="meta", progress=False, source=source)
+    except WeightLoadError as error:
+        raise ArtifactError(str(error)) from error

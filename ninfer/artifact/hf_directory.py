@@ -1,0 +1,179 @@
+"""Open a Hugging Face model directory: config.json, safetensors (single or sharded), tokenizer, template."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ninfer.artifact.artifact import (
+    HF_DIRECTORY,
+    MANIFEST_NAME,
+    Artifact,
+    ArtifactError,
+    check_weights,
+    read_json,
+    read_model_id,
+)
+from ninfer.frontend.tokenizer import Tokenizer
+from ninfer.models.config import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Keys of generation_config.json that are bookkeeping, not defaults.
+_GENERATION_BOOKKEEPING = ("transformers_version", "_from_model_config")
+
+
+class _SafetensorsWeights:
+    """Tensor names and shapes from the safetensors headers; data read lazily (mmap) by file."""
+
+    def __init__(self, directory: Path):
+        self.names_by_file: dict[Path, list[str]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        index_path = directory / INDEX_FILE
+        if index_path.is_file():
+            self._read_index(index_path)
+        elif (directory / SINGLE_FILE).is_file():
+            file = directory / SINGLE_FILE
+            self.names_by_file[file] = list(self._read_header(file))
+        else:
+            raise ArtifactError(
+                f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)"
+            )
+
+    def _read_index(self, index_path: Path) -> None:
+        index = read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ArtifactError(f'{index_path}: no "weight_map" of tensor name -> shard file')
+        for name, shard in weight_map.items():
+            self.names_by_file.setdefault(index_path.parent / str(shard), []).append(name)
+        for file, names in self.names_by_file.items():
+            if not file.is_file():
+                raise ArtifactError(f"{index_path}: shard {file.name!r} is missing")
+            stored = self._read_header(file)
+            absent = [name for name in names if name not in stored]
+            if absent:
+                raise ArtifactError(f"{file}: lacks {len(absent)} tensors listed in {INDEX_FILE}, e.g. {absent[0]!r}")
+
+    def _read_header(self, file: Path) -> set[str]:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                names = set(handle.keys())
+                for name in names:
+                    self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+        except (SafetensorError, OSError) as error:
+            raise ArtifactError(f"{file}: unreadable safetensors file ({error})") from error
+        return names
+
+    @property
+    def names(self) -> list[str]:
+        return [name for names in self.names_by_file.values() for name in names]
+
+    def read(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for file, names in self.names_by_file.items():
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in names:
+                    yield name, handle.get_tensor(name)
+
+
+def _tokenizer(directory: Path) -> tuple[Tokenizer, dict[str, Any]]:
+    tokenizer_json = directory / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise ArtifactError(f"{tokenizer_json}: missing (the artifact needs a tokenizers-format tokenizer.json)")
+    config_path = directory / "tokenizer_config.json"
+    tokenizer_config: dict[str, Any] = {}
+    if config_path.is_file():
+        tokenizer_config = read_json(config_path)
+        if not isinstance(tokenizer_config, dict):
+            raise ArtifactError(f"{config_path}: expected a JSON object")
+    try:
+        tokenizer = Tokenizer.from_files(tokenizer_json, tokenizer_config)
+    except Exception as error:  # tokenizers signals every parse problem with a bare Exception
+        raise ArtifactError(f"{tokenizer_json}: cannot load tokenizer ({error})") from error
+    return tokenizer, tokenizer_config
+
+
+def _chat_template(directory: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """chat_template.jinja wins over tokenizer_config.json's chat_template, as in transformers."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            # bytes, not read_text: universal newlines would rewrite \r\n inside the template
+            return jinja.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ArtifactError(f"{jinja}: not UTF-8 ({error})") from error
+    template = tokenizer_config.get("chat_template")
+    source = directory / "tokenizer_config.json"
+    if template is None:
+        legacy = directory / "chat_template.json"  # processor-style artifacts
+        if not legacy.is_file():
+            return None
+        data = read_json(legacy)
+        template, source = (data.get("chat_template") if isinstance(data, dict) else None), legacy
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+        raise ArtifactError(f'{source}: named chat templates {sorted(map(str, named))} include no "default"')
+    raise ArtifactError(f"{source}: chat_template must be a string or a list of named templates")
+
+
+def _generation_defaults(directory: Path, config: ModelConfig) -> dict[str, Any]:
+    path = directory / "generation_config.json"
+    defaults: dict[str, Any] = {}
+    if path.is_file():
+        data = read_json(path)
+        if not isinstance(data, dict):
+            raise ArtifactError(f"{path}: expected a JSON object")
+        defaults = {k: v for k, v in data.items() if k not in _GENERATION_BOOKKEEPING}
+    eos = defaults.get("eos_token_id", list(config.eos_token_id) or None)
+    if eos is not None:
+        defaults["eos_token_id"] = [int(t) for t in (eos if isinstance(eos, list) else [eos])]
+    return defaults
+
+
+def open_hf_directory(directory: Path) -> Artifact:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ArtifactError(f"{config_path}: missing (not a Hugging Face model directory)")
+    hf_config = read_json(config_path)
+    if not isinstance(hf_config, dict):
+        raise ArtifactError(f"{config_path}: expected a JSON object")
+    try:
+        config = ModelConfig.from_hf(hf_config, source=str(config_path))
+    except ConfigError as error:
+        raise ArtifactError(str(error)) from error
+
+    weights = _SafetensorsWeights(directory)
+    if config.mtp_num_hidden_layers and not any(name.startswith("mtp.") for name in weights.shapes):
+        # Published checkpoints often strip the MTP head; serve without speculative MTP.
+        log.info(
+            "%s: config declares %d MTP layers but holds no mtp.* tensors; loading without MTP",
+            directory,
+            config.mtp_num_hidden_layers,
+        )
+        config = config.replace(mtp_num_hidden_layers=0)
+    check_weights(config, ((name, weights.shapes[name]) for name in weights.names), str(directory))
+
+    tokenizer, tokenizer_config = _tokenizer(directory)
+    return Artifact(
+        path=directory,
+        kind=HF_DIRECTORY,
+        model_id=read_model_id(directory / MANIFEST_NAME, directory.name),
+        hf_config=hf_config,
+        config=config,
+        tokenizer=tokenizer,
+        chat_template=_chat_template(directory, tokenizer_config),
+        generation_defaults=_generation_defaults(directory, config),
+        num_tensors=len(weights.names),
+        read_weights=weights.read,
+    )

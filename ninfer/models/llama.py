@@ -1,0 +1,73 @@
+"""Plain attention decoders: Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norm) and Qwen3-MoE.
+
+Every layer is full attention over the paged KV cache, so the model never touches the
+state cache. Parameter names follow the HF checkpoints (`model.layers.{i}.self_attn.q_proj`,
+`model.layers.{i}.mlp.experts.gate_up_proj` ...), so the checkpoint rule stays a renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ninfer.models.causal_lm import CausalLM
+from ninfer.models.config import ModelConfig
+from ninfer.models.forward_batch import ForwardBatch
+from ninfer.models.layers.attention import Attention
+from ninfer.models.layers.mlp import MLP
+from ninfer.models.layers.moe import SparseMoE
+from ninfer.models.layers.norm import RMSNorm
+from ninfer.models.layers.rotary import RotaryEmbedding
+
+
+def _hf_flag(config: ModelConfig, key: str) -> bool:
+    """A boolean the shared ModelConfig does not carry (kept verbatim in extra)."""
+    return bool(config.extra.get("top_level", {}).get(key) or False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = Attention(config, kv_layer_index=layer_id)
+        if config.model_type == "llama" and config.attention_bias:
+            # Llama's attention_bias also covers o_proj (Qwen2's bias stops at q/k/v).
+            self.self_attn.o_proj = nn.Linear(config.num_attention_heads * config.head_dim, config.hidden_size)
+        self.mlp: nn.Module
+        if config.layer_is_moe(layer_id):
+            self.mlp = SparseMoE(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=_hf_flag(config, "mlp_bias"))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(batch.positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, batch)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, batch)
