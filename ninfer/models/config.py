@@ -56,7 +56,9 @@ class ModelConfig:
     mrope_interleaved: bool = False
 
     # attention flavour
-    attention_bias: bool = False  # Qwen2: q/k/v biases
+    attention_bias: bool = False  # q/k/v biases (always for Qwen2)
+    attention_output_bias: bool = False  # Llama's attention_bias also covers o_proj
+    mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-Next
     attn_output_gate: bool = False  # Qwen3.5 / Qwen3-Next: sigmoid gate interleaved in q_proj
     zero_centered_norm: bool = False  # (1 + w) RMSNorm: Qwen3.5 / Qwen3-Next
@@ -216,7 +218,10 @@ class ModelConfig:
             rope_scaling=scaling,
             mrope_section=tuple(mrope_section) if mrope_section and family == "qwen3_5" else None,
             mrope_interleaved=bool(rope.get("mrope_interleaved", family == "qwen3_5")) and family == "qwen3_5",
-            attention_bias=bool(hf.get("attention_bias", base_type == "qwen2")),
+            # transformers' Qwen2 always has q/k/v biases, whatever the config says.
+            attention_bias=True if base_type == "qwen2" else bool(hf.get("attention_bias") or False),
+            attention_output_bias=base_type == "llama" and bool(hf.get("attention_bias") or False),
+            mlp_bias=bool(hf.get("mlp_bias") or False),
             qk_norm=base_type in ("qwen3", "qwen3_moe") or hybrid,
             attn_output_gate=hybrid and bool(hf.get("attn_output_gate", True)),
             zero_centered_norm=hybrid,

@@ -20,23 +20,15 @@ from ninfer.models.layers.norm import RMSNorm
 from ninfer.models.layers.rotary import RotaryEmbedding
 
 
-def _hf_flag(config: ModelConfig, key: str) -> bool:
-    """A boolean the shared ModelConfig does not carry (kept verbatim in extra)."""
-    return bool(config.extra.get("top_level", {}).get(key) or False)
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
         self.self_attn = Attention(config, kv_layer_index=layer_id)
-        if config.model_type == "llama" and config.attention_bias:
-            # Llama's attention_bias also covers o_proj (Qwen2's bias stops at q/k/v).
-            self.self_attn.o_proj = nn.Linear(config.num_attention_heads * config.head_dim, config.hidden_size)
         self.mlp: nn.Module
         if config.layer_is_moe(layer_id):
             self.mlp = SparseMoE(config)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=_hf_flag(config, "mlp_bias"))
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

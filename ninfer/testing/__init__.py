@@ -1,0 +1,1 @@
+"""Project helpers for tests and local runs (tiny random artifacts with the real tokenizer)."""
