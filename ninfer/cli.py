@@ -66,6 +66,9 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--frequency-penalty", type=float, help="process-level frequency-penalty override, -2..2")
     gen.add_argument("--seed", type=int, help="fixed seed when a request omits one (default: a fresh random seed per request)")
     gen.add_argument("--greedy", action="store_true", help="force exact argmax for all requests (default off)")
+    store = parser.add_argument_group("responses store")
+    store.add_argument("--response-store-max-records", type=_non_negative_int, default=1024, help="maximum locally retained Responses objects (default 1024)")
+    store.add_argument("--response-store-max-mib", type=_non_negative_int, default=256, help="total local Response envelope/Item/context budget in MiB (default 256)")
     logs = parser.add_argument_group("logging")
     logs.add_argument("--log-level", default="info", choices=list(LEVELS), help="stderr verbosity (default info)")
     logs.add_argument("--log-stats-interval-ms", type=_non_negative_int, default=5000, help="throughput record interval; 0 disables it (default 5000)")
@@ -140,6 +143,8 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         log_level=args.log_level,
         dtype=args.dtype,
         engine_process=not args.in_process_engine,
+        response_store_max_records=args.response_store_max_records,
+        response_store_max_mib=args.response_store_max_mib,
     )
     return config, kv_auto
 

@@ -75,6 +75,8 @@ class ServeConfig:
     log_level: str = "info"
     dtype: str = "auto"  # auto: the artifact's dtype on GPU, float32 on CPU
     engine_process: bool = True  # False: the engine runs in a thread of the API process
+    response_store_max_records: int = 1024
+    response_store_max_mib: int = 256
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -90,4 +92,6 @@ class ServeConfig:
             self.default_thinking_budget is None or self.default_thinking_budget >= 1,
             "--default-thinking-budget must be a positive integer",
         )
+        check(self.response_store_max_records >= 0, "--response-store-max-records must be >= 0")
+        check(self.response_store_max_mib >= 0, "--response-store-max-mib must be >= 0")
         check(self.dtype in ("auto", "bfloat16", "float16", "float32"), "--dtype must be auto, bfloat16, float16 or float32")

@@ -58,6 +58,7 @@ class Tool:
     name: str  # internal identity, unique within the request
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON schema, member order preserved
+    cache_breakpoint: bool = False  # a shared-prefix write candidate ends after this definition
 
 
 @dataclass
@@ -68,3 +69,4 @@ class Conversation:
     reasoning_effort: str | None = None  # a template tier, already validated
     preserve_thinking: bool | None = None  # None: the server default
     continue_final_message: bool = False  # the last assistant message is a prefill to continue
+    implicit_cache_breakpoint: bool = False  # OpenAI implicit candidate: after the last content boundary

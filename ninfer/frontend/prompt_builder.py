@@ -8,6 +8,7 @@ the stable conversation even when its re-render of this turn differs.
 
 from __future__ import annotations
 
+import copy
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,9 @@ from ninfer.frontend.template import ChatTemplate, TemplateError
 from ninfer.frontend.tokenizer import Tokenizer
 
 TURN_CLOSURE = "private_turn_closure"
+SHARED_PREFIX = "shared_stable_prefix"
+# Private-use characters: a marker no template or tokenizer treats specially.
+_SENTINEL = "\ue000NINFER-CACHE-BREAKPOINT\ue001"
 
 
 class PromptError(ValueError):
@@ -58,9 +62,12 @@ class PromptBuilder:
         token_ids = self.tokenizer.encode(text)
         thinking = not conversation.continue_final_message and self._opens_thinking(text)
         hints: list[CaptureHint] = []
+        if with_capture_hints:
+            for frontier in self._breakpoint_frontiers(conversation, kwargs, text, token_ids):
+                hints.append(CaptureHint(frontier, SHARED_PREFIX))
         if with_capture_hints and not conversation.continue_final_message:
             frontier = self._turn_closure_frontier(conversation, kwargs, token_ids)
-            if frontier is not None:
+            if frontier is not None and all(h.frontier != frontier for h in hints):
                 hints.append(CaptureHint(frontier, TURN_CLOSURE))
         return PreparedPrompt(
             token_ids=token_ids,
@@ -180,6 +187,50 @@ class PromptBuilder:
             return False
         tail = text.rstrip()
         return tail.endswith(caps.think_open)
+
+    def _breakpoint_frontiers(
+        self, conversation: Conversation, kwargs: dict[str, Any], text: str, token_ids: list[int]
+    ) -> list[int]:
+        """Exact token frontiers of the requested cache breakpoints; unrepresentable ones are skipped.
+
+        Each is found by rendering with a sentinel at the breakpoint: the text before it must be a
+        prefix of the real prompt and must tokenize to a prefix of its token ids.
+        """
+        targets: list[tuple[str, int, int]] = []
+        for i, message in enumerate(conversation.messages):
+            for j, part in enumerate(message.content):
+                if part.cache_breakpoint and isinstance(part, TextPart):
+                    targets.append(("part", i, j))
+        for t, tool in enumerate(conversation.tools):
+            if tool.cache_breakpoint and tool.description:
+                targets.append(("tool", t, 0))
+        if conversation.implicit_cache_breakpoint and conversation.messages:
+            last = len(conversation.messages) - 1
+            texts = [j for j, p in enumerate(conversation.messages[last].content) if isinstance(p, TextPart)]
+            if texts:
+                targets.append(("part", last, texts[-1]))
+        frontiers: list[int] = []
+        for kind, index, part_index in targets:
+            marked = copy.deepcopy(conversation)
+            if kind == "part":
+                part = marked.messages[index].content[part_index]
+                part.text += _SENTINEL
+            else:
+                marked.tools[index].description += _SENTINEL
+            try:
+                rendered = self._render(
+                    marked.messages, marked, kwargs, add_generation_prompt=not conversation.continue_final_message
+                )
+            except PromptError:
+                continue
+            offset = rendered.find(_SENTINEL)
+            if offset < 0 or rendered.count(_SENTINEL) != 1 or not text.startswith(rendered[:offset]):
+                continue
+            prefix_ids = self.tokenizer.encode(rendered[:offset])
+            frontier = len(prefix_ids)
+            if 0 < frontier < len(token_ids) and token_ids[:frontier] == prefix_ids and frontier not in frontiers:
+                frontiers.append(frontier)
+        return sorted(frontiers)
 
     def _turn_closure_frontier(
         self, conversation: Conversation, kwargs: dict[str, Any], token_ids: list[int]

@@ -38,8 +38,18 @@ async def read_json(request: Request) -> object:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
 
 
+def _bind(handler, serving: Serving):
+    """Route adapter: handler(request, serving, **path_params) -> Response."""
+
+    async def endpoint(request: Request) -> Response:
+        return await handler(request, serving, **request.path_params)
+
+    endpoint.__name__ = handler.__name__
+    return endpoint
+
+
 def create_app(serving: Serving) -> FastAPI:
-    from ninfer.server import openai_chat
+    from ninfer.server import anthropic_messages, openai_chat, openai_responses
 
     created = int(time.time())
     app = FastAPI(title="NInfer", docs_url=None, redoc_url=None, openapi_url=None)
@@ -82,6 +92,21 @@ def create_app(serving: Serving) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await openai_chat.create(request, serving)
+
+    # OpenAI Responses Core (openai_responses.py)
+    app.add_api_route("/v1/responses", _bind(openai_responses.create, serving), methods=["POST"])
+    app.add_api_route("/v1/responses/input_tokens", _bind(openai_responses.input_tokens, serving), methods=["POST"])
+    app.add_api_route("/v1/responses/compact", _bind(openai_responses.compact, serving), methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", _bind(openai_responses.retrieve, serving), methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", _bind(openai_responses.delete, serving), methods=["DELETE"])
+    app.add_api_route(
+        "/v1/responses/{response_id}/input_items", _bind(openai_responses.input_items, serving), methods=["GET"]
+    )
+    app.add_api_route("/v1/responses/{response_id}/cancel", _bind(openai_responses.cancel, serving), methods=["POST"])
+
+    # Anthropic Messages (anthropic_messages.py)
+    app.add_api_route("/v1/messages", _bind(anthropic_messages.create, serving), methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", _bind(anthropic_messages.count_tokens, serving), methods=["POST"])
 
     config = serving.config
     wrapped = AuthMiddleware(app, config.api_key) if config.api_key else app

@@ -41,6 +41,7 @@ class GenerationOptions:
     thinking_budget: int | None = None  # request-specific cap (Anthropic); None: the process default
     extra_capture_hints: list[CaptureHint] = field(default_factory=list)
     session_key: str | None = None
+    endpoint_path: str = "private_endpoint"  # reuse label of checkpoints this request leaves behind
 
 
 @dataclass
@@ -118,6 +119,7 @@ class Generation:
             thinking_budget=serving.thinking_budget(prepared.thinking, options.thinking_budget),
             capture_hints=[*prepared.capture_hints, *options.extra_capture_hints],
             session_key=options.session_key,
+            endpoint_path=options.endpoint_path,
             deadline=ticket.deadline,
         )
         self.prompt_tokens = len(prepared.token_ids)
