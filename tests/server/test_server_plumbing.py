@@ -1,0 +1,96 @@
+"""Transport details: SSE heartbeat, TCP options on accepted connections, start-up option checks."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+import pytest
+
+from ninfer.cli import add_serve_options, serve_config
+from ninfer.config import ConfigValueError
+from ninfer.server.server import TCP_USER_TIMEOUT_MS, listen_socket
+from ninfer.server.sse import KEEPALIVE_FRAME, with_keepalive
+
+
+def test_keepalive_comment_after_silence_and_inner_stream_closed_on_exit():
+    closed = asyncio.Event()
+
+    async def slow_frames():
+        try:
+            yield b"data: 1\n\n"
+            await asyncio.sleep(0.35)
+            yield b"data: 2\n\n"
+            await asyncio.sleep(10)
+            yield b"data: never\n\n"
+        finally:
+            closed.set()
+
+    async def scenario():
+        out = []
+        stream = with_keepalive(slow_frames(), interval=0.1)
+        async for frame in stream:
+            out.append(frame)
+            if frame == b"data: 2\n\n":
+                break
+        await stream.aclose()
+        return out
+
+    frames = asyncio.run(scenario())
+    assert frames[0] == b"data: 1\n\n" and frames[-1] == b"data: 2\n\n"
+    assert 2 <= frames.count(KEEPALIVE_FRAME) <= 4
+    assert closed.is_set()  # leaving the stream (a disconnect) closes the producer, which aborts the request
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_USER_TIMEOUT is Linux-only")
+def test_accepted_connections_inherit_keepalive_and_user_timeout():
+    server = listen_socket("127.0.0.1", 0)
+    try:
+        client = socket.create_connection(server.getsockname())
+        server.setblocking(True)
+        conn, _ = server.accept()
+        assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == TCP_USER_TIMEOUT_MS
+        conn.close()
+        client.close()
+    finally:
+        server.close()
+
+
+def parse(*argv: str):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_serve_options(parser)
+    return serve_config(parser.parse_args(list(argv)))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-concurrency", "9"], "--max-concurrency"),
+        (["--max-context", "1"], "--max-context"),
+        (["--temperature", "2.5"], "--temperature"),
+        (["--top-k", "21"], "--top-k"),
+        (["--default-thinking-budget", "0"], "--default-thinking-budget"),
+        (["--no-prefix-reuse", "--device-state-slots", "0"], "--no-prefix-reuse"),
+        (["--port", "0"], "--port"),
+        (["--prefill-chunk", "0"], "--prefill-chunk"),
+    ],
+)
+def test_invalid_options_fail_at_start_up_naming_the_option(argv, message):
+    with pytest.raises(ConfigValueError, match=message):
+        parse(*argv)
+
+
+def test_options_reach_the_config():
+    config, kv_auto = parse("model-dir", "--max-concurrency", "4", "--kv-capacity", "auto", "--greedy",
+                            "--model-id", "alias", "--device-state-slots", "3", "--seed", "-7")
+    assert config.artifact == "model-dir" and config.model_id == "alias" and config.greedy
+    assert kv_auto and config.engine.kv_capacity is None
+    assert config.engine.max_concurrency == 4 and config.engine.num_state_slots == 7
+    assert config.sampling.seed == -7
+    default, _ = parse()
+    assert default.engine.max_context == 8192 and default.engine.kv_tokens == 8192
+    assert default.default_max_tokens == 8192 and default.port == 8080 and default.host == "127.0.0.1"
