@@ -30,10 +30,36 @@ INDEX_FILE = "model.safetensors.index.json"
 _GENERATION_BOOKKEEPING = ("transformers_version", "_from_model_config")
 
 
-class _SafetensorsWeights:
-    """Tensor names and shapes from the safetensors headers; data read lazily (mmap) by file."""
+_SCALE_SUFFIX = "_scale_inv"
 
-    def __init__(self, directory: Path):
+
+def fp8_block_size(hf_config: dict[str, Any]) -> tuple[int, int] | None:
+    """Qwen's FP8 checkpoints: e4m3 weights with one inverse scale per weight_block_size block."""
+    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else {}
+    quant = hf_config.get("quantization_config") or text.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+        return None
+    block = quant.get("weight_block_size") or [128, 128]
+    return int(block[0]), int(block[1])
+
+
+def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight [out, in] e4m3, scale_inv [ceil(out/b0), ceil(in/b1)] -> bf16 weight * scale of its block."""
+    rows, cols = weight.shape[-2:]
+    scale = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
+    return (weight.float() * scale).to(torch.bfloat16)
+
+
+class _SafetensorsWeights:
+    """Tensor names and shapes from the safetensors headers; data read lazily (mmap) by file.
+
+    Block-scaled FP8 checkpoints are dequantized exactly to bf16 as they are read: the
+    inverse-scale tensors are consumed with their weights and never reach the model.
+    """
+
+    def __init__(self, directory: Path, fp8_block: tuple[int, int] | None = None):
+        self.fp8_block = fp8_block
         self.names_by_file: dict[Path, list[str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         index_path = directory / INDEX_FILE
@@ -74,13 +100,24 @@ class _SafetensorsWeights:
 
     @property
     def names(self) -> list[str]:
-        return [name for names in self.names_by_file.values() for name in names]
+        names = [name for names in self.names_by_file.values() for name in names]
+        if self.fp8_block is None:
+            return names
+        return [name for name in names if not name.endswith(_SCALE_SUFFIX)]
 
     def read(self) -> Iterator[tuple[str, torch.Tensor]]:
+        file_of = {name: file for file, names in self.names_by_file.items() for name in names}
         for file, names in self.names_by_file.items():
             with safe_open(file, framework="pt", device="cpu") as handle:
                 for name in names:
-                    yield name, handle.get_tensor(name)
+                    if self.fp8_block is not None and name.endswith(_SCALE_SUFFIX):
+                        continue
+                    tensor = handle.get_tensor(name)
+                    scale_name = name + _SCALE_SUFFIX
+                    if self.fp8_block is not None and scale_name in file_of:
+                        with safe_open(file_of[scale_name], framework="pt", device="cpu") as scales:
+                            tensor = dequantize_block_fp8(tensor, scales.get_tensor(scale_name), self.fp8_block)
+                    yield name, tensor
 
 
 def _tokenizer(directory: Path) -> tuple[Tokenizer, dict[str, Any]]:
@@ -153,7 +190,7 @@ def open_hf_directory(directory: Path) -> Artifact:
     except ConfigError as error:
         raise ArtifactError(str(error)) from error
 
-    weights = _SafetensorsWeights(directory)
+    weights = _SafetensorsWeights(directory, fp8_block_size(hf_config))
     if config.mtp_num_hidden_layers and not any(name.startswith("mtp.") for name in weights.shapes):
         # Published checkpoints often strip the MTP head; serve without speculative MTP.
         log.info(

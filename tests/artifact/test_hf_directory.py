@@ -256,3 +256,58 @@ def test_errors_name_the_file(copy_of: Callable[[str], Path], tmp_path: Path, so
     d = copy_of("bad-manifest")
     (d / "ninfer.json").write_text(json.dumps({"model_id": ""}))
     assert str(d / "ninfer.json") in _error(d)
+
+
+def test_block_scaled_fp8_checkpoint_is_dequantized_exactly(tmp_path):
+    """Qwen FP8 layout: e4m3 weights + weight_scale_inv per 128x128 block (here 4x4 for a tiny model)."""
+    import json as _json
+
+    import torch as _torch
+    from safetensors.torch import load_file, save_file
+
+    from ninfer.artifact import open_artifact as _open
+    from ninfer.artifact.hf_directory import dequantize_block_fp8
+
+    hf = _make_fp8_source(tmp_path / "bf16")
+    config = _json.loads((hf / "config.json").read_text())
+    tensors = load_file(hf / "model.safetensors")
+    stored, expected = {}, {}
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2 and "embed" not in name and name != "lm_head.weight":
+            rows, cols = tensor.shape
+            scale_inv = _torch.rand((rows + 3) // 4, (cols + 3) // 4) * 0.01 + 0.001
+            q = (tensor.float() / scale_inv.repeat_interleave(4, 0)[:rows].repeat_interleave(4, 1)[:, :cols])
+            stored[name] = q.clamp(-448, 448).to(_torch.float8_e4m3fn)
+            stored[name + "_scale_inv"] = scale_inv
+            expected[name] = dequantize_block_fp8(stored[name], scale_inv, (4, 4))
+        else:
+            stored[name] = tensor
+            expected[name] = tensor
+    out = tmp_path / "fp8"
+    out.mkdir()
+    for extra in hf.iterdir():
+        if extra.name != "model.safetensors":
+            (out / extra.name).write_bytes(extra.read_bytes())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [4, 4]}
+    (out / "config.json").write_text(_json.dumps(config))
+    save_file(stored, out / "model.safetensors")
+    artifact = _open(out)
+    got = dict(artifact.weights())
+    assert not any(n.endswith("_scale_inv") for n in got) and artifact.num_tensors == len(expected)
+    for name, tensor in expected.items():
+        assert _torch.equal(got[name], tensor), name
+    artifact.load_model(dtype=_torch.bfloat16, progress=False)  # every parameter filled, none unknown
+
+
+def _make_fp8_source(directory):
+    import transformers as _tf
+
+    from tests.models.helpers import randomize_
+
+    model = _tf.LlamaForCausalLM(_tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                                 num_hidden_layers=1, num_attention_heads=2,
+                                                 num_key_value_heads=1)).to(__import__("torch").bfloat16)
+    randomize_(model, 3, vector_mean=1.0)
+    model.save_pretrained(directory)
+    _write_tokenizer(directory)
+    return directory

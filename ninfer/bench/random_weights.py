@@ -1,0 +1,39 @@
+"""Deterministic random weights filled by parameter name, so two implementations get identical ones.
+
+Realistic magnitudes (never zeros, which run faster than real data and hide bugs): matrices
+N(0, fan_in^-1/2); zero-centred norm weights N(0, 0.1); plain norm weights N(1, 0.1);
+A_log = log U(1, 16); dt_bias N(0, 0.5); conv weights N(0, 0.5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable
+
+import torch
+
+
+def _seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def fill_random_(named_parameters: Iterable[tuple[str, torch.Tensor]], seed: int = 0) -> None:
+    for name, param in named_parameters:
+        gen = torch.Generator(device=param.device).manual_seed(_seed(seed, name))
+        shape, device = param.shape, param.device
+        if name.endswith("A_log"):
+            values = torch.empty(shape, device=device, dtype=torch.float32).uniform_(1.0, 16.0, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            values = torch.randn(shape, device=device, generator=gen) * 0.5
+        elif "conv1d" in name:
+            values = torch.randn(shape, device=device, generator=gen) * 0.5
+        elif name.endswith("linear_attn.norm.weight"):
+            values = 1.0 + torch.randn(shape, device=device, generator=gen) * 0.1
+        elif param.dim() == 1:
+            values = torch.randn(shape, device=device, generator=gen) * 0.1
+        else:
+            fan_in = shape[-1]
+            values = torch.randn(shape, device=device, dtype=param.dtype, generator=gen) * (1.0 / math.sqrt(fan_in))
+        param.copy_(values)

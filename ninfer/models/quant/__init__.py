@@ -1,0 +1,1 @@
+"""Weight quantization transforms, applied to a built model (model files stay plain nn.Modules)."""

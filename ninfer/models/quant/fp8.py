@@ -1,0 +1,77 @@
+"""FP8 e4m3 weights with per-output-channel scales: on-the-fly quantization of bf16 Linear layers.
+
+Decode streams every weight once per step, so halving weight bytes nearly doubles the
+bandwidth roofline. Activations are quantized per token on the fly; the product runs on
+Hopper's FP8 matrix units through torch._scaled_mm (row-wise scales). The embedding and
+lm_head stay in bf16 (the embedding reads one row per token; lm_head precision drives
+sampling), and so do 3-D fused MoE experts for now.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_ROW_MULTIPLE = 16  # _scaled_mm wants row counts in multiples of 16
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight)  # [out, in] float8_e4m3fn
+        self.register_buffer("weight_scale", weight_scale)  # [out] float32
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        weight = linear.weight.float()
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+        quantized = (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return cls(quantized, scale, None if linear.bias is None else linear.bias.detach())
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if not rows.is_cuda:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)  # CPU reference path
+        amax = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+        x_scale = amax / FP8_MAX
+        x_fp8 = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        num_rows = rows.shape[0]
+        padded = -(-num_rows // _ROW_MULTIPLE) * _ROW_MULTIPLE
+        if padded != num_rows:
+            x_fp8 = F.pad(x_fp8.view(torch.uint8), (0, 0, 0, padded - num_rows)).view(FP8)
+            x_scale = F.pad(x_scale, (0, 0, 0, padded - num_rows), value=1.0)
+        out = torch._scaled_mm(
+            x_fp8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1), out_dtype=x.dtype
+        )[:num_rows]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+def quantize_fp8_(model: nn.Module, skip: tuple[str, ...] = ("lm_head", "embed_tokens")) -> int:
+    """Replace every nn.Linear (except `skip` names) by an Fp8Linear in place; returns how many."""
+    replaced = 0
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, nn.Linear) and not any(s in full for s in skip) and child.out_features >= 16:
+                setattr(parent, child_name, Fp8Linear.from_linear(child))
+                replaced += 1
+    return replaced
