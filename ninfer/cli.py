@@ -176,6 +176,45 @@ def _run_chat(args: argparse.Namespace) -> int:
     return asyncio.run(run_chat(args))
 
 
+def _run_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from ninfer.bench.report import markdown_table, write_json, write_markdown, write_plot
+    from ninfer.bench.suite import BenchOptions, Suite
+    from ninfer.log import setup_logging
+
+    setup_logging(args.log_level)
+    if not torch.cuda.is_available():
+        print("ninfer bench: error: needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",") if x]
+
+    options = BenchOptions(
+        shapes=args.shapes.split(","),
+        weights=args.weights.split(","),
+        batches=ints(args.batches),
+        contexts=ints(args.contexts),
+        prefill_lengths=ints(args.prefill),
+        prefill_chunk=args.prefill_chunk,
+        decode_rounds=args.decode_rounds,
+        peer=args.peer,
+        cuda_graphs=not args.no_cuda_graph,
+    )
+    results = Suite(options).run()
+    results["command"] = "ninfer bench " + " ".join(sys.argv[2:])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(results, out)
+    write_markdown(results, out)
+    write_plot(results, out)
+    print(markdown_table(results))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ninfer", description="NInfer: one-GPU LLM inference server.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -193,9 +232,23 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--device", type=int, default=0, help="CUDA device index (CPU when no GPU is present)")
     chat.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     chat.add_argument("--log-level", default="warning", choices=list(LEVELS))
+    bench = sub.add_parser("bench", help="GPU benchmark: random-weight Qwen3.5 shapes vs roofline and HF transformers")
+    bench.add_argument("--shapes", default="27b,35b-a3b", help="comma list of 27b, 35b-a3b, tiny (default 27b,35b-a3b)")
+    bench.add_argument("--weights", default="bf16,fp8", help="comma list of bf16, fp8 (default both)")
+    bench.add_argument("--batches", default="1,2,4,8", help="decode batch sizes (default 1,2,4,8)")
+    bench.add_argument("--contexts", default="4096,131072", help="decode context lengths (default 4096,131072)")
+    bench.add_argument("--prefill", default="8192,65536", help="prefill prompt lengths (default 8192,65536)")
+    bench.add_argument("--prefill-chunk", type=int, default=8192, help="prefill chunk (default 8192)")
+    bench.add_argument("--decode-rounds", type=int, default=20, help="timed decode rounds per case (default 20)")
+    bench.add_argument("--peer", default="hf", choices=["hf", "none"], help="run HF transformers on the same weights (default hf)")
+    bench.add_argument("--no-cuda-graph", action="store_true", help="eager decode")
+    bench.add_argument("--out", default="bench-results", help="output folder for bench.json, bench.md, bench.png")
+    bench.add_argument("--log-level", default="info", choices=list(LEVELS))
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _run_serve(args, "ninfer serve")
+    if args.command == "bench":
+        return _run_bench(args)
     return _run_chat(args)
 
 

@@ -59,7 +59,8 @@ class ModelBytes:
 
 
 def model_bytes(config: ModelConfig, weight_bytes: float, kv_element_bytes: int, batch: int) -> ModelBytes:
-    """weight_bytes: bytes per weight element (2 for bf16, ~1 for FP8 with scales)."""
+    """weight_bytes: bytes per Linear weight element (2 for bf16, 1 for FP8); lm_head and the
+    3-D MoE experts stay bf16 in every mode."""
     h = config.hidden_size
     attn_layers = len(config.attention_layer_ids)
     linear_layers = len(config.linear_layer_ids)
@@ -89,11 +90,12 @@ def model_bytes(config: ModelConfig, weight_bytes: float, kv_element_bytes: int,
     layers = config.num_hidden_layers
     streamed = attn_layers * attn_params + linear_layers * gdn_params + layers * ffn_streamed + lm_head
     active = attn_layers * attn_params + linear_layers * gdn_params + layers * ffn_active + lm_head
+    bf16_only = lm_head + (layers * (ffn_streamed - (3 * h * config.shared_expert_intermediate_size + h)) if config.is_moe else 0)
     kv = 2 * attn_layers * config.num_key_value_heads * config.head_dim * kv_element_bytes
     recurrent = linear_layers * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
     conv = linear_layers * config.linear_conv_dim * (config.linear_conv_kernel_dim - 1) * 2
     return ModelBytes(
-        weight_bytes_per_token=streamed * weight_bytes,
+        weight_bytes_per_token=(streamed - bf16_only) * weight_bytes + bf16_only * 2,
         kv_bytes_per_context_token=kv,
         state_bytes_per_sequence=2 * (recurrent + conv),
         active_params=active,

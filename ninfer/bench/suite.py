@@ -1,0 +1,239 @@
+"""The benchmark run: our engine's runner on random-weight real shapes, the roofline, and HF transformers.
+
+What is measured (and stated in the report):
+- decode tok/s: one decode round of B requests at context L through ModelRunner.execute
+  (CUDA-graph replay when enabled, sampling included, one host sync per round), KV pages and
+  state slots filled with random data (the values do not change the work), median of rounds;
+- prefill tok/s: one request's prompt of P random tokens through the runner in chunks;
+- time to first token: a 4K prompt through EngineCore (scheduler + runner), first token committed;
+- peak GPU memory per case; roofline from bytes streamed per round against the copy bandwidth
+  measured in the same run (prefill: FLOPs against the measured bf16 matrix rate);
+- HF transformers: the same shape and the same random weights (filled by name), greedy generate.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ninfer.bench.random_weights import fill_random_
+from ninfer.bench.roofline import (
+    DeviceCeilings,
+    decode_roofline_tokens_per_s,
+    measure_ceilings,
+    model_bytes,
+    prefill_roofline_tokens_per_s,
+)
+from ninfer.bench.shapes import shape_config
+from ninfer.engine.request import SamplingParams
+from ninfer.engine.runner import ModelRunner
+from ninfer.engine.scheduler import ScheduledChunk, SchedulerStep, StepKind
+from ninfer.models.loader import build_model
+
+log = logging.getLogger("ninfer.bench")
+GREEDY = SamplingParams(temperature=0.0, seed=0)
+
+
+@dataclass
+class BenchOptions:
+    shapes: list[str] = field(default_factory=lambda: ["27b", "35b-a3b"])
+    weights: list[str] = field(default_factory=lambda: ["bf16", "fp8"])
+    batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    contexts: list[int] = field(default_factory=lambda: [4096, 131072])
+    prefill_lengths: list[int] = field(default_factory=lambda: [8192, 65536])
+    prefill_chunk: int = 8192
+    decode_rounds: int = 20
+    page_size: int = 64
+    peer: str = "hf"  # "hf" or "none"
+    peer_new_tokens: int = 16
+    cuda_graphs: bool = True
+    seed: int = 0
+
+
+@dataclass
+class CaseResult:
+    shape: str
+    weights: str
+    kind: str  # decode / prefill / ttft / hf_decode / hf_prefill
+    batch: int
+    tokens: int  # context for decode, prompt for prefill
+    tokens_per_s: float
+    roofline_tokens_per_s: float | None
+    fraction_of_roofline: float | None
+    peak_memory_gib: float
+    note: str = ""
+
+
+def _sync_time(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+class Suite:
+    def __init__(self, options: BenchOptions, device: str = "cuda"):
+        self.options = options
+        self.device = torch.device(device)
+        self.results: list[CaseResult] = []
+        self.ceilings: DeviceCeilings | None = None
+
+    def run(self) -> dict[str, Any]:
+        log.info("measuring device ceilings (copy bandwidth, bf16 matmul rate)")
+        self.ceilings = measure_ceilings(self.device)
+        log.info("%s: copy %.2f TB/s, bf16 matmul %.0f TFLOP/s", self.ceilings.name,
+                 self.ceilings.copy_bytes_per_s / 1e12, self.ceilings.bf16_flops_per_s / 1e12)
+        for shape in self.options.shapes:
+            for weights in self.options.weights:
+                self._run_ours(shape, weights)
+            if self.options.peer == "hf":
+                self._run_hf(shape)
+        return {
+            "device": self.ceilings.name,
+            "ceilings": asdict(self.ceilings),
+            "options": asdict(self.options),
+            "torch": torch.__version__,
+            "results": [asdict(r) for r in self.results],
+        }
+
+    # ---- ours ----------------------------------------------------------------------
+    def _run_ours(self, shape: str, weights: str) -> None:
+        hf_config, config = shape_config(shape)
+        log.info("[%s %s] building random weights on %s", shape, weights, self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        model = build_model(config, torch.bfloat16, self.device)
+        fill_random_(model.named_parameters(), self.options.seed)
+        model.eval()
+        weight_bytes = 2.0
+        if weights == "fp8":
+            from ninfer.models.quant.fp8 import quantize_fp8_
+
+            replaced = quantize_fp8_(model)
+            torch.cuda.empty_cache()
+            weight_bytes = 1.0  # e4m3; per-channel scales are negligible
+            log.info("[%s fp8] %d Linear layers quantized (experts, embedding and lm_head stay bf16)", shape, replaced)
+        options = self.options
+        max_batch = max(options.batches)
+        max_tokens = max(max(options.contexts) + 1, max(options.prefill_lengths))
+        num_pages = max_batch * (-(-max(options.contexts) // options.page_size) + 1)
+        num_pages = max(num_pages, -(-max_tokens // options.page_size) + 1)
+        runner = ModelRunner(model, num_pages, options.page_size, num_state_slots=max_batch + 1,
+                             cuda_graph_batch_sizes=options.batches if options.cuda_graphs else ())
+        with torch.no_grad():
+            runner.kv_cache.k.normal_()
+            runner.kv_cache.v.normal_()
+            if runner.state_cache is not None:
+                runner.state_cache.conv.normal_()
+                runner.state_cache.recurrent.normal_(std=0.01)
+
+        for context in options.contexts:
+            for batch in options.batches:
+                self._decode_case(shape, weights, config, runner, batch, context, weight_bytes)
+        for prompt in options.prefill_lengths:
+            self._prefill_case(shape, weights, config, runner, prompt, weight_bytes)
+        del runner, model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def _decode_case(self, shape, weights, config, runner, batch, context, weight_bytes) -> None:
+        pages_per_seq = -(-(context + 1) // self.options.page_size)
+        chunks = [
+            ScheduledChunk(
+                request_id=f"r{b}", token_ids=[1000 + b], num_computed_tokens=context,
+                page_ids=list(range(b * pages_per_seq, (b + 1) * pages_per_seq)), state_slot=b,
+                compute_logits=True, sample=True, sampling=GREEDY, num_generated=0, output_token_ids=[],
+            )
+            for b in range(batch)
+        ]
+        step = SchedulerStep(StepKind.DECODE, chunks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        for _ in range(3):
+            runner.execute(step)
+        times = [_sync_time(lambda: runner.execute(step)) for _ in range(self.options.decode_rounds)]
+        per_round = statistics.median(times)
+        tps = batch / per_round
+        mb = model_bytes(config, weight_bytes, runner.kv_cache.k.element_size(), batch)
+        roof = decode_roofline_tokens_per_s(mb, batch, context, self.ceilings)
+        self._record(shape, weights, "decode", batch, context, tps, roof)
+
+    def _prefill_case(self, shape, weights, config, runner, prompt, weight_bytes) -> None:
+        generator = torch.Generator().manual_seed(prompt)
+        tokens = torch.randint(0, 200_000, (prompt,), generator=generator).tolist()
+        chunk = self.options.prefill_chunk
+        pages = list(range(-(-prompt // self.options.page_size) + 1))
+
+        def prefill() -> None:
+            for start in range(0, prompt, chunk):
+                piece = tokens[start : start + chunk]
+                last = start + len(piece) == prompt
+                step = SchedulerStep(StepKind.PREFILL, [
+                    ScheduledChunk("p", piece, start, pages, 0, compute_logits=last, sample=last,
+                                   sampling=GREEDY, num_generated=0, output_token_ids=[])
+                ])
+                runner.execute(step)
+
+        prefill()  # warm-up (compilation, autotuning)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        elapsed = statistics.median(_sync_time(prefill) for _ in range(2))
+        mb = model_bytes(config, weight_bytes, runner.kv_cache.k.element_size(), 1)
+        roof = prefill_roofline_tokens_per_s(mb, config, prompt, self.ceilings)
+        self._record(shape, weights, "prefill", 1, prompt, prompt / elapsed, roof,
+                     note=f"chunk {chunk}; roofline = measured bf16 matmul rate / FLOPs per token")
+        if prompt == min(self.options.prefill_lengths):
+            self._record(shape, weights, "ttft", 1, prompt, elapsed, None, note="seconds to first token, runner only")
+
+    # ---- peer ----------------------------------------------------------------------
+    def _run_hf(self, shape: str) -> None:
+        import transformers
+
+        hf_config, _ = shape_config(shape)
+        cls_name = "Qwen3_5MoeForCausalLM" if "moe" in hf_config["model_type"] else "Qwen3_5ForCausalLM"
+        cfg_cls = transformers.Qwen3_5MoeTextConfig if "moe" in hf_config["model_type"] else transformers.Qwen3_5TextConfig
+        fields = {k: v for k, v in hf_config.items() if k not in ("model_type", "dtype", "full_attention_interval")}
+        config = cfg_cls(**fields)
+        log.info("[%s hf] building transformers %s with the same random weights", shape, cls_name)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.device(self.device):
+            model = getattr(transformers, cls_name)._from_config(config, dtype=torch.bfloat16)
+        fill_random_(model.named_parameters(), self.options.seed)
+        model.eval()
+        prompt_len = 4096
+        ids = torch.randint(0, 200_000, (1, prompt_len), device=self.device)
+        new = self.options.peer_new_tokens
+
+        def generate(n: int) -> None:
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)
+
+        with torch.no_grad():
+            generate(2)  # warm-up
+            first = _sync_time(lambda: generate(1))
+            full = _sync_time(lambda: generate(new + 1))
+        decode_tps = new / max(full - first, 1e-9)
+        _, ours_config = shape_config(shape)
+        mb = model_bytes(ours_config, 2.0, 2, 1)
+        roof = decode_roofline_tokens_per_s(mb, 1, prompt_len, self.ceilings)
+        note = f"transformers {transformers.__version__} generate, greedy, bf16"
+        self._record(shape, "bf16", "hf_decode", 1, prompt_len, decode_tps, roof, note=note)
+        self._record(shape, "bf16", "hf_prefill", 1, prompt_len, prompt_len / first, None,
+                     note=note + "; prompt + 1 token")
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def _record(self, shape, weights, kind, batch, tokens, value, roof, note="") -> None:
+        peak = torch.cuda.max_memory_allocated(self.device) / (1 << 30)
+        fraction = value / roof if roof else None
+        result = CaseResult(shape, weights, kind, batch, tokens, value, roof, fraction, peak, note)
+        self.results.append(result)
+        pct = f" ({100 * fraction:.0f}% of {roof:,.1f})" if fraction is not None else ""
+        unit = "s" if kind == "ttft" else "tok/s"
+        log.info(f"[{shape} {weights}] {kind} batch {batch} @ {tokens}: {value:,.2f} {unit}{pct} · peak {peak:.1f} GiB")
+
