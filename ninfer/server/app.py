@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.middleware.cors import CORSMiddleware
 
 from ninfer.server.errors import APIError
+from ninfer.server.generation import ClientDisconnected
 from ninfer.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware, error_body
 from ninfer.server.serving import Serving
 
@@ -58,6 +59,12 @@ def create_app(serving: Serving) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> Response:
         return error_response(request, error)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(request: Request, error: ClientDisconnected) -> Response:
+        # Nobody reads this response; the request was already cancelled in the engine.
+        log.info("request %s: client disconnected", request_id_of(request))
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, error: Exception) -> Response:
