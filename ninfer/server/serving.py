@@ -18,6 +18,7 @@ from ninfer.engine.sampling_defaults import SamplingDefaults, SamplingOverrides
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.prompt_builder import PromptBuilder
 from ninfer.frontend.template import ChatTemplate
+from ninfer.server.response_store import ResponseStore
 
 log = logging.getLogger("ninfer.server")
 
@@ -47,6 +48,7 @@ class Serving:
     stop_token_ids: list[int]
     think_end_token_id: int | None
     thinking_close_ids: list[int] = field(default_factory=list)
+    response_store: ResponseStore = field(default_factory=ResponseStore)  # stored Responses (LRU)
 
     @classmethod
     def create(cls, config: ServeConfig, artifact: Artifact, engine: EngineClient) -> Serving:
@@ -81,6 +83,7 @@ class Serving:
             stop_token_ids=_stop_token_ids(artifact),
             think_end_token_id=think_end,
             thinking_close_ids=close_ids,
+            response_store=ResponseStore(config.response_store_max_records, config.response_store_max_mib << 20),
         )
 
     @property
