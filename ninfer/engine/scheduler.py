@@ -39,6 +39,17 @@ from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
 
 
+@dataclass(frozen=True)
+class _AdmissionPlan:
+    hit: CacheHit | None
+    adopt: bool  # take over the checkpoint's slot and pages instead of copying its state
+    num_full_pages: int  # fully reused pages, shared (or, when adopting, taken over)
+    own_partial: bool  # the adopted checkpoint's partial last page is written in place
+    cow_src: int | None  # partial page to copy into the first private page
+    num_private_pages: int
+    evict: list[Checkpoint]
+
+
 class StepKind(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -282,52 +293,76 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
 
     def _try_admit(self, seq: Sequence) -> bool:
-        page_size = self.kv_pool.page_size
+        """Admit with the best legal plan: resume from the hit (copying its state), adopt the hit
+        itself, or start from root; a hit must never make a fitting request wait forever."""
         hit = self.cache.lookup(seq.token_ids, seq.request.session_key) if self.limits.prefix_reuse else None
+        candidates: list[tuple[CacheHit | None, bool]] = []
+        if hit is not None:
+            candidates.append((hit, False))
+            if hit.is_exact_frontier:
+                candidates.append((hit, True))
+        candidates.append((None, False))
+        for candidate, adopt in candidates:
+            plan = self._plan_admission(seq, candidate, adopt)
+            if plan is not None:
+                self._commit_admission(seq, plan)
+                return True
+        return False
+
+    def _plan_admission(self, seq: Sequence, hit: CacheHit | None, adopt: bool) -> _AdmissionPlan | None:
+        page_size = self.kv_pool.page_size
+        total_pages = self.kv_pool.pages_for(seq.prompt_len + seq.max_new_tokens)
+        ck = hit.checkpoint if hit else None
         reused = hit.num_reused_tokens if hit else 0
-        shared_pages = hit.checkpoint.pages[: reused // page_size] if hit else []
-        # A partially filled last page is copied: its other owners may write past our frontier.
-        cow_src = hit.checkpoint.pages[reused // page_size] if hit and reused % page_size else None
-        num_private_pages = self.kv_pool.pages_for(seq.prompt_len + seq.max_new_tokens) - len(shared_pages)
-
-        victims = self.cache.victims(keep=hit.checkpoint if hit else None)
+        num_full = reused // page_size
+        partial = ck.pages[num_full] if ck is not None and reused % page_size else None
+        # A partial last page is copied unless an adopted checkpoint is its only owner: other
+        # owners may write past our frontier in it.
+        own_partial = adopt and partial is not None and self.kv_pool.refcount(partial) == 1
+        cow_src = partial if partial is not None and not own_partial else None
+        num_private = total_pages - num_full - (1 if own_partial else 0)
+        slots_needed = 0 if adopt else 1
+        victims = self.cache.victims(keep=ck)
         page_gains = [0, *self.cache.pages_freed_by_evicting(victims)]
-        num_evict = 0
-        while self.kv_pool.num_free + page_gains[num_evict] < num_private_pages:
-            if num_evict == len(victims):
-                return False  # waits until running requests finish
-            num_evict += 1
-        adopt = False
-        if self.state_pool.num_free + num_evict == 0:
-            if num_evict < len(victims):
-                num_evict += 1
-            elif hit and hit.is_exact_frontier:
-                adopt = True  # no slot left: the request consumes the checkpoint itself
-            else:
-                return False
+        for num_evict in range(len(victims) + 1):
+            if (
+                self.kv_pool.num_free + page_gains[num_evict] >= num_private
+                and self.state_pool.num_free + num_evict >= slots_needed
+            ):
+                return _AdmissionPlan(hit, adopt, num_full, own_partial, cow_src, num_private, victims[:num_evict])
+        return None
 
-        # Commit. Share the prefix before evicting anything that might release it.
-        self.kv_pool.share(shared_pages)
-        for victim in victims[:num_evict]:
+    def _commit_admission(self, seq: Sequence, plan: _AdmissionPlan) -> None:
+        hit = plan.hit
+        ck = hit.checkpoint if hit else None
+        reused = hit.num_reused_tokens if hit else 0
+        shared = ck.pages[: plan.num_full_pages] if ck is not None else []
+        if ck is not None and not plan.adopt:
+            self.kv_pool.share(shared)  # hold the prefix before evicting anything that might release it
+        for victim in plan.evict:
             self.cache.remove(victim)
-        private_pages = self.kv_pool.allocate(num_private_pages)
-        if cow_src is not None:
-            self._pending_actions.append(CopyPage(cow_src, private_pages[0]))
-        if adopt:
-            self.cache.remove(hit.checkpoint, release_resources=False)
-            self.kv_pool.release(hit.checkpoint.pages)  # our own references were taken above
-            seq.state_slot = hit.checkpoint.state_slot
+        private = self.kv_pool.allocate(plan.num_private_pages)
+        if plan.cow_src is not None:
+            # Runs before any forward writes, so the source still holds the prefix's tokens.
+            self._pending_actions.append(CopyPage(plan.cow_src, private[0]))
+        if plan.adopt:
+            self.cache.remove(ck, release_resources=False)  # its page references and slot become ours
+            if plan.cow_src is not None:
+                self.kv_pool.release([plan.cow_src])
+            kept = ck.pages[: plan.num_full_pages + (1 if plan.own_partial else 0)]
+            seq.pages = kept + private
+            seq.state_slot = ck.state_slot
         else:
+            seq.pages = shared + private
             seq.state_slot = self.state_pool.allocate()
-            if hit and hit.is_exact_frontier:
-                self._pending_actions.append(CopySlot(hit.checkpoint.state_slot, seq.state_slot))
-                self.cache.touch(hit.checkpoint)
+            if hit is not None and hit.is_exact_frontier:
+                self._pending_actions.append(CopySlot(ck.state_slot, seq.state_slot))
+                self.cache.touch(ck)
             else:
                 self._pending_actions.append(ResetSlot(seq.state_slot))
-        seq.pages = shared_pages + private_pages
-        seq.reuse_path = hit.checkpoint.path if hit else ROOT
+        seq.reuse_path = ck.path if ck is not None else ROOT
         seq.num_computed_tokens = seq.num_cached_tokens = reused
-        if hit and hit.is_exact_frontier:
+        if hit is not None and hit.is_exact_frontier:
             seq.logits_frontier = reused
         seq.status = SequenceStatus.RUNNING
         seq.timings.admitted = self.clock()
@@ -335,14 +370,13 @@ class Scheduler:
             seq.timings.prompt_done = seq.timings.admitted
         if self.limits.prefix_reuse and reused < seq.prompt_len:
             frontiers = {seq.prompt_len: seq.request.endpoint_path}
-            for hint in seq.request.capture_hints:
-                if reused < hint.frontier <= seq.prompt_len:
-                    frontiers[hint.frontier] = hint.path
+            for capture in seq.request.capture_hints:
+                if reused < capture.frontier <= seq.prompt_len:
+                    frontiers[capture.frontier] = capture.path
             seq.capture_frontiers = sorted(frontiers.items())
         # The first progress event reports the reuse choice: processed == cache.
         seq.unsent_progress = PromptProgress(seq.prompt_len, reused, reused, 0.0)
         self._outbox.append(self._delta_output(seq))
-        return True
 
     # ---- commit --------------------------------------------------------------------
     def update(self, step: SchedulerStep, sampled: dict[str, int]) -> list[EngineOutput]:

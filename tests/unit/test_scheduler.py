@@ -517,3 +517,31 @@ def test_staggered_arrivals_many_requests_balanced(byte_tokenizer):
     for rid in prompts:
         assert len([o for o in h.outputs[rid] if o.finished]) == 1
     h.assert_empty()
+
+
+def test_full_pool_reservation_with_mid_page_hit_adopts_instead_of_waiting(byte_tokenizer):
+    # 16 pages of 8 tokens. The endpoint of t1 ends mid-page (frontier 65); t2 needs all 16 pages:
+    # copying the hit would need one page more than exists, so t2 must adopt the checkpoint.
+    h = Harness(byte_tokenizer, kv_tokens=128, page_size=8, max_context=128, max_concurrency=1, extra_slots=1)
+    h.add(req("t1", PROMPT, max_new=5))
+    h.run()
+    follow = PROMPT + h.tokens("t1") + [ord(c) for c in " more"]
+    h.add(req("t2", follow, max_new=1000))
+    h.run(max_steps=500)
+    out = h.final("t2")
+    assert out.cached_tokens == len(PROMPT) + 4 and out.finish_reason is FinishReason.LENGTH
+    assert h.tokens("t2") == expected_continuation(follow, 128 - len(follow))
+    h.assert_empty()
+
+
+def test_unusable_hit_falls_back_to_root(byte_tokenizer):
+    # A non-exact (attention-only) hit that cannot fit beside its checkpoint is dropped, not waited on.
+    h = Harness(byte_tokenizer, kv_tokens=128, page_size=8, max_context=128, max_concurrency=1, hybrid=False)
+    h.add(req("t1", PROMPT, max_new=5))
+    h.run()
+    other = PROMPT[:40] + [ord(c) for c in " a different ending that is long enough"]
+    h.add(req("t2", other, max_new=1000))
+    h.run(max_steps=500)
+    assert h.final("t2").finish_reason is FinishReason.LENGTH
+    assert h.tokens("t2") == expected_continuation(other, 128 - len(other))
+    h.assert_empty()
