@@ -23,7 +23,18 @@ from ninfer.engine.request import TOP_K_CAP
 from ninfer.engine.sampling_defaults import SamplingOverrides
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.conversation import Conversation, Message, TextPart, Tool, ToolCall
-from ninfer.server.errors import APIError, invalid, unsupported
+from ninfer.server.errors import APIError, invalid
+from ninfer.server.json_fields import (
+    cannot_provide,
+    is_int,
+    json_type,
+    optional_bool,
+    optional_list,
+    optional_object,
+    optional_str,
+    required_str,
+    wrong_type,
+)
 
 # Claude Code's attribution block: consumed when it is the first block of an array-form system.
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
@@ -91,8 +102,8 @@ def parse_messages_request(body: Any, context: MessagesContext, *, count_only: b
     sequences, stream) neither are required nor affect the prompt, so they are not read.
     """
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, not {_json_type(body)}", code="invalid_type")
-    model = _required_str(body, "model", "model")
+        raise APIError(400, f"the request body must be a JSON object, not {json_type(body)}", code="invalid_type")
+    model = required_str(body, "model", "model")
     if not model:
         raise invalid("model", "model must be a non-empty string")
     _reject_unprovidable_fields(body)
@@ -102,12 +113,12 @@ def parse_messages_request(body: Any, context: MessagesContext, *, count_only: b
         max_tokens = _max_tokens(body, context.default_max_tokens)
         sampling = _sampling(body)
         stop = _stop_sequences(body)
-        stream = bool(_optional_bool(body, "stream", "stream"))
+        stream = bool(optional_bool(body, "stream", "stream"))
     thinking = _Thinking.parse(body, context.capabilities, None if count_only else max_tokens)
     effort = _effort(body, context.capabilities)
-    preserve = _optional_bool(body, "preserve_thinking", "preserve_thinking")
+    preserve = optional_bool(body, "preserve_thinking", "preserve_thinking")
     if preserve and not context.capabilities.supports_preserve_thinking:
-        raise _unsupported(
+        raise cannot_provide(
             "preserve_thinking", "preserving closed-turn reasoning (the loaded chat template has no such switch)"
         )
 
@@ -118,7 +129,7 @@ def parse_messages_request(body: Any, context: MessagesContext, *, count_only: b
     messages += history
     lowering.apply_cache_markers(body)
     if prefill and thinking.enable is True:
-        raise _unsupported("thinking", "an assistant prefill with thinking enabled (a prefill continues answer text)")
+        raise cannot_provide("thinking", "an assistant prefill with thinking enabled (a prefill continues answer text)")
 
     conversation = Conversation(
         messages=messages,
@@ -144,74 +155,9 @@ def parse_messages_request(body: Any, context: MessagesContext, *, count_only: b
 # ---- JSON shape helpers ----------------------------------------------------------------------
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _unsupported(param: str, capability: str) -> APIError:
-    return unsupported(param, f"NInfer cannot provide {capability}")
-
-
-def _wrong_type(path: str, expected: str, value: Any) -> APIError:
-    return invalid(path, f"{path} must be {expected}, not {_json_type(value)}", code="invalid_type")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _optional_bool(obj: dict, key: str, path: str) -> bool | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise _wrong_type(path, "a boolean", value)
-    return value
-
-
-def _optional_str(obj: dict, key: str, path: str) -> str | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, str):
-        raise _wrong_type(path, "a string", value)
-    return value
-
-
-def _optional_object(obj: dict, key: str, path: str) -> dict | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, dict):
-        raise _wrong_type(path, "an object", value)
-    return value
-
-
-def _optional_list(obj: dict, key: str, path: str) -> list | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, list):
-        raise _wrong_type(path, "an array", value)
-    return value
-
-
-def _required_str(obj: dict, key: str, path: str) -> str:
-    value = obj.get(key)
-    if value is None:
-        raise invalid(path, f"{path} is required", code="missing_required_parameter")
-    if not isinstance(value, str):
-        raise _wrong_type(path, "a string", value)
-    return value
-
-
 def _object(value: Any, path: str) -> dict:
     if not isinstance(value, dict):
-        raise _wrong_type(path, "an object", value)
+        raise wrong_type(path, "an object", value)
     return value
 
 
@@ -221,32 +167,32 @@ def _object(value: Any, path: str) -> dict:
 def _reject_unprovidable_fields(body: dict) -> None:
     for key, capability in _UNSUPPORTED_FIELDS.items():
         if body.get(key) not in (None, [], {}):
-            raise _unsupported(key, capability)
-    output_config = _optional_object(body, "output_config", "output_config") or {}
+            raise cannot_provide(key, capability)
+    output_config = optional_object(body, "output_config", "output_config") or {}
     if output_config.get("format") is not None:
-        raise _unsupported("output_config.format", "Structured Outputs (constrained decoding)")
+        raise cannot_provide("output_config.format", "Structured Outputs (constrained decoding)")
     _check_context_management(body)
 
 
 def _check_context_management(body: dict) -> None:
     """Only the no-op edit passes: Claude Code sends clear_thinking with keep "all" on every request."""
-    config = _optional_object(body, "context_management", "context_management") or {}
-    edits = _optional_list(config, "edits", "context_management.edits") or []
+    config = optional_object(body, "context_management", "context_management") or {}
+    edits = optional_list(config, "edits", "context_management.edits") or []
     for i, edit in enumerate(edits):
         path = f"context_management.edits[{i}]"
         edit = _object(edit, path)
         if edit.get("type") != "clear_thinking_20251015" or edit.get("keep") != "all":
-            raise _unsupported(path, f"server-side context editing ({edit.get('type')!r} that removes context)")
+            raise cannot_provide(path, f"server-side context editing ({edit.get('type')!r} that removes context)")
 
 
 def _max_tokens(body: dict, default: int) -> int:
     value = body.get("max_tokens")
     if value is None:
         return default
-    if not _is_int(value):
-        raise _wrong_type("max_tokens", "an integer", value)
+    if not is_int(value):
+        raise wrong_type("max_tokens", "an integer", value)
     if value == 0:
-        raise _unsupported("max_tokens", "max_tokens 0 (a completed zero-output cache-prewarm lifecycle)")
+        raise cannot_provide("max_tokens", "max_tokens 0 (a completed zero-output cache-prewarm lifecycle)")
     if value < 0:
         raise invalid("max_tokens", f"max_tokens must be a positive integer, got {value}")
     return value
@@ -257,7 +203,7 @@ def _unit_interval(body: dict, key: str) -> float | None:
     if value is None:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise _wrong_type(key, "a number", value)
+        raise wrong_type(key, "a number", value)
     if not math.isfinite(value) or not 0 <= value <= 1:
         raise invalid(key, f"{key} must be between 0 and 1, got {value!r}")
     return float(value)
@@ -266,30 +212,30 @@ def _unit_interval(body: dict, key: str) -> float | None:
 def _sampling(body: dict) -> SamplingOverrides:
     top_k = body.get("top_k")
     if top_k is not None:
-        if not _is_int(top_k):
-            raise _wrong_type("top_k", "an integer", top_k)
+        if not is_int(top_k):
+            raise wrong_type("top_k", "an integer", top_k)
         if top_k < 0:
             raise invalid("top_k", f"top_k must be a non-negative integer, got {top_k}")
         if top_k > TOP_K_CAP:
-            raise _unsupported("top_k", f"top_k above {TOP_K_CAP} (the sampler's candidate cap)")
+            raise cannot_provide("top_k", f"top_k above {TOP_K_CAP} (the sampler's candidate cap)")
     return SamplingOverrides(
         temperature=_unit_interval(body, "temperature"), top_p=_unit_interval(body, "top_p"), top_k=top_k
     )
 
 
 def _stop_sequences(body: dict) -> list[str]:
-    raw = _optional_list(body, "stop_sequences", "stop_sequences") or []
+    raw = optional_list(body, "stop_sequences", "stop_sequences") or []
     for i, value in enumerate(raw):
         if not isinstance(value, str):
-            raise _wrong_type(f"stop_sequences[{i}]", "a string", value)
+            raise wrong_type(f"stop_sequences[{i}]", "a string", value)
         if not value:
             raise invalid(f"stop_sequences[{i}]", f"stop_sequences[{i}] must be a non-empty string")
     return list(raw)
 
 
 def _effort(body: dict, caps: TemplateCapabilities) -> str | None:
-    output_config = _optional_object(body, "output_config", "output_config") or {}
-    effort = _optional_str(output_config, "effort", "output_config.effort")
+    output_config = optional_object(body, "output_config", "output_config") or {}
+    effort = optional_str(output_config, "effort", "output_config.effort")
     if effort is None:
         return None
     if effort not in EFFORTS:
@@ -314,26 +260,26 @@ class _Thinking:
 
     @classmethod
     def parse(cls, body: dict, caps: TemplateCapabilities, max_tokens: int | None) -> _Thinking:
-        raw = _optional_object(body, "thinking", "thinking")
+        raw = optional_object(body, "thinking", "thinking")
         if raw is None:
             return cls()
-        kind = _required_str(raw, "type", "thinking.type")
+        kind = required_str(raw, "type", "thinking.type")
         if kind == "disabled":
             thinking = cls(enable=False)
         elif kind in ("enabled", "adaptive"):
-            display = _optional_str(raw, "display", "thinking.display")
+            display = optional_str(raw, "display", "thinking.display")
             if display == "omitted":
-                raise _unsupported("thinking.display", "omitted thinking (encrypted hidden-reasoning restore)")
+                raise cannot_provide("thinking.display", "omitted thinking (encrypted hidden-reasoning restore)")
             if display not in (None, "summarized"):
                 raise invalid("thinking.display", f"thinking.display must be summarized or omitted, got {display!r}")
             thinking = cls(enable=True, budget=_budget(raw, max_tokens) if kind == "enabled" else None)
         elif kind == "between_tools":
-            raise _unsupported("thinking.type", "thinking restricted to between tool calls")
+            raise cannot_provide("thinking.type", "thinking restricted to between tool calls")
         else:
             raise invalid("thinking.type", f"thinking.type must be enabled, adaptive or disabled, got {kind!r}")
         if not _thinking_reachable(caps, thinking.enable):
             state = "enabling" if thinking.enable else "disabling"
-            raise _unsupported("thinking", f"{state} thinking (the loaded chat template has no thinking switch)")
+            raise cannot_provide("thinking", f"{state} thinking (the loaded chat template has no thinking switch)")
         return thinking
 
 
@@ -345,8 +291,8 @@ def _budget(raw: dict, max_tokens: int | None) -> int:
             "thinking.budget_tokens is required when thinking is enabled",
             code="missing_required_parameter",
         )
-    if not _is_int(budget):
-        raise _wrong_type("thinking.budget_tokens", "an integer", budget)
+    if not is_int(budget):
+        raise wrong_type("thinking.budget_tokens", "an integer", budget)
     if budget < MIN_THINKING_BUDGET:
         raise invalid(
             "thinking.budget_tokens", f"thinking.budget_tokens must be >= {MIN_THINKING_BUDGET}, got {budget}"
@@ -371,15 +317,15 @@ def _callable_tools(body: dict, schemas: dict[str, dict]) -> dict[str, dict | No
     if choice is None:
         return dict(schemas) or None
     choice = _object(choice, "tool_choice")
-    kind = _required_str(choice, "type", "tool_choice.type")
+    kind = required_str(choice, "type", "tool_choice.type")
     if kind in ("any", "tool"):
-        raise _unsupported("tool_choice", f"a forced tool choice ({kind}) without constrained decoding")
+        raise cannot_provide("tool_choice", f"a forced tool choice ({kind}) without constrained decoding")
     if kind not in ("auto", "none"):
         raise invalid("tool_choice.type", f"tool_choice.type must be auto, any, tool or none, got {kind!r}")
     if kind == "none":
         return None  # the tools stay in the prompt; markup stays text
-    if _optional_bool(choice, "disable_parallel_tool_use", "tool_choice.disable_parallel_tool_use") and schemas:
-        raise _unsupported("tool_choice.disable_parallel_tool_use", "limiting a turn to one tool call")
+    if optional_bool(choice, "disable_parallel_tool_use", "tool_choice.disable_parallel_tool_use") and schemas:
+        raise cannot_provide("tool_choice.disable_parallel_tool_use", "limiting a turn to one tool call")
     return dict(schemas) or None
 
 
@@ -415,7 +361,7 @@ class _Lowering:
     # -- tools ------------------------------------------------------------------------------
 
     def tools(self, body: dict) -> tuple[list[Tool], dict[str, dict]]:
-        raw = _optional_list(body, "tools", "tools") or []
+        raw = optional_list(body, "tools", "tools") or []
         tools: list[Tool] = []
         schemas: dict[str, dict] = {}
         for i, item in enumerate(raw):
@@ -429,23 +375,23 @@ class _Lowering:
         return tools, schemas
 
     def _tool(self, raw: dict, path: str) -> tuple[Tool, dict]:
-        kind = _optional_str(raw, "type", f"{path}.type")
+        kind = optional_str(raw, "type", f"{path}.type")
         if kind not in (None, "custom"):
             what = (
                 f"toolsets ({kind})" if "toolset" in kind else f"Anthropic-provided tools ({kind}) and their executors"
             )
-            raise _unsupported(f"{path}.type", what)
-        name = _required_str(raw, "name", f"{path}.name")
+            raise cannot_provide(f"{path}.type", what)
+        name = required_str(raw, "name", f"{path}.name")
         if not TOOL_NAME.match(name):
             raise invalid(f"{path}.name", f"{path}.name must match ^[a-zA-Z0-9_-]{{1,128}}$, got {name!r}")
-        if _optional_bool(raw, "strict", f"{path}.strict"):
-            raise _unsupported(f"{path}.strict", "strict schema adherence (constrained decoding)")
-        if _optional_bool(raw, "defer_loading", f"{path}.defer_loading"):
-            raise _unsupported(f"{path}.defer_loading", "deferred tool loading (tool search)")
-        callers = _optional_list(raw, "allowed_callers", f"{path}.allowed_callers")
+        if optional_bool(raw, "strict", f"{path}.strict"):
+            raise cannot_provide(f"{path}.strict", "strict schema adherence (constrained decoding)")
+        if optional_bool(raw, "defer_loading", f"{path}.defer_loading"):
+            raise cannot_provide(f"{path}.defer_loading", "deferred tool loading (tool search)")
+        callers = optional_list(raw, "allowed_callers", f"{path}.allowed_callers")
         if callers is not None and "direct" not in callers:
-            raise _unsupported(f"{path}.allowed_callers", "tools that only programmatic callers may invoke")
-        _optional_bool(raw, "eager_input_streaming", f"{path}.eager_input_streaming")  # transport hint
+            raise cannot_provide(f"{path}.allowed_callers", "tools that only programmatic callers may invoke")
+        optional_bool(raw, "eager_input_streaming", f"{path}.eager_input_streaming")  # transport hint
         schema = raw.get("input_schema")
         if schema is None:
             raise invalid(f"{path}.input_schema", f"{path}.input_schema is required", code="missing_required_parameter")
@@ -453,16 +399,14 @@ class _Lowering:
         if schema.get("type", "object") != "object":
             raise invalid(f"{path}.input_schema.type", f"{path}.input_schema.type must be object")
         rendered = self._with_examples(raw, schema, path)
-        tool = Tool(
-            name=name, description=_optional_str(raw, "description", f"{path}.description"), parameters=rendered
-        )
+        tool = Tool(name=name, description=optional_str(raw, "description", f"{path}.description"), parameters=rendered)
         self._slot(raw, path, lambda: setattr(tool, "cache_breakpoint", True))
         return tool, schema
 
     @staticmethod
     def _with_examples(raw: dict, schema: dict, path: str) -> dict:
         """input_examples reach the model as the schema's standard `examples` keyword, after its own members."""
-        examples = _optional_list(raw, "input_examples", f"{path}.input_examples")
+        examples = optional_list(raw, "input_examples", f"{path}.input_examples")
         if not examples:
             return schema
         for j, example in enumerate(examples):
@@ -480,7 +424,7 @@ class _Lowering:
         if isinstance(system, str):
             return [Message(role="system", content=[TextPart(system)])] if system else []
         if not isinstance(system, list):
-            raise _wrong_type("system", "a string or an array of text blocks", system)
+            raise wrong_type("system", "a string or an array of text blocks", system)
         blocks = list(enumerate(system))
         if blocks and _is_billing_header(blocks[0][1]):
             blocks = blocks[1:]  # consumed whole, its cache_control included (positional rule)
@@ -489,7 +433,7 @@ class _Lowering:
 
     def _system_text(self, block: Any, path: str) -> TextPart:
         block = _object(block, path)
-        kind = _required_str(block, "type", f"{path}.type")
+        kind = required_str(block, "type", f"{path}.type")
         if kind != "text":
             raise invalid(f"{path}.type", f"{path}.type must be text (system content is text), got {kind!r}")
         return self._text(block, path)
@@ -502,7 +446,7 @@ class _Lowering:
         if raw is None:
             raise invalid("messages", "messages is required", code="missing_required_parameter")
         if not isinstance(raw, list):
-            raise _wrong_type("messages", "an array of messages", raw)
+            raise wrong_type("messages", "an array of messages", raw)
         if not raw:
             raise invalid("messages", "messages must contain at least one message")
         turns: list[_Turn] = []
@@ -523,7 +467,7 @@ class _Lowering:
             )
         if final.role == "assistant":
             if final.thinking:
-                raise _unsupported(
+                raise cannot_provide(
                     final.path, "an assistant prefill that contains thinking (a prefill continues answer text)"
                 )
             if final.parts and any(part.text for part in final.parts):
@@ -534,7 +478,7 @@ class _Lowering:
 
     def _turn(self, raw: Any, path: str) -> _Turn:
         raw = _object(raw, path)
-        role = _required_str(raw, "role", f"{path}.role")
+        role = required_str(raw, "role", f"{path}.role")
         if role not in ROLES:
             raise invalid(f"{path}.role", f"{path}.role must be one of {', '.join(ROLES)}, got {role!r}")
         turn = _Turn(role=role, path=path)
@@ -549,14 +493,14 @@ class _Lowering:
             self._slot({}, f"{path}.content", lambda: setattr(part, "cache_breakpoint", True))
             return turn
         if not isinstance(content, list):
-            raise _wrong_type(f"{path}.content", "a string or an array of content blocks", content)
+            raise wrong_type(f"{path}.content", "a string or an array of content blocks", content)
         for j, block in enumerate(content):
             self._block(turn, block, f"{path}.content[{j}]")
         return turn
 
     def _block(self, turn: _Turn, raw: Any, path: str) -> None:
         raw = _object(raw, path)
-        kind = _required_str(raw, "type", f"{path}.type")
+        kind = required_str(raw, "type", f"{path}.type")
         role = turn.role
         if role == "system" and kind != "text":
             raise invalid(f"{path}.type", f"{path}.type must be text (system content is text), got {kind!r}")
@@ -580,14 +524,14 @@ class _Lowering:
                 raise invalid(f"{path}.type", f"{path}: tool_result blocks belong to user messages")
             self._tool_result(turn, raw, path)
         elif kind in _UNSUPPORTED_BLOCKS:
-            raise _unsupported(path, _UNSUPPORTED_BLOCKS[kind])
+            raise cannot_provide(path, _UNSUPPORTED_BLOCKS[kind])
         else:
             raise invalid(f"{path}.type", f"{path}.type {kind!r} is not a known content block type")
 
     def _text(self, raw: dict, path: str, *, targetable: bool = True) -> TextPart:
-        text = _required_str(raw, "text", f"{path}.text")
+        text = required_str(raw, "text", f"{path}.text")
         if raw.get("citations"):
-            raise _unsupported(f"{path}.citations", "citations (they need document or search-result sources)")
+            raise cannot_provide(f"{path}.citations", "citations (they need document or search-result sources)")
         part = TextPart(text)
         self._slot(raw, path, lambda: setattr(part, "cache_breakpoint", True), targetable=targetable)
         return part
@@ -596,25 +540,25 @@ class _Lowering:
     def _thinking(raw: dict, path: str) -> str:
         if raw.get("cache_control") is not None:
             raise invalid(f"{path}.cache_control", f"{path}: thinking blocks cannot carry cache_control")
-        _optional_str(raw, "signature", f"{path}.signature")  # opaque and non-semantic: never interpreted
-        return _required_str(raw, "thinking", f"{path}.thinking")
+        optional_str(raw, "signature", f"{path}.signature")  # opaque and non-semantic: never interpreted
+        return required_str(raw, "thinking", f"{path}.thinking")
 
     def _tool_use(self, raw: dict, path: str) -> ToolCall:
-        call_id = _required_str(raw, "id", f"{path}.id")
+        call_id = required_str(raw, "id", f"{path}.id")
         if not call_id:
             raise invalid(f"{path}.id", f"{path}.id must not be empty")
-        name = _required_str(raw, "name", f"{path}.name")
+        name = required_str(raw, "name", f"{path}.name")
         if not name:
             raise invalid(f"{path}.name", f"{path}.name must not be empty")
         arguments = raw.get("input")
         if arguments is None:
             raise invalid(f"{path}.input", f"{path}.input is required", code="missing_required_parameter")
         arguments = _object(arguments, f"{path}.input")
-        caller = _optional_object(raw, "caller", f"{path}.caller")
+        caller = optional_object(raw, "caller", f"{path}.caller")
         if caller is not None and caller.get("type") != "direct":
-            raise _unsupported(f"{path}.caller", "programmatic tool callers (code execution)")
+            raise cannot_provide(f"{path}.caller", "programmatic tool callers (code execution)")
         if raw.get("toolset_name") is not None:
-            raise _unsupported(f"{path}.toolset_name", "toolsets")
+            raise cannot_provide(f"{path}.toolset_name", "toolsets")
         # A frontier inside the assistant's tool-call markup is not a rendered message boundary.
         self._slot(raw, path, None)
         return ToolCall(name=name, arguments=arguments, call_id=call_id)
@@ -626,10 +570,10 @@ class _Lowering:
                 f"{path}: tool_result blocks must come before other content in a user turn "
                 f"({turn.content_before_result} precedes it)",
             )
-        call_id = _required_str(raw, "tool_use_id", f"{path}.tool_use_id")
+        call_id = required_str(raw, "tool_use_id", f"{path}.tool_use_id")
         if raw.get("toolset_name") is not None:
-            raise _unsupported(f"{path}.toolset_name", "toolsets")
-        is_error = _optional_bool(raw, "is_error", f"{path}.is_error")
+            raise cannot_provide(f"{path}.toolset_name", "toolsets")
+        is_error = optional_bool(raw, "is_error", f"{path}.is_error")
         parts: list[TextPart] = [TextPart(TOOL_ERROR_MARKER)] if is_error else []
         content = raw.get("content")
         if isinstance(content, str):
@@ -638,17 +582,17 @@ class _Lowering:
             for j, block in enumerate(content):
                 block_path = f"{path}.content[{j}]"
                 block = _object(block, block_path)
-                kind = _required_str(block, "type", f"{block_path}.type")
+                kind = required_str(block, "type", f"{block_path}.type")
                 if kind == "text":
                     parts.append(self._text(block, block_path, targetable=False))
                 elif kind == "image":
                     raise _vision_disabled(block_path)
                 elif kind in _UNSUPPORTED_BLOCKS:
-                    raise _unsupported(block_path, _UNSUPPORTED_BLOCKS[kind])
+                    raise cannot_provide(block_path, _UNSUPPORTED_BLOCKS[kind])
                 else:
                     raise invalid(f"{block_path}.type", f"{block_path}.type must be text or image, got {kind!r}")
         elif content is not None:
-            raise _wrong_type(f"{path}.content", "a string or an array of content blocks", content)
+            raise wrong_type(f"{path}.content", "a string or an array of content blocks", content)
         message = Message(role="tool", content=parts, tool_call_id=call_id)
 
         def mark() -> None:
@@ -728,7 +672,7 @@ class _Lowering:
                 "cache_control",
                 f"at most {MAX_CACHE_BREAKPOINTS} blocks may carry cache_control; found {len(explicit)}",
             )
-        marker = _optional_object(body, "cache_control", "cache_control")
+        marker = optional_object(body, "cache_control", "cache_control")
         if marker is not None:
             if marker.get("type") != "ephemeral":
                 raise invalid("cache_control.type", "cache_control.type must be ephemeral")

@@ -20,7 +20,20 @@ from ninfer.engine.request import TOP_K_CAP
 from ninfer.engine.sampling_defaults import SamplingOverrides
 from ninfer.frontend.capabilities import EFFORT_TIERS, TemplateCapabilities
 from ninfer.frontend.conversation import Conversation, MediaPart, Message, Part, TextPart, Tool, ToolCall
-from ninfer.server.errors import APIError, invalid, unsupported
+from ninfer.server.errors import APIError, invalid
+from ninfer.server.json_fields import (
+    cannot_provide,
+    is_number,
+    json_type,
+    optional_bool,
+    optional_int,
+    optional_list,
+    optional_number,
+    optional_object,
+    optional_str,
+    required_str,
+    wrong_type,
+)
 
 MAX_STOP_STRINGS = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -72,7 +85,7 @@ class ChatRequest:
 def parse_chat_request(body: Any, context: ChatContext) -> ChatRequest:
     """Validate a parsed JSON body; raises APIError naming the offending field."""
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, not {_json_type(body)}", code="invalid_type")
+        raise APIError(400, f"the request body must be a JSON object, not {json_type(body)}", code="invalid_type")
     _check_model(body, context.model_id)
     _reject_unprovidable_options(body)
     _check_advisory_fields(body)
@@ -87,19 +100,19 @@ def parse_chat_request(body: Any, context: ChatContext) -> ChatRequest:
         reasoning_effort=thinking.template_effort,
         preserve_thinking=thinking.preserve_thinking,
     )
-    stream_options = _optional_object(body, "stream_options", "stream_options") or {}
-    _optional_bool(stream_options, "include_obfuscation", "stream_options.include_obfuscation")  # advisory
+    stream_options = optional_object(body, "stream_options", "stream_options") or {}
+    optional_bool(stream_options, "include_obfuscation", "stream_options.include_obfuscation")  # advisory
     return ChatRequest(
         conversation=conversation,
-        stream=bool(_optional_bool(body, "stream", "stream")),
-        include_usage=bool(_optional_bool(stream_options, "include_usage", "stream_options.include_usage")),
+        stream=bool(optional_bool(body, "stream", "stream")),
+        include_usage=bool(optional_bool(stream_options, "include_usage", "stream_options.include_usage")),
         max_tokens=_max_tokens(body),
         sampling=_sampling(body),
         stop=_stop(body),
         tools_enabled=bool(callable_tools),
         callable_tools=callable_tools,
-        timings_per_token=bool(_optional_bool(body, "timings_per_token", "timings_per_token")),
-        return_progress=bool(_optional_bool(body, "return_progress", "return_progress")),
+        timings_per_token=bool(optional_bool(body, "timings_per_token", "timings_per_token")),
+        return_progress=bool(optional_bool(body, "return_progress", "return_progress")),
         requested_reasoning_effort=thinking.requested_effort,
         prompt_cache_implicit=_prompt_cache_implicit(body),
     )
@@ -108,102 +121,8 @@ def parse_chat_request(body: Any, context: ChatContext) -> ChatRequest:
 # ---- JSON shape helpers ----------------------------------------------------------------------
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _unsupported(param: str, capability: str) -> APIError:
-    return unsupported(param, f"NInfer cannot provide {capability}")
-
-
-def _wrong_type(path: str, expected: str, value: Any) -> APIError:
-    return invalid(path, f"{path} must be {expected}, not {_json_type(value)}", code="invalid_type")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _optional_bool(obj: dict, key: str, path: str) -> bool | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise _wrong_type(path, "a boolean", value)
-    return value
-
-
-def _optional_str(obj: dict, key: str, path: str) -> str | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, str):
-        raise _wrong_type(path, "a string", value)
-    return value
-
-
-def _optional_object(obj: dict, key: str, path: str) -> dict | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, dict):
-        raise _wrong_type(path, "an object", value)
-    return value
-
-
-def _optional_list(obj: dict, key: str, path: str) -> list | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, list):
-        raise _wrong_type(path, "an array", value)
-    return value
-
-
-def _optional_number(obj: dict, key: str, low: float, high: float) -> float | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not _is_number(value):
-        raise _wrong_type(key, "a number", value)
-    if not math.isfinite(value) or not low <= value <= high:
-        raise invalid(key, f"{key} must be a finite number between {low:g} and {high:g}, got {value!r}")
-    return float(value)
-
-
-def _optional_int(obj: dict, key: str, low: int, high: int | None = None) -> int | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise _wrong_type(key, "an integer", value)
-    if value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise invalid(key, f"{key} must be an integer {bound}, got {value}")
-    return value
-
-
-def _required_str(obj: dict, key: str, path: str, *, non_empty: bool = False) -> str:
-    value = obj.get(key)
-    if value is None:
-        raise invalid(path, f"{path} is required", code="missing_required_parameter")
-    if not isinstance(value, str):
-        raise _wrong_type(path, "a string", value)
-    if non_empty and not value:
-        raise invalid(path, f"{path} must not be empty")
-    return value
-
-
 def _enum(obj: dict, key: str, path: str, allowed: tuple[str, ...]) -> str | None:
-    value = _optional_str(obj, key, path)
+    value = optional_str(obj, key, path)
     if value is not None and value not in allowed:
         raise invalid(path, f"{path} must be one of {', '.join(allowed)}, got {value!r}")
     return value
@@ -226,102 +145,102 @@ def _check_model(body: dict, model_id: str) -> None:
 
 def _reject_unprovidable_options(body: dict) -> None:
     """Options whose observable behaviour the engine cannot provide, rejected only when requested."""
-    n = _optional_int(body, "n", 1)
+    n = optional_int(body, "n", 1)
     if n is not None and n != 1:
-        raise _unsupported("n", "more than one choice per request")
-    response_format = _optional_object(body, "response_format", "response_format")
+        raise cannot_provide("n", "more than one choice per request")
+    response_format = optional_object(body, "response_format", "response_format")
     if response_format is not None:
-        kind = _required_str(response_format, "type", "response_format.type")
+        kind = required_str(response_format, "type", "response_format.type")
         if kind in ("json_object", "json_schema"):
-            raise _unsupported("response_format", f"JSON constrained output ({kind})")
+            raise cannot_provide("response_format", f"JSON constrained output ({kind})")
         if kind != "text":
             raise invalid("response_format.type", f"response_format.type must be text, got {kind!r}")
-    modalities = _optional_list(body, "modalities", "modalities")
+    modalities = optional_list(body, "modalities", "modalities")
     if modalities is not None:
         for i, modality in enumerate(modalities):
             if modality == "audio":
-                raise _unsupported("modalities", "audio output")
+                raise cannot_provide("modalities", "audio output")
             if modality != "text":
                 raise invalid(f"modalities[{i}]", f"modalities[{i}] must be text, got {modality!r}")
         if not modalities:
             raise invalid("modalities", "modalities must contain text")
     if body.get("audio") is not None:
-        raise _unsupported("audio", "audio output")
+        raise cannot_provide("audio", "audio output")
     _check_logit_bias(body)
-    if _optional_bool(body, "logprobs", "logprobs"):
-        raise _unsupported("logprobs", "token log probabilities")
-    top_logprobs = _optional_int(body, "top_logprobs", 0, 20)
+    if optional_bool(body, "logprobs", "logprobs"):
+        raise cannot_provide("logprobs", "token log probabilities")
+    top_logprobs = optional_int(body, "top_logprobs", 0, 20)
     if top_logprobs:
-        raise _unsupported("top_logprobs", "token log probabilities")
+        raise cannot_provide("top_logprobs", "token log probabilities")
     if body.get("web_search_options") is not None:
-        raise _unsupported("web_search_options", "web search")
+        raise cannot_provide("web_search_options", "web search")
     if body.get("moderation") is not None:
-        raise _unsupported("moderation", "input/output moderation")
+        raise cannot_provide("moderation", "input/output moderation")
     verbosity = _enum(body, "verbosity", "verbosity", ("low", "medium", "high"))
     if verbosity in ("low", "high"):
-        raise _unsupported("verbosity", f"{verbosity} output verbosity (only medium)")
-    if _optional_bool(body, "store", "store"):
-        raise _unsupported("store", "stored Chat Completions")
+        raise cannot_provide("verbosity", f"{verbosity} output verbosity (only medium)")
+    if optional_bool(body, "store", "store"):
+        raise cannot_provide("store", "stored Chat Completions")
     _check_legacy_function_controls(body)
     for alias in CONSTRAINED_DECODING_ALIASES:
         if body.get(alias) is not None:
-            raise _unsupported(alias, "constrained decoding")
+            raise cannot_provide(alias, "constrained decoding")
     repetition_penalty = body.get("repetition_penalty")
     if repetition_penalty is not None:
-        if not _is_number(repetition_penalty):
-            raise _wrong_type("repetition_penalty", "a number", repetition_penalty)
+        if not is_number(repetition_penalty):
+            raise wrong_type("repetition_penalty", "a number", repetition_penalty)
         if repetition_penalty != 1:
-            raise _unsupported("repetition_penalty", "a multiplicative repetition penalty other than 1")
-    mm_kwargs = _optional_object(body, "mm_processor_kwargs", "mm_processor_kwargs")
+            raise cannot_provide("repetition_penalty", "a multiplicative repetition penalty other than 1")
+    mm_kwargs = optional_object(body, "mm_processor_kwargs", "mm_processor_kwargs")
     for key, value in (mm_kwargs or {}).items():
         if value is not None:
-            raise _unsupported(f"mm_processor_kwargs.{key}", "per-request multimodal processor options")
+            raise cannot_provide(f"mm_processor_kwargs.{key}", "per-request multimodal processor options")
 
 
 def _check_logit_bias(body: dict) -> None:
-    logit_bias = _optional_object(body, "logit_bias", "logit_bias")
+    logit_bias = optional_object(body, "logit_bias", "logit_bias")
     for token, bias in (logit_bias or {}).items():
         path = f"logit_bias.{token}"
-        if not _is_number(bias):
-            raise _wrong_type(path, "a number", bias)
+        if not is_number(bias):
+            raise wrong_type(path, "a number", bias)
         if not math.isfinite(bias) or not -100 <= bias <= 100:
             raise invalid(path, f"{path} must be between -100 and 100, got {bias!r}")
         if bias != 0:
-            raise _unsupported("logit_bias", "token logit biasing (only all-zero biases)")
+            raise cannot_provide("logit_bias", "token logit biasing (only all-zero biases)")
 
 
 def _check_legacy_function_controls(body: dict) -> None:
-    functions = _optional_list(body, "functions", "functions")
+    functions = optional_list(body, "functions", "functions")
     if functions:
-        raise _unsupported("functions", "legacy function calling (use tools)")
+        raise cannot_provide("functions", "legacy function calling (use tools)")
     function_call = body.get("function_call")
     if function_call is None or function_call in ("none", "auto"):
         return
     if isinstance(function_call, dict):
-        raise _unsupported("function_call", "a forced legacy function call")
+        raise cannot_provide("function_call", "a forced legacy function call")
     raise invalid("function_call", f"function_call must be none, auto or an object, got {function_call!r}")
 
 
 def _check_advisory_fields(body: dict) -> None:
     """Advisory hints: accepted without changing execution, but their shape must be right."""
     for key in ("user", "safety_identifier", "service_tier", "prompt_cache_key"):
-        _optional_str(body, key, key)
-    metadata = _optional_object(body, "metadata", "metadata")
+        optional_str(body, key, key)
+    metadata = optional_object(body, "metadata", "metadata")
     for key, value in (metadata or {}).items():
         if not isinstance(value, str):
-            raise _wrong_type(f"metadata.{key}", "a string", value)
+            raise wrong_type(f"metadata.{key}", "a string", value)
     _enum(body, "prompt_cache_retention", "prompt_cache_retention", PROMPT_CACHE_RETENTIONS)
-    prediction = _optional_object(body, "prediction", "prediction")
+    prediction = optional_object(body, "prediction", "prediction")
     if prediction is not None:
         if prediction.get("type") != "content":
             raise invalid("prediction.type", "prediction.type must be content")
         content = prediction.get("content")
         if not isinstance(content, (str, list)):
-            raise _wrong_type("prediction.content", "a string or an array of text parts", content)
+            raise wrong_type("prediction.content", "a string or an array of text parts", content)
 
 
 def _prompt_cache_implicit(body: dict) -> bool:
-    options = _optional_object(body, "prompt_cache_options", "prompt_cache_options")
+    options = optional_object(body, "prompt_cache_options", "prompt_cache_options")
     if options is None:
         return True
     _enum(options, "ttl", "prompt_cache_options.ttl", CACHE_TTLS)
@@ -329,8 +248,8 @@ def _prompt_cache_implicit(body: dict) -> bool:
 
 
 def _max_tokens(body: dict) -> int | None:
-    modern = _optional_int(body, "max_completion_tokens", 0)
-    legacy = _optional_int(body, "max_tokens", 0)
+    modern = optional_int(body, "max_completion_tokens", 0)
+    legacy = optional_int(body, "max_tokens", 0)
     if modern is not None and legacy is not None and modern != legacy:
         raise invalid("max_tokens", f"max_tokens ({legacy}) and max_completion_tokens ({modern}) disagree")
     return modern if modern is not None else legacy
@@ -338,13 +257,13 @@ def _max_tokens(body: dict) -> int | None:
 
 def _sampling(body: dict) -> SamplingOverrides:
     return SamplingOverrides(
-        temperature=_optional_number(body, "temperature", 0, 2),
-        top_p=_optional_number(body, "top_p", 0, 1),
-        top_k=_optional_int(body, "top_k", 0, TOP_K_CAP),
-        min_p=_optional_number(body, "min_p", 0, 1),
-        presence_penalty=_optional_number(body, "presence_penalty", -2, 2),
-        frequency_penalty=_optional_number(body, "frequency_penalty", -2, 2),
-        seed=_optional_int(body, "seed", SEED_MIN, SEED_MAX),
+        temperature=optional_number(body, "temperature", 0, 2),
+        top_p=optional_number(body, "top_p", 0, 1),
+        top_k=optional_int(body, "top_k", 0, TOP_K_CAP),
+        min_p=optional_number(body, "min_p", 0, 1),
+        presence_penalty=optional_number(body, "presence_penalty", -2, 2),
+        frequency_penalty=optional_number(body, "frequency_penalty", -2, 2),
+        seed=optional_int(body, "seed", SEED_MIN, SEED_MAX),
     )
 
 
@@ -360,10 +279,10 @@ def _stop(body: dict) -> list[str]:
             raise invalid("stop", f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         paths = [f"stop[{i}]" for i in range(len(stop))]
     else:
-        raise _wrong_type("stop", "a string or an array of strings", stop)
+        raise wrong_type("stop", "a string or an array of strings", stop)
     for path, value in zip(paths, stop):
         if not isinstance(value, str):
-            raise _wrong_type(path, "a string", value)
+            raise wrong_type(path, "a string", value)
         if not value:
             raise invalid(path, f"{path} must be a non-empty string")
     return list(stop)
@@ -377,7 +296,7 @@ def _parse_messages(body: dict, vision_enabled: bool) -> list[Message]:
     if raw is None:
         raise invalid("messages", "messages is required", code="missing_required_parameter")
     if not isinstance(raw, list):
-        raise _wrong_type("messages", "an array of messages", raw)
+        raise wrong_type("messages", "an array of messages", raw)
     if not raw:
         raise invalid("messages", "messages must contain at least one message")
     parser = _MessageParser(vision_enabled)
@@ -394,8 +313,8 @@ class _MessageParser:
 
     def parse(self, raw: Any, path: str) -> Message:
         if not isinstance(raw, dict):
-            raise _wrong_type(path, "an object", raw)
-        role = _required_str(raw, "role", f"{path}.role")
+            raise wrong_type(path, "an object", raw)
+        role = required_str(raw, "role", f"{path}.role")
         if role not in ROLES:
             raise invalid(f"{path}.role", f"{path}.role must be one of {', '.join(ROLES)}, got {role!r}")
         if role != "assistant":
@@ -409,7 +328,7 @@ class _MessageParser:
             else:
                 message = Message(role=role, content=self._content(raw, role, path))
                 if role == "tool":
-                    message.tool_call_id = _required_str(raw, "tool_call_id", f"{path}.tool_call_id", non_empty=True)
+                    message.tool_call_id = required_str(raw, "tool_call_id", f"{path}.tool_call_id", non_empty=True)
         self.messages.append(message)
         return message
 
@@ -426,28 +345,28 @@ class _MessageParser:
         if name is None:
             return
         if not isinstance(name, str):
-            raise _wrong_type(f"{path}.name", "a string", name)
+            raise wrong_type(f"{path}.name", "a string", name)
         # Tool results may mirror the function name (ignored); other roles would need participant identity.
         if name and role != "tool":
-            raise _unsupported(f"{path}.name", "participant names (the chat template cannot represent them)")
+            raise cannot_provide(f"{path}.name", "participant names (the chat template cannot represent them)")
 
     def _assistant(self, raw: dict, path: str) -> Message:
         if raw.get("audio") is not None:
-            raise _unsupported(f"{path}.audio", "audio output history")
+            raise cannot_provide(f"{path}.audio", "audio output history")
         content = self._content(raw, "assistant", path, nullable=True)
-        refusal = _optional_str(raw, "refusal", f"{path}.refusal")
+        refusal = optional_str(raw, "refusal", f"{path}.refusal")
         if refusal:
             content.append(TextPart(refusal))  # a replayed refusal is what the assistant said
         message = Message(role="assistant", content=content, reasoning=self._reasoning(raw, path))
-        tool_calls = _optional_list(raw, "tool_calls", f"{path}.tool_calls") or []
+        tool_calls = optional_list(raw, "tool_calls", f"{path}.tool_calls") or []
         message.tool_calls = [self._tool_call(call, f"{path}.tool_calls[{i}]") for i, call in enumerate(tool_calls)]
-        function_call = _optional_object(raw, "function_call", f"{path}.function_call")
+        function_call = optional_object(raw, "function_call", f"{path}.function_call")
         if function_call is not None:
             if message.tool_calls:
                 raise invalid(f"{path}.function_call", f"{path}: give either tool_calls or function_call, not both")
             # Legacy calls carry no id; derive one from the position so replays render identically.
             call = ToolCall(
-                name=_required_str(function_call, "name", f"{path}.function_call.name", non_empty=True),
+                name=required_str(function_call, "name", f"{path}.function_call.name", non_empty=True),
                 arguments=_arguments(function_call, f"{path}.function_call.arguments"),
                 call_id=f"call_legacy_{len(self.messages)}",
             )
@@ -457,8 +376,8 @@ class _MessageParser:
 
     @staticmethod
     def _reasoning(raw: dict, path: str) -> str | None:
-        content = _optional_str(raw, "reasoning_content", f"{path}.reasoning_content")
-        alias = _optional_str(raw, "reasoning", f"{path}.reasoning")
+        content = optional_str(raw, "reasoning_content", f"{path}.reasoning_content")
+        alias = optional_str(raw, "reasoning", f"{path}.reasoning")
         if content is not None and alias is not None and content != alias:
             raise invalid(f"{path}.reasoning", f"{path}: reasoning and reasoning_content are aliases but differ")
         return content if content is not None else alias
@@ -466,25 +385,25 @@ class _MessageParser:
     @staticmethod
     def _tool_call(raw: Any, path: str) -> ToolCall:
         if not isinstance(raw, dict):
-            raise _wrong_type(path, "an object", raw)
-        kind = _optional_str(raw, "type", f"{path}.type")
+            raise wrong_type(path, "an object", raw)
+        kind = optional_str(raw, "type", f"{path}.type")
         if kind not in (None, "function"):
             if kind == "custom":
-                raise _unsupported(f"{path}.type", "custom tool calls")
+                raise cannot_provide(f"{path}.type", "custom tool calls")
             raise invalid(f"{path}.type", f"{path}.type must be function, got {kind!r}")
-        call_id = _optional_str(raw, "id", f"{path}.id")
+        call_id = optional_str(raw, "id", f"{path}.id")
         function = raw.get("function")
         if not isinstance(function, dict):
-            raise _wrong_type(f"{path}.function", "an object", function)
-        name = _required_str(function, "name", f"{path}.function.name", non_empty=True)
+            raise wrong_type(f"{path}.function", "an object", function)
+        name = required_str(function, "name", f"{path}.function.name", non_empty=True)
         return ToolCall(name=name, arguments=_arguments(function, f"{path}.function.arguments"), call_id=call_id)
 
     def _function_result(self, raw: dict, path: str) -> Message:
         """Legacy role "function": a result for the preceding assistant function_call."""
-        name = _required_str(raw, "name", f"{path}.name", non_empty=True)
+        name = required_str(raw, "name", f"{path}.name", non_empty=True)
         content = raw.get("content")
         if content is not None and not isinstance(content, str):
-            raise _wrong_type(f"{path}.content", "a string or null", content)
+            raise wrong_type(f"{path}.content", "a string or null", content)
         call = self._preceding_legacy_call()
         if call is None:
             raise invalid(path, f"{path}: a function result must follow an assistant message with a function_call")
@@ -510,29 +429,29 @@ class _MessageParser:
         if isinstance(content, str):
             return [TextPart(content)]
         if not isinstance(content, list):
-            raise _wrong_type(path, "a string or an array of content parts", content)
+            raise wrong_type(path, "a string or an array of content parts", content)
         # Adjacent text parts stay separate: the builder joins them without inserting separators.
         return [self._part(part, role, f"{path}[{i}]") for i, part in enumerate(content)]
 
     def _part(self, raw: Any, role: str, path: str) -> Part:
         if not isinstance(raw, dict):
-            raise _wrong_type(path, "an object", raw)
-        kind = _required_str(raw, "type", f"{path}.type")
+            raise wrong_type(path, "an object", raw)
+        kind = required_str(raw, "type", f"{path}.type")
         breakpoint_ = _cache_breakpoint(raw, path)
         if kind == "text":
-            return TextPart(_required_str(raw, "text", f"{path}.text"), cache_breakpoint=breakpoint_)
+            return TextPart(required_str(raw, "text", f"{path}.text"), cache_breakpoint=breakpoint_)
         if kind == "refusal":
             if role != "assistant":
                 raise invalid(f"{path}.type", f"{path}: refusal parts belong to assistant messages")
-            return TextPart(_required_str(raw, "refusal", f"{path}.refusal"), cache_breakpoint=breakpoint_)
+            return TextPart(required_str(raw, "refusal", f"{path}.refusal"), cache_breakpoint=breakpoint_)
         if kind in MEDIA_PART_KINDS:
             if role not in ("user", "tool"):
                 raise invalid(f"{path}.type", f"{path}: {kind} parts belong to user or tool messages")
             return self._media(raw, kind, path, breakpoint_)
         if kind == "input_audio":
-            raise _unsupported(path, "audio input")
+            raise cannot_provide(path, "audio input")
         if kind == "file":
-            raise _unsupported(path, "file input")
+            raise cannot_provide(path, "file input")
         raise invalid(f"{path}.type", f"{path}.type {kind!r} is not a known content part type")
 
     def _media(self, raw: dict, kind: str, path: str, breakpoint_: bool) -> MediaPart:
@@ -548,20 +467,20 @@ class _MessageParser:
         if isinstance(source, str):
             url = source  # string-form URL: a widely generated compatible shape
         elif isinstance(source, dict):
-            url = _required_str(source, "url", f"{source_path}.url")
+            url = required_str(source, "url", f"{source_path}.url")
             source_path = f"{source_path}.url"
             detail = _enum(source, "detail", f"{path}.{kind}.detail", ("auto", "low", "high", "original"))
             if detail not in (None, "auto"):
-                raise _unsupported(f"{path}.{kind}.detail", f"explicit {detail} image detail (only auto)")
+                raise cannot_provide(f"{path}.{kind}.detail", f"explicit {detail} image detail (only auto)")
         else:
-            raise _wrong_type(source_path, "a URL string or an object with url", source)
+            raise wrong_type(source_path, "a URL string or an object with url", source)
         if not url.lower().startswith(MEDIA_SCHEMES):
             raise invalid(source_path, f"{source_path} must be an http(s) URL or a data: URI", code="invalid_media")
         return MediaPart(kind=MEDIA_PART_KINDS[kind], url=url, cache_breakpoint=breakpoint_)
 
 
 def _cache_breakpoint(raw: dict, path: str) -> bool:
-    marker = _optional_object(raw, "prompt_cache_breakpoint", f"{path}.prompt_cache_breakpoint")
+    marker = optional_object(raw, "prompt_cache_breakpoint", f"{path}.prompt_cache_breakpoint")
     if marker is None:
         return False
     if marker.get("mode") != "explicit":
@@ -580,13 +499,13 @@ def _arguments(function: dict, path: str) -> dict[str, Any]:
     if text is None:
         raise invalid(path, f"{path} is required", code="missing_required_parameter")
     if not isinstance(text, str):
-        raise _wrong_type(path, "a JSON string", text)
+        raise wrong_type(path, "a JSON string", text)
     try:
         arguments = json.loads(text, parse_constant=_reject_non_finite)
     except ValueError as error:
         raise invalid(path, f"{path} is not valid JSON: {error}") from None
     if not isinstance(arguments, dict):
-        raise invalid(path, f"{path} must encode a JSON object, not {_json_type(arguments)}")
+        raise invalid(path, f"{path} must encode a JSON object, not {json_type(arguments)}")
     return arguments
 
 
@@ -594,30 +513,30 @@ def _arguments(function: dict, path: str) -> dict[str, Any]:
 
 
 def _parse_tools(body: dict) -> list[Tool]:
-    raw = _optional_list(body, "tools", "tools") or []
+    raw = optional_list(body, "tools", "tools") or []
     tools: list[Tool] = []
     seen: set[str] = set()
     for i, item in enumerate(raw):
         path = f"tools[{i}]"
         if not isinstance(item, dict):
-            raise _wrong_type(path, "an object", item)
-        kind = _required_str(item, "type", f"{path}.type")
+            raise wrong_type(path, "an object", item)
+        kind = required_str(item, "type", f"{path}.type")
         if kind != "function":
-            raise _unsupported(f"{path}.type", f"{kind} tools (only function tools)")
+            raise cannot_provide(f"{path}.type", f"{kind} tools (only function tools)")
         function = item.get("function")
         if not isinstance(function, dict):
-            raise _wrong_type(f"{path}.function", "an object", function)
-        name = _required_str(function, "name", f"{path}.function.name", non_empty=True)
+            raise wrong_type(f"{path}.function", "an object", function)
+        name = required_str(function, "name", f"{path}.function.name", non_empty=True)
         if name in seen:
             raise invalid(f"{path}.function.name", f"{path}.function.name {name!r} is declared twice")
         seen.add(name)
-        if _optional_bool(function, "strict", f"{path}.function.strict"):
-            raise _unsupported(f"{path}.function.strict", "strict schema adherence (constrained decoding)")
+        if optional_bool(function, "strict", f"{path}.function.strict"):
+            raise cannot_provide(f"{path}.function.strict", "strict schema adherence (constrained decoding)")
         tools.append(
             Tool(
                 name=name,
-                description=_optional_str(function, "description", f"{path}.function.description"),
-                parameters=_optional_object(function, "parameters", f"{path}.function.parameters"),
+                description=optional_str(function, "description", f"{path}.function.description"),
+                parameters=optional_object(function, "parameters", f"{path}.function.parameters"),
             )
         )
     return tools
@@ -632,42 +551,42 @@ def _callable_tools(body: dict, tools: list[Tool]) -> dict[str, dict | None]:
     elif choice == "none":
         allowed = {}  # tools stay in the prompt; calls stay text
     elif choice == "required":
-        raise _unsupported("tool_choice", "required tool calls")
+        raise cannot_provide("tool_choice", "required tool calls")
     elif isinstance(choice, dict):
         allowed = _allowed_tools(choice, declared)
     else:
         raise invalid("tool_choice", f"tool_choice must be auto, none or an allowed_tools object, got {choice!r}")
-    parallel = _optional_bool(body, "parallel_tool_calls", "parallel_tool_calls")
+    parallel = optional_bool(body, "parallel_tool_calls", "parallel_tool_calls")
     if parallel is False and allowed:
-        raise _unsupported("parallel_tool_calls", "limiting a turn to one tool call")
+        raise cannot_provide("parallel_tool_calls", "limiting a turn to one tool call")
     return allowed
 
 
 def _allowed_tools(choice: dict, declared: dict[str, dict | None]) -> dict[str, dict | None]:
-    kind = _required_str(choice, "type", "tool_choice.type")
+    kind = required_str(choice, "type", "tool_choice.type")
     if kind in ("function", "custom"):
-        raise _unsupported("tool_choice", "a named (forced) tool choice")
+        raise cannot_provide("tool_choice", "a named (forced) tool choice")
     if kind != "allowed_tools":
         raise invalid("tool_choice.type", f"tool_choice.type must be allowed_tools, got {kind!r}")
     config = choice.get("allowed_tools")
     if not isinstance(config, dict):
-        raise _wrong_type("tool_choice.allowed_tools", "an object", config)
-    mode = _required_str(config, "mode", "tool_choice.allowed_tools.mode")
+        raise wrong_type("tool_choice.allowed_tools", "an object", config)
+    mode = required_str(config, "mode", "tool_choice.allowed_tools.mode")
     if mode == "required":
-        raise _unsupported("tool_choice.allowed_tools.mode", "required tool calls")
+        raise cannot_provide("tool_choice.allowed_tools.mode", "required tool calls")
     if mode != "auto":
         raise invalid("tool_choice.allowed_tools.mode", f"tool_choice.allowed_tools.mode must be auto, got {mode!r}")
     entries = config.get("tools")
     if not isinstance(entries, list):
-        raise _wrong_type("tool_choice.allowed_tools.tools", "an array", entries)
+        raise wrong_type("tool_choice.allowed_tools.tools", "an array", entries)
     names: set[str] = set()
     for i, entry in enumerate(entries):
         path = f"tool_choice.allowed_tools.tools[{i}]"
         if not isinstance(entry, dict):
-            raise _wrong_type(path, "an object", entry)
+            raise wrong_type(path, "an object", entry)
         if entry.get("type") != "function" or not isinstance(entry.get("function"), dict):
             raise invalid(path, f"{path} must be {{'type': 'function', 'function': {{'name': ...}}}}")
-        name = _required_str(entry["function"], "name", f"{path}.function.name")
+        name = required_str(entry["function"], "name", f"{path}.function.name")
         if name not in declared:
             raise invalid(f"{path}.function.name", f"{path}.function.name {name!r} is not a declared tool")
         names.add(name)
@@ -690,10 +609,10 @@ class _ThinkingOptions:
     @classmethod
     def parse(cls, body: dict, caps: TemplateCapabilities) -> _ThinkingOptions:
         options = cls()
-        kwargs = _optional_object(body, "chat_template_kwargs", "chat_template_kwargs") or {}
+        kwargs = optional_object(body, "chat_template_kwargs", "chat_template_kwargs") or {}
         for key, value in kwargs.items():
             if key not in TEMPLATE_OPTIONS and value is not None:
-                raise _unsupported(f"chat_template_kwargs.{key}", "arbitrary chat template variables")
+                raise cannot_provide(f"chat_template_kwargs.{key}", "arbitrary chat template variables")
         enable = options._template_option(body, kwargs, "enable_thinking")
         options.preserve_thinking = options._template_option(body, kwargs, "preserve_thinking")
         effort = _enum(body, "reasoning_effort", "reasoning_effort", EFFORT_TIERS)
@@ -726,13 +645,13 @@ class _ThinkingOptions:
                     code="reasoning_effort_not_supported",
                     param="reasoning_effort",
                 )
-            raise _unsupported(
+            raise cannot_provide(
                 options.sources["enable_thinking"],
                 f"{state} thinking (the loaded chat template has no thinking switch)",
             )
         options.enable_thinking = enable
         if options.preserve_thinking and not caps.supports_preserve_thinking:
-            raise _unsupported(
+            raise cannot_provide(
                 options.sources["preserve_thinking"],
                 "preserving closed-turn reasoning (the loaded chat template has no preserve_thinking switch)",
             )
@@ -740,8 +659,8 @@ class _ThinkingOptions:
 
     def _template_option(self, body: dict, kwargs: dict, name: str) -> bool | None:
         """A boolean given at top level or in chat_template_kwargs; both spellings must agree."""
-        top = _optional_bool(body, name, name)
-        nested = _optional_bool(kwargs, name, f"chat_template_kwargs.{name}")
+        top = optional_bool(body, name, name)
+        nested = optional_bool(kwargs, name, f"chat_template_kwargs.{name}")
         if top is not None and nested is not None and top != nested:
             raise APIError(
                 400,

@@ -17,7 +17,6 @@ keeping one protocol's request rules together makes it auditable against the spe
 from __future__ import annotations
 
 import json
-import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -32,7 +31,19 @@ from ninfer.frontend.conversation import (
     Tool,
     ToolCall,
 )
-from ninfer.server.errors import APIError, invalid, unsupported
+from ninfer.server.errors import APIError, invalid
+from ninfer.server.json_fields import (
+    cannot_provide,
+    json_type,
+    optional_bool,
+    optional_int,
+    optional_list,
+    optional_number,
+    optional_object,
+    optional_str,
+    required_str,
+    wrong_type,
+)
 
 # Top-level fields of POST /v1/responses and of POST /v1/responses/input_tokens.
 CREATE_FIELDS = frozenset(
@@ -143,19 +154,19 @@ def parse_input_tokens(body: Any, context: ResponsesContext) -> ResponsesRequest
 
 def _parse(body: Any, context: ResponsesContext, allowed: frozenset[str], model_required: bool) -> ResponsesRequest:
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, not {_json_type(body)}", code="invalid_type")
+        raise APIError(400, f"the request body must be a JSON object, not {json_type(body)}", code="invalid_type")
     for key in body:
         if key not in allowed:
             raise invalid(key, f"Unknown parameter: {key!r}.", code="unknown_parameter")
     model = _check_model(body, context.model_id, model_required)
     for key, capability in UNPROVIDABLE_FIELDS.items():
         if key in allowed and body.get(key) not in (None, [], {}):
-            raise _unsupported(key, capability)
-    previous = _optional_str(body, "previous_response_id", "previous_response_id")
+            raise cannot_provide(key, capability)
+    previous = optional_str(body, "previous_response_id", "previous_response_id")
     if previous is not None and not previous:
         raise invalid("previous_response_id", "previous_response_id must not be empty")
     items, paths = _InputParser().parse(body.get("input"), previous is not None)
-    instructions = _optional_str(body, "instructions", "instructions")
+    instructions = optional_str(body, "instructions", "instructions")
     tools, functions, tools_echo = _parse_tools(body)
     callable_tools, tool_choice = _callable_tools(body, tools, functions)
     thinking = _Thinking.parse(body, context.capabilities)
@@ -192,33 +203,33 @@ def _parse(body: Any, context: ResponsesContext, allowed: frozenset[str], model_
 
 def _parse_create_options(body: dict, request: ResponsesRequest) -> None:
     """Fields that shape generation, storage or transport rather than the prompt."""
-    request.max_output_tokens = _optional_int(body, "max_output_tokens", 0)
-    request.stream = bool(_optional_bool(body, "stream", "stream"))
-    request.store = _optional_bool(body, "store", "store") is not False
+    request.max_output_tokens = optional_int(body, "max_output_tokens", 0)
+    request.stream = bool(optional_bool(body, "stream", "stream"))
+    request.store = optional_bool(body, "store", "store") is not False
     request.sampling = SamplingOverrides(
-        temperature=_optional_number(body, "temperature", 0, 2),
-        top_p=_optional_number(body, "top_p", 0, 1),
+        temperature=optional_number(body, "temperature", 0, 2),
+        top_p=optional_number(body, "top_p", 0, 1),
     )
-    max_tool_calls = _optional_int(body, "max_tool_calls", 0)  # hosted-tool limit: nothing to execute here
-    top_logprobs = _optional_int(body, "top_logprobs", 0, 20)
+    max_tool_calls = optional_int(body, "max_tool_calls", 0)  # hosted-tool limit: nothing to execute here
+    top_logprobs = optional_int(body, "top_logprobs", 0, 20)
     if top_logprobs:
-        raise _unsupported("top_logprobs", "token log probabilities")
+        raise cannot_provide("top_logprobs", "token log probabilities")
     tier = _enum(body, "service_tier", "service_tier", SERVICE_TIERS)
     if tier not in (None, "auto", "default"):
-        raise _unsupported("service_tier", f"the {tier} service tier (only auto or default)")
-    if _optional_bool(body, "background", "background"):
-        raise _unsupported("background", "background execution")
-    include = _optional_list(body, "include", "include")
+        raise cannot_provide("service_tier", f"the {tier} service tier (only auto or default)")
+    if optional_bool(body, "background", "background"):
+        raise cannot_provide("background", "background execution")
+    include = optional_list(body, "include", "include")
     if include:
-        raise _unsupported("include", f"additional output data ({', '.join(map(str, include))})")
-    stream_options = _optional_object(body, "stream_options", "stream_options") or {}
+        raise cannot_provide("include", f"additional output data ({', '.join(map(str, include))})")
+    stream_options = optional_object(body, "stream_options", "stream_options") or {}
     # Advisory: this local server never pads deltas, so there is nothing to switch off.
-    _optional_bool(stream_options, "include_obfuscation", "stream_options.include_obfuscation")
+    optional_bool(stream_options, "include_obfuscation", "stream_options.include_obfuscation")
     client_metadata = body.get("client_metadata")
     if client_metadata is not None and not isinstance(client_metadata, dict):
-        raise _wrong_type("client_metadata", "an object or null", client_metadata)
+        raise wrong_type("client_metadata", "an object or null", client_metadata)
     for key in ("prompt_cache_key", "safety_identifier", "user"):
-        _optional_str(body, key, key)
+        optional_str(body, key, key)
     retention = _enum(body, "prompt_cache_retention", "prompt_cache_retention", PROMPT_CACHE_RETENTIONS)
     request.implicit_cache_breakpoint = _prompt_cache_implicit(body)
     request.echo.update(
@@ -241,98 +252,8 @@ def _parse_create_options(body: dict, request: ResponsesRequest) -> None:
 # ---- JSON shape helpers ----------------------------------------------------------------------
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _unsupported(param: str, capability: str) -> APIError:
-    return unsupported(param, f"NInfer cannot provide {capability}")
-
-
-def _wrong_type(path: str, expected: str, value: Any) -> APIError:
-    return invalid(path, f"{path} must be {expected}, not {_json_type(value)}", code="invalid_type")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _optional_bool(obj: dict, key: str, path: str) -> bool | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise _wrong_type(path, "a boolean", value)
-    return value
-
-
-def _optional_str(obj: dict, key: str, path: str) -> str | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, str):
-        raise _wrong_type(path, "a string", value)
-    return value
-
-
-def _optional_object(obj: dict, key: str, path: str) -> dict | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, dict):
-        raise _wrong_type(path, "an object", value)
-    return value
-
-
-def _optional_list(obj: dict, key: str, path: str) -> list | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, list):
-        raise _wrong_type(path, "an array", value)
-    return value
-
-
-def _optional_number(obj: dict, key: str, low: float, high: float) -> float | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise _wrong_type(key, "a number", value)
-    if not math.isfinite(value) or not low <= value <= high:
-        raise invalid(key, f"{key} must be a finite number between {low:g} and {high:g}, got {value!r}")
-    return float(value)
-
-
-def _optional_int(obj: dict, key: str, low: int, high: int | None = None) -> int | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise _wrong_type(key, "an integer", value)
-    if value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise invalid(key, f"{key} must be an integer {bound}, got {value}")
-    return value
-
-
-def _required_str(obj: dict, key: str, path: str, *, non_empty: bool = False) -> str:
-    value = obj.get(key)
-    if value is None:
-        raise invalid(path, f"{path} is required", code="missing_required_parameter")
-    if not isinstance(value, str):
-        raise _wrong_type(path, "a string", value)
-    if non_empty and not value:
-        raise invalid(path, f"{path} must not be empty")
-    return value
-
-
 def _enum(obj: dict, key: str, path: str, allowed: tuple[str, ...]) -> str | None:
-    value = _optional_str(obj, key, path)
+    value = optional_str(obj, key, path)
     if value is not None and value not in allowed:
         raise invalid(path, f"{path} must be one of {', '.join(allowed)}, got {value!r}")
     return value
@@ -346,7 +267,7 @@ def parse_arguments(text: str) -> dict[str, Any]:
     """A function_call's arguments: a JSON object whose member order is kept (it reaches the prompt)."""
     arguments = json.loads(text, parse_constant=_reject_non_finite)
     if not isinstance(arguments, dict):
-        raise TypeError(f"arguments must encode a JSON object, not {_json_type(arguments)}")
+        raise TypeError(f"arguments must encode a JSON object, not {json_type(arguments)}")
     return arguments
 
 
@@ -361,7 +282,7 @@ def _check_model(body: dict, model_id: str, required: bool) -> str:
     model = body.get("model")
     if model is None and not required:
         return model_id
-    model = _required_str(body, "model", "model", non_empty=True)
+    model = required_str(body, "model", "model", non_empty=True)
     if model != model_id:
         raise APIError(
             404,
@@ -373,32 +294,32 @@ def _check_model(body: dict, model_id: str, required: bool) -> str:
 
 
 def _metadata(body: dict) -> dict[str, str]:
-    metadata = _optional_object(body, "metadata", "metadata") or {}
+    metadata = optional_object(body, "metadata", "metadata") or {}
     if len(metadata) > MAX_METADATA_PAIRS:
         raise invalid("metadata", f"metadata holds at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}")
     for key, value in metadata.items():
         if len(key) > MAX_METADATA_KEY:
             raise invalid("metadata", f"metadata key {key[:16]!r}... is longer than {MAX_METADATA_KEY} characters")
         if not isinstance(value, str):
-            raise _wrong_type(f"metadata.{key}", "a string", value)
+            raise wrong_type(f"metadata.{key}", "a string", value)
         if len(value) > MAX_METADATA_VALUE:
             raise invalid(f"metadata.{key}", f"metadata.{key} is longer than {MAX_METADATA_VALUE} characters")
     return dict(metadata)
 
 
 def _text_config(body: dict) -> dict[str, Any]:
-    text = _optional_object(body, "text", "text") or {}
+    text = optional_object(body, "text", "text") or {}
     echo: dict[str, Any] = {"format": {"type": "text"}}
-    fmt = _optional_object(text, "format", "text.format")
+    fmt = optional_object(text, "format", "text.format")
     if fmt is not None:
-        kind = _required_str(fmt, "type", "text.format.type")
+        kind = required_str(fmt, "type", "text.format.type")
         if kind in ("json_object", "json_schema"):
-            raise _unsupported("text.format", f"Structured Outputs / JSON mode ({kind})")
+            raise cannot_provide("text.format", f"Structured Outputs / JSON mode ({kind})")
         if kind != "text":
             raise invalid("text.format.type", f"text.format.type must be text, got {kind!r}")
     verbosity = _enum(text, "verbosity", "text.verbosity", ("low", "medium", "high"))
     if verbosity in ("low", "high"):
-        raise _unsupported("text.verbosity", f"{verbosity} output verbosity (only medium)")
+        raise cannot_provide("text.verbosity", f"{verbosity} output verbosity (only medium)")
     if verbosity is not None:
         echo["verbosity"] = verbosity
     return echo
@@ -407,21 +328,21 @@ def _text_config(body: dict) -> dict[str, Any]:
 def _check_truncation(body: dict) -> None:
     truncation = _enum(body, "truncation", "truncation", ("auto", "disabled"))
     if truncation == "auto":
-        raise _unsupported("truncation", "automatic truncation (overlong input fails instead of dropping Items)")
+        raise cannot_provide("truncation", "automatic truncation (overlong input fails instead of dropping Items)")
 
 
 def _prompt_cache_implicit(body: dict) -> bool:
-    options = _optional_object(body, "prompt_cache_options", "prompt_cache_options")
+    options = optional_object(body, "prompt_cache_options", "prompt_cache_options")
     if options is None:
         return True
     _enum(options, "ttl", "prompt_cache_options.ttl", CACHE_TTLS)
     # Diagnostics are an optional OpenAI feature; without it the id is simply not compared.
-    _optional_str(options, "comparison_response_id", "prompt_cache_options.comparison_response_id")
+    optional_str(options, "comparison_response_id", "prompt_cache_options.comparison_response_id")
     return _enum(options, "mode", "prompt_cache_options.mode", ("implicit", "explicit")) != "explicit"
 
 
 def _cache_breakpoint(raw: dict, path: str) -> dict | None:
-    marker = _optional_object(raw, "prompt_cache_breakpoint", f"{path}.prompt_cache_breakpoint")
+    marker = optional_object(raw, "prompt_cache_breakpoint", f"{path}.prompt_cache_breakpoint")
     if marker is None:
         return None
     if marker.get("mode") != "explicit":
@@ -443,20 +364,22 @@ class _Thinking:
     @classmethod
     def parse(cls, body: dict, caps: TemplateCapabilities) -> _Thinking:
         thinking = cls()
-        reasoning = _optional_object(body, "reasoning", "reasoning") or {}
+        reasoning = optional_object(body, "reasoning", "reasoning") or {}
         effort = _enum(reasoning, "effort", "reasoning.effort", EFFORT_TIERS)
         summary = _enum(reasoning, "summary", "reasoning.summary", ("auto", "concise", "detailed"))
         legacy = _enum(reasoning, "generate_summary", "reasoning.generate_summary", ("auto", "concise", "detailed"))
         for key, value in (("summary", summary), ("generate_summary", legacy)):
             # "auto" lets the server decide, and NInfer has no summarizer; an explicit style cannot be met.
             if value in ("concise", "detailed"):
-                raise _unsupported(f"reasoning.{key}", f"{value} reasoning summaries (raw reasoning text is returned)")
+                raise cannot_provide(
+                    f"reasoning.{key}", f"{value} reasoning summaries (raw reasoning text is returned)"
+                )
         context = _enum(reasoning, "context", "reasoning.context", ("auto", "current_turn", "all_turns"))
         if context not in (None, "auto"):
-            raise _unsupported("reasoning.context", "reasoning-context selection (use preserve_thinking)")
-        mode = _optional_str(reasoning, "mode", "reasoning.mode")
+            raise cannot_provide("reasoning.context", "reasoning-context selection (use preserve_thinking)")
+        mode = optional_str(reasoning, "mode", "reasoning.mode")
         if mode not in (None, "standard"):
-            raise _unsupported("reasoning.mode", f"the {mode} reasoning mode")
+            raise cannot_provide("reasoning.mode", f"the {mode} reasoning mode")
         thinking.echo = {"effort": effort, "summary": summary}
         if effort is not None:
             if effort != "none" and effort not in caps.effort_tiers:
@@ -491,12 +414,12 @@ def _thinking_reachable(caps: TemplateCapabilities, enable: bool) -> bool:
 
 
 def _preserve_thinking(body: dict, caps: TemplateCapabilities) -> bool | None:
-    kwargs = _optional_object(body, "chat_template_kwargs", "chat_template_kwargs") or {}
+    kwargs = optional_object(body, "chat_template_kwargs", "chat_template_kwargs") or {}
     for key, value in kwargs.items():
         if key != "preserve_thinking" and value is not None:
-            raise _unsupported(f"chat_template_kwargs.{key}", "arbitrary chat template variables")
-    top = _optional_bool(body, "preserve_thinking", "preserve_thinking")
-    nested = _optional_bool(kwargs, "preserve_thinking", "chat_template_kwargs.preserve_thinking")
+            raise cannot_provide(f"chat_template_kwargs.{key}", "arbitrary chat template variables")
+    top = optional_bool(body, "preserve_thinking", "preserve_thinking")
+    nested = optional_bool(kwargs, "preserve_thinking", "chat_template_kwargs.preserve_thinking")
     if top is not None and nested is not None and top != nested:
         raise APIError(
             400,
@@ -508,7 +431,7 @@ def _preserve_thinking(body: dict, caps: TemplateCapabilities) -> bool | None:
     value = top if top is not None else nested
     if value and not caps.supports_preserve_thinking:
         param = "preserve_thinking" if top is not None else "chat_template_kwargs.preserve_thinking"
-        raise _unsupported(param, "preserving closed-turn reasoning (the loaded chat template has no such switch)")
+        raise cannot_provide(param, "preserving closed-turn reasoning (the loaded chat template has no such switch)")
     return value
 
 
@@ -516,13 +439,13 @@ def _preserve_thinking(body: dict, caps: TemplateCapabilities) -> bool | None:
 
 
 def _parse_tools(body: dict) -> tuple[list[Tool], dict[str, FunctionRef], list[dict]]:
-    raw = _optional_list(body, "tools", "tools") or []
+    raw = optional_list(body, "tools", "tools") or []
     tools: list[Tool] = []
     functions: dict[str, FunctionRef] = {}
 
     def declare(definition: Any, path: str, namespace: str | None) -> None:
         tool = _function_definition(definition, path, namespace)
-        ref = FunctionRef(namespace, _required_str(definition, "name", f"{path}.name"))
+        ref = FunctionRef(namespace, required_str(definition, "name", f"{path}.name"))
         if tool.name in functions:
             raise invalid(f"{path}.name", f"{path}: the function {tool.name!r} is declared twice")
         functions[tool.name] = ref
@@ -531,21 +454,21 @@ def _parse_tools(body: dict) -> tuple[list[Tool], dict[str, FunctionRef], list[d
     for i, item in enumerate(raw):
         path = f"tools[{i}]"
         if not isinstance(item, dict):
-            raise _wrong_type(path, "an object", item)
-        kind = _required_str(item, "type", f"{path}.type")
+            raise wrong_type(path, "an object", item)
+        kind = required_str(item, "type", f"{path}.type")
         if kind == "function":
             declare(item, path, None)
         elif kind == "namespace":
-            namespace = _required_str(item, "name", f"{path}.name", non_empty=True)
-            _optional_str(item, "description", f"{path}.description")
+            namespace = required_str(item, "name", f"{path}.name", non_empty=True)
+            optional_str(item, "description", f"{path}.description")
             members = item.get("tools")
             if not isinstance(members, list) or not members:
                 raise invalid(f"{path}.tools", f"{path}.tools must be a non-empty array of function definitions")
             for j, member in enumerate(members):
                 member_path = f"{path}.tools[{j}]"
                 if not isinstance(member, dict):
-                    raise _wrong_type(member_path, "an object", member)
-                member_kind = _required_str(member, "type", f"{member_path}.type")
+                    raise wrong_type(member_path, "an object", member)
+                member_kind = required_str(member, "type", f"{member_path}.type")
                 if member_kind != "function":
                     raise _tool_type_error(f"{member_path}.type", member_kind)
                 declare(member, member_path, namespace)
@@ -556,29 +479,29 @@ def _parse_tools(body: dict) -> tuple[list[Tool], dict[str, FunctionRef], list[d
 
 def _tool_type_error(path: str, kind: str) -> APIError:
     if kind == "custom":
-        return _unsupported(path, "custom free-form tools (only function tools)")
+        return cannot_provide(path, "custom free-form tools (only function tools)")
     if kind == "mcp":
-        return _unsupported(path, "remote MCP tools (declare client-executed functions instead)")
-    return _unsupported(path, f"hosted {kind} tools (only client-executed function tools)")
+        return cannot_provide(path, "remote MCP tools (declare client-executed functions instead)")
+    return cannot_provide(path, f"hosted {kind} tools (only client-executed function tools)")
 
 
 def _function_definition(raw: dict, path: str, namespace: str | None) -> Tool:
-    name = _required_str(raw, "name", f"{path}.name", non_empty=True)
-    if _optional_bool(raw, "strict", f"{path}.strict"):
-        raise _unsupported(f"{path}.strict", "strict schema adherence (constrained decoding)")
-    if _optional_bool(raw, "defer_loading", f"{path}.defer_loading"):
-        raise _unsupported(f"{path}.defer_loading", "deferred tool loading (tool search)")
+    name = required_str(raw, "name", f"{path}.name", non_empty=True)
+    if optional_bool(raw, "strict", f"{path}.strict"):
+        raise cannot_provide(f"{path}.strict", "strict schema adherence (constrained decoding)")
+    if optional_bool(raw, "defer_loading", f"{path}.defer_loading"):
+        raise cannot_provide(f"{path}.defer_loading", "deferred tool loading (tool search)")
     if raw.get("output_schema") is not None:
-        raise _unsupported(f"{path}.output_schema", "function output schemas")
-    if _optional_bool(raw, "async", f"{path}.async"):
-        raise _unsupported(f"{path}.async", "asynchronous function calls")
-    callers = _optional_list(raw, "allowed_callers", f"{path}.allowed_callers")
+        raise cannot_provide(f"{path}.output_schema", "function output schemas")
+    if optional_bool(raw, "async", f"{path}.async"):
+        raise cannot_provide(f"{path}.async", "asynchronous function calls")
+    callers = optional_list(raw, "allowed_callers", f"{path}.allowed_callers")
     if callers is not None and "direct" not in callers:
-        raise _unsupported(f"{path}.allowed_callers", "tools the model may not call directly")
+        raise cannot_provide(f"{path}.allowed_callers", "tools the model may not call directly")
     return Tool(
         name=tool_identity(namespace, name),
-        description=_optional_str(raw, "description", f"{path}.description"),
-        parameters=_optional_object(raw, "parameters", f"{path}.parameters"),
+        description=optional_str(raw, "description", f"{path}.description"),
+        parameters=optional_object(raw, "parameters", f"{path}.parameters"),
     )
 
 
@@ -594,42 +517,42 @@ def _callable_tools(
     elif choice == "none":
         allowed = set()  # tools stay in the prompt; calls stay text
     elif choice == "required":
-        raise _unsupported("tool_choice", "required tool calls")
+        raise cannot_provide("tool_choice", "required tool calls")
     elif isinstance(choice, dict):
         allowed = _allowed_tools(choice, functions)
     else:
         raise invalid("tool_choice", f"tool_choice must be auto, none or an allowed_tools object, got {choice!r}")
-    parallel = _optional_bool(body, "parallel_tool_calls", "parallel_tool_calls")
+    parallel = optional_bool(body, "parallel_tool_calls", "parallel_tool_calls")
     if parallel is False and allowed:
-        raise _unsupported("parallel_tool_calls", "limiting a turn to one tool call")
+        raise cannot_provide("parallel_tool_calls", "limiting a turn to one tool call")
     callable_tools = {identity: schema for identity, schema in declared.items() if identity in allowed}
     return callable_tools, choice if choice is not None else "auto"
 
 
 def _allowed_tools(choice: dict, functions: dict[str, FunctionRef]) -> set[str]:
-    kind = _required_str(choice, "type", "tool_choice.type")
+    kind = required_str(choice, "type", "tool_choice.type")
     if kind != "allowed_tools":
         if kind in ("function", "custom", "mcp", "apply_patch", "shell"):
-            raise _unsupported("tool_choice", f"a forced {kind} tool choice")
-        raise _unsupported("tool_choice", f"forcing the hosted {kind} tool")
-    mode = _required_str(choice, "mode", "tool_choice.mode")
+            raise cannot_provide("tool_choice", f"a forced {kind} tool choice")
+        raise cannot_provide("tool_choice", f"forcing the hosted {kind} tool")
+    mode = required_str(choice, "mode", "tool_choice.mode")
     if mode == "required":
-        raise _unsupported("tool_choice.mode", "required tool calls")
+        raise cannot_provide("tool_choice.mode", "required tool calls")
     if mode != "auto":
         raise invalid("tool_choice.mode", f"tool_choice.mode must be auto, got {mode!r}")
     entries = choice.get("tools")
     if not isinstance(entries, list):
-        raise _wrong_type("tool_choice.tools", "an array", entries)
+        raise wrong_type("tool_choice.tools", "an array", entries)
     allowed: set[str] = set()
     for i, entry in enumerate(entries):
         path = f"tool_choice.tools[{i}]"
         if not isinstance(entry, dict):
-            raise _wrong_type(path, "an object", entry)
-        entry_kind = _required_str(entry, "type", f"{path}.type")
+            raise wrong_type(path, "an object", entry)
+        entry_kind = required_str(entry, "type", f"{path}.type")
         if entry_kind != "function":
-            raise _unsupported(f"{path}.type", f"allowing {entry_kind} tools (allowed_tools selects functions only)")
+            raise cannot_provide(f"{path}.type", f"allowing {entry_kind} tools (allowed_tools selects functions only)")
         ref = FunctionRef(
-            _optional_str(entry, "namespace", f"{path}.namespace") or None, _required_str(entry, "name", f"{path}.name")
+            optional_str(entry, "namespace", f"{path}.namespace") or None, required_str(entry, "name", f"{path}.name")
         )
         if functions.get(ref.identity) != ref:  # the pair must match, not just the rendered identity
             raise invalid(path, f"{path} does not name a declared function")
@@ -646,15 +569,25 @@ class _InputParser:
     def parse(self, raw: Any, has_previous: bool) -> tuple[list[dict], list[str]]:
         if raw is None or raw == "" or raw == []:
             if not has_previous:
-                raise invalid("input", "input is required unless previous_response_id supplies the conversation",
-                              code="missing_required_parameter")
+                raise invalid(
+                    "input",
+                    "input is required unless previous_response_id supplies the conversation",
+                    code="missing_required_parameter",
+                )
             return [], []
         if isinstance(raw, str):
             content = [{"type": "input_text", "text": raw}]
-            return [{"id": new_item_id("message"), "type": "message", "role": "user", "content": content,
-                     "status": "completed"}], ["input"]
+            return [
+                {
+                    "id": new_item_id("message"),
+                    "type": "message",
+                    "role": "user",
+                    "content": content,
+                    "status": "completed",
+                }
+            ], ["input"]
         if not isinstance(raw, list):
-            raise _wrong_type("input", "a string or an array of Items", raw)
+            raise wrong_type("input", "a string or an array of Items", raw)
         items: list[dict] = []
         paths: list[str] = []
         seen: dict[str, str] = {}
@@ -664,8 +597,11 @@ class _InputParser:
             normalized = self._item(item, path)
             if supplied is not None:
                 if supplied in seen:
-                    raise invalid(f"{path}.id", f"{path}.id {supplied!r} repeats the id of {seen[supplied]}",
-                                  code="duplicate_item_id")
+                    raise invalid(
+                        f"{path}.id",
+                        f"{path}.id {supplied!r} repeats the id of {seen[supplied]}",
+                        code="duplicate_item_id",
+                    )
                 seen[supplied] = path
             items.append(normalized)
             paths.append(path)
@@ -673,13 +609,13 @@ class _InputParser:
 
     def _item(self, raw: Any, path: str) -> dict:
         if not isinstance(raw, dict):
-            raise _wrong_type(path, "an object", raw)
-        kind = _optional_str(raw, "type", f"{path}.type")
+            raise wrong_type(path, "an object", raw)
+        kind = optional_str(raw, "type", f"{path}.type")
         if kind is None and "role" in raw:
             kind = "message"
         if kind is None:
             raise invalid(f"{path}.type", f"{path}.type is required", code="missing_required_parameter")
-        item_id = _optional_str(raw, "id", f"{path}.id")
+        item_id = optional_str(raw, "id", f"{path}.id")
         if item_id is not None and not item_id:
             raise invalid(f"{path}.id", f"{path}.id must not be empty")
         if kind == "message":
@@ -691,18 +627,18 @@ class _InputParser:
         elif kind == "function_call_output":
             item = self._function_call_output(raw, path)
         elif kind in UNSUPPORTED_ITEMS:
-            raise _unsupported(f"{path}.type", UNSUPPORTED_ITEMS[kind])
+            raise cannot_provide(f"{path}.type", UNSUPPORTED_ITEMS[kind])
         else:
-            raise _unsupported(f"{path}.type", f"{kind} Items (hosted tools and server features are not available)")
+            raise cannot_provide(f"{path}.type", f"{kind} Items (hosted tools and server features are not available)")
         return {"id": item_id or new_item_id(kind), **item}
 
     def _message(self, raw: dict, path: str) -> dict:
-        role = _required_str(raw, "role", f"{path}.role")
+        role = required_str(raw, "role", f"{path}.role")
         if role not in MESSAGE_ROLES:
             raise invalid(f"{path}.role", f"{path}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}")
         # Status and phase have no Qwen prompt representation; they are kept as metadata.
         status = _enum(raw, "status", f"{path}.status", ITEM_STATUSES)
-        phase = _optional_str(raw, "phase", f"{path}.phase")
+        phase = optional_str(raw, "phase", f"{path}.phase")
         content = raw.get("content")
         cpath = f"{path}.content"
         if content is None:
@@ -713,7 +649,7 @@ class _InputParser:
         elif isinstance(content, list):
             parts = [self._part(part, role, f"{cpath}[{i}]") for i, part in enumerate(content)]
         else:
-            raise _wrong_type(cpath, "a string or an array of content parts", content)
+            raise wrong_type(cpath, "a string or an array of content parts", content)
         item: dict[str, Any] = {"type": "message", "role": role, "content": parts, "status": status or "completed"}
         if phase is not None:
             item["phase"] = phase
@@ -721,15 +657,15 @@ class _InputParser:
 
     def _part(self, raw: Any, role: str, path: str) -> dict:
         if not isinstance(raw, dict):
-            raise _wrong_type(path, "an object", raw)
-        kind = _required_str(raw, "type", f"{path}.type")
+            raise wrong_type(path, "an object", raw)
+        kind = required_str(raw, "type", f"{path}.type")
         if kind in ("input_text", "output_text"):
-            text = _required_str(raw, "text", f"{path}.text")
+            text = required_str(raw, "text", f"{path}.text")
             if kind == "output_text" and role != "assistant":
                 raise invalid(f"{path}.type", f"{path}: output_text parts replay assistant messages")
             part = _text_part("output_text" if role == "assistant" else "input_text", text)
             if kind == "output_text":
-                annotations = _optional_list(raw, "annotations", f"{path}.annotations")
+                annotations = optional_list(raw, "annotations", f"{path}.annotations")
                 part["annotations"] = list(annotations or [])
             marker = _cache_breakpoint(raw, path) if kind == "input_text" else None
             if marker is not None:
@@ -738,40 +674,41 @@ class _InputParser:
         if kind == "refusal":
             if role != "assistant":
                 raise invalid(f"{path}.type", f"{path}: refusal parts replay assistant messages")
-            return {"type": "refusal", "refusal": _required_str(raw, "refusal", f"{path}.refusal")}
+            return {"type": "refusal", "refusal": required_str(raw, "refusal", f"{path}.refusal")}
         if kind in ("input_image", "input_video"):
             if role not in ("user", "assistant"):
                 raise invalid(f"{path}.type", f"{path}: {kind} parts belong to user or assistant messages")
             _media(raw, kind, path)
         if kind == "input_file":
-            raise _unsupported(path, "file input")
+            raise cannot_provide(path, "file input")
         if kind == "input_audio":
-            raise _unsupported(path, "audio input")
+            raise cannot_provide(path, "audio input")
         raise invalid(f"{path}.type", f"{path}.type {kind!r} is not a supported content part type")
 
     def _reasoning(self, raw: dict, path: str) -> dict:
         content = raw.get("content")
         if not isinstance(content, list) or not content:
-            raise _unsupported(
-                path, "reasoning Items without raw reasoning_text content (summaries and encrypted content "
+            raise cannot_provide(
+                path,
+                "reasoning Items without raw reasoning_text content (summaries and encrypted content "
                 "cannot be replayed into the prompt)",
             )
         texts = []
         for i, part in enumerate(content):
             ppath = f"{path}.content[{i}]"
             if not isinstance(part, dict):
-                raise _wrong_type(ppath, "an object", part)
+                raise wrong_type(ppath, "an object", part)
             if part.get("type") != "reasoning_text":
                 raise invalid(f"{ppath}.type", f"{ppath}.type must be reasoning_text")
-            texts.append({"type": "reasoning_text", "text": _required_str(part, "text", f"{ppath}.text")})
-        summary = _optional_list(raw, "summary", f"{path}.summary") or []
+            texts.append({"type": "reasoning_text", "text": required_str(part, "text", f"{ppath}.text")})
+        summary = optional_list(raw, "summary", f"{path}.summary") or []
         for i, part in enumerate(summary):
             ppath = f"{path}.summary[{i}]"
             if not isinstance(part, dict) or part.get("type") != "summary_text":
                 raise invalid(ppath, f"{ppath} must be a summary_text part")
-            _required_str(part, "text", f"{ppath}.text")
+            required_str(part, "text", f"{ppath}.text")
         item: dict[str, Any] = {"type": "reasoning", "summary": list(summary), "content": texts}
-        encrypted = _optional_str(raw, "encrypted_content", f"{path}.encrypted_content")
+        encrypted = optional_str(raw, "encrypted_content", f"{path}.encrypted_content")
         if encrypted is not None:
             item["encrypted_content"] = encrypted  # opaque metadata next to the raw text; never rendered
         status = _enum(raw, "status", f"{path}.status", ITEM_STATUSES)
@@ -781,10 +718,10 @@ class _InputParser:
 
     def _function_call(self, raw: dict, path: str) -> dict:
         _check_complete_tool_item(raw, path)
-        call_id = _required_str(raw, "call_id", f"{path}.call_id", non_empty=True)
-        name = _required_str(raw, "name", f"{path}.name", non_empty=True)
-        namespace = _optional_str(raw, "namespace", f"{path}.namespace")
-        arguments = _required_str(raw, "arguments", f"{path}.arguments")
+        call_id = required_str(raw, "call_id", f"{path}.call_id", non_empty=True)
+        name = required_str(raw, "name", f"{path}.name", non_empty=True)
+        namespace = optional_str(raw, "namespace", f"{path}.namespace")
+        arguments = required_str(raw, "arguments", f"{path}.arguments")
         try:
             parse_arguments(arguments)
         except (ValueError, TypeError) as error:
@@ -797,7 +734,7 @@ class _InputParser:
 
     def _function_call_output(self, raw: dict, path: str) -> dict:
         _check_complete_tool_item(raw, path)
-        call_id = _required_str(raw, "call_id", f"{path}.call_id", non_empty=True)
+        call_id = required_str(raw, "call_id", f"{path}.call_id", non_empty=True)
         output = raw.get("output")
         opath = f"{path}.output"
         if output is None:
@@ -807,11 +744,15 @@ class _InputParser:
                 raise invalid(opath, f"{opath} must be a string or a non-empty array of content parts")
             output = [self._result_part(part, f"{opath}[{i}]") for i, part in enumerate(output)]
         elif not isinstance(output, str):
-            raise _wrong_type(opath, "a string or an array of content parts", output)
-        item: dict[str, Any] = {"type": "function_call_output", "call_id": call_id, "output": output,
-                                "status": "completed"}
+            raise wrong_type(opath, "a string or an array of content parts", output)
+        item: dict[str, Any] = {
+            "type": "function_call_output",
+            "call_id": call_id,
+            "output": output,
+            "status": "completed",
+        }
         for key in ("name", "namespace"):
-            value = _optional_str(raw, key, f"{path}.{key}")
+            value = optional_str(raw, key, f"{path}.{key}")
             if value:
                 item[key] = value
         return item
@@ -819,10 +760,10 @@ class _InputParser:
     @staticmethod
     def _result_part(raw: Any, path: str) -> dict:
         if not isinstance(raw, dict):
-            raise _wrong_type(path, "an object", raw)
-        kind = _required_str(raw, "type", f"{path}.type")
+            raise wrong_type(path, "an object", raw)
+        kind = required_str(raw, "type", f"{path}.type")
         if kind == "input_text":
-            part = _text_part("input_text", _required_str(raw, "text", f"{path}.text"))
+            part = _text_part("input_text", required_str(raw, "text", f"{path}.text"))
             marker = _cache_breakpoint(raw, path)
             if marker is not None:
                 part["prompt_cache_breakpoint"] = marker
@@ -830,7 +771,7 @@ class _InputParser:
         if kind == "input_image":
             _media(raw, kind, path)
         if kind == "input_file":
-            raise _unsupported(path, "file tool results")
+            raise cannot_provide(path, "file tool results")
         raise invalid(f"{path}.type", f"{path}.type must be input_text or input_image, got {kind!r}")
 
 
@@ -841,30 +782,29 @@ def _text_part(kind: str, text: str) -> dict:
 def _check_complete_tool_item(raw: dict, path: str) -> None:
     status = _enum(raw, "status", f"{path}.status", ITEM_STATUSES)
     if status in ("in_progress", "incomplete"):
-        raise _unsupported(f"{path}.status", f"{status} tool Items (only completed calls and results)")
-    caller = _optional_object(raw, "caller", f"{path}.caller")
+        raise cannot_provide(f"{path}.status", f"{status} tool Items (only completed calls and results)")
+    caller = optional_object(raw, "caller", f"{path}.caller")
     if caller is not None and caller.get("type") != "direct":
-        raise _unsupported(f"{path}.caller", "programmatic tool callers")
-    if _optional_bool(raw, "async", f"{path}.async"):
-        raise _unsupported(f"{path}.async", "asynchronous function calls")
+        raise cannot_provide(f"{path}.caller", "programmatic tool callers")
+    if optional_bool(raw, "async", f"{path}.async"):
+        raise cannot_provide(f"{path}.async", "asynchronous function calls")
 
 
 def _media(raw: dict, kind: str, path: str) -> NoReturn:
     """Shape checks of an image/video part, then vision_disabled: media needs --vision."""
     if kind == "input_image":
         if raw.get("file_id") is not None:
-            raise _unsupported(f"{path}.file_id", "file-id images (send an image_url)")
+            raise cannot_provide(f"{path}.file_id", "file-id images (send an image_url)")
         detail = _enum(raw, "detail", f"{path}.detail", ("auto", "low", "high", "original"))
         if detail not in (None, "auto"):
-            raise _unsupported(f"{path}.detail", f"explicit {detail} image detail (only auto)")
+            raise cannot_provide(f"{path}.detail", f"explicit {detail} image detail (only auto)")
         key = "image_url"
     else:
         key = "video_url"
-    url = _required_str(raw, key, f"{path}.{key}")
+    url = required_str(raw, key, f"{path}.{key}")
     if not url.lower().startswith(MEDIA_SCHEMES):
         raise invalid(f"{path}.{key}", f"{path}.{key} must be an http(s) URL or a data: URI", code="invalid_media")
-    raise APIError(400, f"{path}: media input needs a server started with --vision", code="vision_disabled",
-                   param=path)
+    raise APIError(400, f"{path}: media input needs a server started with --vision", code="vision_disabled", param=path)
 
 
 # ---- Item history -> Conversation ------------------------------------------------------------
@@ -878,8 +818,9 @@ def build_conversation(
     if request.instructions:
         assembler.messages.append(Message(role="developer", content=[TextPart(request.instructions)]))
     if not request.items and not any(i["type"] == "message" and i["role"] == "user" for i in history):
-        raise invalid("input", "input is required: the previous response holds no user query",
-                      code="missing_required_parameter")
+        raise invalid(
+            "input", "input is required: the previous response holds no user query", code="missing_required_parameter"
+        )
     for item in history:
         assembler.add(item, "previous_response_id", fresh=False)
     for item, path in zip(request.items, request.item_paths):
@@ -963,12 +904,16 @@ class _HistoryAssembler:
         else:
             call_id = item["call_id"]
             if any(call.call_id == call_id for call in turn.tool_calls):
-                raise invalid(f"{path}.call_id", f"{path}.call_id {call_id!r} repeats an earlier call of this turn",
-                              code="invalid_tool_history")
+                raise invalid(
+                    f"{path}.call_id",
+                    f"{path}.call_id {call_id!r} repeats an earlier call of this turn",
+                    code="invalid_tool_history",
+                )
             name, namespace = item["name"], item.get("namespace")
             turn.tool_calls.append(
-                ToolCall(name=tool_identity(namespace, name), arguments=parse_arguments(item["arguments"]),
-                         call_id=call_id)
+                ToolCall(
+                    name=tool_identity(namespace, name), arguments=parse_arguments(item["arguments"]), call_id=call_id
+                )
             )
             self._turn_refs.append((namespace, name))
 
@@ -988,22 +933,31 @@ class _HistoryAssembler:
             call_id = item["call_id"]
             index = next((i for i, c in enumerate(pending.calls) if c.call_id == call_id), None) if pending else None
             if index is None:
-                raise invalid(f"{path}.call_id", f"{path}.call_id {call_id!r} answers no call of the preceding "
-                              "assistant turn", code="invalid_tool_history")
+                raise invalid(
+                    f"{path}.call_id",
+                    f"{path}.call_id {call_id!r} answers no call of the preceding assistant turn",
+                    code="invalid_tool_history",
+                )
             if index in ordered or index < pending.answered:
-                raise invalid(f"{path}.call_id", f"{path}.call_id {call_id!r} is answered twice",
-                              code="invalid_tool_history")
+                raise invalid(
+                    f"{path}.call_id", f"{path}.call_id {call_id!r} is answered twice", code="invalid_tool_history"
+                )
             namespace, name = pending.refs[index]
             if item.get("name") not in (None, name) or item.get("namespace") not in (None, namespace):
-                raise invalid(path, f"{path}: name/namespace do not match call {call_id!r}",
-                              code="invalid_tool_history")
+                raise invalid(
+                    path, f"{path}: name/namespace do not match call {call_id!r}", code="invalid_tool_history"
+                )
             ordered[index] = (item, path, fresh)
         expected = list(range(pending.answered, pending.answered + len(ordered)))
         if sorted(ordered) != expected:
             # The Qwen prompt pairs results with calls by position only.
             path = results[0][1]
-            raise invalid(path, f"{path}: results must answer the calls in a leading run of their declaration "
-                          "order; this partial result set cannot be represented", code="invalid_tool_history")
+            raise invalid(
+                path,
+                f"{path}: results must answer the calls in a leading run of their declaration "
+                "order; this partial result set cannot be represented",
+                code="invalid_tool_history",
+            )
         pending.answered += len(ordered)
         for index in expected:
             item, _, fresh = ordered[index]
