@@ -1,0 +1,183 @@
+"""Routed-MoE decode microbenchmark (35B-A3B: 256 experts, top-8, hidden 2048, expert 512).
+
+A decode step must read each selected expert's gate/up and down weights once:
+unique_experts * 3 * H * I * 2 bytes (bf16); activations are a few KiB. The floor is those
+bytes over the copy bandwidth measured here in the same run. Each timing replays a CUDA
+graph of NUM_CALLS router + expert calls, each with its own random routing over one
+layer's 1.5 GiB of experts, so the weights come from HBM rather than L2; the median per
+call is reported. Decode tile variants and router widths are timed side by side; prefills
+of 1000 and 4096 tokens (the sorted, grouped path) at each BLOCK_M are reported in TFLOP/s
+and as the fraction of copy bandwidth that reading each hit expert's weights once would take.
+
+    python benchmarks/kernels/bench_moe.py [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import triton
+
+from ninfer.kernels.moe import triton as moe_fast
+
+NUM_EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
+NUM_CALLS = 16
+BATCHES = (1, 2, 4, 8)
+# Alternatives timed beside the default TILES entry: (up, down) overrides, None = default.
+UP_VARIANTS = ((32, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3))
+DOWN_VARIANTS = ((32, 128, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4))
+ROUTE_WARPS = (1, 2, 4)
+PREFILL_TOKENS = (1000, 4096)
+PREFILL_BLOCK_M = (16, 32, 64)
+
+
+def median_seconds(fn, replays: int = 30, graph: bool = True) -> float:
+    """Median time of one fn() call (fn launches device work only), after warm-up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+        for _ in range(3):
+            run()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    src = torch.randn(num_bytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / median_seconds(lambda: dst.copy_(src), replays=20, graph=False)
+
+
+def bench_batch(batch: int, gate_up: torch.Tensor, down: torch.Tensor, bandwidth: float, gen: torch.Generator):
+    x = torch.randn(batch, HIDDEN, device="cuda", generator=gen).bfloat16()
+    # Router logits per call; their top-8 picks NUM_CALLS independent random expert sets.
+    logits = [torch.randn(batch, NUM_EXPERTS, device="cuda", generator=gen).bfloat16() for _ in range(NUM_CALLS)]
+    routes = [moe_fast.route(lg, TOP_K, True) for lg in logits]
+    unique = sum(torch.unique(ids).numel() for _, ids in routes) / NUM_CALLS
+    num_bytes = int(unique * 3 * HIDDEN * INTER * 2)
+    rows = []
+
+    def record(op: str, variant: str, seconds: float, nbytes: int) -> None:
+        rows.append(
+            {
+                "batch": batch,
+                "op": op,
+                "variant": variant,
+                "unique_experts": unique,
+                "us": seconds * 1e6,
+                "bytes": nbytes,
+                "floor_us": nbytes / bandwidth * 1e6,
+                "fraction_of_copy_bw": nbytes / seconds / bandwidth,
+            }
+        )
+
+    for warps in ROUTE_WARPS:
+
+        def route_calls(warps=warps):
+            for lg in logits:
+                moe_fast.route(lg, TOP_K, True, num_warps=warps)
+
+        record("route", f"w{warps}", median_seconds(route_calls) / NUM_CALLS, batch * NUM_EXPERTS * 2)
+
+    default_up, default_down = moe_fast.TILES[min(64, max(16, 1 << (batch * TOP_K - 1).bit_length()))]
+    configs = [(None, None)] + [(up, default_down) for up in UP_VARIANTS if up != default_up]
+    configs += [(default_up, dn) for dn in DOWN_VARIANTS if dn != default_down]
+    for up, dn in configs:
+
+        def expert_calls(up=up, dn=dn):
+            for weights, ids in routes:
+                moe_fast.fused_experts(x, weights, ids, gate_up, down, tiles=None if up is None else (up, dn))
+
+        if up is None:
+            variant = "default up" + "/".join(map(str, default_up)) + " dn" + "/".join(map(str, default_down))
+        else:
+            variant = "up" + "/".join(map(str, up)) + " dn" + "/".join(map(str, dn))
+        try:
+            record("experts", variant, median_seconds(expert_calls) / NUM_CALLS, num_bytes)
+        except triton.runtime.errors.OutOfResources as exc:  # a variant too big for shared memory
+            print(f"B={batch} {variant}: {exc}")
+
+    def step_calls():
+        for lg in logits:
+            weights, ids = moe_fast.route(lg, TOP_K, True)
+            moe_fast.fused_experts(x, weights, ids, gate_up, down)
+
+    record("route+experts", "default", median_seconds(step_calls) / NUM_CALLS, num_bytes)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="write all rows here")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    gen = torch.Generator("cuda").manual_seed(0)
+    gate_up = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen) * HIDDEN**-0.5).bfloat16()
+    down = (torch.randn(NUM_EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) * INTER**-0.5).bfloat16()
+    rows = []
+    for batch in BATCHES:
+        rows += bench_batch(batch, gate_up, down, bandwidth, gen)
+
+    # Prefill through the sorted grouped path. At 31 (1000 tokens) to 128 (4096) rows per expert
+    # it reads every expert's weights once per BLOCK_M block, so report both bytes and FLOPs.
+    prefill = []
+    for tokens in PREFILL_TOKENS:
+        x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+        weights, ids = moe_fast.route(torch.randn(tokens, NUM_EXPERTS, device="cuda", generator=gen), TOP_K, True)
+        unique = torch.unique(ids).numel()
+        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+        for block_m in PREFILL_BLOCK_M:
+            seconds = median_seconds(
+                lambda x=x, weights=weights, ids=ids, block_m=block_m: moe_fast.fused_experts(
+                    x, weights, ids, gate_up, down, block_m=block_m
+                ),
+                replays=10,
+                graph=False,
+            )
+            num_bytes = unique * 3 * HIDDEN * INTER * 2
+            prefill.append(
+                {
+                    "tokens": tokens,
+                    "block_m": block_m,
+                    "us": seconds * 1e6,
+                    "tflops": flops / seconds / 1e12,
+                    "weight_bytes": num_bytes,
+                    "fraction_of_copy_bw": num_bytes / seconds / bandwidth,
+                }
+            )
+
+    print(f"{'B':>2} {'op':14} {'variant':34} {'uniq':>5} {'us':>8} {'floor us':>9} {'of copy bw':>10}")
+    for r in rows:
+        print(
+            f"{r['batch']:>2} {r['op']:14} {r['variant']:34} {r['unique_experts']:5.1f} {r['us']:8.2f} "
+            f"{r['floor_us']:9.2f} {r['fraction_of_copy_bw']:10.1%}"
+        )
+    for p in prefill:
+        print(
+            f"prefill {p['tokens']:5} tokens BLOCK_M {p['block_m']:2}: {p['us']:7.0f} us, {p['tflops']:4.0f} TFLOP/s, "
+            f"expert weights once = {p['fraction_of_copy_bw']:.0%} of copy bw"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bandwidth": bandwidth, "rows": rows, "prefill": prefill}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

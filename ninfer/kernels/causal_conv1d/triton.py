@@ -1,0 +1,219 @@
+"""Depthwise causal conv1d + silu in Triton, reading and writing the per-slot conv states in place.
+
+Decode update: one program per (request, channel block). Each thread owns whole channels:
+it loads the K-1 state columns of its channels and the new input, and writes the state
+shifted by one, so every state element is loaded and stored by the same thread and no
+barrier is needed. Only the slot ids are read from per-step memory: capture-safe.
+
+Varlen prefill: one program per (request, channel block, BLOCK_T tokens). The output tile
+[BLOCK_T, BLOCK_C] is the sum of K shifted input tiles, each element taken from the chunk
+(position >= 0) or from the slot's state (position < 0, the last K-1 inputs seen before).
+Only the token-block-0 program of a request reads the old state (BLOCK_T >= K-1), and that
+same program writes the new state (the request's last K-1 inputs, which come from the old
+state too when the chunk is shorter than K-1) after a barrier, so no other program can see
+a half-updated state. Computed in fp32; one rounding to x's dtype at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_C_DECODE = 256
+# [16, 256] tiles over 8 warps: 128 registers, 16-byte loads of x, no spills (sm_90 build);
+# [32, 128] over 4 warps needed 255 registers and spilled.
+BLOCK_C_PREFILL = 256
+BLOCK_T_PREFILL = 16
+PREFILL_WARPS = 8
+
+
+@triton.jit
+def _conv_update_kernel(
+    x_ptr,
+    weight_ptr,
+    state_ptr,
+    slots_ptr,
+    out_ptr,
+    stride_xt,
+    stride_ot,
+    stride_wc,
+    stride_slot,
+    stride_sc,
+    num_channels,
+    K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = c < num_channels
+    slot = tl.load(slots_ptr + i_b).to(tl.int64)
+    x_new = tl.load(x_ptr + i_b * stride_xt + c, mask=mask, other=0.0)
+    acc = x_new.to(tl.float32) * tl.load(weight_ptr + c * stride_wc + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    p_state = state_ptr + slot * stride_slot + c * stride_sc
+    # State column m holds the input K-1-m steps back; after this token it moves to m-1.
+    for m in tl.static_range(K - 1):
+        s_m = tl.load(p_state + m, mask=mask, other=0.0)
+        acc += s_m.to(tl.float32) * tl.load(weight_ptr + c * stride_wc + m, mask=mask, other=0.0).to(tl.float32)
+        if m > 0:
+            tl.store(p_state + (m - 1), s_m, mask=mask)
+    tl.store(p_state + (K - 2), x_new.to(state_ptr.dtype.element_ty), mask=mask)
+    y = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + i_b * stride_ot + c, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _conv_varlen_kernel(
+    x_ptr,
+    weight_ptr,
+    state_ptr,
+    slots_ptr,
+    cu_seqlens_ptr,
+    out_ptr,
+    stride_xt,
+    stride_ot,
+    stride_wc,
+    stride_slot,
+    stride_sc,
+    num_channels,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    STATE_COLS: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_t = tl.program_id(2)
+    bos = tl.load(cu_seqlens_ptr + i_r).to(tl.int64)
+    length = tl.load(cu_seqlens_ptr + i_r + 1).to(tl.int64) - bos
+    t0 = i_t * BLOCK_T
+    if t0 < length:
+        slot = tl.load(slots_ptr + i_r).to(tl.int64)
+        c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_c = c < num_channels
+        t = t0 + tl.arange(0, BLOCK_T)  # positions within the request
+        mask_t = t < length
+        p_state = state_ptr + slot * stride_slot + c * stride_sc
+
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for w in tl.static_range(K):
+            pos = t + (w - (K - 1))  # input position feeding tap w
+            in_chunk = (pos >= 0) & mask_t
+            in_state = (pos < 0) & mask_t
+            from_x = tl.load(
+                x_ptr + (bos + pos)[:, None] * stride_xt + c[None, :],
+                mask=in_chunk[:, None] & mask_c[None, :],
+                other=0.0,
+            )
+            from_state = tl.load(
+                p_state[None, :] + (pos + (K - 1))[:, None],
+                mask=in_state[:, None] & mask_c[None, :],
+                other=0.0,
+            )
+            tap = tl.load(weight_ptr + c * stride_wc + w, mask=mask_c, other=0.0).to(tl.float32)
+            acc += (from_x.to(tl.float32) + from_state.to(tl.float32)) * tap[None, :]
+        y = acc * tl.sigmoid(acc)
+        tl.store(
+            out_ptr + (bos + t)[:, None] * stride_ot + c[None, :],
+            y.to(out_ptr.dtype.element_ty),
+            mask=mask_t[:, None] & mask_c[None, :],
+        )
+
+        if i_t == 0:
+            # New state column j = input at position length-(K-1)+j, from the old state if < 0.
+            j = tl.arange(0, STATE_COLS)
+            pos_j = length - (K - 1) + j
+            live = mask_c[:, None] & (j < K - 1)[None, :]
+            col_x = tl.load(
+                x_ptr + (bos + pos_j)[None, :] * stride_xt + c[:, None], mask=live & (pos_j >= 0)[None, :], other=0.0
+            )
+            col_s = tl.load(p_state[:, None] + (pos_j + (K - 1))[None, :], mask=live & (pos_j < 0)[None, :], other=0.0)
+            new_state = col_x.to(state_ptr.dtype.element_ty) + col_s
+            # Every read of the old state above (by any thread of this program) precedes the writes.
+            tl.debug_barrier()
+            tl.store(p_state[:, None] + j[None, :], new_state, mask=live)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> None:
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("x and weight need contiguous channels/taps")
+    if conv_state.stride(-1) != 1:
+        raise ValueError("conv_state columns must be contiguous")
+    if weight.shape[-1] != conv_state.shape[-1] + 1:
+        raise ValueError(f"kernel {weight.shape[-1]} needs a state of {weight.shape[-1] - 1} columns")
+
+
+def causal_conv1d_update(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
+) -> torch.Tensor:
+    """Same contract as ref.causal_conv1d_update; capture-safe."""
+    _check(x, weight, conv_state)
+    num_requests, num_channels = x.shape
+    out = torch.empty((num_requests, num_channels), dtype=x.dtype, device=x.device)
+    if num_requests == 0:
+        return out
+    grid = (num_requests, triton.cdiv(num_channels, BLOCK_C_DECODE))
+    _conv_update_kernel[grid](
+        x,
+        weight,
+        conv_state,
+        state_slots,
+        out,
+        x.stride(0),
+        out.stride(0),
+        weight.stride(0),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        num_channels,
+        K=weight.shape[-1],
+        BLOCK_C=BLOCK_C_DECODE,
+        num_warps=4,
+    )
+    return out
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_lens: tuple[int, ...],
+) -> torch.Tensor:
+    """Same contract as ref.causal_conv1d (varlen, slot states updated in place)."""
+    _check(x, weight, conv_state)
+    num_tokens, num_channels = x.shape
+    out = torch.empty((num_tokens, num_channels), dtype=x.dtype, device=x.device)
+    kernel = weight.shape[-1]
+    if num_tokens == 0 or not query_lens:
+        return out
+    if BLOCK_T_PREFILL < kernel - 1:
+        raise ValueError("the first token block must cover the whole state")
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    cu_seqlens = torch.tensor(starts, dtype=torch.int32).to(x.device, non_blocking=True)
+    grid = (
+        len(query_lens),
+        triton.cdiv(num_channels, BLOCK_C_PREFILL),
+        triton.cdiv(max(query_lens), BLOCK_T_PREFILL),
+    )
+    _conv_varlen_kernel[grid](
+        x,
+        weight,
+        conv_state,
+        state_slots,
+        cu_seqlens,
+        out,
+        x.stride(0),
+        out.stride(0),
+        weight.stride(0),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        num_channels,
+        K=kernel,
+        BLOCK_T=BLOCK_T_PREFILL,
+        BLOCK_C=BLOCK_C_PREFILL,
+        STATE_COLS=triton.next_power_of_2(kernel - 1),
+        num_warps=PREFILL_WARPS,
+    )
+    return out

@@ -1,0 +1,268 @@
+"""Gated delta rule on the GPU: our own recurrent kernel for decode, fla's chunked kernels for prefill.
+
+Recurrent form (decode rounds, short verify rows): one Triton program owns one request's
+v-head and a BLOCK_V-column strip of its fp32 state [dk, dv] (the strips of a head are
+independent: every column of S evolves on its own given k, q, g, beta). The strip is read
+from the request's slot once, advanced token by token in registers, and written back to
+the same slot, so a step moves each state byte exactly twice (read + write) with no
+gather/scatter copies. When every request has the same number of rows (a decode round
+has one each) the rows of request b are b*L ... b*L+L-1 and nothing but the slot ids is
+read from memory that the host fills per step: the launch is the same every round, which
+is what a CUDA graph replays. Unequal lengths pass a cu_seqlens tensor built on the host
+(not capture-safe; the engine only sends those to the chunked form).
+
+Chunked form (prefill chunks): flash-linear-attention's `chunk_gated_delta_rule` over the
+whole varlen batch (cu_seqlens), with the initial states gathered from the slots and the
+final states scattered back. fla is imported lazily; without it the reference runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.gated_delta_rule import ref
+
+# Programs own BLOCK_V state columns (dk * BLOCK_V * 4 bytes). H200 sweep (docs/gpu-notes.md):
+# at batch 1 the narrowest strips win (27B: 384 programs of 8 KiB, 3.95 us vs 4.5 at 32
+# columns), at batch 8 64 columns do (768 programs, 17.1 us, 70 % of copy bandwidth); the
+# rule below takes the widest strip that still gives every SM three programs.
+BLOCK_V_CHOICES = (64, 32, 16)
+PROGRAMS_PER_SM = 3
+NUM_WARPS = 4
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _block_v(device: torch.device, num_requests: int, num_v_heads: int, v_dim: int) -> int:
+    if device.type != "cuda":
+        return 32  # the CPU interpreter: any width is correct
+    target = PROGRAMS_PER_SM * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    for block_v in BLOCK_V_CHOICES:
+        if num_requests * num_v_heads * triton.cdiv(v_dim, block_v) >= target:
+            return block_v
+    return BLOCK_V_CHOICES[-1]
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    out_ptr,
+    state_ptr,
+    slots_ptr,
+    cu_seqlens_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_gt,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_slot,
+    max_len,
+    scale,
+    eps,
+    NUM_K_HEADS: tl.constexpr,
+    NUM_V_HEADS: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    i_hk = i_h // (NUM_V_HEADS // NUM_K_HEADS)  # grouped value heads share their k/q head
+    if VARLEN:
+        bos = tl.load(cu_seqlens_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_seqlens_ptr + i_b + 1).to(tl.int64) - bos
+    else:
+        bos = i_b.to(tl.int64) * max_len
+        length = max_len
+    slot = tl.load(slots_ptr + i_b).to(tl.int64)
+
+    o_k = tl.arange(0, BLOCK_K)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = o_k < DK
+    mask_v = o_v < DV
+    mask_s = mask_k[:, None] & mask_v[None, :]
+    p_state = state_ptr + slot * stride_slot + (i_h * DK + o_k[:, None]) * DV + o_v[None, :]
+    s = tl.load(p_state, mask=mask_s, other=0.0).to(tl.float32)
+
+    # The trip count is a host int (the longest request), never a loaded value. In varlen
+    # mode a request's steps past its end load g = beta = 0, which leaves s unchanged
+    # (decay exp(0) = 1, update beta * ... = 0), and store nothing.
+    for i in range(max_len):
+        t = bos + i
+        live = i < length
+        m_k = mask_k & live
+        m_v = mask_v & live
+        b_q = tl.load(q_ptr + t * stride_qt + i_hk * stride_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + i_hk * stride_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + t * stride_vt + i_h * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g_ptr + t * stride_gt + i_h, mask=live, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta_ptr + t * stride_bt + i_h, mask=live, other=0.0).to(tl.float32)
+        # l2norm with eps inside the rsqrt, as the reference; q also takes dk^-0.5.
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + eps) * scale
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + eps)
+        s = s * tl.exp(b_g)
+        u = b_beta * (b_v - tl.sum(s * b_k[:, None], axis=0))
+        s = s + b_k[:, None] * u[None, :]
+        b_o = tl.sum(s * b_q[:, None], axis=0)
+        tl.store(out_ptr + t * stride_ot + i_h * stride_oh + o_v, b_o.to(out_ptr.dtype.element_ty), mask=m_v)
+
+    tl.store(p_state, s.to(state_ptr.dtype.element_ty), mask=mask_s)
+
+
+def _check_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> None:
+    # Rows may be strided (q, k, v are column slices of the conv output); heads and features not.
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name} must have contiguous [heads, dim] rows, got strides {t.stride()}")
+    if not state[0].is_contiguous():
+        raise ValueError("each state slot must be a contiguous [Hv, dk, dv] block")
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_lens: tuple[int, ...],
+    *,
+    block_v: int | None = None,
+    num_warps: int = NUM_WARPS,
+) -> torch.Tensor:
+    """Same contract as ref.recurrent_gated_delta_rule; state slots are updated in place.
+
+    Capture-safe when all query_lens are equal (a decode round): the host tuple only fixes
+    the grid. block_v / num_warps override the tile choice, for the benchmark.
+    """
+    num_tokens, num_k_heads, k_dim = q.shape
+    num_v_heads, v_dim = v.shape[1], v.shape[2]
+    out = torch.empty((num_tokens, num_v_heads, v_dim), dtype=v.dtype, device=v.device)
+    num_requests = len(query_lens)
+    if num_requests == 0 or num_tokens == 0:
+        return out
+    _check_layout(q, k, v, state)
+    if g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("g and beta must be [T, Hv] with contiguous heads")
+    equal = all(n == query_lens[0] for n in query_lens)
+    if equal:
+        if num_requests * query_lens[0] != num_tokens:
+            raise ValueError(f"query_lens {query_lens} do not cover {num_tokens} rows")
+        cu_seqlens = state_slots  # unused placeholder pointer
+    else:
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        cu_seqlens = torch.tensor(starts, dtype=torch.int64, device=q.device)
+    block_v = block_v or _block_v(q.device, num_requests, num_v_heads, v_dim)
+    grid = (num_requests, num_v_heads, triton.cdiv(v_dim, block_v))
+    _recurrent_kernel[grid](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        out,
+        state,
+        state_slots,
+        cu_seqlens,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
+        out.stride(0),
+        out.stride(1),
+        state.stride(0),
+        max(query_lens),
+        k_dim**-0.5,
+        ref.L2NORM_EPS,
+        NUM_K_HEADS=num_k_heads,
+        NUM_V_HEADS=num_v_heads,
+        DK=k_dim,
+        DV=v_dim,
+        BLOCK_K=triton.next_power_of_2(k_dim),
+        BLOCK_V=block_v,
+        VARLEN=not equal,
+        num_warps=num_warps,
+    )
+    return out
+
+
+@functools.cache
+def _fla_chunk():
+    """fla's chunked kernel, or None when flash-linear-attention is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except ImportError:
+        return None
+    return fla_chunk
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_lens: tuple[int, ...],
+) -> torch.Tensor:
+    """Same contract as ref.chunk_gated_delta_rule, through fla's varlen chunked kernels.
+
+    Not capture-safe (host-built cu_seqlens, fla's own host-side chunk bookkeeping); prefill
+    is not captured. Empty requests are dropped: they leave their slot unchanged.
+    """
+    fla_chunk = _fla_chunk()
+    if fla_chunk is None:
+        return ref.chunk_gated_delta_rule(q, k, v, g, beta, state, state_slots, query_lens)
+    num_tokens = q.shape[0]
+    if num_tokens == 0:
+        return torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    keep = [i for i, n in enumerate(query_lens) if n > 0]
+    starts = [0]
+    for i in keep:
+        starts.append(starts[-1] + query_lens[i])
+    slots = state_slots if len(keep) == len(query_lens) else state_slots[torch.tensor(keep, device=q.device)]
+    cu_seqlens_cpu = torch.tensor(starts, dtype=torch.int64)
+    cu_seqlens = cu_seqlens_cpu.to(q.device, non_blocking=True)
+    with torch.no_grad():
+        out, final = fla_chunk(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            g.float().unsqueeze(0),
+            beta.unsqueeze(0),
+            scale=q.shape[-1] ** -0.5,
+            initial_state=state[slots].float(),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+        )
+    state[slots] = final.to(state.dtype)
+    return out[0].to(v.dtype)

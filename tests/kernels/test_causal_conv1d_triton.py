@@ -1,0 +1,133 @@
+"""Our Triton causal conv1d kernels (varlen prefill, decode update) under Triton's CPU interpreter vs ref.py.
+
+The compiled kernels at the real channel counts are tested in tests/gpu/test_causal_conv1d.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # the kernel modules import it; the interpreter needs no GPU
+if torch.cuda.is_available():
+    pytest.skip(
+        "interpreter tests run on CPU-only machines; tests/gpu covers the compiled kernels", allow_module_level=True
+    )
+
+from ninfer.kernels.causal_conv1d import ref
+
+
+def _interpreted(module_name: str):
+    """Import a kernel module with its @triton.jit functions built for the CPU interpreter."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.modules.pop(module_name, None)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+fast = _interpreted("ninfer.kernels.causal_conv1d.triton")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make Triton 3.6's interpreter run our kernels in a process that imported triton normally.
+
+    - triton.language's own helpers (tl.sum, tl.max, tl.sigmoid ...) are @jit functions
+      built when triton was first imported (here, usually by transformers -> fla, not in
+      interpreter mode); calls to them from interpreted code go to an interpreted copy.
+    - The interpreter keeps scalars as 1-element arrays and converts them with int(), which
+      numpy >= 2.4 refuses; loops over runtime bounds need the element itself.
+    """
+    from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
+
+    interpreted: dict = {}
+
+    def call(self, *args, **kwargs):
+        if self.fn not in interpreted:
+            interpreted[self.fn] = interpreter.InterpretedFunction(self.fn)
+        return interpreted[self.fn](*args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "__call__", call)
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
+
+
+CHANNELS = 200  # not a multiple of the 256-channel prefill block
+
+
+def _inputs(num_tokens: int, kernel: int, num_slots: int, seed: int, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, CHANNELS, generator=gen).to(dtype)
+    weight = (torch.randn(CHANNELS, kernel, generator=gen) * 0.5).to(dtype)
+    state = torch.randn(num_slots, CHANNELS, kernel - 1, generator=gen).to(dtype)
+    return x, weight, state
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    # fp32: summation order only. bf16: both round one fp32 value, at most one ulp apart.
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [4, 3])
+def test_varlen_prefill_matches_reference(dtype: torch.dtype, kernel: int) -> None:
+    # Lengths over several 16-token blocks and below the state width; an empty request; slots out of order.
+    lengths = (5, 1, 33, 2, 0, 16)
+    slots = [3, 0, 6, 1, 2, 5]
+    x, weight, state = _inputs(sum(lengths), kernel, num_slots=7, seed=kernel, dtype=dtype)
+    initial = state.clone()
+    expected_state = state.clone()
+    out = fast.causal_conv1d(x, weight, state, torch.tensor(slots), lengths)
+    expected = ref.causal_conv1d(x, weight, expected_state, torch.tensor(slots), lengths)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, **_tolerance(dtype))
+    # The state is the last inputs, copied: exact.
+    assert torch.equal(state, expected_state)
+    assert torch.equal(state[4], initial[4])  # nobody's slot
+    assert torch.equal(state[2], initial[2])  # the empty request's slot
+
+
+def test_chunks_shorter_than_the_state_chain_exactly() -> None:
+    x, weight, state = _inputs(9, 4, num_slots=2, seed=11)
+    whole_state = state.clone()
+    whole = ref.causal_conv1d(x, weight, whole_state, torch.tensor([1]), (9,))
+    pieces, start = [], 0
+    for length in (1, 2, 1, 5):
+        chunk = x[start : start + length]
+        if length == 1:
+            pieces.append(fast.causal_conv1d_update(chunk, weight, state, torch.tensor([1])))
+        else:
+            pieces.append(fast.causal_conv1d(chunk, weight, state, torch.tensor([1]), (length,)))
+        start += length
+    torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-5, rtol=1e-5)
+    assert torch.equal(state, whole_state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_update_matches_reference(dtype: torch.dtype) -> None:
+    x, weight, state = _inputs(3, 4, num_slots=6, seed=5, dtype=dtype)
+    slots = torch.tensor([4, 1, 5])
+    initial = state.clone()
+    expected_state = state.clone()
+    out = fast.causal_conv1d_update(x, weight, state, slots)
+    expected = ref.causal_conv1d_update(x, weight, expected_state, slots)
+    torch.testing.assert_close(out, expected, **_tolerance(dtype))
+    assert torch.equal(state, expected_state)
+    for slot in (0, 2, 3):
+        assert torch.equal(state[slot], initial[slot])

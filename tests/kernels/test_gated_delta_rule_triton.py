@@ -1,0 +1,134 @@
+"""Our Triton recurrent gated-delta-rule kernel under Triton's CPU interpreter vs ref.py.
+
+Small shapes (the interpreter runs every program in Python). The compiled kernel at the
+real shapes is tested in tests/gpu/test_gated_delta_rule.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # the kernel modules import it; the interpreter needs no GPU
+if torch.cuda.is_available():
+    pytest.skip(
+        "interpreter tests run on CPU-only machines; tests/gpu covers the compiled kernels", allow_module_level=True
+    )
+
+from ninfer.kernels.gated_delta_rule import ref
+
+
+def _interpreted(module_name: str):
+    """Import a kernel module with its @triton.jit functions built for the CPU interpreter."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.modules.pop(module_name, None)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+fast = _interpreted("ninfer.kernels.gated_delta_rule.triton")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make Triton 3.6's interpreter run our kernels in a process that imported triton normally.
+
+    - triton.language's own helpers (tl.sum, tl.max, tl.sigmoid ...) are @jit functions
+      built when triton was first imported (here, usually by transformers -> fla, not in
+      interpreter mode); calls to them from interpreted code go to an interpreted copy.
+    - The interpreter keeps scalars as 1-element arrays and converts them with int(), which
+      numpy >= 2.4 refuses; loops over runtime bounds need the element itself.
+    """
+    from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
+
+    interpreted: dict = {}
+
+    def call(self, *args, **kwargs):
+        if self.fn not in interpreted:
+            interpreted[self.fn] = interpreter.InterpretedFunction(self.fn)
+        return interpreted[self.fn](*args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "__call__", call)
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
+
+
+# fp32 everywhere; the kernel and the reference sum the same terms in a different order.
+ATOL, RTOL = 1e-5, 1e-5
+
+
+def _inputs(num_tokens: int, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, num_slots: int, seed: int):
+    """q, k, v as strided column slices of one conv output, as the layer produces them."""
+    gen = torch.Generator().manual_seed(seed)
+    key_dim, value_dim = num_k_heads * k_dim, num_v_heads * v_dim
+    conv = torch.randn(num_tokens, 2 * key_dim + value_dim, generator=gen)
+    q = conv[:, :key_dim].reshape(num_tokens, num_k_heads, k_dim)
+    k = conv[:, key_dim : 2 * key_dim].reshape(num_tokens, num_k_heads, k_dim)
+    v = conv[:, 2 * key_dim :].reshape(num_tokens, num_v_heads, v_dim)
+    g = -(torch.rand(num_tokens, num_v_heads, generator=gen) ** 3)
+    beta = torch.sigmoid(torch.randn(num_tokens, num_v_heads, generator=gen))
+    state = torch.randn(num_slots, num_v_heads, k_dim, v_dim, generator=gen) * 0.5
+    return q, k, v, g, beta, state
+
+
+def _check(lengths, slots, shape=(2, 6, 16, 12), num_slots=6, seed=0, block_v=8):
+    q, k, v, g, beta, state = _inputs(sum(lengths), *shape, num_slots=num_slots, seed=seed)
+    initial = state.clone()
+    expected_state = state.clone()
+    slot_ids = torch.tensor(slots)
+    out = fast.recurrent_gated_delta_rule(q, k, v, g, beta, state, slot_ids, lengths, block_v=block_v)
+    expected = ref.recurrent_gated_delta_rule(q, k, v, g, beta, expected_state, slot_ids, lengths)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(state, expected_state, atol=ATOL, rtol=RTOL)
+    for slot in set(range(num_slots)) - set(slots):
+        assert torch.equal(state[slot], initial[slot]), f"slot {slot} belongs to nobody but changed"
+    return state, initial
+
+
+def test_decode_round_updates_noncontiguous_slots_in_place() -> None:
+    # v head dim 12 with BLOCK_V 8: the second strip is half masked; Hv/Hk = 3.
+    state, initial = _check((1, 1, 1), [4, 0, 2])
+    assert not torch.equal(state[4], initial[4])
+
+
+def test_equal_length_verify_rows() -> None:
+    _check((3, 3), [1, 5], seed=1)
+
+
+def test_varlen_with_an_empty_request() -> None:
+    # The empty request's slot must stay as it was (the reference writes it back unchanged).
+    state, initial = _check((2, 0, 5, 1), [3, 1, 0, 5], seed=2)
+    assert torch.equal(state[1], initial[1])
+
+
+def test_head_dims_that_are_not_powers_of_two() -> None:
+    _check((1, 2), [2, 0], shape=(1, 2, 12, 20), seed=3, block_v=16)
+
+
+def test_bf16_inputs_keep_fp32_state() -> None:
+    q, k, v, g, beta, state = _inputs(2, 2, 4, 16, 16, num_slots=3, seed=4)
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    expected_state = state.clone()
+    slots = torch.tensor([2, 0])
+    out = fast.recurrent_gated_delta_rule(q, k, v, g, beta, state, slots, (1, 1))
+    expected = ref.recurrent_gated_delta_rule(q, k, v, g, beta, expected_state, slots, (1, 1))
+    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+    # Both compute in fp32 from the same bf16 inputs; the outputs round once to bf16.
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(state, expected_state, atol=ATOL, rtol=RTOL)

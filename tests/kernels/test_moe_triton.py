@@ -1,0 +1,137 @@
+"""Our Triton MoE kernels (fused router, grouped expert GEMM in decode and prefill modes)
+under Triton's CPU interpreter vs ref.py.
+
+The compiled kernels at the 35B-A3B shapes are tested in tests/gpu/test_moe.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # the kernel modules import it; the interpreter needs no GPU
+if torch.cuda.is_available():
+    pytest.skip(
+        "interpreter tests run on CPU-only machines; tests/gpu covers the compiled kernels", allow_module_level=True
+    )
+
+from ninfer.kernels.moe import ref
+
+
+def _interpreted(module_name: str):
+    """Import a kernel module with its @triton.jit functions built for the CPU interpreter."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.modules.pop(module_name, None)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+fast = _interpreted("ninfer.kernels.moe.triton")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make Triton 3.6's interpreter run our kernels in a process that imported triton normally.
+
+    - triton.language's own helpers (tl.sum, tl.max, tl.sigmoid ...) are @jit functions
+      built when triton was first imported (here, usually by transformers -> fla, not in
+      interpreter mode); calls to them from interpreted code go to an interpreted copy.
+    - The interpreter keeps scalars as 1-element arrays and converts them with int(), which
+      numpy >= 2.4 refuses; loops over runtime bounds need the element itself.
+    """
+    from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
+
+    interpreted: dict = {}
+
+    def call(self, *args, **kwargs):
+        if self.fn not in interpreted:
+            interpreted[self.fn] = interpreter.InterpretedFunction(self.fn)
+        return interpreted[self.fn](*args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "__call__", call)
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
+
+
+NUM_EXPERTS, HIDDEN, INTER, TOP_K = 12, 48, 40, 3  # nothing a power of two or a block multiple
+
+
+def _weights(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen) * HIDDEN**-0.5
+    down = torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen) * INTER**-0.5
+    return gate_up, down
+
+
+def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_reference(renormalize: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, NUM_EXPERTS, generator=gen) * 2  # fp32: no ties
+    weights, ids = fast.route(logits, TOP_K, renormalize)
+    expected_weights, expected_ids = ref.route(logits, TOP_K, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == logits.dtype
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 60])  # 4 * 3 pairs: decode mode; 60 * 3 > 128: prefill mode
+def test_fused_experts_matches_reference(num_tokens: int) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    gate_up, down = _weights(seed=100 + num_tokens)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen)
+    logits = torch.randn(num_tokens, NUM_EXPERTS, generator=gen)
+    if num_tokens == 4:
+        logits[:, 5] += 10  # every token picks expert 5: one owner must serve all four rows
+    weights, ids = ref.route(logits, TOP_K, True)
+    out = fast.fused_experts(x, weights, ids, gate_up, down)
+    expected = ref.fused_experts(x.double(), weights.double(), ids, gate_up.double(), down.double())
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert _relative_error(out, expected) < 1e-5  # fp32 accumulation throughout
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_prefill_block_sizes_agree(block_m: int) -> None:
+    gen = torch.Generator().manual_seed(block_m)
+    gate_up, down = _weights(seed=7)
+    x = torch.randn(50, HIDDEN, generator=gen)
+    weights, ids = ref.route(torch.randn(50, NUM_EXPERTS, generator=gen), TOP_K, True)
+    out = fast.fused_experts(x, weights, ids, gate_up, down, block_m=block_m)
+    expected = ref.fused_experts(x.double(), weights.double(), ids, gate_up.double(), down.double())
+    assert _relative_error(out, expected) < 1e-5
+
+
+def test_sort_by_expert_pads_each_group_to_whole_blocks() -> None:
+    ids = torch.tensor([[3, 0], [3, 7], [0, 3]])
+    sorted_pairs, block_expert, num_blocks = fast._sort_by_expert(ids, num_experts=8, block_m=4)
+    num_pairs = ids.numel()
+    assert sorted_pairs.numel() == num_blocks * 4
+    flat = ids.reshape(-1)
+    for block in range(num_blocks):
+        rows = sorted_pairs[block * 4 : (block + 1) * 4]
+        real = rows[rows < num_pairs]
+        if block_expert[block] < 0:
+            assert real.numel() == 0
+        else:
+            assert (flat[real] == block_expert[block]).all()
+    served = sorted_pairs[sorted_pairs < num_pairs]
+    assert sorted(served.tolist()) == list(range(num_pairs))  # every pair exactly once
