@@ -50,6 +50,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device", type=int, default=0, help="CUDA device index (default 0; CPU when no GPU is present)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="weight dtype (default auto: the artifact's on GPU, float32 on CPU)")
     engine.add_argument("--no-prefix-reuse", action="store_true", help="disable compatible-prefix caching (default: reuse on)")
+    engine.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly instead of replaying CUDA graphs captured at start-up (default: graphs on, CUDA only)")
     engine.add_argument("--device-state-slots", type=_non_negative_int, help="checkpoint StateImages beyond the active lanes (default: --max-concurrency)")
     engine.add_argument("--in-process-engine", action="store_true", help="run the engine in a thread of the API process instead of its own process")
     gen = parser.add_argument_group("generation")
@@ -121,6 +122,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         kv_capacity=None if kv_auto else args.kv_capacity,
         device_state_slots=args.device_state_slots,
         prefix_reuse=not args.no_prefix_reuse,
+        cuda_graphs=not args.no_cuda_graph,
         log_stats_interval_ms=args.log_stats_interval_ms,
         device=resolve_device(args.device),
     )

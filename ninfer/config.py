@@ -22,6 +22,7 @@ class EngineConfig:
     page_size: int = 16
     device_state_slots: int | None = None  # checkpoint slots beyond the active lanes; None = max_concurrency
     prefix_reuse: bool = True
+    cuda_graphs: bool = True  # capture decode graphs at start-up (CUDA only); --no-cuda-graph turns it off
     log_stats_interval_ms: int = 5000
     device: str = "cpu"
     dtype: str | None = None  # None: the artifact's dtype (float32 on CPU for bf16 checkpoints is not implied)

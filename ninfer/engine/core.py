@@ -56,6 +56,8 @@ class EngineCore:
             config.page_size,
             config.num_state_slots,
             num_valid_tokens=tokenizer.vocab_size,
+            cuda_graph_batch_sizes=range(1, config.max_concurrency + 1) if config.cuda_graphs else (),
+            max_context=config.max_context,
         )
         self.failed: str | None = None
         self._last_stats_at = clock()

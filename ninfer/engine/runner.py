@@ -3,16 +3,24 @@
 It owns the device side: the model, the KV page storage, the StateImage slots and, per
 slot, the logits of the last computed row (a checkpoint keeps them so an exact
 full-prompt hit samples without recomputing). One host sync per step: the sampled ids.
+Decode rounds replay a CUDA graph when graphs were captured (cuda_graphs.py); prefill
+chunks, multi-token rows and steps that sample stored logits run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import torch
 
+from ninfer.engine.cuda_graphs import DecodeGraphs, graph_blocker
 from ninfer.engine.sampler import Sampler, SamplingBatch
 from ninfer.engine.scheduler import CopyPage, CopySlot, ResetSlot, ScheduledChunk, SchedulerStep
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.forward_batch import ForwardBatch
+
+log = logging.getLogger("ninfer.engine")
 
 
 class ModelRunner:
@@ -24,7 +32,12 @@ class ModelRunner:
         num_state_slots: int,
         num_valid_tokens: int | None = None,
         kv_dtype: torch.dtype | None = None,
+        cuda_graph_batch_sizes: Sequence[int] = (),
+        max_context: int | None = None,
     ):
+        """cuda_graph_batch_sizes: decode batch sizes to capture a CUDA graph for (on CUDA,
+        when the model allows it; other sizes decode eagerly); max_context bounds the
+        page-table width they are captured with (default: the whole KV pool)."""
         self.model = model
         param = next(model.parameters())
         self.device = param.device
@@ -35,10 +48,34 @@ class ModelRunner:
         self.num_valid_tokens = min(num_valid_tokens or vocab, vocab)
         self.mrope = model.config.mrope_section is not None
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_batch_sizes:
+            self._capture_graphs(sorted(set(cuda_graph_batch_sizes)), max_context or num_pages * page_size)
+
+    def _capture_graphs(self, batch_sizes: list[int], max_context: int) -> None:
+        blocker = graph_blocker(self.model)
+        if blocker is not None:
+            log.info("CUDA graphs off: %s", blocker)
+            return
+        kv = self.kv_cache
+        max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
+        graphs = DecodeGraphs(
+            self.model, kv, self.state_cache, self.slot_logits, self.num_valid_tokens, batch_sizes, max_pages, self.sampler
+        )
+        try:
+            graphs.capture()
+        except Exception:  # noqa: BLE001 - an op that is not capture-safe must not stop the server
+            log.exception("CUDA graph capture failed; decoding eagerly")
+            graphs.discard_warmup_writes()
+            return
+        self.graphs = graphs
+        log.info("CUDA graphs captured for decode batch sizes %s", ", ".join(map(str, batch_sizes)))
 
     @torch.inference_mode()
     def execute(self, step: SchedulerStep) -> dict[str, int]:
         self._apply_actions(step)
+        if self.graphs is not None and self.graphs.can_run(step.chunks):
+            return self.graphs.run(step.chunks)
         computed = [c for c in step.chunks if c.token_ids]
         if computed:
             self._forward(computed)

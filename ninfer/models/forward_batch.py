@@ -40,6 +40,11 @@ class ForwardBatch:
         return sum(self.query_lens_cpu)
 
     @property
+    def max_query_len(self) -> int:
+        """Host-side size for kernel grids; a captured decode batch has 1 on every replay."""
+        return max(self.query_lens_cpu, default=0)
+
+    @property
     def is_decode_only(self) -> bool:
         return all(q == 1 for q in self.query_lens_cpu)
 

@@ -14,9 +14,30 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     page_table: torch.Tensor,
-    query_lens: tuple[int, ...],
-    seq_lens: tuple[int, ...],
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int,
+    query_lens_cpu: tuple[int, ...] | None = None,
+    seq_lens_cpu: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
+    """Causal attention of each request's new queries over its paged KV (see ref.py).
+
+    The fast path reads only device tensors plus max_query_len (a grid size, fixed for a
+    captured decode batch), so it can be replayed from a CUDA graph; the host copies
+    query_lens_cpu / seq_lens_cpu serve the reference alone.
+    """
     impl = fast_impl(__name__, "paged_attention", q) or ref.paged_attention
-    return impl(q, k_cache, v_cache, page_table, query_lens, seq_lens, scale)
+    return impl(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len=max_query_len,
+        query_lens_cpu=query_lens_cpu,
+        seq_lens_cpu=seq_lens_cpu,
+    )

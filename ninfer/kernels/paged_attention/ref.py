@@ -22,18 +22,30 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     page_table: torch.Tensor,
-    query_lens: tuple[int, ...],
-    seq_lens: tuple[int, ...],
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int,
+    query_lens_cpu: tuple[int, ...] | None = None,
+    seq_lens_cpu: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] flat over requests -> [T, Hq, D]. GQA: Hq is a multiple of Hk.
 
+    Request b owns rows [query_start_loc[b], query_start_loc[b+1]) and has seq_lens[b]
+    tokens in the cache (this step's included); page_table[b] lists its pages. The host
+    copies query_lens_cpu / seq_lens_cpu, when given, spare the loop a device sync; without
+    them it reads the device tensors. max_query_len is for the fast path's grid.
     Computed in fp32 (softmax included), returned in q's dtype.
     """
+    if query_lens_cpu is None:
+        query_lens_cpu = tuple(query_start_loc.diff().tolist())
+    if seq_lens_cpu is None:
+        seq_lens_cpu = tuple(seq_lens.tolist())
     page_size = k_cache.shape[1]
     out = torch.empty_like(q)
     start = 0
-    for b, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+    for b, (query_len, seq_len) in enumerate(zip(query_lens_cpu, seq_lens_cpu)):
         num_pages = (seq_len + page_size - 1) // page_size
         pages = page_table[b, :num_pages].long()
         keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:seq_len]

@@ -57,7 +57,16 @@ class Attention(nn.Module):
         k_cache, v_cache = batch.kv_cache.layer(self.kv_layer_index)
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = paged_attention(
-            q, k_cache, v_cache, batch.page_table, batch.query_lens_cpu, batch.seq_lens_cpu, self.scale
+            q,
+            k_cache,
+            v_cache,
+            batch.page_table,
+            batch.query_start_loc,
+            batch.seq_lens,
+            self.scale,
+            max_query_len=batch.max_query_len,
+            query_lens_cpu=batch.query_lens_cpu,
+            seq_lens_cpu=batch.seq_lens_cpu,
         ).reshape(num_tokens, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -1,0 +1,244 @@
+"""DecodeGraphs: one CUDA graph per decode batch size, from token ids to sampled token ids.
+
+A decode round of B requests (each with exactly one new token) is the same sequence of
+kernels every step; only the values differ. At start-up we capture, for every B asked
+for (the engine: 1..max_concurrency), embedding -> model forward -> logits -> sampling over static device
+buffers, and a step then costs two small host->device copies (ints, floats), a copy of
+any page-table row that changed, one replay and the read of the sampled ids.
+
+What the captured region may not do: read host copies of per-step values, sync with the
+host (.item(), .tolist(), nonzero ...), or branch in Python on tensor values. The pieces
+inside it satisfy that by contract:
+  * paged attention: the Triton path reads query_start_loc / seq_lens / page_table on the
+    device; its grid depends only on B (ForwardBatch.max_query_len is 1 at every replay);
+  * Gated DeltaNet decode: recurrent_gated_delta_rule with query_lens (1,) * B and
+    causal_conv1d_update index their state slots with device tensors;
+  * sampling: the general no-penalty path (greedy rows by torch.where); rows with
+    presence/frequency penalties re-sample eagerly from the graph's logits, because their
+    token lists change length every step.
+The reference MoE (`fused_experts` lists the hit experts with .tolist()) cannot be
+captured: models with MoE layers run eagerly until a fast fused_experts exists.
+
+Warm-up runs before each capture execute for real: they write dummy KV at page 0, dummy
+state into slots 0..B-1 and logits rows; capture happens before any request is admitted,
+and those slots are reset afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from ninfer.engine.request import TOP_K_CAP
+from ninfer.engine.sampler import Sampler, SamplingBatch
+from ninfer.engine.scheduler import ScheduledChunk
+from ninfer.kernels.backend import fast_impl
+from ninfer.models.causal_lm import CausalLM
+from ninfer.models.forward_batch import ForwardBatch
+from ninfer.models.kv_cache import KVCache
+from ninfer.models.state_cache import StateCache
+
+log = logging.getLogger("ninfer.engine")
+
+# Columns of the int64 input buffer [max_batch, _NUM_INTS]: one host->device copy per step.
+_TOKEN, _POSITION, _SLOT, _STATE_SLOT, _TOP_K, _GREEDY = range(6)
+_NUM_INTS = 6
+_NUM_FLOAT_PARAMS = 5  # SamplingBatch.row_floats columns, then TOP_K_CAP noise columns
+
+
+def graph_blocker(model: CausalLM) -> str | None:
+    """Why this model's decode step cannot be captured here, or None when it can."""
+    probe = next(model.parameters())
+    if not probe.is_cuda:
+        return "CUDA graphs need a CUDA device"
+    if fast_impl("ninfer.kernels.paged_attention", "paged_attention", probe) is None:
+        # The reference loops over host copies of the lengths, frozen at capture.
+        return "the fast paged attention is not in use (NINFER_KERNELS=ref or triton missing)"
+    if model.config.is_moe and fast_impl("ninfer.kernels.moe", "fused_experts", probe) is None:
+        return "the reference MoE syncs with the host (.tolist()); no fast fused_experts"
+    return None
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        state_cache: StateCache | None,
+        slot_logits: torch.Tensor,
+        num_valid_tokens: int,
+        batch_sizes: Sequence[int],
+        max_pages_per_request: int,
+        sampler: Sampler,
+    ):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.state_cache = state_cache
+        self.slot_logits = slot_logits
+        self.num_valid_tokens = num_valid_tokens
+        self.batch_sizes = sorted(set(batch_sizes))
+        max_batch = self.max_batch = self.batch_sizes[-1]
+        self.max_pages = max_pages_per_request
+        self.sampler = sampler
+        self.device = slot_logits.device
+        self.page_size = kv_cache.page_size
+        self.mrope = model.config.mrope_section is not None
+        if slot_logits.shape[0] < max_batch:
+            raise ValueError("capture needs at least max_batch state slots")
+
+        dev = self.device
+        self.ints = torch.zeros(max_batch, _NUM_INTS, dtype=torch.int64, device=dev)
+        self.floats = torch.ones(max_batch, _NUM_FLOAT_PARAMS + TOP_K_CAP, dtype=torch.float32, device=dev)
+        self.page_table = torch.zeros(max_batch, max_pages_per_request, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)  # one token per row
+        # Pinned staging: filled on the host each step, copied without blocking. The previous
+        # step's read of the sampled ids has synced the stream, so rewriting them is safe.
+        pin = dev.type == "cuda"
+        self._ints_host = torch.zeros(max_batch, _NUM_INTS, dtype=torch.int64, pin_memory=pin)
+        self._floats_host = torch.ones(max_batch, _NUM_FLOAT_PARAMS + TOP_K_CAP, dtype=torch.float32, pin_memory=pin)
+        self._ints_np = self._ints_host.numpy()
+        self._floats_np = self._floats_host.numpy()
+        # The pages last copied into each page-table row (a request's pages are fixed at
+        # admission, so a row changes only when a different request lands on it).
+        self._row_pages: list[list[int] | None] = [None] * max_batch
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ---- capture -------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every batch size into one memory pool (largest first sizes it)."""
+        pool = torch.cuda.graph_pool_handle()
+        self._fill_dummy_inputs()
+        for batch_size in reversed(self.batch_sizes):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                # Warm-up compiles Triton kernels and creates library handles outside capture.
+                for _ in range(2):
+                    self._step(batch_size)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[batch_size] = self._step(batch_size)
+            self.graphs[batch_size] = graph
+        self.discard_warmup_writes()
+
+    def _fill_dummy_inputs(self) -> None:
+        """Valid inputs for the warm-up runs: token 0 at position 0 of page 0, greedy rows."""
+        self.ints.zero_()
+        self.ints[:, _STATE_SLOT] = torch.arange(self.max_batch, device=self.device)
+        self.ints[:, _TOP_K] = 1
+        self.ints[:, _GREEDY] = 1
+        self.floats.fill_(1.0)
+        self.floats[:, 2:_NUM_FLOAT_PARAMS] = 0.0  # min_p, presence, frequency
+        self.page_table.zero_()
+
+    def discard_warmup_writes(self) -> None:
+        """Zero what the warm-up runs wrote (page 0, slots 0..max_batch-1): nothing may
+        inherit it, also when a capture failed half-way."""
+        torch.cuda.synchronize(self.device)
+        self.kv_cache.k[:, 0].zero_()
+        self.kv_cache.v[:, 0].zero_()
+        for slot in range(self.max_batch):
+            if self.state_cache is not None:
+                self.state_cache.reset(slot)
+            self.slot_logits[slot].zero_()
+        self._row_pages = [None] * self.max_batch
+
+    def _step(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured region: static buffers -> (logits [B, V] fp32, sampled ids [B])."""
+        cols = self.ints[:batch_size].t().contiguous()  # each column as a contiguous row
+        positions = cols[_POSITION]
+        state_slots = cols[_STATE_SLOT]
+        batch = ForwardBatch(
+            positions=positions.unsqueeze(0).expand(3, -1) if self.mrope else positions,
+            query_start_loc=self.query_start_loc[: batch_size + 1],
+            seq_lens=(positions + 1).to(torch.int32),
+            page_table=self.page_table[:batch_size],
+            state_slots=state_slots,
+            logits_indices=self.query_start_loc[:batch_size].long(),
+            slot_mapping=cols[_SLOT],
+            kv_cache=self.kv_cache,
+            state_cache=self.state_cache,
+            # Host copies fix the code path (decode) and the grid; the lengths in them are
+            # stale at replay and nothing inside the graph may read them.
+            query_lens_cpu=(1,) * batch_size,
+            seq_lens_cpu=(1,) * batch_size,
+        )
+        hidden = self.model(cols[_TOKEN], batch)
+        logits = self.model.compute_logits(hidden).float()
+        if self.num_valid_tokens < logits.shape[-1]:
+            logits[:, self.num_valid_tokens :] = float("-inf")
+        self.slot_logits.index_copy_(0, state_slots, logits)
+        floats = self.floats[:batch_size]
+        sampling = SamplingBatch(
+            num_rows=batch_size,
+            row_floats=floats[:, :_NUM_FLOAT_PARAMS],
+            top_ks=cols[_TOP_K],
+            is_greedy=cols[_GREEDY].bool(),
+            noise=floats[:, _NUM_FLOAT_PARAMS:],
+            penalty_rows=None,
+            penalty_token_ids=None,
+            all_greedy=False,  # the general path serves every mix of greedy and sampled rows
+            any_greedy=True,
+            has_penalties=False,
+        )
+        return logits, self.sampler.sample(logits, sampling)
+
+    # ---- replay --------------------------------------------------------------------
+    def can_run(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """A decode round of a captured size, each row one new token that needs its logits."""
+        if len(chunks) not in self.graphs:
+            return False
+        return all(
+            len(c.token_ids) == 1 and c.compute_logits and len(c.page_ids) <= self.max_pages for c in chunks
+        )
+
+    def run(self, chunks: Sequence[ScheduledChunk]) -> dict[str, int]:
+        """Replay the graph of len(chunks) rows; -> sampled token id per sampling request."""
+        batch_size = len(chunks)
+        ints = self._ints_np
+        page_size = self.page_size
+        for row, chunk in enumerate(chunks):
+            pos = chunk.num_computed_tokens
+            ints[row, _TOKEN] = chunk.token_ids[0]
+            ints[row, _POSITION] = pos
+            ints[row, _SLOT] = chunk.page_ids[pos // page_size] * page_size + pos % page_size
+            ints[row, _STATE_SLOT] = chunk.state_slot
+            self._upload_pages(row, chunk.page_ids)
+        params = [c.sampling for c in chunks]
+        histories = [c.output_token_ids for c in chunks]
+        generated = [c.num_generated for c in chunks]
+        host = SamplingBatch.build(params, histories, device="cpu", num_generated=generated)
+        ints[:batch_size, _TOP_K] = host.top_ks.numpy()
+        ints[:batch_size, _GREEDY] = host.is_greedy.numpy()
+        floats = self._floats_np
+        floats[:batch_size, :_NUM_FLOAT_PARAMS] = host.row_floats.numpy()
+        floats[:batch_size, _NUM_FLOAT_PARAMS:] = host.noise.numpy()
+        self.ints[:batch_size].copy_(self._ints_host[:batch_size], non_blocking=True)
+        self.floats[:batch_size].copy_(self._floats_host[:batch_size], non_blocking=True)
+
+        self.graphs[batch_size].replay()
+        logits, token_ids = self._outputs[batch_size]
+        if host.has_penalties:
+            # Penalty token lists grow every step: sample these batches eagerly from the graph's logits.
+            device_batch = SamplingBatch.build(params, histories, device=self.device, num_generated=generated)
+            token_ids = self.sampler.sample(logits, device_batch)
+        sampled = token_ids.tolist()
+        return {c.request_id: t for c, t in zip(chunks, sampled) if c.sample}
+
+    def _upload_pages(self, row: int, page_ids: list[int]) -> None:
+        if self._row_pages[row] == page_ids:
+            return
+        pages = torch.tensor(page_ids, dtype=torch.int32)
+        if self.device.type == "cuda":
+            pages = pages.pin_memory()
+        self.page_table[row, : len(page_ids)].copy_(pages, non_blocking=True)
+        self._row_pages[row] = list(page_ids)
+
+    def logits(self, batch_size: int) -> torch.Tensor:
+        """The static logits of the last replay of graph batch_size (tests compare them)."""
+        return self._outputs[batch_size][0]
