@@ -90,12 +90,21 @@ class Suite:
         self.ceilings = measure_ceilings(self.device)
         log.info("%s: copy %.2f TB/s, bf16 matmul %.0f TFLOP/s", self.ceilings.name,
                  self.ceilings.copy_bytes_per_s / 1e12, self.ceilings.bf16_flops_per_s / 1e12)
+        failures: list[str] = []
         for shape in self.options.shapes:
-            for weights in self.options.weights:
-                self._run_ours(shape, weights)
+            runs = [(f"{shape} {w}", self._run_ours, (shape, w)) for w in self.options.weights]
             if self.options.peer == "hf":
-                self._run_hf(shape)
+                runs.append((f"{shape} hf", self._run_hf, (shape,)))
+            for label, run, args in runs:
+                try:
+                    run(*args)
+                except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
+                    log.exception("[%s] failed", label)
+                    failures.append(f"{label}: {type(exc).__name__}: {exc}")
+                    gc.collect()
+                    torch.cuda.empty_cache()
         return {
+            "failures": failures,
             "device": self.ceilings.name,
             "ceilings": asdict(self.ceilings),
             "options": asdict(self.options),
@@ -124,8 +133,12 @@ class Suite:
         max_tokens = max(max(options.contexts) + 1, max(options.prefill_lengths))
         num_pages = max_batch * (-(-max(options.contexts) // options.page_size) + 1)
         num_pages = max(num_pages, -(-max_tokens // options.page_size) + 1)
+        started = time.perf_counter()
         runner = ModelRunner(model, num_pages, options.page_size, num_state_slots=max_batch + 1,
-                             cuda_graph_batch_sizes=options.batches if options.cuda_graphs else ())
+                             cuda_graph_batch_sizes=options.batches if options.cuda_graphs else (),
+                             max_context=max(options.contexts) + 1)
+        log.info("[%s %s] KV pool %d pages; CUDA graphs %s (%.1fs)", shape, weights, num_pages,
+                 "on" if runner.graphs is not None else "off", time.perf_counter() - started)
         with torch.no_grad():
             runner.kv_cache.k.normal_()
             runner.kv_cache.v.normal_()
