@@ -52,6 +52,7 @@ class BenchOptions:
     page_size: int = 64
     peer: str = "hf"  # "hf" or "none"
     peer_new_tokens: int = 16
+    peer_prompt: int = 4096
     cuda_graphs: bool = True
     seed: int = 0
 
@@ -178,7 +179,7 @@ class Suite:
 
     def _prefill_case(self, shape, weights, config, runner, prompt, weight_bytes) -> None:
         generator = torch.Generator().manual_seed(prompt)
-        tokens = torch.randint(0, 200_000, (prompt,), generator=generator).tolist()
+        tokens = torch.randint(0, min(200_000, config.vocab_size), (prompt,), generator=generator).tolist()
         chunk = self.options.prefill_chunk
         pages = list(range(-(-prompt // self.options.page_size) + 1))
 
@@ -217,8 +218,8 @@ class Suite:
             model = getattr(transformers, cls_name)._from_config(config, dtype=torch.bfloat16)
         fill_random_(model.named_parameters(), self.options.seed)
         model.eval()
-        prompt_len = 4096
-        ids = torch.randint(0, 200_000, (1, prompt_len), device=self.device)
+        prompt_len = self.options.peer_prompt
+        ids = torch.randint(0, min(200_000, config.vocab_size), (1, prompt_len), device=self.device)
         new = self.options.peer_new_tokens
 
         def generate(n: int) -> None:
