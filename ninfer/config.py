@@ -25,7 +25,6 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode graphs at start-up (CUDA only); --no-cuda-graph turns it off
     log_stats_interval_ms: int = 5000
     device: str = "cpu"
-    dtype: str | None = None  # None: the artifact's dtype (float32 on CPU for bf16 checkpoints is not implied)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:

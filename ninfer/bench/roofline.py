@@ -31,23 +31,29 @@ def _median_ms(fn, repeats: int = 10, warmup: int = 3) -> float:
     return times[len(times) // 2]
 
 
-def measure_ceilings(device: torch.device) -> DeviceCeilings:
-    """4 GiB copy and an 8192^3 bf16 matmul, random data, median of 10 after warm-up."""
-    n = 1 << 31  # 2 Gi bf16 elements = 4 GiB
-    src = torch.randn(n, dtype=torch.bfloat16, device=device)
+def _copy_bytes_per_s(device: torch.device) -> float:
+    """A 4 GiB device-to-device copy, counting bytes read and written."""
+    num_elements = 1 << 31
+    src = torch.randn(num_elements, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    copy_ms = _median_ms(lambda: dst.copy_(src))
-    del src, dst
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    mm_ms = _median_ms(lambda: a @ b)
-    del a, b
+    ms = _median_ms(lambda: dst.copy_(src))
+    return 2 * num_elements * 2 / (ms / 1000.0)
+
+
+def _bf16_flops_per_s(device: torch.device) -> float:
+    size = 8192
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    ms = _median_ms(lambda: a @ b)
+    return 2 * size**3 / (ms / 1000.0)
+
+
+def measure_ceilings(device: torch.device) -> DeviceCeilings:
+    """Random data, median of 10 after warm-up; buffers are freed before the models are built."""
+    copy_rate = _copy_bytes_per_s(device)
+    flops = _bf16_flops_per_s(device)
     torch.cuda.empty_cache()
-    return DeviceCeilings(
-        copy_bytes_per_s=2 * n * 2 / (copy_ms / 1000.0),
-        bf16_flops_per_s=2 * 8192**3 / (mm_ms / 1000.0),
-        name=torch.cuda.get_device_name(device),
-    )
+    return DeviceCeilings(copy_bytes_per_s=copy_rate, bf16_flops_per_s=flops, name=torch.cuda.get_device_name(device))
 
 
 @dataclass(frozen=True)

@@ -102,8 +102,9 @@ class Suite:
                 except Exception as exc:  # noqa: BLE001 - one failing configuration must not lose the others
                     log.exception("[%s] failed", label)
                     failures.append(f"{label}: {type(exc).__name__}: {exc}")
-                    gc.collect()
-                    torch.cuda.empty_cache()
+                # The run's model and caches were locals of the run: release their memory now.
+                gc.collect()
+                torch.cuda.empty_cache()
         return {
             "failures": failures,
             "device": self.ceilings.name,
@@ -152,9 +153,6 @@ class Suite:
                 self._decode_case(shape, weights, config, runner, batch, context, weight_bytes)
         for prompt in options.prefill_lengths:
             self._prefill_case(shape, weights, config, runner, prompt, weight_bytes)
-        del runner, model
-        gc.collect()
-        torch.cuda.empty_cache()
 
     def _decode_case(self, shape, weights, config, runner, batch, context, weight_bytes) -> None:
         pages_per_seq = -(-(context + 1) // self.options.page_size)
@@ -238,9 +236,6 @@ class Suite:
         self._record(shape, "bf16", "hf_decode", 1, prompt_len, decode_tps, roof, note=note)
         self._record(shape, "bf16", "hf_prefill", 1, prompt_len, prompt_len / first, None,
                      note=note + "; prompt + 1 token")
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
 
     def _record(self, shape, weights, kind, batch, tokens, value, roof, note="") -> None:
         peak = torch.cuda.max_memory_allocated(self.device) / (1 << 30)

@@ -10,6 +10,8 @@ import enum
 
 import msgspec
 
+from ninfer.engine.context_cache import PRIVATE_ENDPOINT
+
 # Sampling never looks past this many candidates (spec: top_k 0 selects the cap of 20).
 TOP_K_CAP = 20
 
@@ -57,7 +59,7 @@ class EngineRequest(msgspec.Struct, frozen=True):
     thinking_budget: ThinkingBudget | None = None
     capture_hints: list[CaptureHint] = []
     session_key: str | None = None  # chain identity for preferring its checkpoints
-    endpoint_path: str = "private_endpoint"  # reuse path label of this request's own checkpoints
+    endpoint_path: str = PRIVATE_ENDPOINT  # reuse path label of this request's own checkpoints
     deadline: float | None = None  # time.monotonic() by which admission must happen
 
 

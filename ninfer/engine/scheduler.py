@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ninfer.engine.context_cache import PRIVATE_ENDPOINT, ROOT, CacheHit, Checkpoint, ContextCache
+from ninfer.engine.context_cache import ROOT, CacheHit, Checkpoint, ContextCache
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.sampler import fresh_seed
 from ninfer.engine.request import (

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ninfer.engine.client import EngineUnavailable, Ticket
+from ninfer.engine.context_cache import PRIVATE_ENDPOINT
 from ninfer.engine.request import (
     CaptureHint,
     EngineOutput,
@@ -41,7 +42,7 @@ class GenerationOptions:
     thinking_budget: int | None = None  # request-specific cap (Anthropic); None: the process default
     extra_capture_hints: list[CaptureHint] = field(default_factory=list)
     session_key: str | None = None
-    endpoint_path: str = "private_endpoint"  # reuse label of checkpoints this request leaves behind
+    endpoint_path: str = PRIVATE_ENDPOINT  # reuse label of checkpoints this request leaves behind
 
 
 @dataclass
