@@ -6,67 +6,13 @@ The compiled kernels at the 35B-A3B shapes are tested in tests/gpu/test_moe.py.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-pytest.importorskip("triton")  # the kernel modules import it; the interpreter needs no GPU
-if torch.cuda.is_available():
-    pytest.skip(
-        "interpreter tests run on CPU-only machines; tests/gpu covers the compiled kernels", allow_module_level=True
-    )
-
 from ninfer.kernels.moe import ref
+from tests.kernels.interpreter import cpu_interpreter, interpreted  # noqa: F401 (autouse fixture)
 
-
-def _interpreted(module_name: str):
-    """Import a kernel module with its @triton.jit functions built for the CPU interpreter."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.modules.pop(module_name, None)
-    try:
-        return importlib.import_module(module_name)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-fast = _interpreted("ninfer.kernels.moe.triton")
-
-
-@pytest.fixture(autouse=True)
-def _cpu_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make Triton 3.6's interpreter run our kernels in a process that imported triton normally.
-
-    - triton.language's own helpers (tl.sum, tl.max, tl.sigmoid ...) are @jit functions
-      built when triton was first imported (here, usually by transformers -> fla, not in
-      interpreter mode); calls to them from interpreted code go to an interpreted copy.
-    - The interpreter keeps scalars as 1-element arrays and converts them with int(), which
-      numpy >= 2.4 refuses; loops over runtime bounds need the element itself.
-    """
-    from triton.runtime import interpreter
-    from triton.runtime.jit import JITFunction
-
-    interpreted: dict = {}
-
-    def call(self, *args, **kwargs):
-        if self.fn not in interpreted:
-            interpreted[self.fn] = interpreter.InterpretedFunction(self.fn)
-        return interpreted[self.fn](*args, **kwargs)
-
-    monkeypatch.setattr(JITFunction, "__call__", call)
-    original = interpreter._patch_lang_tensor
-
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
+fast = interpreted("ninfer.kernels.moe.triton")
 
 
 NUM_EXPERTS, HIDDEN, INTER, TOP_K = 12, 48, 40, 3  # nothing a power of two or a block multiple
