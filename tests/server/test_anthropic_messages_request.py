@@ -21,37 +21,8 @@ from ninfer.server.anthropic_messages_request import (
     parse_messages_request,
 )
 from ninfer.server.errors import APIError
+from tests.server.capability_sets import CHATML, QWEN35, QWEN38
 
-QWEN35 = TemplateCapabilities(
-    supports_thinking_switch=True,
-    thinking_default=True,
-    effort_tiers=(),
-    default_effort=None,
-    supports_preserve_thinking=True,
-    preserve_thinking_default=False,
-    think_open="<think>",
-    think_close="</think>",
-)
-QWEN38 = TemplateCapabilities(
-    supports_thinking_switch=True,
-    thinking_default=True,
-    effort_tiers=("low", "medium", "xhigh"),
-    default_effort="xhigh",
-    supports_preserve_thinking=True,
-    preserve_thinking_default=True,
-    think_open="<think>",
-    think_close="</think>",
-)
-CHATML = TemplateCapabilities(
-    supports_thinking_switch=False,
-    thinking_default=False,
-    effort_tiers=(),
-    default_effort=None,
-    supports_preserve_thinking=False,
-    preserve_thinking_default=False,
-    think_open=None,
-    think_close=None,
-)
 BILLING = "x-anthropic-billing-header: cc_version=2.1.0; cc_entrypoint=cli;"
 TOOL = {
     "name": "get_weather",

@@ -15,40 +15,16 @@ from ninfer.engine.sampling_defaults import SamplingOverrides
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.conversation import MediaPart, TextPart, ToolCall
 from ninfer.server.errors import APIError
-from ninfer.server.openai_chat_request import ChatContext, ChatRequest, parse_chat_request
+from ninfer.server.openai_chat_request import (
+    ChatContext,
+    ChatRequest,
+    parse_chat_request,
+)
 
 MODEL = "qwen3.8-27b"
 
-QWEN35 = TemplateCapabilities(
-    supports_thinking_switch=True,
-    thinking_default=True,
-    effort_tiers=(),
-    default_effort=None,
-    supports_preserve_thinking=True,
-    preserve_thinking_default=False,
-    think_open="<think>",
-    think_close="</think>",
-)
-QWEN38 = TemplateCapabilities(
-    supports_thinking_switch=True,
-    thinking_default=True,
-    effort_tiers=("low", "medium", "xhigh"),
-    default_effort="xhigh",
-    supports_preserve_thinking=True,
-    preserve_thinking_default=True,
-    think_open="<think>",
-    think_close="</think>",
-)
-CHATML = TemplateCapabilities(
-    supports_thinking_switch=False,
-    thinking_default=False,
-    effort_tiers=(),
-    default_effort=None,
-    supports_preserve_thinking=False,
-    preserve_thinking_default=False,
-    think_open=None,
-    think_close=None,
-)
+from tests.server.capability_sets import CHATML, QWEN35, QWEN38
+
 # A template that always opens a think block and has no switch (e.g. an R1-style template).
 ALWAYS_THINKS = TemplateCapabilities(
     supports_thinking_switch=False,
