@@ -83,12 +83,16 @@ class ForwardBatch:
             logits_indices = [s - 1 for s in starts[1:]]
         slot_mapping = None
         if kv_cache is not None:
+            # One gather instead of a Python loop per token (prefill chunks hold thousands).
             page_size = kv_cache.page_size
-            slots: list[int] = []
-            for b, (c, q) in enumerate(zip(num_computed_tokens, query_lens)):
-                for p in range(c, c + q):
-                    slots.append(int(page_table[b, p // page_size]) * page_size + p % page_size)
-            slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+            token_pos = torch.cat(
+                [torch.arange(c, c + q, dtype=torch.int64) for c, q in zip(num_computed_tokens, query_lens)]
+            ) if query_lens else torch.zeros(0, dtype=torch.int64)
+            rows = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens, dtype=torch.int64))
+            table = page_table.to(torch.int64)
+            token_pos, rows = token_pos.to(table.device), rows.to(table.device)
+            pages = table[rows, token_pos // page_size]
+            slot_mapping = (pages * page_size + token_pos % page_size).to(device)
         return cls(
             positions=positions.to(device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
