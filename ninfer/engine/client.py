@@ -75,8 +75,6 @@ class EngineClient:
         self._outstanding = 0
         self._lock = threading.Lock()
         self.failure: str | None = None
-        self.info: dict[str, object] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- bounded waiting -----------------------------------------------------------
     @property
@@ -103,7 +101,6 @@ class EngineClient:
         """Stream a request's outputs; leaving early (disconnect, cancel) aborts it in the engine."""
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
-        self._loop = asyncio.get_running_loop()
         stream: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._streams[request.request_id] = stream
         finished = False
@@ -130,8 +127,6 @@ class EngineClient:
                     stream.put_nowait(out)
         elif isinstance(message, Failed):
             self._fail_all(message.message)
-        elif isinstance(message, Ready):
-            self.info = dict(message.info)
 
     def _fail_all(self, message: str) -> None:
         """Engine-wide failure: /health turns 503 and no open stream is left hanging."""
@@ -170,9 +165,8 @@ class InProcessEngineClient(EngineClient):
     async def start(self) -> None:
         from ninfer.engine.loop import EngineLoop
 
-        self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         self.core = self._build_core()
-        loop = self._loop
 
         def receive(timeout: float | None) -> ToEngine | None:
             try:
@@ -248,7 +242,6 @@ class ProcessEngineClient(EngineClient):
         import zmq
         import zmq.asyncio
 
-        self._loop = asyncio.get_running_loop()
         socket_dir = tempfile.mkdtemp(prefix="ninfer-")
         tag = uuid.uuid4().hex[:8]
         inbox_addr = f"ipc://{socket_dir}/in-{tag}"
@@ -269,7 +262,8 @@ class ProcessEngineClient(EngineClient):
         if isinstance(first, Failed):
             self.failure = first.message
             raise EngineUnavailable(first.message)
-        self._dispatch(first)
+        if not isinstance(first, Ready):  # the engine sends Ready once its model is loaded
+            raise EngineUnavailable(f"unexpected first message from the engine process: {type(first).__name__}")
         self._reader = asyncio.create_task(self._read_outputs())
 
     async def _read_outputs(self) -> None:
