@@ -39,6 +39,10 @@ from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
 
 
+def _has_penalties(sampling: SamplingParams) -> bool:
+    return sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0
+
+
 @dataclass(frozen=True)
 class _AdmissionPlan:
     hit: CacheHit | None
@@ -88,7 +92,7 @@ class ScheduledChunk:
     sample: bool
     sampling: SamplingParams  # seed always set (the engine draws one when the request has none)
     num_generated: int  # RNG position: model-sampled tokens so far
-    output_token_ids: list[int]  # for presence/frequency penalties
+    output_token_ids: list[int]  # for presence/frequency penalties (empty when the request has none)
 
 
 @dataclass(frozen=True)
@@ -265,7 +269,8 @@ class Scheduler:
             sample=sample,
             sampling=seq.sampling,
             num_generated=seq.num_output_tokens - seq.num_forced_tokens,
-            output_token_ids=seq.token_ids[seq.prompt_len :],
+            # Copying the history costs O(output) per step; only penalties read it.
+            output_token_ids=seq.token_ids[seq.prompt_len :] if _has_penalties(seq.sampling) else [],
         )
 
     def _step(self, kind: StepKind, chunks: list[ScheduledChunk]) -> SchedulerStep:
