@@ -213,3 +213,25 @@ def _build_llama_core(tmp_root: str) -> EngineCore:
         tensors.update(load_file(shard))
     model = load_ours(config, tensors)
     return EngineCore(model, make_byte_tokenizer(), EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=256))
+
+
+def test_penalties_reach_the_sampler_through_the_engine(tmp_root):
+    """Greedy with presence/frequency penalties equals a manual loop over transformers' logits."""
+    hf, ours = _models("llama", tmp_root)
+    tokenizer = make_byte_tokenizer()
+    params = SamplingParams(temperature=0.0, presence_penalty=0.7, frequency_penalty=1.1)
+    core = EngineCore(ours, tokenizer, EngineConfig(max_concurrency=1, prefill_chunk=16, max_context=256))
+    got = run_engine(core, {0: [EngineRequest("p", PROMPTS[0], params, max_new_tokens=10)]})["p"][0]
+    history = list(PROMPTS[0])
+    expected: list[int] = []
+    with torch.no_grad():
+        for _ in range(10):
+            logits = hf(torch.tensor([history])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(expected, dtype=torch.int64), minlength=logits.shape[0])
+            logits -= 0.7 * (counts > 0).float() + 1.1 * counts.float()
+            token = int(logits.argmax())
+            expected.append(token)
+            history.append(token)
+    assert got == expected
+    plain = run_engine(core, {0: [greedy("q", PROMPTS[0], 10)]})["q"][0]
+    assert plain != expected  # the penalties changed the outcome, so the check above is meaningful
