@@ -26,6 +26,7 @@ from ninfer.engine.request import (
 from ninfer.engine.sampling_defaults import SamplingOverrides
 from ninfer.frontend.output_decoder import OutputDecoder
 from ninfer.frontend.prompt_builder import PreparedPrompt
+from ninfer.frontend.tool_call_parser import FallbackReason
 from ninfer.server.errors import APIError
 from ninfer.server.serving import Serving
 from ninfer.server.timings import Timings, compute_timings
@@ -224,10 +225,10 @@ class Generation:
             timings.prompt_ms / 1000.0,
             timings.predicted_per_second,
         )
-        diagnostics = getattr(self.decoder, "diagnostics", None)
-        reason_text = getattr(diagnostics, "fallback_reason", None)
-        if reason_text and reason_text != "none":
-            log.warning("request %s: tool-call markup returned as text (%s)", self.request_id, reason_text)
+        fallback = self.decoder.diagnostics.fallback_reason
+        if fallback is not FallbackReason.NONE:
+            # Only the classification: never the generated markup.
+            log.warning("request %s: tool-call markup returned as text (%s)", self.request_id, fallback.value)
 
 
 async def race_disconnect(receive, awaitable):
