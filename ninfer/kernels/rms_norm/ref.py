@@ -12,6 +12,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return weight * normed.to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-norm residual step: (rms_norm(x + residual), x + residual), the sum rounded to its dtype first."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps, zero_centered), summed
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated DeltaNet output norm: norm before gate, plain w, silu(gate) in fp32."""
     dtype = x.dtype

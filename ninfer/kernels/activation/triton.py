@@ -1,0 +1,147 @@
+"""SwiGLU (silu(gate) * up) and sigmoid gating in Triton: one launch instead of two or three.
+
+Grid (rows, column blocks of BLOCK_N); each thread moves 16 bytes per operand, so a bf16
+block of 1024 columns is one vector load per operand per thread on 4 warps. Math in fp32
+with torch's roundings: silu(gate) and sigmoid(gate) round to the dtype before the multiply
+(torch returns them as tensors of that dtype), then the product rounds once (a product of two
+bf16/fp16 values is exact in fp32, so this equals torch's multiply in the narrow dtype).
+
+Rows of x (and of a full-shape gate) may be strided views with a unit last-dim stride: the
+leading dims are folded into (outer, inner) rows as in the RMSNorm kernels, so e.g. the
+attention output gate [T, H, D] sliced out of the packed q projection is read in place.
+Outputs are new contiguous tensors. Launch configuration depends only on shapes and dtypes:
+CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.rms_norm.triton import strided_rows
+
+MAX_BLOCK_N = 1024
+
+
+def block_config(num_cols: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps): up to 1024 columns, 8 columns (one 16-byte bf16 load) per thread."""
+    block_n = min(MAX_BLOCK_N, triton.next_power_of_2(num_cols))
+    return block_n, max(1, block_n // 256)
+
+
+@triton.jit
+def _row_start(row, rows_inner, stride_outer, stride_inner, TWO_LEVEL: tl.constexpr):
+    """Element offset of row `row` in a tensor whose rows are (row // rows_inner, row % rows_inner)."""
+    if TWO_LEVEL:
+        return (row // rows_inner) * stride_outer + (row % rows_inner) * stride_inner
+    else:
+        return row * stride_outer
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    rows_inner,
+    stride_x_outer,
+    stride_x_inner,
+    inter,
+    TWO_LEVEL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < inter
+    x_row = x_ptr + _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    # torch's silu formula, x / (1 + exp(-x)), rounded to x's dtype like F.silu's output.
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sigmoid_mul_kernel(
+    x_ptr,
+    gate_ptr,
+    out_ptr,
+    rows_inner,
+    stride_x_outer,
+    stride_x_inner,
+    stride_g_outer,
+    stride_g_inner,
+    num_cols,
+    GATE_PER_ROW: tl.constexpr,
+    TWO_LEVEL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < num_cols
+    x_start = _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
+    g_start = _row_start(row, rows_inner, stride_g_outer, stride_g_inner, TWO_LEVEL)
+    x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
+    if GATE_PER_ROW:  # [..., 1] gate: one scalar for the whole row
+        gate = tl.load(gate_ptr + g_start).to(tl.float32)
+    else:
+        gate = tl.load(gate_ptr + g_start + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.sigmoid(gate).to(gate_ptr.dtype.element_ty).to(tl.float32)  # torch.sigmoid's output dtype
+    tl.store(out_ptr + row * num_cols + cols, (x * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, *, block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Same contract as ref.silu_and_mul: x [..., 2I] (gate | up, rows may be strided) -> [..., I] contiguous."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"x's last dim must be gate | up, got an odd {x.shape[-1]}")
+    inter = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+    (x,), (num_rows, rows_inner, ((sxo, sxi),)) = strided_rows(x.shape[:-1], x)
+    if num_rows == 0 or inter == 0:
+        return out
+    default_block, default_warps = block_config(inter)
+    block_n = block_n or default_block
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block_n))](
+        x,
+        out,
+        rows_inner,
+        sxo,
+        sxi,
+        inter,
+        TWO_LEVEL=rows_inner > 1,
+        BLOCK_N=block_n,
+        num_warps=num_warps or default_warps,
+    )
+    return out
+
+
+def sigmoid_mul(
+    x: torch.Tensor, gate: torch.Tensor, *, block_n: int | None = None, num_warps: int | None = None
+) -> torch.Tensor:
+    """Same contract as ref.sigmoid_mul for gate of x's shape or x.shape[:-1] + (1,); rows may be strided."""
+    num_cols = x.shape[-1]
+    gate_per_row = gate.shape[-1] == 1 and num_cols != 1
+    if gate.shape[:-1] != x.shape[:-1] or not (gate_per_row or gate.shape == x.shape):
+        raise ValueError(f"gate {tuple(gate.shape)} must be x's shape {tuple(x.shape)} or that with a last dim of 1")
+    out = torch.empty(x.shape, dtype=torch.result_type(x, gate), device=x.device)
+    (x, gate), (num_rows, rows_inner, ((sxo, sxi), (sgo, sgi))) = strided_rows(x.shape[:-1], x, gate)
+    if num_rows == 0 or num_cols == 0:
+        return out
+    default_block, default_warps = block_config(num_cols)
+    block_n = block_n or default_block
+    _sigmoid_mul_kernel[(num_rows, triton.cdiv(num_cols, block_n))](
+        x,
+        gate,
+        out,
+        rows_inner,
+        sxo,
+        sxi,
+        sgo,
+        sgi,
+        num_cols,
+        GATE_PER_ROW=gate_per_row,
+        TWO_LEVEL=rows_inner > 1,
+        BLOCK_N=block_n,
+        num_warps=num_warps or default_warps,
+    )
+    return out
