@@ -4,6 +4,13 @@ from ninfer.kernels.backend import fast_impl
 from ninfer.kernels.gated_delta_rule import ref
 
 
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = fast_impl(__name__, "gdn_gates", a) or ref.gdn_gates
+    return impl(a, b, A_log, dt_bias)
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -5,13 +5,29 @@ Per v-head h, with fp32 state S [dk, dv] and per-token log-decay g <= 0 and rate
 q and k are l2-normalised inside the kernel (eps 1e-6 inside the rsqrt) and q is scaled by
 dk^-0.5. Grouped value heads: v-head h reads q/k head h // (Hv / Hk). Every request starts
 from its state slot (zeros = fresh sequence) and leaves its final state there.
+
+gdn_gates turns the layer's per-head projections a, b into the rule's g and beta.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 L2NORM_EPS = 1e-6
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b: [T, Hv]; A_log, dt_bias: [Hv] -> (g, beta), fp32 [T, Hv].
+
+    g = -exp(A_log) * softplus(a + dt_bias) (log-decay <= 0), beta = sigmoid(b). fp32
+    throughout: exp(A_log) overflows half precision and g feeds an exp per token.
+    """
+    beta = torch.sigmoid(b.float())
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, beta
 
 
 def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,9 @@ is what a CUDA graph replays. Unequal lengths pass a cu_seqlens tensor built on 
 Chunked form (prefill chunks): flash-linear-attention's `chunk_gated_delta_rule` over the
 whole varlen batch (cu_seqlens), with the initial states gathered from the slots and the
 final states scattered back. fla is imported lazily; without it the reference runs.
+
+Gates (gdn_gates): g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) in one
+launch instead of ~8 elementwise torch kernels; one program per BLOCK_T rows, all heads.
 """
 
 from __future__ import annotations
@@ -48,6 +51,93 @@ def _block_v(device: torch.device, num_requests: int, num_v_heads: int, v_dim: i
         if num_requests * num_v_heads * triton.cdiv(v_dim, block_v) >= target:
             return block_v
     return BLOCK_V_CHOICES[-1]
+
+
+# torch's F.softplus default: x itself above this (beta = 1), where log1p(exp(x)) == x in fp32 anyway.
+SOFTPLUS_THRESHOLD = 20.0
+GATES_BLOCK_T = 16
+
+
+@triton.jit
+def _log1p(u):
+    """log(1 + u) to a few ulp for tiny u too (Goldberg): the rounding of 1 + u cancels in
+    log(w) / (w - 1). libdevice's log1p would do, but the CPU interpreter lacks libdevice."""
+    w = 1.0 + u
+    exact = w == 1.0
+    return tl.where(exact, u, tl.log(w) * (u / tl.where(exact, 1.0, w - 1.0)))
+
+
+@triton.jit
+def _gates_kernel(
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    g_ptr,
+    beta_ptr,
+    num_tokens,
+    stride_at,
+    stride_bt,
+    stride_a_log,
+    stride_dt_bias,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    THRESHOLD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.arange(0, BLOCK_H)
+    mask_h = h < NUM_HEADS
+    mask = (t < num_tokens)[:, None] & mask_h[None, :]
+    a = tl.load(a_ptr + t[:, None] * stride_at + h[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t[:, None] * stride_bt + h[None, :], mask=mask, other=0.0).to(tl.float32)
+    a_log = tl.load(a_log_ptr + h * stride_a_log, mask=mask_h, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h * stride_dt_bias, mask=mask_h, other=0.0).to(tl.float32)
+    x = a + dt_bias[None, :]
+    # Clamped (NaN kept) so the branch that where() drops cannot overflow exp.
+    softplus = tl.where(x > THRESHOLD, x, _log1p(tl.exp(tl.where(x > THRESHOLD, THRESHOLD, x))))
+    g = -tl.exp(a_log)[None, :] * softplus
+    beta = tl.sigmoid(b)
+    out = t[:, None] * NUM_HEADS + h[None, :]  # g and beta are fresh contiguous [T, Hv]
+    tl.store(g_ptr + out, g, mask=mask)
+    tl.store(beta_ptr + out, beta, mask=mask)
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ref.gdn_gates, one launch; capture-safe (the grid is from T alone).
+
+    a, b may be strided row views (column slices of a packed projection); heads contiguous.
+    """
+    num_tokens, num_heads = a.shape
+    g = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=a.device)
+    beta = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=a.device)
+    if num_tokens == 0:
+        return g, beta
+    if b.shape != a.shape or A_log.shape != (num_heads,) or dt_bias.shape != (num_heads,):
+        raise ValueError(f"gdn_gates: a {tuple(a.shape)}, b {tuple(b.shape)}, A_log/dt_bias must be [{num_heads}]")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError(f"a and b need contiguous heads, got strides {a.stride()} and {b.stride()}")
+    _gates_kernel[(triton.cdiv(num_tokens, GATES_BLOCK_T),)](
+        a,
+        b,
+        A_log,
+        dt_bias,
+        g,
+        beta,
+        num_tokens,
+        a.stride(0),
+        b.stride(0),
+        A_log.stride(0),
+        dt_bias.stride(0),
+        NUM_HEADS=num_heads,
+        BLOCK_T=GATES_BLOCK_T,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        THRESHOLD=SOFTPLUS_THRESHOLD,
+        num_warps=2,
+    )
+    return g, beta
 
 
 @triton.jit

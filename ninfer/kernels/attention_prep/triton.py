@@ -1,0 +1,269 @@
+"""Attention input prep in one Triton launch: q/k RMSNorm, rotary, K/V cache write.
+
+Replaces, per attention layer, two norms (~6 torch kernels each in bf16), the rotary
+(~8 kernels for q and k) and the two index_copy_ of store_kv. One program per (token,
+head) over the Hq query heads and then the Hk key heads; a key-head program also copies
+the matching v head into the v cache.
+
+A head row is loaded as three contiguous pieces, the two rotary halves x1, x2 and the
+pass-through tail, so the rotate-half partner of every element is already in registers
+and every byte is loaded once (no partner gather). The norm and rotation run in fp32 and
+round once: the reference rounds to q's dtype after the norm and after each rotary op, so
+in bf16 the two differ by about one rounding (see the tests). k is rounded to k's dtype
+before the cast to the cache dtype, as the reference stores k.to(cache dtype).
+
+Capture-safe: the grid and every constexpr come from shapes; slot_mapping is read on device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_weight(w_ptr, offsets, mask, ZERO_CENTERED: tl.constexpr):
+    w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = 1.0 + w  # Qwen3.5 stores w around 0 and scales by (1 + w)
+    return w
+
+
+@triton.jit
+def _norm_rotate_row(
+    row_ptr,
+    w_ptr,
+    cos1,
+    sin1,
+    cos2,
+    sin2,
+    o_half,
+    o_pass,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+):
+    """One head row -> (rotated first half, rotated second half, pass-through tail), fp32."""
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    m_half = o_half < HALF
+    m_pass = o_pass < HEAD_DIM - ROTARY_DIM
+    x1 = tl.load(row_ptr + o_half, mask=m_half, other=0.0).to(tl.float32)
+    x2 = tl.load(row_ptr + HALF + o_half, mask=m_half, other=0.0).to(tl.float32)
+    x3 = tl.load(row_ptr + ROTARY_DIM + o_pass, mask=m_pass, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        sum_sq = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0) + tl.sum(x3 * x3, axis=0)
+        rstd = tl.rsqrt(sum_sq / HEAD_DIM + eps)
+        # (x * rstd) * w, the reference's association.
+        x1 = x1 * rstd * _norm_weight(w_ptr, o_half, m_half, ZERO_CENTERED)
+        x2 = x2 * rstd * _norm_weight(w_ptr, HALF + o_half, m_half, ZERO_CENTERED)
+        x3 = x3 * rstd * _norm_weight(w_ptr, ROTARY_DIM + o_pass, m_pass, ZERO_CENTERED)
+    # neox rotate-half: [x1, x2] * cos + [-x2, x1] * sin.
+    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2, x3
+
+
+@triton.jit
+def _prepare_qkv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    q_out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos_t,
+    stride_sin_t,
+    stride_kc_page,
+    stride_kc_offset,
+    stride_kc_head,
+    stride_vc_page,
+    stride_vc_offset,
+    stride_vc_head,
+    page_size,
+    eps,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    o_half = tl.arange(0, BLOCK_HALF)
+    o_pass = tl.arange(0, BLOCK_PASS)
+    m_half = o_half < HALF
+    m_pass = o_pass < HEAD_DIM - ROTARY_DIM  # all false without a pass-through tail
+    p_cos = cos_ptr + t * stride_cos_t + o_half
+    p_sin = sin_ptr + t * stride_sin_t + o_half
+    cos1 = tl.load(p_cos, mask=m_half, other=0.0).to(tl.float32)
+    cos2 = tl.load(p_cos + HALF, mask=m_half, other=0.0).to(tl.float32)
+    sin1 = tl.load(p_sin, mask=m_half, other=0.0).to(tl.float32)
+    sin2 = tl.load(p_sin + HALF, mask=m_half, other=0.0).to(tl.float32)
+
+    if h < NUM_Q_HEADS:
+        y1, y2, y3 = _norm_rotate_row(
+            q_ptr + t * stride_qt + h * stride_qh,
+            q_weight_ptr,
+            cos1,
+            sin1,
+            cos2,
+            sin2,
+            o_half,
+            o_pass,
+            eps,
+            HEAD_DIM,
+            ROTARY_DIM,
+            HAS_NORM,
+            ZERO_CENTERED,
+        )
+        p_out = q_out_ptr + (t * NUM_Q_HEADS + h) * HEAD_DIM
+        out_dtype = q_out_ptr.dtype.element_ty
+        tl.store(p_out + o_half, y1.to(out_dtype), mask=m_half)
+        tl.store(p_out + HALF + o_half, y2.to(out_dtype), mask=m_half)
+        tl.store(p_out + ROTARY_DIM + o_pass, y3.to(out_dtype), mask=m_pass)
+    else:
+        h_kv = h - NUM_Q_HEADS
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        page = slot // page_size
+        offset = slot - page * page_size
+        y1, y2, y3 = _norm_rotate_row(
+            k_ptr + t * stride_kt + h_kv * stride_kh,
+            k_weight_ptr,
+            cos1,
+            sin1,
+            cos2,
+            sin2,
+            o_half,
+            o_pass,
+            eps,
+            HEAD_DIM,
+            ROTARY_DIM,
+            HAS_NORM,
+            ZERO_CENTERED,
+        )
+        p_k = k_cache_ptr + page * stride_kc_page + offset * stride_kc_offset + h_kv * stride_kc_head
+        k_dtype = k_ptr.dtype.element_ty
+        k_cache_dtype = k_cache_ptr.dtype.element_ty
+        tl.store(p_k + o_half, y1.to(k_dtype).to(k_cache_dtype), mask=m_half)
+        tl.store(p_k + HALF + o_half, y2.to(k_dtype).to(k_cache_dtype), mask=m_half)
+        tl.store(p_k + ROTARY_DIM + o_pass, y3.to(k_dtype).to(k_cache_dtype), mask=m_pass)
+
+        # v is only copied (cast to the cache dtype); the same three pieces cover the row.
+        p_v = v_ptr + t * stride_vt + h_kv * stride_vh
+        p_vc = v_cache_ptr + page * stride_vc_page + offset * stride_vc_offset + h_kv * stride_vc_head
+        v_cache_dtype = v_cache_ptr.dtype.element_ty
+        v1 = tl.load(p_v + o_half, mask=m_half)
+        v2 = tl.load(p_v + HALF + o_half, mask=m_half)
+        tl.store(p_vc + o_half, v1.to(v_cache_dtype), mask=m_half)
+        tl.store(p_vc + HALF + o_half, v2.to(v_cache_dtype), mask=m_half)
+        v_pass = tl.load(p_v + ROTARY_DIM + o_pass, mask=m_pass)
+        tl.store(p_vc + ROTARY_DIM + o_pass, v_pass.to(v_cache_dtype), mask=m_pass)
+
+
+def _check(q, k, v, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache, slot_mapping) -> None:
+    num_tokens, _, head_dim = q.shape
+    if k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
+    named = {"q": q, "k": k, "v": v, "cos": cos, "sin": sin, "k_cache": k_cache, "v_cache": v_cache}
+    for name, t in named.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold k {tuple(k.shape)}")
+    rotary_dim = cos.shape[-1]
+    if cos.shape != (num_tokens, rotary_dim) or sin.shape != cos.shape:
+        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} must be [T, rotary_dim]")
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and in [2, {head_dim}]")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q and k norms come together or not at all")
+    for w in (q_norm_weight, k_norm_weight):
+        if w is not None and (w.shape != (head_dim,) or w.stride(0) != 1):
+            raise ValueError(f"norm weights must be contiguous [{head_dim}], got {tuple(w.shape)}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be [{num_tokens}]")
+
+
+def prepare_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    zero_centered: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as ref.prepare_qkv, one launch; capture-safe.
+
+    q, k, v may have any token and head strides (column slices of a packed projection, the
+    gated layout's interleaved query halves); last dims must be contiguous.
+    """
+    _check(q, k, v, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache, slot_mapping)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    rotary_dim = cos.shape[-1]
+    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    has_norm = q_norm_weight is not None
+    pass_dim = head_dim - rotary_dim
+    # Qwen3.5's row (64 rotary + 192 tail, bf16) is 8 elements a thread on one warp.
+    num_warps = max(1, min(4, triton.next_power_of_2(head_dim) // 256))
+    _prepare_qkv_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+        q,
+        k,
+        v,
+        q_norm_weight if has_norm else q,  # unread placeholders without a norm
+        k_norm_weight if has_norm else k,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        q_out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        k_cache.shape[1],
+        eps,
+        NUM_Q_HEADS=num_q_heads,
+        HEAD_DIM=head_dim,
+        ROTARY_DIM=rotary_dim,
+        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+        BLOCK_PASS=triton.next_power_of_2(max(pass_dim, 1)),
+        HAS_NORM=has_norm,
+        ZERO_CENTERED=bool(zero_centered),
+        num_warps=num_warps,
+    )
+    return q_out
