@@ -9,53 +9,23 @@ shapes are tested in tests/gpu/test_rms_norm.py.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from ninfer.kernels.rms_norm import ref
-from tests.kernels.interpreter import cpu_interpreter, interpreted  # noqa: F401 (autouse fixture)
+from tests.kernels.interpreter import (  # noqa: F401 (fixtures)
+    assert_matches,
+    bf16_round_to_nearest_even,
+    cpu_interpreter,
+    interpreted,
+)
+
+pytestmark = pytest.mark.usefixtures("bf16_round_to_nearest_even")
 
 fast = interpreted("ninfer.kernels.rms_norm.triton")
 
 DIM = 200  # not a power of two: the 256-wide block is partly masked
 EPS = 1e-6
-MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
-
-
-@pytest.fixture(autouse=True)
-def bf16_round_to_nearest_even(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp32 -> bf16 in the interpreter as on the GPU (cvt.rn.bf16.f32) and in torch."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.array(src.data, dtype=np.float32)).to(torch.bfloat16)
-            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return original(self, src, dst_type)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
-
-
-def assert_matches(out: torch.Tensor, expected: torch.Tensor, max_mismatch: float = 0.01) -> None:
-    """fp32: summation order only. bf16/fp16: at most one ulp apart, and nearly all bitwise
-    equal: a missing or extra rounding changes 20-30 % of the elements (tried)."""
-    assert out.dtype == expected.dtype and out.shape == expected.shape
-    assert out.is_contiguous()
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-        return
-    a, b = out.float(), expected.float()
-    exponent = torch.frexp(torch.maximum(a.abs(), b.abs()))[1]  # |v| in [2^(e-1), 2^e)
-    ulp = torch.ldexp(torch.ones_like(a), exponent - 1 - MANTISSA_BITS[out.dtype])
-    assert ((a - b).abs() <= ulp).all(), f"max difference {(a - b).abs().max().item()}"
-    mismatched = (a != b).float().mean().item()
-    assert mismatched <= max_mismatch, f"{mismatched:.1%} of elements differ"
-
-
 def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 

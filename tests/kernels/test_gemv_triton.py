@@ -1,0 +1,171 @@
+"""Our Triton GEMV (bf16/fp16/fp32 and FP8 weights, M <= 16) under Triton's CPU interpreter vs ref.py.
+
+Shapes are small and nothing is a block multiple (N=200, K=300: masked K tails, clamped
+rows and columns). Both inner products (FMA and DOT), split-K, both FP8 scale layouts,
+bias and strided x rows are covered. The interpreter's tl.dot multiplies bf16 operands as
+raw integers, so the DOT path runs here with fp16 and fp32 x only; tests/gpu/test_gemv.py
+covers bf16 DOT (and every path compiled) at the real shapes.
+
+Tolerances, against a float64 evaluation of the same (dequantized) inputs: the kernel sums
+in fp32 in a different order than torch, so fp32 outputs agree to ~1e-6 of the terms'
+magnitude; 16-bit outputs are rounded once, which the interpreter may do toward zero: up
+to one unit in the last place (2^-7 bf16, 2^-10 fp16) relative, plus the fp32 sum error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.kernels import gemv as gemv_op
+from ninfer.kernels.gemv import ref
+from tests.kernels.interpreter import cpu_interpreter, interpreted  # noqa: F401 (autouse fixture)
+
+fast = interpreted("ninfer.kernels.gemv.triton")
+Config = fast.Config
+
+N, K = 200, 300
+FP8 = torch.float8_e4m3fn
+ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 0.0}
+# Few programs per launch keep the interpreter fast: wide tiles, small K steps.
+FMA = Config(block_n=64, block_k=128, num_warps=4)
+DOT = Config(block_n=64, block_k=64, num_warps=4, use_dot=True)
+
+
+def _inputs(m: int, dtype: torch.dtype, seed: int, fp8: bool = False, row_stride: int | None = None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, row_stride or K, generator=gen).to(dtype)[:, :K]
+    w = torch.randn(N, K, generator=gen) * K**-0.5
+    bias = torch.randn(N, generator=gen).to(dtype)
+    if fp8:
+        w = (w * 64).to(FP8)  # spread over e4m3's range, subnormals included
+    else:
+        w = w.to(dtype)
+    return x, w, bias
+
+
+def _channel_scale(seed: int) -> torch.Tensor:
+    return torch.rand(N, generator=torch.Generator().manual_seed(seed)) / 64 + 1e-3
+
+
+def _block_scale(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(-(-N // 128), -(-K // 128), generator=gen) / 64 + 1e-3
+
+
+def _check(out: torch.Tensor, x, w, scale=None, bias=None) -> None:
+    exact = x.double() @ ref.dequantize(w, scale).double().T
+    if bias is not None:
+        exact = exact + bias.double()
+    assert out.shape == (x.shape[0], N) and out.dtype == x.dtype
+    torch.testing.assert_close(out.double(), exact, rtol=ULP[x.dtype], atol=1e-5 * exact.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_fma_matches_reference(dtype: torch.dtype, m: int) -> None:
+    x, w, bias = _inputs(m, dtype, seed=m)
+    _check(fast.gemv(x, w, bias=bias, config=FMA), x, w, bias=bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_dot_matches_reference(dtype: torch.dtype, m: int) -> None:
+    x, w, bias = _inputs(m, dtype, seed=10 + m)
+    _check(fast.gemv(x, w, bias=bias, config=DOT), x, w, bias=bias)
+
+
+@pytest.mark.parametrize("config", [FMA._replace(split_k=3), DOT._replace(split_k=2)])
+def test_split_k_matches_reference(config: Config) -> None:
+    x, w, bias = _inputs(5, torch.float16, seed=3)
+    _check(fast.gemv(x, w, bias=bias, config=config), x, w, bias=bias)
+
+
+@pytest.mark.parametrize(
+    "dtype, config",
+    [
+        (torch.bfloat16, FMA),
+        (torch.bfloat16, FMA._replace(block_k=512)),  # a 512-wide step spans several 128-blocks
+        (torch.float16, DOT),
+        (torch.float16, DOT._replace(block_k=256)),  # two 128-wide slices per step
+        (torch.float32, FMA._replace(split_k=2)),  # fp32 x: 8-byte weight vectors
+        (torch.float32, DOT),
+    ],
+)
+@pytest.mark.parametrize("m", [1, 16])  # M = 3 (padded rows) with FP8: test_strided_rows
+@pytest.mark.parametrize("blocks", [False, True])
+def test_fp8_matches_reference(dtype: torch.dtype, config: Config, m: int, blocks: bool) -> None:
+    x, w, bias = _inputs(m, dtype, seed=20 + m, fp8=True)
+    scale = _block_scale(m) if blocks else _channel_scale(m)
+    _check(fast.gemv(x, w, scale, bias, config=config), x, w, scale, bias)
+
+
+@pytest.mark.parametrize("config", [FMA, DOT])
+def test_strided_rows(config: Config) -> None:
+    x, w, _ = _inputs(3, torch.float16, seed=5, row_stride=K + 36)
+    assert x.stride(0) == K + 36
+    _check(fast.gemv(x, w, config=config), x, w)
+    x8, w8, _ = _inputs(3, torch.float16, seed=6, fp8=True, row_stride=K + 20)
+    scale = _block_scale(6)
+    _check(fast.gemv(x8, w8, scale, config=config), x8, w8, scale)
+
+
+def test_default_config() -> None:
+    # The heuristic's own launch at M=16 (DOT; fp16 so it runs here). At M=1 it gives this
+    # small N one column per program: 200 interpreted programs, too slow to be worth it.
+    x, w, bias = _inputs(16, torch.float16, seed=30)
+    _check(fast.gemv(x, w, bias=bias), x, w, bias=bias)
+
+
+def test_heuristic_on_real_shapes() -> None:
+    shapes = [(16480, 5120), (5120, 6144), (34816, 5120), (5120, 17408), (248320, 5120), (2048, 4096), (256, 2048)]
+    for n, k in shapes:
+        for m in (1, 2, 4, 8, 16):
+            for dtype in (torch.bfloat16, FP8):
+                cfg = fast._config(m, n, k, dtype, 132)
+                vec = 16 // torch.empty((), dtype=dtype).element_size()
+                if cfg.use_dot:
+                    assert cfg.block_n >= 16 and cfg.block_k >= 16
+                else:
+                    # one 16-byte vector per thread per row: no layout conversion in the loop
+                    assert cfg.block_k // vec >= 32 * cfg.num_warps
+                assert k % cfg.block_k == 0  # real shapes: no masked tail
+                programs = -(-n // cfg.block_n) * cfg.split_k
+                assert programs >= 2 * 132 or k // cfg.split_k < 4 * cfg.block_k
+    assert fast._config(1, 5120, 6144, torch.bfloat16, 132) is fast._config(1, 5120, 6144, torch.bfloat16, 132)
+
+
+def test_invalid_inputs() -> None:
+    x, w, _ = _inputs(2, torch.float16, seed=0)
+    with pytest.raises(ValueError):
+        fast.gemv(torch.randn(17, K).half(), w)
+    with pytest.raises(ValueError):
+        fast.gemv(x, w.float())
+    with pytest.raises(ValueError):
+        fast.gemv(x, w.to(FP8))  # FP8 needs scales
+    with pytest.raises(ValueError):
+        fast.gemv(x, w.to(FP8), torch.ones(2, 2))  # block scales of the wrong shape
+    with pytest.raises(ValueError):
+        fast.gemv(x, w, config=Config(block_n=8, block_k=64, use_dot=True))  # DOT needs 16 columns
+
+
+def test_ref_block_dequantization_is_the_explicit_loop() -> None:
+    gen = torch.Generator().manual_seed(0)
+    n, k = 260, 140  # 3 x 2 blocks, both partial
+    w = (torch.randn(n, k, generator=gen) * 32).to(FP8)
+    scale = torch.rand(3, 2, generator=gen)
+    expected = torch.empty(n, k)
+    for i in range(n):
+        for j in range(k):
+            expected[i, j] = w[i, j].float() * scale[i // 128, j // 128]
+    assert torch.equal(ref.dequantize(w, scale), expected)
+    assert torch.equal(ref.dequantize(w, scale[:, 0].repeat_interleave(128)[:n]), w.float() * scale[:, 0].repeat_interleave(128)[:n, None])
+
+
+def test_ref_semantics_and_cpu_dispatch() -> None:
+    x, w, bias = _inputs(3, torch.bfloat16, seed=1, fp8=True)
+    scale = _channel_scale(1)
+    expected = (x.float() @ (w.float() * scale[:, None]).T + bias.float()).to(x.dtype)
+    assert torch.equal(ref.gemv(x, w, scale, bias), expected)
+    assert torch.equal(gemv_op.gemv(x, w, scale, bias), expected)  # CPU tensors: the reference
+    assert gemv_op.MAX_ROWS == fast.MAX_ROWS == 16
