@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
+from ninfer.models.layers.linear import packed_parts, rows_within
 from ninfer.models.registry import checkpoint_rule, model_class
 
 log = logging.getLogger(__name__)
@@ -52,11 +53,17 @@ def load_weights(
     params = dict(model.named_parameters())
     # Tied parameters (lm_head.weight = embed_tokens.weight) appear once; a checkpoint may store both.
     aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
+    packed = packed_parts(model)
     written = {name: 0 for name in params}
+    parts_written: dict[str, int] = {}  # per stored part of a packed parameter, to name what is missing
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     with torch.no_grad():
         for stored_name, tensor in tensors:
             for param_name, index, value in rule(stored_name, tensor, model.config):
+                if param_name in packed:
+                    parts_written[param_name] = parts_written.get(param_name, 0) + value.numel()
+                    param_name, part_rows = packed[param_name]
+                    index = rows_within(part_rows, index)
                 param = params.get(param_name)
                 if param is None and param_name in aliases:
                     continue
@@ -74,6 +81,11 @@ def load_weights(
             bar.update(1)
     bar.close()
     missing = [n for n, p in params.items() if written[n] < p.numel()]
+    # Name a packed parameter's missing parts as the checkpoint calls them.
+    for part, (packed_name, rows) in packed.items():
+        if packed_name in missing and parts_written.get(part, 0) < (rows.stop - rows.start) * params[packed_name][0].numel():
+            missing.append(part)
+    missing = [n for n in missing if n not in {packed_name for packed_name, _ in packed.values()}]
     if missing:
         shown = ", ".join(missing[:8]) + (" …" if len(missing) > 8 else "")
         raise WeightLoadError(f"{source}: {len(missing)} parameters were not loaded: {shown}")

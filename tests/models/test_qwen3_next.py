@@ -92,7 +92,7 @@ def test_logits_match_transformers(checkpoints: dict[str, Checkpoint], variant: 
 
 
 def test_deinterleaved_projections_equal_transformers_split(checkpoints: dict[str, Checkpoint]) -> None:
-    """Our in_proj_qkv/z/b/a reproduce transformers' fix_query_key_value_ordering on real inputs."""
+    """Our packed in_proj parts qkv/z/b/a reproduce transformers' fix_query_key_value_ordering on real inputs."""
     ckpt = checkpoints["sparse_step_2"]
     ours = load_ours(ckpt.config, ckpt.tensors)
     hf_gdn = ckpt.hf.model.layers[0].linear_attn
@@ -101,10 +101,11 @@ def test_deinterleaved_projections_equal_transformers_split(checkpoints: dict[st
     with torch.no_grad():
         q, k, v, z, b, a = hf_gdn.fix_query_key_value_ordering(hf_gdn.in_proj_qkvz(x), hf_gdn.in_proj_ba(x))
         qkv = torch.cat([t.reshape(1, 5, -1) for t in (q, k, v)], dim=-1)
-        torch.testing.assert_close(gdn.in_proj_qkv(x), qkv)
-        torch.testing.assert_close(gdn.in_proj_z(x), z.reshape(1, 5, -1))
-        torch.testing.assert_close(gdn.in_proj_b(x), b)
-        torch.testing.assert_close(gdn.in_proj_a(x), a)
+        ours_qkv, ours_z, ours_b, ours_a = gdn.in_proj(x).split(gdn.in_proj_sizes, dim=-1)
+        torch.testing.assert_close(ours_qkv, qkv)
+        torch.testing.assert_close(ours_z, z.reshape(1, 5, -1))
+        torch.testing.assert_close(ours_b, b)
+        torch.testing.assert_close(ours_a, a)
 
 
 @pytest.mark.parametrize("chunk_sizes", [[1], [5], [16], [64, 2, 1]], ids=lambda c: "-".join(map(str, c)))

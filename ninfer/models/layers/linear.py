@@ -1,0 +1,70 @@
+"""Linear layers of our models: decode-sized batches run the weight-streaming GEMV kernel.
+
+PackedLinear stores projections of the same input as one matrix, so decode runs one GEMV.
+Checkpoints store the parts separately (`gate_proj`, `up_proj`, ...); the loader writes
+each part's rows of the packed weight (see `packed_parts`), so checkpoint rules and the
+names clients see stay those of the checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ninfer.kernels.gemv import MAX_ROWS, gemv
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose decode-sized products (<= gemv.MAX_ROWS tokens, on CUDA) run the GEMV kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if x.is_cuda and rows.shape[0] <= MAX_ROWS:
+            return gemv(rows, self.weight, None, self.bias).reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
+class PackedLinear(Linear):
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
+        """parts: each stored projection's name (a sibling of this module) and its output rows, in order."""
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+
+    @property
+    def part_sizes(self) -> list[int]:
+        return list(self.parts.values())
+
+    def part_rows(self) -> Iterator[tuple[str, slice]]:
+        start = 0
+        for name, rows in self.parts.items():
+            yield name, slice(start, start + rows)
+            start += rows
+
+
+def packed_parts(model: nn.Module) -> dict[str, tuple[str, slice]]:
+    """Stored parameter name -> (packed parameter name, its rows) for every PackedLinear in `model`."""
+    table: dict[str, tuple[str, slice]] = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, PackedLinear):
+            continue
+        parent = module_name.rpartition(".")[0]
+        prefix = f"{parent}." if parent else ""
+        for part, rows in module.part_rows():
+            table[f"{prefix}{part}.weight"] = (f"{module_name}.weight", rows)
+            if module.bias is not None:
+                table[f"{prefix}{part}.bias"] = (f"{module_name}.bias", rows)
+    return table
+
+
+def rows_within(part_rows: slice, index: object) -> slice:
+    """Compose a checkpoint rule's row slice of a part with the part's rows in the packed weight."""
+    if index is None:
+        return part_rows
+    if not isinstance(index, slice) or index.step not in (None, 1):
+        raise ValueError(f"a packed projection takes whole parts or row slices of them, not {index!r}")
+    size = part_rows.stop - part_rows.start
+    start, stop, _ = index.indices(size)
+    return slice(part_rows.start + start, part_rows.start + stop)
