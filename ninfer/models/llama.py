@@ -14,6 +14,7 @@ from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
 from ninfer.models.layers.attention import Attention
+from ninfer.models.layers.linear import Linear
 from ninfer.models.layers.mlp import MLP
 from ninfer.models.layers.moe import SparseMoE
 from ninfer.models.layers.norm import RMSNorm
@@ -32,9 +33,21 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as Qwen3_5DecoderLayer: (output, residual before it); the next norm adds them."""
+        if residual is None:
+            h, residual = self.input_layernorm(hidden), hidden
+        else:
+            h, residual = self.input_layernorm.add_forward(hidden, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, batch), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -48,9 +61,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(batch.positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, batch)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, batch)
+        return self.norm.add_forward(hidden, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):
@@ -58,7 +72,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -17,6 +17,7 @@ from ninfer.models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
 from ninfer.models.layers.attention import Attention
 from ninfer.models.layers.gated_deltanet import GatedDeltaNet
+from ninfer.models.layers.linear import Linear
 from ninfer.models.layers.mlp import MLP
 from ninfer.models.layers.moe import SparseMoE
 from ninfer.models.layers.mtp import MultiTokenPredictor
@@ -37,14 +38,29 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norm)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, residual: the stream before it (None at the first layer).
+
+        Returns (this layer's output, the residual stream before it): adding the two is left
+        to the next norm, which does it in the same pass.
+        """
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
         if self.layer_type == LINEAR_ATTENTION:
             h = self.linear_attn(h, batch)
         else:
             h = self.self_attn(h, cos, sin, batch)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3_5Model(nn.Module):
@@ -68,9 +84,10 @@ class Qwen3_5Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(batch.positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, batch)
+        return self.norm.add_forward(x, residual)[0]
 
 
 class Qwen3_5ForCausalLM(CausalLM):
@@ -78,7 +95,7 @@ class Qwen3_5ForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.model = Qwen3_5Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp: MultiTokenPredictor | None = None
         if config.mtp_num_hidden_layers:
             # The MTP layers' KV follows the trunk's attention layers in the same KVCache.

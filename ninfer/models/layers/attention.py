@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ninfer.kernels.paged_attention import paged_attention, store_kv
-from ninfer.kernels.rotary import apply_rotary
+from ninfer.kernels.activation import sigmoid_mul
+from ninfer.kernels.attention_prep import prepare_qkv
+from ninfer.kernels.paged_attention import paged_attention
 from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
+from ninfer.models.layers.linear import Linear, PackedLinear
 from ninfer.models.layers.norm import RMSNorm
 
 
@@ -28,10 +30,10 @@ class Attention(nn.Module):
         self.output_gate = config.attn_output_gate
         q_rows = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, q_rows, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_output_bias)
+        kv_rows = self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, bias)
+        self.qkv_sizes = self.qkv_proj.part_sizes  # kept here: quantization may replace the Linear
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_output_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -42,20 +44,29 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         gate = None
         if self.output_gate:
             q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(num_tokens, self.num_heads * self.head_dim)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos, sin)
-
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        norm = self.q_norm is not None
         k_cache, v_cache = batch.kv_cache.layer(self.kv_layer_index)
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        q = prepare_qkv(
+            q,
+            k,
+            v,
+            self.q_norm.weight if norm else None,
+            self.k_norm.weight if norm else None,
+            self.q_norm.eps if norm else 0.0,
+            self.q_norm.zero_centered if norm else False,
+            cos,
+            sin,
+            k_cache,
+            v_cache,
+            batch.slot_mapping,
+        )
         out = paged_attention(
             q,
             k_cache,
@@ -67,7 +78,7 @@ class Attention(nn.Module):
             max_query_len=batch.max_query_len,
             query_lens_cpu=batch.query_lens_cpu,
             seq_lens_cpu=batch.seq_lens_cpu,
-        ).reshape(num_tokens, self.num_heads * self.head_dim)
+        )
         if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+            out = sigmoid_mul(out, gate)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

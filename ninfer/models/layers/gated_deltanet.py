@@ -1,20 +1,21 @@
 """GatedDeltaNet: Qwen3.5 / Qwen3-Next linear-attention token mixer over per-slot states.
 
 Projections in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (Qwen3.5 checkpoint names;
-Qwen3-Next's fused in_proj_qkvz / in_proj_ba are split by its checkpoint rule), a depthwise
-causal conv over q|k|v, the gated delta rule, then a silu(z)-gated RMSNorm per v-head.
+Qwen3-Next's fused in_proj_qkvz / in_proj_ba are split by its checkpoint rule) packed into
+one matrix, a depthwise causal conv over q|k|v, the gated delta rule, then a silu(z)-gated
+RMSNorm per v-head.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ninfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
-from ninfer.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from ninfer.kernels.gated_delta_rule import chunk_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule
 from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
+from ninfer.models.layers.linear import Linear, PackedLinear
 from ninfer.models.layers.norm import GatedRMSNorm
 
 
@@ -30,16 +31,22 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = config.linear_value_dim
         conv_dim = config.linear_conv_dim
         hidden = config.hidden_size
-        self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj = PackedLinear(
+            hidden,
+            {
+                "in_proj_qkv": conv_dim,
+                "in_proj_z": self.value_dim,
+                "in_proj_b": self.num_v_heads,
+                "in_proj_a": self.num_v_heads,
+            },
+        )
+        self.in_proj_sizes = self.in_proj.part_sizes  # kept here: quantization may replace the Linear
         # nn.Conv1d only for its checkpoint-compatible weight [conv_dim, 1, K]; the op is causal_conv1d.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = GatedRMSNorm(self.v_head_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -47,7 +54,7 @@ class GatedDeltaNet(nn.Module):
         conv_weight = self.conv1d.weight.squeeze(1)
         decode_only = batch.is_decode_only
 
-        qkv = self.in_proj_qkv(x)
+        qkv, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)
         if decode_only:
             qkv = causal_conv1d_update(qkv, conv_weight, conv_state, batch.state_slots)
         else:
@@ -58,12 +65,11 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(num_tokens, self.num_v_heads, self.v_head_dim)
 
         # Gates in fp32: exp(A_log) overflows half precision and g feeds an exp per token.
-        beta = torch.sigmoid(self.in_proj_b(x).float())
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
 
         rule = recurrent_gated_delta_rule if decode_only else chunk_gated_delta_rule
         core = rule(q, k, v, g, beta, recurrent_state, batch.state_slots, batch.query_lens_cpu)
 
-        z = self.in_proj_z(x).reshape(num_tokens, self.num_v_heads, self.v_head_dim)
+        z = z.reshape(num_tokens, self.num_v_heads, self.v_head_dim)
         out = self.norm(core, z).reshape(num_tokens, self.value_dim)
         return self.out_proj(out)

@@ -1,16 +1,17 @@
-"""SwiGLU feed-forward block."""
+"""SwiGLU feed-forward block (gate and up projections packed into one matrix)."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ninfer.kernels.activation import silu_and_mul
+from ninfer.models.layers.linear import Linear, PackedLinear
 
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = PackedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

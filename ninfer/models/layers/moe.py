@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ninfer.kernels.activation import sigmoid_mul
 from ninfer.kernels.moe import fused_experts, route
 from ninfer.models.config import ModelConfig
+from ninfer.models.layers.linear import Linear
 from ninfer.models.layers.mlp import MLP
 
 
@@ -27,17 +29,17 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_expert: MLP | None = None
-        self.shared_expert_gate: nn.Linear | None = None
+        self.shared_expert_gate: Linear | None = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights, expert_ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + sigmoid_mul(self.shared_expert(x), self.shared_expert_gate(x))
         return out

@@ -14,6 +14,7 @@ from torch import nn
 
 from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
+from ninfer.models.layers.linear import Linear
 from ninfer.models.layers.norm import RMSNorm
 
 
@@ -22,7 +23,7 @@ class MultiTokenPredictor(nn.Module):
         """layers: the model family's full-attention decoder layers (mtp.layers.{i}), built by the caller."""
         super().__init__()
         hidden = config.hidden_size
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.fc = Linear(2 * hidden, hidden, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(hidden, config.rms_norm_eps, config.zero_centered_norm)
         self.pre_fc_norm_hidden = RMSNorm(hidden, config.rms_norm_eps, config.zero_centered_norm)
         self.layers = nn.ModuleList(layers)
@@ -43,5 +44,5 @@ class MultiTokenPredictor(nn.Module):
         """
         normed = (self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(target_hidden))
         x = self.fc(torch.cat(normed, dim=-1))
-        x = self.layers[step_index % len(self.layers)](x, cos, sin, batch)
-        return self.norm(x)
+        x, residual = self.layers[step_index % len(self.layers)](x, None, cos, sin, batch)
+        return self.norm.add_forward(x, residual)[0]

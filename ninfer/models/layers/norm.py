@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from ninfer.kernels.rms_norm import gated_rms_norm, rms_norm
+from ninfer.kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -17,6 +17,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.zero_centered)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one pass: a pre-norm layer's residual add and norm."""
+        return add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
 
 
 class GatedRMSNorm(nn.Module):

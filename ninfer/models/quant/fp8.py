@@ -1,8 +1,11 @@
-"""FP8 e4m3 weights with per-output-channel scales: on-the-fly quantization of bf16 Linear layers.
+"""FP8 e4m3 weights: per-output-channel scales (on-the-fly quantization of bf16 Linear layers)
+or 128x128 block scales (Qwen's FP8 checkpoints).
 
 Decode streams every weight once per step, so halving weight bytes nearly doubles the
-bandwidth roofline. Activations are quantized per token on the fly; the product runs on
-Hopper's FP8 matrix units through torch._scaled_mm (row-wise scales). The embedding and
+bandwidth roofline. Up to gemv.MAX_ROWS tokens the product is a weight-only GEMV (FP8
+bytes widened in registers, bf16 activations); larger batches (prefill) quantize
+activations per token and run on Hopper's FP8 matrix units through torch._scaled_mm
+(row-wise scales), or dequantize block-scaled weights for a bf16 GEMM. The embedding and
 lm_head stay in bf16 (the embedding reads one row per token; lm_head precision drives
 sampling), and so do 3-D fused MoE experts for now.
 """
@@ -13,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ninfer.kernels.gemv import MAX_ROWS, gemv
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _ROW_MULTIPLE = 16  # _scaled_mm wants row counts in multiples of 16
@@ -22,7 +27,8 @@ class Fp8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("weight", weight)  # [out, in] float8_e4m3fn
-        self.register_buffer("weight_scale", weight_scale)  # [out] float32
+        # float32 [out] (per channel) or [ceil(out/128), ceil(in/128)] (128x128 blocks)
+        self.register_buffer("weight_scale", weight_scale)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -41,14 +47,26 @@ class Fp8Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    @property
+    def block_scaled(self) -> bool:
+        return self.weight_scale.dim() == 2
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.block_scaled:
+            out_features, in_features = self.weight.shape
+            scale = self.weight_scale.repeat_interleave(128, 0)[:out_features]
+            scale = scale.repeat_interleave(128, 1)[:, :in_features]
+            return (self.weight.float() * scale).to(dtype)
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if not rows.is_cuda:
-            return F.linear(x, self.dequantized(x.dtype), self.bias)  # CPU reference path
+        if rows.shape[0] <= MAX_ROWS:
+            out = gemv(rows, self.weight, self.weight_scale, self.bias)
+            return out.reshape(*shape[:-1], self.out_features)
+        if not rows.is_cuda or self.block_scaled:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
         amax = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
         x_scale = amax / FP8_MAX
         x_fp8 = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
