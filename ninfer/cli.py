@@ -205,6 +205,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         decode_rounds=args.decode_rounds,
         peer=args.peer,
         cuda_graphs=not args.no_cuda_graph,
+        profile_dir=args.out if args.profile else None,
     )
     results = Suite(options).run()
     results["command"] = "ninfer bench " + " ".join(sys.argv[2:])
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--decode-rounds", type=int, default=20, help="timed decode rounds per case (default 20)")
     bench.add_argument("--peer", default="hf", choices=["hf", "none"], help="run HF transformers on the same weights (default hf)")
     bench.add_argument("--no-cuda-graph", action="store_true", help="eager decode")
+    bench.add_argument("--profile", action="store_true", help="also write a per-kernel GPU time table of the smallest decode case per model (profile-*.txt)")
     bench.add_argument("--out", default="bench-results", help="output folder for bench.json, bench.md, bench.png")
     bench.add_argument("--log-level", default="info", choices=list(LEVELS))
     args = parser.parse_args(argv)

@@ -9,17 +9,34 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
+
+from ninfer.models.layers.linear import packed_parts
 
 
 def _seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
+def stored_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every parameter, packed projections split into their parts (views)."""
+    parts_of: dict[str, list[tuple[str, slice]]] = {}
+    for stored_name, (packed_name, rows) in packed_parts(model).items():
+        parts_of.setdefault(packed_name, []).append((stored_name, rows))
+    for name, param in model.named_parameters():
+        if name in parts_of:
+            for stored_name, rows in parts_of[name]:
+                yield stored_name, param[rows]
+        else:
+            yield name, param
+
+
 @torch.no_grad()
 def fill_random_(named_parameters: Iterable[tuple[str, torch.Tensor]], seed: int = 0) -> None:
+    """Pass `stored_parameters(model)` for our models, so packed parts get their checkpoint name's values."""
     for name, param in named_parameters:
         gen = torch.Generator(device=param.device).manual_seed(_seed(seed, name))
         shape, device = param.shape, param.device

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ninfer.bench.random_weights import fill_random_
+from ninfer.bench.random_weights import fill_random_, stored_parameters
 from ninfer.bench.roofline import (
     DeviceCeilings,
     decode_roofline_tokens_per_s,
@@ -55,6 +55,7 @@ class BenchOptions:
     peer_prompt: int = 4096
     cuda_graphs: bool = True
     seed: int = 0
+    profile_dir: str | None = None  # write profile-<shape>-<weights>.txt for the smallest decode case
 
 
 @dataclass
@@ -120,7 +121,7 @@ class Suite:
         log.info("[%s %s] building random weights on %s", shape, weights, self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         model = build_model(config, torch.bfloat16, self.device)
-        fill_random_(model.named_parameters(), self.options.seed)
+        fill_random_(stored_parameters(model), self.options.seed)
         model.eval()
         weight_bytes = 2.0
         if weights == "fp8":
@@ -170,6 +171,8 @@ class Suite:
             runner.execute(step)
         times = [_sync_time(lambda: runner.execute(step)) for _ in range(self.options.decode_rounds)]
         per_round = statistics.median(times)
+        if self.options.profile_dir and batch == min(self.options.batches) and context == min(self.options.contexts):
+            self._profile(f"{shape}-{weights}-b{batch}-{context}", lambda: runner.execute(step))
         tps = batch / per_round
         mb = model_bytes(config, weight_bytes, runner.kv_cache.k.element_size(), batch)
         roof = decode_roofline_tokens_per_s(mb, batch, context, self.ceilings)
@@ -200,6 +203,22 @@ class Suite:
                      note=f"chunk {chunk}; roofline = measured bf16 matmul rate / FLOPs per token")
         if prompt == min(self.options.prefill_lengths):
             self._record(shape, weights, "ttft", 1, prompt, elapsed, None, note="seconds to first token, runner only")
+
+    def _profile(self, label: str, decode_round) -> None:
+        """Per-kernel GPU time over 5 decode rounds (graph replays included), sorted by total time."""
+        from pathlib import Path
+
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                decode_round()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
+        out = Path(self.options.profile_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"profile-{label}.txt").write_text(f"{label}: 5 decode rounds\n{table}\n")
+        log.info("[%s] kernel profile written to %s", label, out / f"profile-{label}.txt")
 
     # ---- peer ----------------------------------------------------------------------
     def _run_hf(self, shape: str) -> None:
