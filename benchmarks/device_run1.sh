@@ -4,8 +4,8 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 T0=$(date +%s)
-timeout 200 python3 -m pytest -q -x tests/gpu/test_gemv.py tests/gpu/test_rms_norm.py tests/gpu/test_activation.py \
-    tests/gpu/test_gdn_gates.py tests/gpu/test_attention_prep.py tests/gpu/test_cuda_graphs.py > "$OUT/tests.log" 2>&1
+timeout 200 python3 -m pytest -q tests/gpu/test_gemv.py tests/gpu/test_rms_norm.py tests/gpu/test_activation.py \
+    tests/gpu/test_gdn_gates.py tests/gpu/test_attention_prep.py tests/gpu/test_fp8_linear.py tests/gpu/test_cuda_graphs.py > "$OUT/tests.log" 2>&1
 echo "gpu tests exit $? ($(( $(date +%s) - T0 ))s)" >> "$OUT/tests.log"
 timeout 150 python3 benchmarks/kernels/bench_gemv.py --quick --out "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
 echo "gemv exit $? ($(( $(date +%s) - T0 ))s)" >> "$OUT/gemv.log"
