@@ -13,6 +13,7 @@ import torch
 
 from ninfer.kernels.activation import ref, sigmoid_mul, silu_and_mul
 from ninfer.kernels.backend import fast_impl
+from tests.ulp import assert_matches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -23,21 +24,6 @@ ATTENTION = {"27B": (24, 256), "35B-A3B": (16, 256)}
 HIDDEN = {"27B": 5120, "35B-A3B": 2048}
 TOKENS = (1, 3, 8, 1000)
 DTYPES = (torch.bfloat16, torch.float32)
-MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
-
-
-def assert_matches(out: torch.Tensor, expected: torch.Tensor, max_mismatch: float = 0.01) -> None:
-    assert out.dtype == expected.dtype and out.shape == expected.shape
-    assert out.is_contiguous()
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-        return
-    a, b = out.float(), expected.float()
-    exponent = torch.frexp(torch.maximum(a.abs(), b.abs()))[1]  # |v| in [2^(e-1), 2^e)
-    ulp = torch.ldexp(torch.ones_like(a), exponent - 1 - MANTISSA_BITS[out.dtype])
-    assert ((a - b).abs() <= ulp).all(), f"max difference {(a - b).abs().max().item()}"
-    mismatched = (a != b).float().mean().item()
-    assert mismatched <= max_mismatch, f"{mismatched:.2%} of elements differ"
 
 
 def _randn(*shape: int, seed: int, dtype: torch.dtype, scale: float = 2.0) -> torch.Tensor:

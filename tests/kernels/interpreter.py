@@ -65,9 +65,6 @@ def cpu_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
 
 
-MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
-
-
 @pytest.fixture
 def bf16_round_to_nearest_even(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32 -> bf16 in the interpreter as on the GPU (cvt.rn.bf16.f32) and in torch."""
@@ -83,19 +80,3 @@ def bf16_round_to_nearest_even(monkeypatch: pytest.MonkeyPatch) -> None:
         return original(self, src, dst_type)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
-
-
-def assert_matches(out: torch.Tensor, expected: torch.Tensor, max_mismatch: float = 0.01) -> None:
-    """fp32: summation order only. bf16/fp16: at most one ulp apart, and nearly all bitwise
-    equal: a missing or extra rounding changes 20-30 % of the elements (tried)."""
-    assert out.dtype == expected.dtype and out.shape == expected.shape
-    assert out.is_contiguous()
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-        return
-    a, b = out.float(), expected.float()
-    exponent = torch.frexp(torch.maximum(a.abs(), b.abs()))[1]  # |v| in [2^(e-1), 2^e)
-    ulp = torch.ldexp(torch.ones_like(a), exponent - 1 - MANTISSA_BITS[out.dtype])
-    assert ((a - b).abs() <= ulp).all(), f"max difference {(a - b).abs().max().item()}"
-    mismatched = (a != b).float().mean().item()
-    assert mismatched <= max_mismatch, f"{mismatched:.1%} of elements differ"

@@ -14,11 +14,11 @@ import torch
 
 from ninfer.kernels.rms_norm import ref
 from tests.kernels.interpreter import (  # noqa: F401 (fixtures)
-    assert_matches,
     bf16_round_to_nearest_even,
     cpu_interpreter,
     interpreted,
 )
+from tests.ulp import assert_matches
 
 pytestmark = pytest.mark.usefixtures("bf16_round_to_nearest_even")
 
