@@ -11,20 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ninfer.kernels.gemv import MAX_ROWS, gemv
+from ninfer.kernels.gemv import linear
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose decode-sized products (<= gemv.MAX_ROWS tokens, on CUDA) run the GEMV kernel."""
+    """nn.Linear whose product is chosen by ninfer.kernels.gemv.linear (GEMV kernel at decode sizes)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if x.is_cuda and rows.shape[0] <= MAX_ROWS:
-            return gemv(rows, self.weight, None, self.bias).reshape(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class PackedLinear(Linear):
