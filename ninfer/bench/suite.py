@@ -133,7 +133,7 @@ class Suite:
             log.info("[%s fp8] %d Linear layers quantized (experts, embedding and lm_head stay bf16)", shape, replaced)
         options = self.options
         max_batch = max(options.batches)
-        max_tokens = max(max(options.contexts) + 1, max(options.prefill_lengths))
+        max_tokens = max([max(options.contexts) + 1, *options.prefill_lengths])
         num_pages = max_batch * (-(-max(options.contexts) // options.page_size) + 1)
         num_pages = max(num_pages, -(-max_tokens // options.page_size) + 1)
         started = time.perf_counter()
