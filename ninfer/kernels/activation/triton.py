@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.rms_norm.triton import strided_rows
 
 MAX_BLOCK_N = 1024
@@ -49,7 +50,9 @@ def _silu_and_mul_kernel(
     inter,
     TWO_LEVEL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < inter
@@ -75,7 +78,9 @@ def _sigmoid_mul_kernel(
     GATE_PER_ROW: tl.constexpr,
     TWO_LEVEL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < num_cols
@@ -101,6 +106,7 @@ def silu_and_mul(x: torch.Tensor, *, block_n: int | None = None, num_warps: int 
         return out
     default_block, default_warps = block_config(inter)
     block_n = block_n or default_block
+    use_pdl = pdl_enabled(x)
     _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block_n))](
         x,
         out,
@@ -110,7 +116,9 @@ def silu_and_mul(x: torch.Tensor, *, block_n: int | None = None, num_warps: int 
         inter,
         TWO_LEVEL=rows_inner > 1,
         BLOCK_N=block_n,
+        USE_PDL=use_pdl,
         num_warps=num_warps or default_warps,
+        launch_pdl=use_pdl,
     )
     return out
 
@@ -129,6 +137,7 @@ def sigmoid_mul(
         return out
     default_block, default_warps = block_config(num_cols)
     block_n = block_n or default_block
+    use_pdl = pdl_enabled(x)
     _sigmoid_mul_kernel[(num_rows, triton.cdiv(num_cols, block_n))](
         x,
         gate,
@@ -142,6 +151,8 @@ def sigmoid_mul(
         GATE_PER_ROW=gate_per_row,
         TWO_LEVEL=rows_inner > 1,
         BLOCK_N=block_n,
+        USE_PDL=use_pdl,
         num_warps=num_warps or default_warps,
+        launch_pdl=use_pdl,
     )
     return out

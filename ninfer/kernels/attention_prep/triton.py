@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+
 
 @triton.jit
 def _norm_weight(w_ptr, offsets, mask, ZERO_CENTERED: tl.constexpr):
@@ -100,7 +102,9 @@ def _prepare_qkv_kernel(
     BLOCK_PASS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     HALF: tl.constexpr = ROTARY_DIM // 2
@@ -229,6 +233,7 @@ def prepare_qkv(
     pass_dim = head_dim - rotary_dim
     # Qwen3.5's row (64 rotary + 192 tail, bf16) is 8 elements a thread on one warp.
     num_warps = max(1, min(4, triton.next_power_of_2(head_dim) // 256))
+    use_pdl = pdl_enabled(q)
     _prepare_qkv_kernel[(num_tokens, num_q_heads + num_kv_heads)](
         q,
         k,
@@ -264,6 +269,8 @@ def prepare_qkv(
         BLOCK_PASS=triton.next_power_of_2(max(pass_dim, 1)),
         HAS_NORM=has_norm,
         ZERO_CENTERED=bool(zero_centered),
+        USE_PDL=use_pdl,
         num_warps=num_warps,
+        launch_pdl=use_pdl,
     )
     return q_out

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+
 BLOCK_C_DECODE = 256
 # [16, 256] tiles over 8 warps: 128 registers, 16-byte loads of x, no spills (sm_90 build);
 # [32, 128] over 4 warps needed 255 registers and spilled.
@@ -43,7 +45,9 @@ def _conv_update_kernel(
     num_channels,
     K: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store
     i_b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = c < num_channels
@@ -80,7 +84,9 @@ def _conv_varlen_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     STATE_COLS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store
     i_r = tl.program_id(0)
     i_c = tl.program_id(1)
     i_t = tl.program_id(2)
@@ -153,6 +159,7 @@ def causal_conv1d_update(
     if num_requests == 0:
         return out
     grid = (num_requests, triton.cdiv(num_channels, BLOCK_C_DECODE))
+    use_pdl = pdl_enabled(x)
     _conv_update_kernel[grid](
         x,
         weight,
@@ -167,7 +174,9 @@ def causal_conv1d_update(
         num_channels,
         K=weight.shape[-1],
         BLOCK_C=BLOCK_C_DECODE,
+        USE_PDL=use_pdl,
         num_warps=4,
+        launch_pdl=use_pdl,
     )
     return out
 
@@ -197,6 +206,7 @@ def causal_conv1d(
         triton.cdiv(num_channels, BLOCK_C_PREFILL),
         triton.cdiv(max(query_lens), BLOCK_T_PREFILL),
     )
+    use_pdl = pdl_enabled(x)
     _conv_varlen_kernel[grid](
         x,
         weight,
@@ -214,6 +224,8 @@ def causal_conv1d(
         BLOCK_T=BLOCK_T_PREFILL,
         BLOCK_C=BLOCK_C_PREFILL,
         STATE_COLS=triton.next_power_of_2(kernel - 1),
+        USE_PDL=use_pdl,
         num_warps=PREFILL_WARPS,
+        launch_pdl=use_pdl,
     )
     return out

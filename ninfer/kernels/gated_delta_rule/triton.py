@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.gated_delta_rule import ref
+from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 # Programs own BLOCK_V state columns (dk * BLOCK_V * 4 bytes). H200 sweep (docs/gpu-notes.md):
 # at batch 1 the narrowest strips win (27B: 384 programs of 8 KiB, 3.95 us vs 4.5 at 32
@@ -84,7 +85,9 @@ def _gates_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     THRESHOLD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.arange(0, BLOCK_H)
     mask_h = h < NUM_HEADS
@@ -119,6 +122,7 @@ def gdn_gates(
         raise ValueError(f"gdn_gates: a {tuple(a.shape)}, b {tuple(b.shape)}, A_log/dt_bias must be [{num_heads}]")
     if a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError(f"a and b need contiguous heads, got strides {a.stride()} and {b.stride()}")
+    use_pdl = pdl_enabled(a)
     _gates_kernel[(triton.cdiv(num_tokens, GATES_BLOCK_T),)](
         a,
         b,
@@ -135,7 +139,9 @@ def gdn_gates(
         BLOCK_T=GATES_BLOCK_T,
         BLOCK_H=triton.next_power_of_2(num_heads),
         THRESHOLD=SOFTPLUS_THRESHOLD,
+        USE_PDL=use_pdl,
         num_warps=2,
+        launch_pdl=use_pdl,
     )
     return g, beta
 
@@ -172,7 +178,9 @@ def _recurrent_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     VARLEN: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -266,6 +274,7 @@ def recurrent_gated_delta_rule(
         cu_seqlens = torch.tensor(starts, dtype=torch.int64, device=q.device)
     block_v = block_v or _block_v(q.device, num_requests, num_v_heads, v_dim)
     grid = (num_requests, num_v_heads, triton.cdiv(v_dim, block_v))
+    use_pdl = pdl_enabled(q)
     _recurrent_kernel[grid](
         q,
         k,
@@ -297,7 +306,9 @@ def recurrent_gated_delta_rule(
         BLOCK_K=triton.next_power_of_2(k_dim),
         BLOCK_V=block_v,
         VARLEN=not equal,
+        USE_PDL=use_pdl,
         num_warps=num_warps,
+        launch_pdl=use_pdl,
     )
     return out
 

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+
 DECODE_MAX_PAIRS = 128
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the (up, down) kernels by BLOCK_M, from the
 # H200 sweep in benchmarks/kernels/bench_moe.py (docs/gpu-notes.md): at BLOCK_M 16 (batch
@@ -54,7 +56,9 @@ def _route_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     mask = e < num_experts
@@ -92,6 +96,7 @@ def route(
         return weights, ids
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
+    use_pdl = pdl_enabled(router_logits)
     _route_kernel[(num_tokens,)](
         router_logits,
         weights,
@@ -102,7 +107,9 @@ def route(
         BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_K=triton.next_power_of_2(top_k),
         RENORMALIZE=renormalize,
+        USE_PDL=use_pdl,
         num_warps=num_warps,
+        launch_pdl=use_pdl,
     )
     return weights, ids
 
@@ -154,7 +161,9 @@ def _moe_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store (_group_rows loads the expert ids)
     expert, pairs, row_mask = _group_rows(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, DECODE, BLOCK_M)
     if expert >= 0:
         tokens = pairs // TOP_K
@@ -204,7 +213,9 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store (_group_rows loads the expert ids)
     expert, pairs, row_mask = _group_rows(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, DECODE, BLOCK_M)
     if expert >= 0:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -230,7 +241,16 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _combine_kernel(part_ptr, out_ptr, stride_ot, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _combine_kernel(
+    part_ptr,
+    out_ptr,
+    stride_ot,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_sync(USE_PDL)  # before the first global load or store
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = n < HIDDEN
@@ -309,6 +329,7 @@ def fused_experts(
     # fp32 operands take twice the shared memory per pipeline stage; two stages keep the
     # tiles under the 227 KB a block may have.
     max_stages = 2 if x.element_size() > 2 else 8
+    use_pdl = pdl_enabled(x)
 
     bn, bk, warps, stages = up_cfg
     _moe_up_kernel[(num_programs, triton.cdiv(inter, bn))](
@@ -330,8 +351,10 @@ def fused_experts(
         BLOCK_M=block_m,
         BLOCK_N=bn,
         BLOCK_K=bk,
+        USE_PDL=use_pdl,
         num_warps=warps,
         num_stages=min(stages, max_stages),
+        launch_pdl=use_pdl,
     )
     bn, bk, warps, stages = down_cfg
     _moe_down_kernel[(num_programs, triton.cdiv(hidden, bn))](
@@ -353,11 +376,21 @@ def fused_experts(
         BLOCK_M=block_m,
         BLOCK_N=bn,
         BLOCK_K=bk,
+        USE_PDL=use_pdl,
         num_warps=warps,
         num_stages=min(stages, max_stages),
+        launch_pdl=use_pdl,
     )
     combine_block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, combine_block))](
-        part, out, out.stride(0), HIDDEN=hidden, TOP_K=top_k, BLOCK_N=combine_block, num_warps=4
+        part,
+        out,
+        out.stride(0),
+        HIDDEN=hidden,
+        TOP_K=top_k,
+        BLOCK_N=combine_block,
+        USE_PDL=use_pdl,
+        num_warps=4,
+        launch_pdl=use_pdl,
     )
     return out

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+
 # Decode and short verification rows (at most this many queries per request) take the
 # split-K path; longer chunks have enough q-blocks to fill the GPU on their own.
 SPLIT_MAX_QUERY_LEN = 16
@@ -141,7 +143,9 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store (and before any early return)
     q_block = tl.program_id(0)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -237,7 +241,9 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * NUM_HEADS + head) * num_splits
@@ -352,6 +358,7 @@ def paged_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     grid = (num_q_blocks, num_requests * num_kv_heads, splits)
+    use_pdl = pdl_enabled(q)
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -386,8 +393,10 @@ def paged_attention(
         BLOCK_N=block_n,
         SPLIT_K=splits > 1,
         PRECISION=precision,
+        USE_PDL=use_pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=use_pdl,
     )
     if splits > 1:
         merge_block_d = min(block_d, 64)
@@ -402,6 +411,8 @@ def paged_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=merge_block_d,
             BLOCK_S=triton.next_power_of_2(splits),
+            USE_PDL=use_pdl,
             num_warps=4,
+            launch_pdl=use_pdl,
         )
     return out

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+
 MAX_DIM = 16384
 
 
@@ -71,7 +73,9 @@ def _rms_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     TWO_LEVEL: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
@@ -98,7 +102,9 @@ def _add_rms_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     TWO_LEVEL: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
@@ -129,7 +135,9 @@ def _gated_rms_norm_kernel(
     ROUND_WEIGHTED: tl.constexpr,
     TWO_LEVEL: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)  # before the first global load or store
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
@@ -208,6 +216,7 @@ def rms_norm(
     if num_rows == 0 or dim == 0:
         return out
     block_d = triton.next_power_of_2(dim)
+    use_pdl = pdl_enabled(x)
     _rms_norm_kernel[(num_rows,)](
         x,
         weight.contiguous(),
@@ -220,7 +229,9 @@ def rms_norm(
         ZERO_CENTERED=zero_centered,
         TWO_LEVEL=rows_inner > 1,
         BLOCK_D=block_d,
+        USE_PDL=use_pdl,
         num_warps=num_warps or num_warps_for(block_d),
+        launch_pdl=use_pdl,
     )
     return out
 
@@ -246,6 +257,7 @@ def add_rms_norm(
     if num_rows == 0 or dim == 0:
         return out, summed
     block_d = triton.next_power_of_2(dim)
+    use_pdl = pdl_enabled(x)
     _add_rms_norm_kernel[(num_rows,)](
         x,
         residual,
@@ -262,7 +274,9 @@ def add_rms_norm(
         ZERO_CENTERED=zero_centered,
         TWO_LEVEL=rows_inner > 1,
         BLOCK_D=block_d,
+        USE_PDL=use_pdl,
         num_warps=num_warps or num_warps_for(block_d),
+        launch_pdl=use_pdl,
     )
     return out, summed
 
@@ -284,6 +298,7 @@ def gated_rms_norm(
     if num_rows == 0 or dim == 0:
         return out
     block_d = triton.next_power_of_2(dim)
+    use_pdl = pdl_enabled(x)
     _gated_rms_norm_kernel[(num_rows,)](
         x,
         gate,
@@ -299,6 +314,8 @@ def gated_rms_norm(
         ROUND_WEIGHTED=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
         TWO_LEVEL=rows_inner > 1,
         BLOCK_D=block_d,
+        USE_PDL=use_pdl,
         num_warps=num_warps or num_warps_for(block_d),
+        launch_pdl=use_pdl,
     )
     return out
