@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from ninfer.kernels.causal_conv1d import causal_conv1d_update
-from ninfer.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule, ref
+from ninfer.kernels.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    gdn_gates,
+    recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_with_gates,
+    ref,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -95,6 +101,27 @@ def test_recurrent_decode_matches_reference(shape: str, batch: int) -> None:
     torch.testing.assert_close(state, expected_state, atol=1e-4, rtol=1e-4)
     if batch == 1:
         assert torch.equal(state[6], initial[6])
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("batch", [1, 8])
+def test_gates_in_the_recurrent_kernel_equal_the_gates_kernel_then_the_rule(shape: str, batch: int) -> None:
+    """The decode form that computes the gates itself = gdn_gates + recurrent rule (same fp32 math)."""
+    q, k, v, _, _, state = _inputs(batch, shape, seed=200 + batch)
+    num_v_heads = v.shape[1]
+    gen = torch.Generator("cuda").manual_seed(batch)
+    packed = (torch.randn(batch, 2 * num_v_heads + 8, device="cuda", generator=gen) * 3).bfloat16()
+    b, a = packed[:, 8 : 8 + num_v_heads], packed[:, 8 + num_v_heads :]
+    A_log = (torch.rand(num_v_heads, device="cuda", generator=gen) * 4 - 2).bfloat16()
+    dt_bias = torch.randn(num_v_heads, device="cuda", generator=gen).bfloat16()
+    slots = torch.tensor([8, 1, 4, 0, 7, 2, 5, 3][:batch], device="cuda")
+    two_step_state = state.clone()
+    lengths = (1,) * batch
+    out = recurrent_gated_delta_rule_with_gates(q, k, v, a, b, A_log, dt_bias, state, slots, lengths)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    expected = recurrent_gated_delta_rule(q, k, v, g, beta, two_step_state, slots, lengths)
+    torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(state, two_step_state, atol=1e-5, rtol=1e-5)
 
 
 def test_prefill_then_decode_continues_the_sequence() -> None:

@@ -6,6 +6,7 @@ real shapes is tested in tests/gpu/test_gated_delta_rule.py.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ninfer.kernels.gated_delta_rule import ref
@@ -76,4 +77,24 @@ def test_bf16_inputs_keep_fp32_state() -> None:
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
     # Both compute in fp32 from the same bf16 inputs; the outputs round once to bf16.
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(state, expected_state, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("lengths", [(1, 1, 1), (3, 1, 4)], ids=["decode", "varlen"])
+def test_gates_computed_in_the_kernel_match_reference(lengths: tuple[int, ...]) -> None:
+    """The raw-projection form: a, b strided slices of one packed row; in varlen rows the
+    steps past a request's end must leave its state alone although softplus(0 + dt_bias) != 0."""
+    q, k, v, _, _, state = _inputs(sum(lengths), 2, 6, 16, 12, num_slots=6, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    packed = torch.randn(sum(lengths), 20, generator=gen) * 3
+    a, b = packed[:, 2:8], packed[:, 11:17]
+    A_log = torch.rand(6, generator=gen).log1p()
+    dt_bias = torch.randn(6, generator=gen)
+    expected_state = state.clone()
+    slot_ids = torch.tensor([4, 0, 2])
+    out = fast.recurrent_gated_delta_rule_with_gates(q, k, v, a, b, A_log, dt_bias, state, slot_ids, lengths)
+    expected = ref.recurrent_gated_delta_rule_with_gates(
+        q, k, v, a, b, A_log, dt_bias, expected_state, slot_ids, lengths
+    )
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(state, expected_state, atol=ATOL, rtol=RTOL)

@@ -37,3 +37,20 @@ def recurrent_gated_delta_rule(
 ) -> torch.Tensor:
     impl = fast_impl(__name__, "recurrent_gated_delta_rule", q) or ref.recurrent_gated_delta_rule
     return impl(q, k, v, g, beta, state, state_slots, query_lens)
+
+
+def recurrent_gated_delta_rule_with_gates(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_lens: tuple[int, ...],
+) -> torch.Tensor:
+    """Decode form taking the raw gate projections: one launch for gates and rule."""
+    impl = fast_impl(__name__, "recurrent_gated_delta_rule_with_gates", q) or ref.recurrent_gated_delta_rule_with_gates
+    return impl(q, k, v, a, b, A_log, dt_bias, state, state_slots, query_lens)

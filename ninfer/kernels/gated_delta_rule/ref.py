@@ -170,3 +170,20 @@ def chunk_gated_delta_rule(
         state[slot] = final.to(state.dtype)
         start += query_len
     return out.to(v.dtype)
+
+
+def recurrent_gated_delta_rule_with_gates(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_lens: tuple[int, ...],
+) -> torch.Tensor:
+    """recurrent_gated_delta_rule with the gates given as the projections a, b (see gdn_gates)."""
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, state, state_slots, query_lens)

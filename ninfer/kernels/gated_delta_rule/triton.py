@@ -69,6 +69,15 @@ def _log1p(u):
 
 
 @triton.jit
+def _gate_values(a, b, a_log, dt_bias, THRESHOLD: tl.constexpr):
+    """fp32 (g, beta) from the raw projections: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
+    x = a + dt_bias
+    # Clamped (NaN kept) so the branch that where() drops cannot overflow exp.
+    softplus = tl.where(x > THRESHOLD, x, _log1p(tl.exp(tl.where(x > THRESHOLD, THRESHOLD, x))))
+    return -tl.exp(a_log) * softplus, tl.sigmoid(b)
+
+
+@triton.jit
 def _gates_kernel(
     a_ptr,
     b_ptr,
@@ -96,11 +105,7 @@ def _gates_kernel(
     b = tl.load(b_ptr + t[:, None] * stride_bt + h[None, :], mask=mask, other=0.0).to(tl.float32)
     a_log = tl.load(a_log_ptr + h * stride_a_log, mask=mask_h, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h * stride_dt_bias, mask=mask_h, other=0.0).to(tl.float32)
-    x = a + dt_bias[None, :]
-    # Clamped (NaN kept) so the branch that where() drops cannot overflow exp.
-    softplus = tl.where(x > THRESHOLD, x, _log1p(tl.exp(tl.where(x > THRESHOLD, THRESHOLD, x))))
-    g = -tl.exp(a_log)[None, :] * softplus
-    beta = tl.sigmoid(b)
+    g, beta = _gate_values(a, b, a_log[None, :], dt_bias[None, :], THRESHOLD)
     out = t[:, None] * NUM_HEADS + h[None, :]  # g and beta are fresh contiguous [T, Hv]
     tl.store(g_ptr + out, g, mask=mask)
     tl.store(beta_ptr + out, beta, mask=mask)
@@ -153,6 +158,8 @@ def _recurrent_kernel(
     v_ptr,
     g_ptr,
     beta_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
     out_ptr,
     state_ptr,
     slots_ptr,
@@ -178,8 +185,12 @@ def _recurrent_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     VARLEN: tl.constexpr,
+    RAW_GATES: tl.constexpr,
+    THRESHOLD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """RAW_GATES: g_ptr / beta_ptr hold the projections a / b, and the gates are computed here
+    (saving the gates kernel's launch in a decode step)."""
     pdl_sync(USE_PDL)  # before the first global load or store
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -192,6 +203,9 @@ def _recurrent_kernel(
         bos = i_b.to(tl.int64) * max_len
         length = max_len
     slot = tl.load(slots_ptr + i_b).to(tl.int64)
+    if RAW_GATES:
+        a_log = tl.load(a_log_ptr + i_h).to(tl.float32)
+        dt_bias = tl.load(dt_bias_ptr + i_h).to(tl.float32)
 
     o_k = tl.arange(0, BLOCK_K)
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -214,6 +228,10 @@ def _recurrent_kernel(
         b_v = tl.load(v_ptr + t * stride_vt + i_h * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_g = tl.load(g_ptr + t * stride_gt + i_h, mask=live, other=0.0).to(tl.float32)
         b_beta = tl.load(beta_ptr + t * stride_bt + i_h, mask=live, other=0.0).to(tl.float32)
+        if RAW_GATES:
+            b_g, b_beta = _gate_values(b_g, b_beta, a_log, dt_bias, THRESHOLD)
+            b_g = tl.where(live, b_g, 0.0)  # steps past a request's end must stay no-ops
+            b_beta = tl.where(live, b_beta, 0.0)
         # l2norm with eps inside the rsqrt, as the reference; q also takes dk^-0.5.
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + eps) * scale
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + eps)
@@ -253,6 +271,30 @@ def recurrent_gated_delta_rule(
     Capture-safe when all query_lens are equal (a decode round): the host tuple only fixes
     the grid. block_v / num_warps override the tile choice, for the benchmark.
     """
+    return _recurrent(q, k, v, g, beta, None, state, state_slots, query_lens, block_v, num_warps)
+
+
+def recurrent_gated_delta_rule_with_gates(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_lens: tuple[int, ...],
+) -> torch.Tensor:
+    """Same contract as ref.recurrent_gated_delta_rule_with_gates: the gates computed in the
+    recurrent kernel from the raw projections (a, b may be strided row views)."""
+    if a.shape != b.shape or A_log.shape != (a.shape[1],) or dt_bias.shape != (a.shape[1],):
+        raise ValueError(f"a {tuple(a.shape)}, b {tuple(b.shape)}, A_log/dt_bias must be [{a.shape[1]}]")
+    return _recurrent(q, k, v, a, b, (A_log, dt_bias), state, state_slots, query_lens, None, NUM_WARPS)
+
+
+def _recurrent(q, k, v, g, beta, raw_gate_params, state, state_slots, query_lens, block_v, num_warps):
+    """g / beta are the gates, or (raw_gate_params = (A_log, dt_bias)) the projections a / b."""
     num_tokens, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1], v.shape[2]
     out = torch.empty((num_tokens, num_v_heads, v_dim), dtype=v.dtype, device=v.device)
@@ -281,6 +323,7 @@ def recurrent_gated_delta_rule(
         v,
         g,
         beta,
+        *(raw_gate_params or (g, g)),  # A_log / dt_bias, or unused placeholders
         out,
         state,
         state_slots,
@@ -306,6 +349,8 @@ def recurrent_gated_delta_rule(
         BLOCK_K=triton.next_power_of_2(k_dim),
         BLOCK_V=block_v,
         VARLEN=not equal,
+        RAW_GATES=raw_gate_params is not None,
+        THRESHOLD=SOFTPLUS_THRESHOLD,
         USE_PDL=use_pdl,
         num_warps=num_warps,
         launch_pdl=use_pdl,

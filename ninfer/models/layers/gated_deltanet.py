@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ninfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
-from ninfer.kernels.gated_delta_rule import chunk_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule
+from ninfer.kernels.gated_delta_rule import chunk_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule_with_gates
 from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
 from ninfer.models.layers.linear import Linear, PackedLinear
@@ -64,11 +64,16 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(num_tokens, self.num_k_heads, self.k_head_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.v_head_dim)
 
-        # Gates in fp32: exp(A_log) overflows half precision and g feeds an exp per token.
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-
-        rule = recurrent_gated_delta_rule if decode_only else chunk_gated_delta_rule
-        core = rule(q, k, v, g, beta, recurrent_state, batch.state_slots, batch.query_lens_cpu)
+        slots, lens = batch.state_slots, batch.query_lens_cpu
+        if decode_only:
+            # The decode kernel computes the gates itself (one launch fewer per layer).
+            core = recurrent_gated_delta_rule_with_gates(
+                q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, slots, lens
+            )
+        else:
+            # Gates in fp32: exp(A_log) overflows half precision and g feeds an exp per token.
+            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+            core = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, slots, lens)
 
         z = z.reshape(num_tokens, self.num_v_heads, self.v_head_dim)
         out = self.norm(core, z).reshape(num_tokens, self.value_dim)
