@@ -5,20 +5,25 @@ second against the copy bandwidth measured in the same run (a 1 GiB device-to-de
 bytes read + written over time; a read-only stream can beat it, so > 100 % is possible).
 
 For each shape x M x weight kind (bf16, FP8 per-channel scales, FP8 128x128 block scales):
-  1. the heuristic's config and a handful of alternatives around it (tile width, K step,
-     warps, stages, split-K, and the other inner product: FMA vs DOT), each checked against
-     the fp32 reference first (a failing config is reported and skipped);
-  2. each timed as a CUDA graph of back-to-back calls that rotate over enough weight copies
-     that the weights touched between two uses of one copy exceed the 50 MB L2 several
-     times (HBM, not L2), median over the replays, per call;
+  1. the heuristic's config and a handful of alternatives around it (tile width / warps,
+     stages, split-K, K step, and the other inner product: FMA vs DOT), each checked
+     against the fp32 reference first (a failing config is reported and skipped);
+  2. each timed as a CUDA graph of back-to-back calls in one stream that rotate over
+     enough weight copies that the weights touched between two uses of one copy exceed the
+     50 MB L2 several times (HBM, not L2), median over the replays, per call. The calls
+     share x and do not feed each other, but with PDL (NINFER_PDL, on by default on sm_90)
+     each launch still waits in pdl_sync for the previous kernel to complete, as in a
+     chain of dependent layers: what PDL saves is the launch gap and prologue in between.
+     The heuristic's config is timed with PDL on and off (--no-pdl: off everywhere);
   3. baselines: cuBLAS F.linear on bf16 weights, and for FP8 torch._scaled_mm (row-wise
      scales, x pre-quantized to FP8 and padded to 16 rows: the kernel alone, without the
-     activation quantization Fp8Linear also pays).
+     activation quantization Fp8Linear also pays), in the same kind of graph.
 
-    python3 benchmarks/kernels/bench_gemv.py --out results.json [--quick]
+    python3 benchmarks/kernels/bench_gemv.py --out results.json [--quick] [--no-pdl]
+    python3 benchmarks/kernels/bench_gemv.py --plan [--quick]   # cases, configs, time estimate; no GPU
 
-Prints one line per timed variant as it goes; the JSON holds every row, the best config per
-case and whether the heuristic picked it.
+Prints one line per timed variant as it goes, then per case: the heuristic's pick, the
+best config, cuBLAS bf16 and _scaled_mm; the JSON holds every row and the summaries.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -65,9 +71,22 @@ SHAPES = {
 }
 # 27B o_proj has gdn_out_proj's shape: timed once under the GDN name.
 DUPLICATE_SHAPES = {"27b_o_proj": "27b_gdn_out_proj"}
-QUICK_SHAPES = ("27b_gdn_in_proj", "27b_gdn_out_proj", "27b_mlp_down", "27b_lm_head", "35b_gdn_out_proj", "35b_router")
-QUICK_BATCHES = (1, 4, 16)
+# --quick: every 27B shape (o_proj is gdn_out_proj's) and two small-N 35B ones (split-K),
+# every M; the heuristic's config (PDL on and off) and QUICK_ALTERNATIVES neighbours.
+QUICK_SHAPES = (
+    "27b_gdn_in_proj",
+    "27b_gdn_out_proj",
+    "27b_attn_qkv",
+    "27b_mlp_gate_up",
+    "27b_mlp_down",
+    "27b_lm_head",
+    "35b_gdn_out_proj",
+    "35b_router",
+)
+QUICK_BATCHES = BATCHES
+QUICK_ALTERNATIVES = 2
 NUM_SMS_H200 = 132
+H200_BYTES_PER_S = 4.2e12  # for --plan's time estimate only
 
 
 # ---------------------------------------------------------------- configs (no GPU needed)
@@ -87,35 +106,53 @@ def valid(cfg: Config, k: int, kind: str, m: int) -> bool:
 
 
 def sweep_configs(m: int, n: int, k: int, kind: str, num_sms: int, quick: bool = False) -> list[Config]:
-    """The heuristic's config first, then a handful of neighbours (deduplicated, valid only)."""
-    base = gemv_fast._config(m, n, k, weight_dtype(kind), num_sms)
+    """The heuristic's config first, then its neighbours, most telling first (deduplicated,
+    valid only; quick: the first QUICK_ALTERNATIVES)."""
+    dtype = weight_dtype(kind)
+    base = gemv_fast._config(m, n, k, dtype, num_sms)
+    fp8 = kind != "bf16"
     alts: list[Config] = []
-    other = gemv_fast._config(16 if not base.use_dot else 1, n, k, weight_dtype(kind), num_sms)
     if base.use_dot:
+        fma = gemv_fast._config(1, n, k, dtype, num_sms)  # FMA's launch for this N, K
+        if fp8:
+            # Weight rows per warp (16 per MMA; 32 share each x fragment) and program.
+            if base.block_n == 64:
+                alts += [base._replace(block_n=32, num_warps=1), base._replace(block_n=128)]
+            elif base.block_n == 32:
+                alts += [base._replace(block_n=64, num_warps=2), base._replace(block_n=16)]
+            else:
+                alts += [base._replace(block_n=32)]
+        else:
+            if base.block_n == 32:
+                alts += [base._replace(block_n=16, num_warps=2), base._replace(block_n=64)]
+            elif base.block_n == 16:
+                alts += [base._replace(block_n=32, num_warps=4)]
+            else:
+                alts += [base._replace(block_n=32)]
+        if m <= (2 if fp8 else 4):
+            alts.insert(1, fma)  # the other inner product, near the switch
         alts += [
-            base._replace(block_n=base.block_n * 2, num_warps=4),
-            base._replace(num_stages=base.num_stages - 1 if base.num_stages > 2 else 3),
+            base._replace(num_stages=3),
+            base._replace(split_k=1) if base.split_k > 1 else base._replace(split_k=2),
             base._replace(block_k=base.block_k * 2, num_stages=3),
         ]
-        if base.block_n > 16:
-            alts.append(base._replace(block_n=base.block_n // 2))
-        if m <= 8:
-            alts.append(other)  # FMA at this M
     else:
-        alts += [
-            base._replace(block_n=base.block_n * 2),
-            base._replace(block_k=base.block_k * 2, num_warps=min(8, base.num_warps * 2)),
-        ]
+        # DOT's launch at the smallest M where the heuristic takes it, at this M.
+        dot = gemv_fast._config(2 if fp8 else 4, n, k, dtype, num_sms)
+        alts += [dot, base._replace(block_n=base.block_n * 2)]
         if base.block_n > 1:
             alts.append(base._replace(block_n=base.block_n // 2))
-        if m > 1:
-            alts.append(other._replace(split_k=base.split_k))  # DOT at this M
-    alts.append(base._replace(split_k=base.split_k * 2))
-    if base.split_k > 1:
-        alts.append(base._replace(split_k=1))
-    seen, configs = set(), []
-    for i, cfg in enumerate([base] + alts[: 3 if quick else len(alts)]):
-        if cfg not in seen and (i == 0 or valid(cfg, k, kind, m)):
+        alts += [
+            base._replace(block_k=base.block_k * 2, num_warps=min(8, base.num_warps * 2)),
+            base._replace(split_k=base.split_k * 2),
+        ]
+        if base.split_k > 1:
+            alts.append(base._replace(split_k=1))
+    seen, configs = {base}, [base]
+    for cfg in alts:
+        if len(configs) > (QUICK_ALTERNATIVES if quick else len(alts)):
+            break
+        if cfg not in seen and valid(cfg, k, kind, m):
             seen.add(cfg)
             configs.append(cfg)
     return configs
@@ -213,7 +250,7 @@ def matches(out: torch.Tensor, expected: torch.Tensor) -> bool:
     return bool(torch.isfinite(out).all()) and bool((err <= expected.abs() * 2**-8 + 1e-3 * expected.abs().max()).all())
 
 
-def bench_case(name, m, kind, configs, bandwidth, replays, gen, cublas_cache) -> dict:
+def bench_case(name, m, kind, configs, bandwidth, replays, gen, cublas_cache, pdl_ab: bool) -> dict:
     n, k = SHAPES[name]
     weight, scale = make_weight(n, k, kind, gen)
     weight_bytes = weight.numel() * weight.element_size() + (0 if scale is None else scale.numel() * 4)
@@ -250,8 +287,14 @@ def bench_case(name, m, kind, configs, bandwidth, replays, gen, cublas_cache) ->
         )
         print(f"{name:20} M={m:<2} {kind:11} {label:46} {timing} {note}", flush=True)
 
-    for i, cfg in enumerate(configs):
-        impl = "triton_default" if i == 0 else "triton"
+    pdl = gemv_fast.pdl_enabled(x)
+    variants = [(i, cfg, pdl) for i, cfg in enumerate(configs)]
+    if pdl_ab and pdl:
+        variants.insert(1, (0, configs[0], False))  # the heuristic's config without PDL
+    for i, cfg, use_pdl in variants:
+        impl = ("triton_default" if i == 0 else "triton") + ("" if use_pdl == pdl else "_no_pdl")
+        previous = os.environ.get("NINFER_PDL")
+        os.environ["NINFER_PDL"] = "1" if use_pdl else "0"
         try:
             out = gemv_fast.gemv(x, weight, scale, config=cfg)
             if not matches(out, expected):
@@ -260,9 +303,14 @@ def bench_case(name, m, kind, configs, bandwidth, replays, gen, cublas_cache) ->
             calls = [
                 (lambda w=w, s=s: gemv_fast.gemv(x, w, s, config=cfg)) for w, s in (weights * num_calls)[:num_calls]
             ]
-            record(impl, cfg, median_call_seconds(calls, replays))
+            record(impl, cfg, median_call_seconds(calls, replays), "pdl" if use_pdl else "")
         except Exception as exc:  # noqa: BLE001 - a config too big for shared memory / registers
             record(impl, cfg, None, f"{type(exc).__name__}: {str(exc)[:80]}")
+        finally:
+            if previous is None:
+                del os.environ["NINFER_PDL"]
+            else:
+                os.environ["NINFER_PDL"] = previous
 
     # Baselines. cuBLAS bf16 once per (shape, M) (KINDS starts with bf16), shared by the
     # FP8 rows as the reference point for their speed-up.
@@ -286,9 +334,10 @@ def bench_case(name, m, kind, configs, bandwidth, replays, gen, cublas_cache) ->
             record("scaled_mm_fp8_rowwise", None, None, f"{type(exc).__name__}: {str(exc)[:80]}")
     bf16_us = cublas_cache.get((name, m), float("nan")) * 1e6
 
-    timed = [r for r in rows if r["impl"].startswith("triton") and r["us"] is not None]
+    timed = [r for r in rows if r["impl"] in ("triton", "triton_default") and r["us"] is not None]
     best = min(timed, key=lambda r: r["us"]) if timed else None
     default = next((r for r in timed if r["impl"] == "triton_default"), None)
+    no_pdl = next((r for r in rows if r["impl"] == "triton_default_no_pdl" and r["us"] is not None), None)
     summary = {
         "shape": name,
         "n": n,
@@ -300,6 +349,8 @@ def bench_case(name, m, kind, configs, bandwidth, replays, gen, cublas_cache) ->
         "weight_copies": copies,
         "default_config": configs[0]._asdict(),
         "default_us": None if default is None else default["us"],
+        "pdl": pdl,
+        "default_no_pdl_us": None if no_pdl is None else no_pdl["us"],
         "best_config": None if best is None else best["config"],
         "best_us": None if best is None else best["us"],
         "best_fraction_of_copy_bw": None if best is None else best["fraction_of_copy_bw"],
@@ -313,11 +364,11 @@ def bench_case(name, m, kind, configs, bandwidth, replays, gen, cublas_cache) ->
     return {"rows": rows, "summary": summary}
 
 
-def _compile_worker(tasks: list[tuple[int, int, int, str, tuple]]) -> int:
+def _compile_worker(tasks: list[tuple[int, int, int, str, tuple, bool]]) -> int:
     """Compile (and launch once, on uninitialised weights) each task's kernel variant:
     fills Triton's on-disk cache so the timed process only loads cubins."""
     shapes: dict = {}
-    for n, k, m, kind, cfg in tasks:
+    for n, k, m, kind, cfg, pdl in tasks:
         if (n, k, kind) not in shapes:
             shapes.clear()
             w = torch.empty(n, k, device="cuda", dtype=weight_dtype(kind))
@@ -326,6 +377,7 @@ def _compile_worker(tasks: list[tuple[int, int, int, str, tuple]]) -> int:
             )
             shapes[(n, k, kind)] = (w, s)
         w, s = shapes[(n, k, kind)]
+        os.environ["NINFER_PDL"] = "1" if pdl else "0"
         try:
             gemv_fast.gemv(torch.zeros(m, k, device="cuda", dtype=torch.bfloat16), w, s, config=Config(*cfg))
         except Exception:  # noqa: BLE001 - reported by the timed run
@@ -334,65 +386,135 @@ def _compile_worker(tasks: list[tuple[int, int, int, str, tuple]]) -> int:
     return len(tasks)
 
 
-def precompile(cases, workers: int) -> None:
-    """Triton compiles one variant at a time (~1 s each, ~160 variants in the full plan):
-    spread the compiles over worker processes first."""
+def timed_variants(cases, pdl: bool, pdl_ab: bool) -> list[tuple[str, int, str, Config, bool]]:
+    """(shape, M, kind, config, PDL) for every timing: the heuristic's config also without PDL."""
+    out = []
+    for name, m, kind, cfgs in cases:
+        for i, cfg in enumerate(cfgs):
+            out.append((name, m, kind, cfg, pdl))
+            if i == 0 and pdl and pdl_ab:
+                out.append((name, m, kind, cfg, False))
+    return out
+
+
+def kernel_variant(m: int, kind: str, cfg: Config, pdl: bool) -> tuple:
+    """What Triton compiles separately (the real shapes all divide by 16 and by block_k)."""
+    block_m = gemv_fast._block_m(m, cfg.use_dot, kind != "bf16")
+    return (kind, cfg._replace(split_k=min(cfg.split_k, 2)), block_m, m == block_m and cfg.use_dot, pdl)
+
+
+def precompile(variants, workers: int) -> None:
+    """Triton compiles one variant at a time (~1-3 s each): spread the compiles over worker
+    processes first."""
     import multiprocessing as mp
 
-    tasks = {(*SHAPES[name], m, kind, tuple(cfg)) for name, m, kind, cfgs in cases for cfg in cfgs}
+    tasks = {(*SHAPES[name], m, kind, tuple(cfg), pdl) for name, m, kind, cfg, pdl in variants}
     # Sorted by variant, in contiguous slices: one variant's tasks (which differ only in
     # shape) mostly land on one worker and compile once.
-    tasks = sorted(tasks, key=lambda t: (t[3], t[4], t[2], t[1], t[0]))
+    tasks = sorted(tasks, key=lambda t: (t[3], t[4], t[5], t[2], t[1], t[0]))
     size = -(-len(tasks) // workers)
     chunks = [tasks[i : i + size] for i in range(0, len(tasks), size)]
     with mp.get_context("spawn").Pool(len(chunks)) as pool:
         pool.map(_compile_worker, chunks)
 
 
+def estimate_seconds(cases, variants, workers: int) -> float:
+    """Rough wall time on an H200: compiles (~2.5 s per kernel variant, spread over the
+    workers), and per timing (warm-up, capture, 3 + replays) the graph's weight bytes at
+    ~75 % of bandwidth plus ~25 ms of fixed costs, plus ~60 ms per case for its weights."""
+    kernels = {kernel_variant(m, kind, cfg, pdl) for _, m, kind, cfg, pdl in variants}
+    compile_s = 10 + 2.5 * len(kernels) / max(1, workers)
+    seconds = compile_s + 0.06 * len(cases)
+    for name, m, kind, cfg, pdl in variants:
+        n, k = SHAPES[name]
+        weight_bytes = n * k * (2 if kind == "bf16" else 1)
+        calls = max(MIN_CALLS, math.ceil(L2_FLUSH_BYTES / weight_bytes))
+        seconds += 0.025 + 15 * calls * weight_bytes / (0.75 * H200_BYTES_PER_S)
+    baselines = {(name, m, kind) for name, m, kind, _, _ in variants}
+    for name, m, kind in baselines:
+        n, k = SHAPES[name]
+        weight_bytes = n * k * (2 if kind == "bf16" else 1)
+        calls = max(MIN_CALLS, math.ceil(L2_FLUSH_BYTES / weight_bytes))
+        seconds += 0.025 + 15 * calls * weight_bytes / (0.75 * H200_BYTES_PER_S)
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write results here (JSON)")
-    parser.add_argument("--quick", action="store_true", help="6 shapes, M in (1, 4, 16), 3 alternatives: < 90 s")
-    parser.add_argument("--plan", action="store_true", help="print the cases and configs, no GPU needed")
-    parser.add_argument("--compile-workers", type=int, default=12, help="processes that pre-compile the kernels (0: none)")
+    quick_help = f"{len(QUICK_SHAPES)} shapes, every M, {QUICK_ALTERNATIVES} alternatives: ~90 s"
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--plan", action="store_true", help="print cases, configs, a time estimate; no GPU needed")
+    parser.add_argument("--no-pdl", action="store_true", help="launch without PDL throughout (NINFER_PDL=0)")
+    parser.add_argument("--compile-workers", type=int, default=12, help="pre-compiling processes (0: none)")
     args = parser.parse_args()
+    if args.no_pdl:
+        os.environ["NINFER_PDL"] = "0"
+    pdl_wanted = os.environ.get("NINFER_PDL", "1") != "0"
     if args.plan:
         cases = plan(args.quick)
-        variants = {(kind, cfg, gemv_fast.DOT_ROWS if cfg.use_dot else 1 << (m - 1).bit_length()) for _, m, kind, cfgs in cases for cfg in cfgs}
+        variants = timed_variants(cases, pdl_wanted, pdl_ab=True)
         for name, m, kind, cfgs in cases:
             print(name, m, kind, "; ".join(config_str(c) for c in cfgs))
-        print(f"{len(cases)} cases, {sum(len(c[3]) for c in cases)} timed configs, ~{len(variants)} kernel variants")
+        kernels = {kernel_variant(m, kind, cfg, pdl) for _, m, kind, cfg, pdl in variants}
+        pdl_note = "the heuristic's config with PDL on and off" if pdl_wanted else "PDL off"
+        seconds = estimate_seconds(cases, variants, args.compile_workers)
+        print(
+            f"{len(cases)} cases, {len(variants)} timings of our kernel ({pdl_note}), "
+            f"~{len(kernels)} kernel variants; ~{seconds:.0f} s on an H200 (estimate)"
+        )
         return
     started = time.time()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = plan(args.quick, num_sms)
+    pdl = gemv_fast.pdl_enabled(torch.empty(1, device="cuda"))
+    variants = timed_variants(cases, pdl, pdl_ab=True)
     if args.compile_workers > 0:
-        precompile(cases, args.compile_workers)
+        precompile(variants, args.compile_workers)
         print(f"compiled the plan's kernels in {time.time() - started:.0f} s ({args.compile_workers} processes)")
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()} ({num_sms} SMs): copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    print(
+        f"Each timing: a CUDA graph of >= {MIN_CALLS} back-to-back calls in one stream (same x, rotating weight "
+        f"copies, no data dependence); PDL {'on (the heuristic config also timed with it off)' if pdl else 'off'}"
+    )
     replays = 10
     gen = torch.Generator("cuda").manual_seed(0)
     cublas_cache: dict = {}
     results = []
     for name, m, kind, configs in cases:
-        results.append(bench_case(name, m, kind, configs, bandwidth, replays, gen, cublas_cache))
+        results.append(bench_case(name, m, kind, configs, bandwidth, replays, gen, cublas_cache, pdl_ab=True))
         torch.cuda.empty_cache()
     summaries = [r["summary"] for r in results]
 
-    print("\nBest per case (fraction of copy bandwidth; * = heuristic's config was the best)")
-    print(f"{'shape':20} {'M':>2} {'kind':11} {'default us':>10} {'best us':>9} {'best bw':>7} {'cuBLAS bf16':>11} {'scaled_mm':>9}")
+    fmt = lambda v, spec: "-" if v is None or v != v else format(v, spec)  # noqa: E731
+    print("\nPer case, us per call: the heuristic's pick (PDL on / off), the best config, cuBLAS bf16, _scaled_mm")
+    print("(* = the pick was the best; bw = fraction of copy bandwidth; vs = pick / baseline, < 1 is faster)")
+    print(
+        f"{'shape':18} {'M':>2} {'kind':11} {'pick':30} {'us':>8} {'no-pdl':>8} {'best':30} {'us':>8} {'bw':>6} "
+        f"{'cuBLAS':>8} {'vs':>5} {'scaled':>8} {'vs':>5}"
+    )
     for s in summaries:
-        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        pick = config_str(Config(**s["default_config"]))
+        best = "-" if s["best_config"] is None else config_str(Config(**s["best_config"]))
+        us = s["default_us"]
+        vs_cublas = None if us is None else us / s["cublas_bf16_us"]
+        vs_scaled = None if us is None or s["scaled_mm_us"] is None else us / s["scaled_mm_us"]
+        star = "*" if s["heuristic_is_best"] else " "
         print(
-            f"{s['shape']:20} {s['m']:>2} {s['kind']:11} {fmt(s['default_us'], '10.2f')} {fmt(s['best_us'], '9.2f')}"
-            f"{'*' if s['heuristic_is_best'] else ' '}{fmt(s['best_fraction_of_copy_bw'], '6.1%')} "
-            f"{s['cublas_bf16_us']:11.2f} {fmt(s['scaled_mm_us'], '9.2f')}"
+            f"{s['shape']:18} {s['m']:>2} {s['kind']:11} {pick:30} {fmt(us, '8.2f')} "
+            f"{fmt(s['default_no_pdl_us'], '8.2f')} {best:30}{star}{fmt(s['best_us'], '7.2f')} "
+            f"{fmt(s['best_fraction_of_copy_bw'], '6.1%')} {fmt(s['cublas_bf16_us'], '8.2f')} {fmt(vs_cublas, '5.2f')} "
+            f"{fmt(s['scaled_mm_us'], '8.2f')} {fmt(vs_scaled, '5.2f')}"
         )
     picked = sum(s["heuristic_is_best"] for s in summaries)
     close = sum(s["default_within_5pct_of_best"] for s in summaries)
+    pairs = [(s["default_us"], s["default_no_pdl_us"]) for s in summaries if s["default_us"] and s["default_no_pdl_us"]]
     elapsed = time.time() - started
     print(f"heuristic best in {picked}/{len(summaries)} cases, within 5 % in {close}; {elapsed:.0f} s")
+    if pairs:
+        saved = statistics.median(off - on for on, off in pairs)
+        print(f"PDL: median saving {saved:.2f} us per call over {len(pairs)} cases (heuristic's config)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
@@ -401,6 +523,7 @@ def main() -> None:
                     "num_sms": num_sms,
                     "copy_bandwidth": bandwidth,
                     "quick": args.quick,
+                    "pdl": pdl,
                     "seconds": elapsed,
                     "summaries": summaries,
                     "rows": [row for r in results for row in r["rows"]],

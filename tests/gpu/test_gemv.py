@@ -1,17 +1,22 @@
 """Triton GEMV on the GPU at the Qwen3.5 decode shapes vs ref.py; determinism and CUDA-graph replay.
 
 Every (shape, M, weight kind) runs the heuristic's launch: FMA at small M, DOT (tensor
-cores, x padded to 16 rows) above, split-K where N is small. The reference is the fp32
+cores; bf16 weights with x padded to 16 rows, FP8 weights as the MMA's A operand with x^T
+padded to 8 or 16 columns) above, split-K where N is small. The reference is the fp32
 product of the dequantized weights, before its final rounding; the kernel also sums in
 fp32 (another order) and rounds once to bf16, so it must agree within half a bf16 unit
 (2^-8 relative, with margin for the fp32 order) plus a floor of 1e-3 of the output's
-largest magnitude for outputs near zero.
+largest magnitude for outputs near zero. Also: the inline-PTX e4m3 -> bf16 bit moves on
+all 256 codes, tiny activations through FP8 DOT (products far below fp32's normal range
+before the scale fold), and PDL launches chained in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from ninfer.kernels import gemv as gemv_op
 from ninfer.kernels.gemv import ref
@@ -88,7 +93,7 @@ def weights():
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("m", [1, 2, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
 def test_matches_reference(name: str, kind: str, m: int, weights) -> None:
     n, k = SHAPES[name]
     weight, scale = weights(name, kind)
@@ -118,6 +123,8 @@ CONFIG_CASES = [
     ("27b_o_proj", "fp8_channel", 2, None),
     ("27b_o_proj", "bf16", 16, fast.Config(32, 256, 4, 3, True, 4)),
     ("27b_o_proj", "fp8_block", 4, fast.Config(4, 2048, 4, 1, False, 2)),
+    ("27b_o_proj", "fp8_channel", 8, fast.Config(16, 256, 2, 3, True, 1)),  # 2 warps share 16 rows
+    ("27b_o_proj", "fp8_block", 16, fast.Config(128, 256, 2, 3, True, 2)),
 ]
 
 
@@ -150,3 +157,73 @@ def test_cuda_graph_replay_equals_eager(name: str, kind: str, m: int, config) ->
         torch.cuda.synchronize()
         eager = fast.gemv(x_static, weight, scale, bias, config=config)
         assert torch.equal(out_static, eager), f"step {step}"
+
+
+@triton.jit
+def _convert_kernel(w_ptr, out_ptr, ASM: tl.constexpr):
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, fast._e4m3_bits(tl.load(w_ptr + i), tl.bfloat16, ASM))
+
+
+@pytest.mark.parametrize("asm", [False, True])
+def test_e4m3_bits_all_codes(asm: bool) -> None:
+    # FP8 DOT's conversion: every e4m3 code (subnormals, -0) is its value times 2^-120, in bits.
+    w = torch.arange(256, dtype=torch.uint8, device="cuda").view(FP8)
+    out = torch.empty(256, dtype=torch.bfloat16, device="cuda")
+    _convert_kernel[(1,)](w, out, ASM=asm)
+    finite = ~torch.isnan(w.float())
+    assert torch.equal(out.double()[finite] * 2.0**120, w.double()[finite])
+    assert torch.equal(torch.signbit(out.float()[finite]), torch.signbit(w.float()[finite]))
+
+
+@pytest.mark.parametrize("kind", ["fp8_channel", "fp8_block"])
+@pytest.mark.parametrize("m", [4, 16])
+def test_fp8_dot_tiny_activations(kind: str, m: int) -> None:
+    # x ~ 1e-6: most products x * w (e4m3 units) are below 2^-6, i.e. below fp32's normal range
+    # if the weights were only shifted into bf16 (times 2^-120); x' = x * 2^64 keeps them normal.
+    n, k = 5120, 6144
+    weight, scale = make_weight(n, k, kind, seed=7)
+    x = (torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(8)) * 1e-6).bfloat16()
+    cfg = fast._config(m, n, k, weight.dtype, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert cfg.use_dot
+    check(fast.gemv(x, weight, scale), exact_fp32(x, weight, scale))
+
+
+# Dependent chain for PDL: K of each layer is N of the one before; FMA (M=1), DOT (4, 16),
+# split-K (N=2048, with its sum kernel), both FP8 scale layouts and bf16.
+CHAIN = [(6144, 5120, "bf16"), (5120, 6144, "fp8_channel"), (2048, 5120, "fp8_block"), (4096, 2048, "bf16"), (5120, 4096, "fp8_channel")]
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_pdl_graph_chain_equals_eager(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    layers = [make_weight(n, k, kind, seed=10 + i) for i, (n, k, kind) in enumerate(CHAIN)]
+    gen = torch.Generator("cuda").manual_seed(m)
+
+    def chain(x):
+        outs = []
+        for weight, scale in layers:
+            x = fast.gemv(x, weight, scale)
+            outs.append(x)
+        return outs
+
+    x_static = torch.randn(m, CHAIN[0][1], device="cuda", generator=gen).bfloat16()
+    monkeypatch.setenv("NINFER_PDL", "0")
+    assert not fast.pdl_enabled(x_static)
+    eager_off = chain(x_static)
+    monkeypatch.setenv("NINFER_PDL", "1")
+    assert fast.pdl_enabled(x_static)  # sm_90+: the PDL variants really run
+    for a, b in zip(chain(x_static), eager_off):  # also compiles them outside the capture
+        assert torch.equal(a, b)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs_static = chain(x_static)
+    for step in range(3):
+        x_static.copy_(torch.randn(m, CHAIN[0][1], device="cuda", generator=gen).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("NINFER_PDL", "0")
+        expected = chain(x_static)
+        monkeypatch.setenv("NINFER_PDL", "1")
+        for i, (got, want) in enumerate(zip(outs_static, expected)):
+            assert torch.equal(got, want), f"step {step}, layer {i}"

@@ -3,8 +3,10 @@
 Shapes are small and nothing is a block multiple (N=200, K=300: masked K tails, clamped
 rows and columns). Both inner products (FMA and DOT), split-K, both FP8 scale layouts,
 bias and strided x rows are covered. The interpreter's tl.dot multiplies bf16 operands as
-raw integers, so the DOT path runs here with fp16 and fp32 x only; tests/gpu/test_gemv.py
-covers bf16 DOT (and every path compiled) at the real shapes.
+raw integers, so the DOT path runs here with fp16 and fp32 x only (FP8 DOT: the fp16 and
+fp32 forms of the bit-move conversion; its bf16 form is checked on all 256 codes by
+itself); tests/gpu/test_gemv.py covers bf16 DOT, the inline-PTX conversion (and every
+path compiled) at the real shapes.
 
 Tolerances, against a float64 evaluation of the same (dequantized) inputs: the kernel sums
 in fp32 in a different order than torch, so fp32 outputs agree to ~1e-6 of the terms'
@@ -92,7 +94,7 @@ def test_split_k_matches_reference(config: Config) -> None:
         (torch.float32, DOT),
     ],
 )
-@pytest.mark.parametrize("m", [1, 16])  # M = 3 (padded rows) with FP8: test_strided_rows
+@pytest.mark.parametrize("m", [1, 8, 16])  # M = 3 (padded rows) with FP8: test_strided_rows
 @pytest.mark.parametrize("blocks", [False, True])
 def test_fp8_matches_reference(dtype: torch.dtype, config: Config, m: int, blocks: bool) -> None:
     x, w, bias = _inputs(m, dtype, seed=20 + m, fp8=True)
@@ -108,6 +110,30 @@ def test_strided_rows(config: Config) -> None:
     x8, w8, _ = _inputs(3, torch.float16, seed=6, fp8=True, row_stride=K + 20)
     scale = _block_scale(6)
     _check(fast.gemv(x8, w8, scale, config=config), x8, w8, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_e4m3_bits_all_codes(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The FP8 DOT conversion (Triton-op form; the GPU test checks the inline PTX): every
+    # e4m3 code, subnormals and -0 included, is exactly its value times 2^-fold. NaN
+    # (0x7F, 0xFF) is outside the contract (checkpoints clamp to +-448).
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel below, built for the interpreter
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(w_ptr, out_ptr, DTYPE: tl.constexpr):
+        i = tl.arange(0, 256)
+        tl.store(out_ptr + i, fast._e4m3_bits(tl.load(w_ptr + i), DTYPE, False))
+
+    w = torch.arange(256, dtype=torch.uint8).view(FP8)
+    out = torch.empty(256, dtype=dtype)
+    tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+    convert[(1,)](w, out, DTYPE=tl_dtype)
+    fold = 2.0 ** (8 if dtype == torch.float16 else 120)
+    finite = ~torch.isnan(w.float())
+    assert torch.equal(out.double()[finite] * fold, w.double()[finite])
+    assert torch.equal(torch.signbit(out.float()[finite]), torch.signbit(w.float()[finite]))  # -0 stays -0
 
 
 def test_default_config() -> None:
@@ -126,6 +152,9 @@ def test_heuristic_on_real_shapes() -> None:
                 vec = 16 // torch.empty((), dtype=dtype).element_size()
                 if cfg.use_dot:
                     assert cfg.block_n >= 16 and cfg.block_k >= 16
+                    if dtype == FP8:
+                        # 16 weight rows per warp and MMA: no warp converts another's weights
+                        assert cfg.block_n % (16 * cfg.num_warps) == 0 and cfg.num_warps <= 2
                 else:
                     # one 16-byte vector per thread per row: no layout conversion in the loop
                     assert cfg.block_k // vec >= 32 * cfg.num_warps
@@ -133,6 +162,10 @@ def test_heuristic_on_real_shapes() -> None:
                 programs = -(-n // cfg.block_n) * cfg.split_k
                 assert programs >= 2 * 132 or k // cfg.split_k < 4 * cfg.block_k
     assert fast._config(1, 5120, 6144, torch.bfloat16, 132) is fast._config(1, 5120, 6144, torch.bfloat16, 132)
+    # FP8: FMA only at M = 1; bf16 DOT at M = 4 on the 27B shapes: 32 columns on 4 warps (measured).
+    assert [fast._config(m, 16480, 5120, FP8, 132).use_dot for m in (1, 2, 4, 16)] == [False, True, True, True]
+    for n, k in [(16480, 5120), (5120, 6144), (5120, 17408)]:
+        assert fast._config(4, n, k, torch.bfloat16, 132)[:3] == (32, 256, 4)
 
 
 def test_invalid_inputs() -> None:

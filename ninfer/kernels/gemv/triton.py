@@ -12,20 +12,28 @@ Two inner products, picked per M by `_config`:
     multiplies its 16-byte vectors by the matching x values of every row and sums the VEC
     products in registers, so cross-thread reductions happen once per program, at the end.
     M FMAs per weight element on the CUDA cores: the default up to M = 2 (bf16) or 1 (FP8,
-    whose conversion costs ~1.6 instructions per element on top).
-  - DOT (larger M): x padded to 16 rows and tl.dot(x, W_tile^T) on the tensor cores
-    (cp.async-pipelined tiles), so the cost per weight element no longer grows with M.
+    whose conversion costs 1.5 instructions per element on top).
+  - DOT (larger M): tl.dot on the tensor cores (cp.async-pipelined tiles), so the cost per
+    weight element no longer grows with M. bf16 weights: x padded to 16 rows is the MMA's
+    A operand. FP8 weights: the weight tile is the A operand (16 rows per warp), x^T the B
+    operand padded to 8 (M <= 8) or 16 columns; rows of x past M are never read.
 
 FP8 (weight-only): the e4m3 bytes are converted in registers, exactly: to fp32 through
-fp16 for FMA, to bf16 by an inline-PTX bit move for DOT (4 values per 32-bit register;
-the CPU interpreter uses Triton's cast instead). A per-channel scale multiplies each column
-sum once at the end; a 128 x 128 block scale multiplies each partial sum that lies in one
-128-wide K block (a VEC vector for FMA, a <= 128-wide tensor-core slice for DOT).
+fp16 for FMA (packed cvt, then one f16 -> f32 per element); by bit moves for DOT (sign to
+the top, exponent and mantissa to the bottom of bf16's fields: the value times 2^-120,
+subnormals included, 1.5 instructions per element; inline PTX, the CPU interpreter uses
+the same bit moves in Triton ops), with x multiplied by 2^64 (exact) to keep products in
+fp32's normal range and 2^56 folded into the scale. A per-channel scale multiplies each
+column sum once at the end; a 128 x 128 block scale multiplies each partial sum that lies
+in one 128-wide K block (a VEC vector for FMA, a <= 128-wide tensor-core slice for DOT).
+e4m3 NaN codes are not handled (checkpoints clamp to +-448).
 
 Small N: programs own fewer columns (down to one) before K is split; a split-K launch
 writes fp32 partials [SPLIT_K, M, N] that a second kernel sums in split order (still
 deterministic). Launch shapes come from shapes and dtypes only (cached), outputs are
-torch.empty: capture-safe for CUDA graphs.
+torch.empty: capture-safe for CUDA graphs. Both kernels launch with programmatic
+dependent launch where ninfer.kernels.pdl allows it (sm_90+, NINFER_PDL != 0): each waits
+in pdl_sync for the previous kernel before its first load.
 """
 
 from __future__ import annotations
@@ -37,15 +45,20 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # rows and columns per block scale (Qwen FP8 checkpoints)
 MAX_ROWS = 16
-DOT_ROWS = 16  # tl.dot's smallest M: DOT programs pad x to 16 rows
+DOT_ROWS = 16  # DOT programs with 16-bit weights pad x to 16 rows (the MMA's M)
+FP8_DOT_ROWS = 8  # ... with FP8 weights to 8 (x^T is the MMA's N operand)
 _SCALE_NONE, _SCALE_CHANNEL, _SCALE_BLOCK = 0, 1, 2
 
 
 class Config(NamedTuple):
-    """One launch shape. block_k: K elements per loop step; split_k: programs along K."""
+    """One launch shape. block_k: K elements per loop step; split_k: programs along K.
+    FP8 DOT: block_n >= 16 (the MMA's rows), best a multiple of 16 * num_warps (else the
+    warps split x's columns and each converts the same weights)."""
 
     block_n: int
     block_k: int
@@ -55,45 +68,73 @@ class Config(NamedTuple):
     split_k: int = 1
 
 
-@triton.jit
-def _e4m3_to_bf16(w):
-    """e4m3 -> bf16 by bit moves, 4 values per 32-bit register (Triton's own cast goes
-    through fp16 and fp32, ~9 instructions per value at these tiles).
+@triton.constexpr_function
+def _bits_exp(dtype):
+    """_e4m3_bits(w, dtype) is w * 2^-_bits_exp(dtype): dtype's exponent bias minus e4m3's (7)."""
+    return 8 if dtype == tl.float16 else 120
 
-    Each byte is moved to the top of a 16-bit half (prmt); its 4 exponent + 3 mantissa
-    bits shifted right by 4 land in bf16's exponent/mantissa fields, the sign stays at
-    bit 15. That is the value times 2^-120 (bias 7 vs 127), subnormals included, so one
-    exact bf16x2 multiply by 2^120 finishes (an fma with -0.0: sm_80's instruction set).
+
+@triton.constexpr_function
+def _x_exp(dtype):
+    """FP8 DOT multiplies x by 2^_x_exp (exact) so that products stay clear of fp32's
+    subnormal range (see _dot_tile); fp16 x has no room for it and needs none."""
+    return 0 if dtype == tl.float16 else 64
+
+
+@triton.jit
+def _e4m3_bits(w, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """e4m3 -> DTYPE (bf16, fp16 or fp32) by moving bits: the value times 2^-_bits_exp(DTYPE).
+
+    The sign goes to the top bit and the 4 exponent + 3 mantissa bits to the bottom of
+    DTYPE's exponent field and the top of its mantissa field: (sext(b) << S) & mask with
+    S = 4 (bf16), 7 (fp16) or 20 (fp32). The exponent bias is DTYPE's (127 or 15) instead of
+    7, a power of two that the caller folds into the scale it applies to the fp32 sums.
+    Subnormals map to subnormals (e4m3 exponent 0 is DTYPE's exponent 0), zeros to zeros.
+    NaN (0x7F / 0xFF) would become a finite value: FP8 checkpoints never hold it
+    (quantization clamps to +-448).
+
+    ASM (bf16 only, compiled kernels): 4 values per 32-bit register in 6 instructions, 1.5
+    per value: prmt with sign replication (selector nibbles 8-B) makes each pair of bytes
+    two sign-extended 16-bit halves, then one shift and one mask per pair (the previous
+    version moved the same bits in 2 and multiplied by 2^120 in 0.5 more). The same ops
+    written in Triton ops compile to ~3 per value (bytes widened one by one). is_pure lets
+    Triton convert after its shared-memory load of the FP8 tile, in the MMA operand layout
+    (not through a second bf16 copy of the tile in shared memory).
     """
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 lo, hi, sl, sh, bias, nz;
-        prmt.b32 lo, $2, 0, 0x1404;
-        prmt.b32 hi, $2, 0, 0x3424;
-        and.b32 sl, lo, 0x80008000;
-        and.b32 sh, hi, 0x80008000;
-        shr.b32 lo, lo, 4;
-        shr.b32 hi, hi, 4;
-        lop3.b32 lo, lo, 0x07F007F0, sl, 0xEA;
-        lop3.b32 hi, hi, 0x07F007F0, sh, 0xEA;
-        mov.b32 bias, 0x7B807B80;
-        mov.b32 nz, 0x80008000;
-        fma.rn.bf16x2 $0, lo, bias, nz;
-        fma.rn.bf16x2 $1, hi, bias, nz;
-        }""",
-        constraints="=r,=r,r",
-        args=[w.to(tl.uint8, bitcast=True)],
-        dtype=tl.bfloat16,
-        is_pure=False,
-        pack=4,
-    )
+    if ASM and DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo, hi;
+            prmt.b32 lo, $2, 0, 0x9180;
+            prmt.b32 hi, $2, 0, 0xB3A2;
+            shl.b32 lo, lo, 4;
+            shl.b32 hi, hi, 4;
+            and.b32 $0, lo, 0x87F087F0;
+            and.b32 $1, hi, 0x87F087F0;
+            }""",
+            constraints="=r,=r,r",
+            args=[w.to(tl.uint8, bitcast=True)],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
+    b = w.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended
+    if DTYPE == tl.float32:
+        return ((b << 20) & -0x78100000).to(tl.float32, bitcast=True)  # mask 0x87F00000
+    elif DTYPE == tl.float16:
+        return ((b << 7) & 0xBF80).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        return ((b << 4) & 0x87F0).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
 def _to_fp32(w):
     if w.dtype == tl.float8e4nv:
         # Through fp16 (exact for e4m3): packed cvt.rn.f16x2.e4m3x2 for each pair, then one
-        # f16 -> f32 per element; the direct cast converts element by element.
+        # f16 -> f32 per element, 1.5 instructions per element (sm_90 build); the direct
+        # cast converts element by element. _e4m3_bits' route to fp32 (sign-extending prmt
+        # per pair, then shift and mask for each element) costs 2.5: at M = 1 the loop went
+        # from 3.3 to 4.4 instructions per weight byte, so FMA keeps this one.
         w = w.to(tl.float16)
     return w.to(tl.float32)
 
@@ -177,7 +218,8 @@ def _dot_tile(
     x_ptr,
     w_ptr,
     scale_ptr,
-    m_load,
+    m,
+    M,
     n_load,
     k_start,
     k_end,
@@ -190,36 +232,73 @@ def _dot_tile(
     BLOCK_K: tl.constexpr,
     K_SUB: tl.constexpr,
     EVEN_K: tl.constexpr,
+    EVEN_M: tl.constexpr,
     FP8_ASM: tl.constexpr,
 ):
-    """DOT version of _fma_tile: tensor-core products of K_SUB-wide slices (K_SUB <= 128 with block scales)."""
+    """DOT version of _fma_tile: tensor-core products of K_SUB-wide slices (K_SUB <= 128 with
+    block scales), fp32 [BLOCK_M, BLOCK_N].
+
+    16-bit weights: acc[BLOCK_M, BLOCK_N] += x @ W^T, x the MMA's A operand (16 rows).
+    FP8 weights: acc[BLOCK_N, BLOCK_M] += W @ x^T, the weight tile the A operand: 16 weight
+    rows per warp and MMA (block_n = 16 * num_warps, or a multiple), x padded only to 8 rows
+    for M <= 8. Triton then converts each weight value once, after its shared-memory load
+    and in the operand layout, and each warp reads x^T as ready 2-register B fragments.
+
+    FP8 arithmetic: W' = e4m3 * 2^-120 (bf16 bit moves, _e4m3_bits) and x' = x * 2^64 are
+    exact, so each product is x * w * 2^-56: clear of fp32's subnormal range unless
+    |x * w| < 2^-70 (in e4m3 units), whatever the tensor cores do with subnormals. The
+    sums are multiplied back by 2^56 (FOLD) with the scale. fp16 x: W' = e4m3 * 2^-8,
+    x unscaled (fp16 has no range to spare), FOLD = 2^8.
+    """
+    FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
+    X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    X_SCALE: tl.constexpr = 2.0 ** _x_exp(X_DTYPE)
+    FOLD: tl.constexpr = 2.0 ** (_bits_exp(X_DTYPE) - _x_exp(X_DTYPE))
     kk = tl.arange(0, K_SUB)
     w_ptrs = w_ptr + n_load.to(tl.int64)[:, None] * K + (k_start + kk)[None, :]
-    x_ptrs = x_ptr + m_load[:, None] * stride_xm + (k_start + kk)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_ptrs = x_ptr + m[:, None] * stride_xm + (k_start + kk)[None, :]
+    # Rows past M load zeros without reading memory (the mask is uniform along K, so the
+    # loads stay 16-byte vectors); EVEN_M (M == BLOCK_M) drops the mask's per-load predicates.
+    m_mask = (m < M)[:, None]
+    if FP8:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     last_kb = (K - 1) // 128
     for k0 in range(k_start, k_end, BLOCK_K):
         for j in tl.static_range(BLOCK_K // K_SUB):
             if EVEN_K:
                 w = tl.load(w_ptrs + j * K_SUB)
-                xt = tl.load(x_ptrs + j * K_SUB)
+                if EVEN_M:
+                    xt = tl.load(x_ptrs + j * K_SUB)
+                else:
+                    xt = tl.load(x_ptrs + j * K_SUB, mask=m_mask, other=0.0)
             else:
                 k_mask = (k0 + j * K_SUB + kk) < K
                 w = tl.load(w_ptrs + j * K_SUB, mask=k_mask[None, :], other=0.0)
-                xt = tl.load(x_ptrs + j * K_SUB, mask=k_mask[None, :], other=0.0)
-            # e4m3 -> bf16/fp16/fp32 is exact; fp32 x keeps full fp32 products (no tf32).
-            if FP8_ASM and w.dtype == tl.float8e4nv and x_ptr.dtype.element_ty == tl.bfloat16:
-                w = _e4m3_to_bf16(w)
+                xt = tl.load(x_ptrs + j * K_SUB, mask=m_mask & k_mask[None, :], other=0.0)
+            # Exact conversions; fp32 x keeps full fp32 products (no tf32).
+            if FP8:
+                w = _e4m3_bits(w, X_DTYPE, FP8_ASM)
+                if X_SCALE != 1.0:
+                    # One packed multiply per 2 x values after their shared-memory load: it
+                    # also writes the B fragments in place (no register moves), for free.
+                    xt = xt * X_SCALE
+                if SCALE == 2:
+                    part = tl.dot(w, tl.trans(xt), input_precision="ieee")
+                    kb = tl.minimum((k0 + j * K_SUB) // 128, last_kb)
+                    s = tl.load(scale_ptr + (n_load // 128) * stride_sn + kb) * FOLD  # finite: scales < 2^72
+                    acc += part * s[:, None]
+                else:
+                    acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee")
             else:
-                w = w.to(x_ptr.dtype.element_ty)
-            if SCALE == 2:
-                part = tl.dot(xt, tl.trans(w), input_precision="ieee")
-                kb = tl.minimum((k0 + j * K_SUB) // 128, last_kb)
-                acc += part * tl.load(scale_ptr + (n_load // 128) * stride_sn + kb)[None, :]
-            else:
-                acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
+                acc = tl.dot(xt, tl.trans(w.to(X_DTYPE)), acc, input_precision="ieee")
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if FP8:
+        if SCALE != 2:
+            acc = acc * FOLD  # exact: the sums in e4m3 units, before the channel scale
+        acc = tl.trans(acc)
     return acc
 
 
@@ -248,21 +327,25 @@ def _gemv_kernel(
     SPLIT_X: tl.constexpr,
     K_SUB: tl.constexpr,
     EVEN_K: tl.constexpr,
+    EVEN_M: tl.constexpr,
     FP8_ASM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
-    # Clamped indices: rows past N (or M) re-read the last real one, so the loads need no
-    # masks and keep their 16-byte vectors; only the store is masked.
+    # Clamped indices: rows past N (or, for FMA, M) re-read the last real one, so the loads
+    # need no masks and keep their 16-byte vectors; only the store is masked. DOT masks x's
+    # padding rows instead (up to 12 of 16: not worth reading).
     n_load = tl.minimum(n, N - 1)
     m_load = tl.minimum(m, M - 1)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    pdl_sync(USE_PDL)  # x (and anything else) may come from the previous kernel
     if USE_DOT:
         acc = _dot_tile(
-            x_ptr, w_ptr, scale_ptr, m_load, n_load, k_start, k_end, K, stride_xm, stride_sn,
-            SCALE, BLOCK_M, BLOCK_N, BLOCK_K, K_SUB, EVEN_K, FP8_ASM,
+            x_ptr, w_ptr, scale_ptr, m, M, n_load, k_start, k_end, K, stride_xm, stride_sn,
+            SCALE, BLOCK_M, BLOCK_N, BLOCK_K, K_SUB, EVEN_K, EVEN_M, FP8_ASM,
         )  # fmt: skip
     else:
         acc = _fma_tile(
@@ -283,17 +366,35 @@ def _gemv_kernel(
 
 @triton.jit
 def _split_sum_kernel(
-    part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+    part_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     m = tl.program_id(1)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
+    pdl_sync(USE_PDL)  # the partials are the previous kernel's
     acc = tl.load(part_ptr + m * N + n, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(part_ptr + (s * M + m) * N + n, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_m(M: int, use_dot: bool, fp8: bool) -> int:
+    """Rows of x per program: FMA its power of two; DOT 16 (x is the MMA's A operand), or
+    with FP8 weights (x^T is the B operand, 8 columns per MMA) 8 up to M = 8."""
+    if not use_dot:
+        return triton.next_power_of_2(M)
+    return max(FP8_DOT_ROWS, triton.next_power_of_2(M)) if fp8 else DOT_ROWS
 
 
 def _pow2_floor(value: int) -> int:
@@ -306,22 +407,43 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> 
     counts per weight byte); benchmarks/kernels/bench_gemv.py sweeps around it."""
     elem_bytes = torch.empty((), dtype=weight_dtype).element_size()
     fp8 = weight_dtype == FP8
-    # Issue-rate model from the sm_90 build (loop instructions per weight byte; an SM must
-    # take 16.5 bytes per clock at 4.3 TB/s): FMA bf16 needs ~24 / 37 / 59 % of the issue
-    # rate at M = 1 / 2 / 4, FMA FP8 ~43 / 63 % at M = 1 / 2 (conversion ~1.6 instructions
-    # per element on top of the M FMAs); DOT ~16 % (bf16) and ~50-60 % (FP8) at any M.
+    # Issue-rate model from the sm_90 build: loop instructions (per thread) per weight byte;
+    # an SM must take 16.5 bytes per clock at 4.3 TB/s and issues 128 thread-instructions
+    # per clock, so x instructions per byte need x * 13 % of the issue rate.
+    #   FMA bf16: 1.9 / 2.9 / 4.6 at M = 1 / 2 / 4; FMA FP8: 3.3 / 4.9 / 8.2 (M FMAs plus
+    #     1.5 for the fp16 route per value: the bit-move route to fp32 costs 2.5, see _to_fp32).
+    #   DOT bf16: 1.1-1.4 at any M; DOT FP8 (bit-move conversion, 1.5 per value): 2.25-2.45
+    #     at M <= 8 and 2.65-2.8 at M = 16 with 32 weight rows per warp (2.7-3.4 with 16);
+    #     it was 4.4-4.75 (bf16 copy of the tile through shared memory, 2.5 per value).
+    # FP8 takes DOT from M = 2 (FMA at M = 2 is 4.9); at M = 1 FMA's 3.3 vs DOT's ~2.4 is
+    # no reason to leave FMA, measured at 91 % of copy bandwidth on the large shapes.
     # fp32 stays on FMA (exact fp32 products, no tf32).
     use_dot = elem_bytes < 4 and M > (1 if fp8 else 2)
     target_programs = 4 * num_sms  # several resident programs per SM, short tails
     if use_dot:
         block_k = min(256, max(16, triton.next_power_of_2(K)))
-        # Wider tiles amortize the x tile and the padded MMA rows, while the grid stays deep.
-        block_n = 16
-        while block_n < 64 and triton.cdiv(N, 2 * block_n) >= target_programs:
-            block_n *= 2
-        num_warps = 2 if block_n == 16 else 4
-        # cp.async pipelining keeps stages x tile bytes in flight per program.
-        num_stages = 4
+        num_stages = 4  # cp.async pipelining: 3 tiles in flight per program
+        if fp8:
+            # 16 weight rows per warp and MMA (W is the A operand; 2 warps would otherwise
+            # split x's columns and convert every weight twice), 32 per warp where possible
+            # (two MMA tiles share each x fragment). x costs M * 2 / block_n bytes of L2
+            # traffic per weight byte (rows past M are not read): 64 rows above M = 8, or
+            # whenever the grid stays 2 programs per SM deep; 16 rows (1 warp) when
+            # 32-row tiles leave SMs idle.
+            if M > 8 or triton.cdiv(N, 64) >= 2 * num_sms:
+                block_n, num_warps = 64, 2
+            elif triton.cdiv(N, 32) >= num_sms:
+                block_n, num_warps = 32, 1
+            else:
+                block_n, num_warps = 16, 1
+        else:
+            # 16-bit weights (x is the A operand, 8 weight columns per warp and MMA): 32
+            # columns on 4 warps measured best at M = 4 on every 27B shape, down to N =
+            # 5120's 160 programs; 16 on 2 warps below one program per SM; 64 when that
+            # still leaves 4 programs per SM (lm_head).
+            block_n, num_warps = (32, 4) if triton.cdiv(N, 32) >= num_sms else (16, 2)
+            if triton.cdiv(N, 64) >= target_programs:
+                block_n = 64
     else:
         vec = 16 // elem_bytes
         # One 16-byte vector per thread per row and step: block_k = vec * 32 * num_warps,
@@ -403,6 +525,8 @@ def gemv(
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)  # no empty splits
     even_k = K % k_per_split == 0
+    block_m = _block_m(M, cfg.use_dot, fp8)
+    use_pdl = pdl_enabled(x)
     target = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
     dummy = out  # never read: the constexpr flags compile those loads away
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
@@ -422,16 +546,19 @@ def gemv(
         HAS_BIAS=bias is not None,
         SPLIT=split_k > 1,
         USE_DOT=cfg.use_dot,
-        BLOCK_M=DOT_ROWS if cfg.use_dot else triton.next_power_of_2(M),
+        BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         VEC=vec,
         SPLIT_X=vec // vec_x if vec > vec_x else 1,
         K_SUB=k_sub,
         EVEN_K=even_k,
+        EVEN_M=M == block_m,
         FP8_ASM=x.is_cuda,  # inline PTX: not for the CPU interpreter
+        USE_PDL=use_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=use_pdl,  # the interpreter's launcher drops launch options it does not know
     )
     if split_k > 1:
         block = min(1024, triton.next_power_of_2(N))
@@ -445,6 +572,8 @@ def gemv(
             SPLIT_K=split_k,
             HAS_BIAS=bias is not None,
             BLOCK=block,
+            USE_PDL=use_pdl,
             num_warps=4,
+            launch_pdl=use_pdl,
         )
     return out
