@@ -20,8 +20,9 @@ def gemv(
 
 
 # Unquantized weights: the largest row count where the GEMV kernel beats cuBLAS on the H200
-# (bench_gemv.py: M = 1 is 4-10 % faster than F.linear on the 27B shapes; cuBLAS wins at M >= 4).
-UNQUANTIZED_GEMV_MAX_ROWS = 1
+# (bench_gemv.py on the 27B shapes: 4-12 % faster than F.linear at M = 1 and 2; at par or
+# behind from M = 4).
+UNQUANTIZED_GEMV_MAX_ROWS = 2
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
