@@ -6,7 +6,9 @@ padded to 8 or 16 columns) above, split-K where N is small. The reference is the
 product of the dequantized weights, before its final rounding; the kernel also sums in
 fp32 (another order) and rounds once to bf16, so it must agree within half a bf16 unit
 (2^-8 relative, with margin for the fp32 order) plus a floor of 1e-3 of the output's
-largest magnitude for outputs near zero. Also: the inline-PTX e4m3 -> bf16 bit moves on
+largest magnitude for outputs near zero. FP8 kinds: per-channel scales, 128 x 128 block
+scales, and row blocks (several projections packed along N, each block-quantized on its
+own, the scales stored per row [N, ceil(K/128)]). Also: the inline-PTX e4m3 -> bf16 bit moves on
 all 256 codes, tiny activations through FP8 DOT (products far below fp32's normal range
 before the scale fold), and PDL launches chained in a CUDA graph.
 """
@@ -43,7 +45,7 @@ SHAPES_35B = {
     "35b_router": (256, 2048),
 }
 SHAPES = {**SHAPES_27B, **SHAPES_35B}
-KINDS = ("bf16", "fp8_channel", "fp8_block")
+KINDS = ("bf16", "fp8_channel", "fp8_block", "fp8_rows")
 
 
 def make_weight(n: int, k: int, kind: str, seed: int = 0):
@@ -55,8 +57,21 @@ def make_weight(n: int, k: int, kind: str, seed: int = 0):
     if kind == "fp8_channel":
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
         return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    if kind == "fp8_block":
+        return quantize_blocks(w)
+    # fp8_rows: parts packed along N whose 128-row blocks do not line up (like the loader's
+    # [10240 | 6144 | 48 | 48]), each quantized in 128 x 128 blocks, scales expanded per row.
+    cuts = sorted({0, min(n, n // 2 + 40), max(0, n - 48), n})
+    parts = [quantize_blocks(w[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+    rows = torch.cat([scale.repeat_interleave(128, dim=0)[: q.shape[0]] for q, scale in parts])
+    return torch.cat([q for q, _ in parts]), rows
+
+
+def quantize_blocks(w: torch.Tensor):
+    """(fp8 [n, k], scale [ceil(n/128), ceil(k/128)]): 128 x 128 absmax blocks."""
+    n, k = w.shape
     nb, kb = -(-n // 128), -(-k // 128)
-    padded = torch.zeros(nb * 128, kb * 128, device="cuda")
+    padded = torch.zeros(nb * 128, kb * 128, device=w.device)
     padded[:n, :k] = w
     scale = padded.view(nb, 128, kb, 128).abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
     quantized = (padded.view(nb, 128, kb, 128) / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
@@ -125,6 +140,9 @@ CONFIG_CASES = [
     ("27b_o_proj", "fp8_block", 4, fast.Config(4, 2048, 4, 1, False, 2)),
     ("27b_o_proj", "fp8_channel", 8, fast.Config(16, 256, 2, 3, True, 1)),  # 2 warps share 16 rows
     ("27b_o_proj", "fp8_block", 16, fast.Config(128, 256, 2, 3, True, 2)),
+    ("35b_gdn_out_proj", "fp8_rows", 1, None),
+    ("27b_o_proj", "fp8_rows", 2, None),
+    ("27b_o_proj", "fp8_rows", 16, fast.Config(128, 256, 2, 3, True, 2)),
 ]
 
 
@@ -176,7 +194,7 @@ def test_e4m3_bits_all_codes(asm: bool) -> None:
     assert torch.equal(torch.signbit(out.float()[finite]), torch.signbit(w.float()[finite]))
 
 
-@pytest.mark.parametrize("kind", ["fp8_channel", "fp8_block"])
+@pytest.mark.parametrize("kind", ["fp8_channel", "fp8_block", "fp8_rows"])
 @pytest.mark.parametrize("m", [4, 16])
 def test_fp8_dot_tiny_activations(kind: str, m: int) -> None:
     # x ~ 1e-6: most products x * w (e4m3 units) are below 2^-6, i.e. below fp32's normal range
@@ -190,8 +208,15 @@ def test_fp8_dot_tiny_activations(kind: str, m: int) -> None:
 
 
 # Dependent chain for PDL: K of each layer is N of the one before; FMA (M=1), DOT (4, 16),
-# split-K (N=2048, with its sum kernel), both FP8 scale layouts and bf16.
-CHAIN = [(6144, 5120, "bf16"), (5120, 6144, "fp8_channel"), (2048, 5120, "fp8_block"), (4096, 2048, "bf16"), (5120, 4096, "fp8_channel")]
+# split-K (N=2048 and 1040, with its sum kernel), the three FP8 scale layouts and bf16.
+CHAIN = [
+    (6144, 5120, "bf16"),
+    (5120, 6144, "fp8_channel"),
+    (2048, 5120, "fp8_block"),
+    (4096, 2048, "bf16"),
+    (5120, 4096, "fp8_channel"),
+    (1040, 5120, "fp8_rows"),
+]
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])

@@ -1,8 +1,8 @@
 """Our Triton GEMV (bf16/fp16/fp32 and FP8 weights, M <= 16) under Triton's CPU interpreter vs ref.py.
 
 Shapes are small and nothing is a block multiple (N=200, K=300: masked K tails, clamped
-rows and columns). Both inner products (FMA and DOT), split-K, both FP8 scale layouts,
-bias and strided x rows are covered. The interpreter's tl.dot multiplies bf16 operands as
+rows and columns). Both inner products (FMA and DOT), split-K, the three FP8 scale layouts
+(per channel, 128 x 128 blocks, row blocks), bias and strided x rows are covered. The interpreter's tl.dot multiplies bf16 operands as
 raw integers, so the DOT path runs here with fp16 and fp32 x only (FP8 DOT: the fp16 and
 fp32 forms of the bit-move conversion; its bf16 form is checked on all 256 codes by
 itself); tests/gpu/test_gemv.py covers bf16 DOT, the inline-PTX conversion (and every
@@ -55,6 +55,15 @@ def _block_scale(seed: int) -> torch.Tensor:
     return torch.rand(-(-N // 128), -(-K // 128), generator=gen) / 64 + 1e-3
 
 
+def _row_scale(seed: int) -> torch.Tensor:
+    """Row blocks [N, ceil(K/128)]: a different scale for every row and K block."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(N, -(-K // 128), generator=gen) / 64 + 1e-3
+
+
+SCALES = {"channel": _channel_scale, "block": _block_scale, "row": _row_scale}
+
+
 def _check(out: torch.Tensor, x, w, scale=None, bias=None) -> None:
     exact = x.double() @ ref.dequantize(w, scale).double().T
     if bias is not None:
@@ -95,11 +104,31 @@ def test_split_k_matches_reference(config: Config) -> None:
     ],
 )
 @pytest.mark.parametrize("m", [1, 8, 16])  # M = 3 (padded rows) with FP8: test_strided_rows
-@pytest.mark.parametrize("blocks", [False, True])
-def test_fp8_matches_reference(dtype: torch.dtype, config: Config, m: int, blocks: bool) -> None:
+@pytest.mark.parametrize("layout", list(SCALES))
+def test_fp8_matches_reference(dtype: torch.dtype, config: Config, m: int, layout: str) -> None:
     x, w, bias = _inputs(m, dtype, seed=20 + m, fp8=True)
-    scale = _block_scale(m) if blocks else _channel_scale(m)
+    scale = SCALES[layout](m)
     _check(fast.gemv(x, w, scale, bias, config=config), x, w, scale, bias)
+
+
+@pytest.mark.parametrize(
+    "dtype, config",
+    [
+        (torch.bfloat16, FMA),
+        (torch.float16, DOT._replace(block_k=256)),
+        (torch.float32, DOT._replace(split_k=2)),
+    ],
+)
+@pytest.mark.parametrize("m", [1, 5])
+def test_row_blocks_equal_expanded_128x128_blocks(dtype: torch.dtype, config: Config, m: int) -> None:
+    # The 128 x 128 scales expanded to one row per weight row: the same products, summed in
+    # the same order, so the same bits.
+    x, w, bias = _inputs(m, dtype, seed=40 + m, fp8=True)
+    blocks = _block_scale(40 + m)
+    rows = blocks.repeat_interleave(128, 0)[:N]
+    assert ref.scale_rows_per_block(w, blocks) == 128 and ref.scale_rows_per_block(w, rows) == 1
+    assert torch.equal(ref.dequantize(w, rows), ref.dequantize(w, blocks))
+    assert torch.equal(fast.gemv(x, w, rows, bias, config=config), fast.gemv(x, w, blocks, bias, config=config))
 
 
 @pytest.mark.parametrize("config", [FMA, DOT])
@@ -108,8 +137,8 @@ def test_strided_rows(config: Config) -> None:
     assert x.stride(0) == K + 36
     _check(fast.gemv(x, w, config=config), x, w)
     x8, w8, _ = _inputs(3, torch.float16, seed=6, fp8=True, row_stride=K + 20)
-    scale = _block_scale(6)
-    _check(fast.gemv(x8, w8, scale, config=config), x8, w8, scale)
+    for scale in (_block_scale(6), _row_scale(6)):
+        _check(fast.gemv(x8, w8, scale, config=config), x8, w8, scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -181,6 +210,10 @@ def test_invalid_inputs() -> None:
     with pytest.raises(ValueError):
         fast.gemv(x, w.to(FP8), torch.ones(2, 2))  # block scales of the wrong shape
     with pytest.raises(ValueError):
+        fast.gemv(x, w.to(FP8), torch.ones(N, 2))  # row blocks of the wrong width
+    with pytest.raises(ValueError):
+        fast.gemv(x, w.to(FP8), torch.ones(N + 1))  # channel scales of the wrong length
+    with pytest.raises(ValueError):
         fast.gemv(x, w, config=Config(block_n=8, block_k=64, use_dot=True))  # DOT needs 16 columns
 
 
@@ -195,6 +228,28 @@ def test_ref_block_dequantization_is_the_explicit_loop() -> None:
             expected[i, j] = w[i, j].float() * scale[i // 128, j // 128]
     assert torch.equal(ref.dequantize(w, scale), expected)
     assert torch.equal(ref.dequantize(w, scale[:, 0].repeat_interleave(128)[:n]), w.float() * scale[:, 0].repeat_interleave(128)[:n, None])
+    rows = torch.rand(n, 2, generator=gen)  # row blocks: a scale per row and 128-wide K block
+    for i in range(n):
+        for j in range(k):
+            expected[i, j] = w[i, j].float() * rows[i, j // 128]
+    assert torch.equal(ref.dequantize(w, rows), expected)
+
+
+def test_scale_rows_per_block_rule() -> None:
+    def rows(n: int, k: int, shape: tuple[int, ...]) -> int | None:
+        return ref.scale_rows_per_block(torch.empty(n, k, dtype=FP8), torch.empty(shape))
+
+    # (N, ceil(K/128)) with N > 1: row blocks; (ceil(N/128), ceil(K/128)): 128 x 128 blocks.
+    assert rows(200, 300, (200, 3)) == 1 and rows(200, 300, (2, 3)) == 128
+    assert rows(128, 128, (128, 1)) == 1 and rows(128, 128, (1, 1)) == 128
+    assert rows(129, 256, (129, 2)) == 1 and rows(129, 256, (2, 2)) == 128
+    assert rows(2, 300, (2, 3)) == 1 and rows(2, 300, (1, 3)) == 128
+    assert rows(1, 300, (1, 3)) == 128  # N = 1: both layouts are this one tensor
+    for shape in [(200,), (200, 2), (3, 3), (201, 3), (2, 3, 1)]:
+        assert rows(200, 300, shape) is None
+    assert ref.scale_rows_per_block(torch.empty(4, 4, dtype=FP8), None) is None
+    with pytest.raises(ValueError):
+        ref.dequantize(torch.zeros(200, 300, dtype=FP8), torch.ones(200, 2))
 
 
 def test_ref_semantics_and_cpu_dispatch() -> None:

@@ -2,10 +2,13 @@
 
 Weight-only FP8: the activations stay in x's dtype and the FP8 weight is dequantized to
 fp32, so the only error against a full-precision product is the weight's own quantization.
-Two scale layouts (chosen by weight_scale.dim()):
+Three scale layouts (weight_scale.dim(), then its shape: scale_rows_per_block):
   - per output channel: weight_scale [N], w[n, k] = fp8[n, k] * scale[n]  (Fp8Linear)
   - 128 x 128 blocks: weight_scale [ceil(N/128), ceil(K/128)],
     w[n, k] = fp8[n, k] * scale[n // 128, k // 128]  (Qwen FP8 checkpoints' weight_scale_inv)
+  - row blocks: weight_scale [N, ceil(K/128)], w[n, k] = fp8[n, k] * scale[n, k // 128]
+    (a 1 x 128 block per row: packed projections whose parts' 128-row blocks no longer
+    line up, each row carrying its part's block scales)
 Computed in fp32, rounded once to x's dtype.
 """
 
@@ -17,6 +20,24 @@ FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # rows and columns per block scale in Qwen's FP8 checkpoints
 
 
+def scale_rows_per_block(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int | None:
+    """Weight rows per row of a 2-D weight_scale for weight [N, K]: 1 (row blocks) iff
+    weight_scale.shape == (N, ceil(K/128)) and N > 1; else 128 (128 x 128 blocks) iff
+    weight_scale.shape == (ceil(N/128), ceil(K/128)); else None (no scale, per channel, or
+    a shape that is neither). N > 1 makes the two shapes distinct (N != ceil(N/128)); at
+    N == 1 they are one and the same [1, ceil(K/128)] tensor, taken as 128 x 128."""
+    if weight_scale is None or weight_scale.dim() != 2:
+        return None
+    n, k = weight.shape
+    k_blocks = -(-k // SCALE_BLOCK)
+    shape = tuple(weight_scale.shape)
+    if n > 1 and shape == (n, k_blocks):
+        return 1
+    if shape == (-(-n // SCALE_BLOCK), k_blocks):
+        return SCALE_BLOCK
+    return None
+
+
 def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> torch.Tensor:
     """weight [N, K] (+ its scales) -> fp32 [N, K]."""
     w = weight.float()
@@ -24,8 +45,11 @@ def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> torch
         return w
     if weight_scale.dim() == 1:
         return w * weight_scale.float()[:, None]
+    rows = scale_rows_per_block(weight, weight_scale)
+    if rows is None:
+        raise ValueError(f"2-D weight_scale {tuple(weight_scale.shape)} fits no block layout of weight {tuple(weight.shape)}")
     n, k = w.shape
-    per_row = weight_scale.float().repeat_interleave(SCALE_BLOCK, dim=0)[:n]
+    per_row = weight_scale.float().repeat_interleave(rows, dim=0)[:n]
     return w * per_row.repeat_interleave(SCALE_BLOCK, dim=1)[:, :k]
 
 

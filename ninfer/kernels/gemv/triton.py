@@ -24,8 +24,13 @@ the top, exponent and mantissa to the bottom of bf16's fields: the value times 2
 subnormals included, 1.5 instructions per element; inline PTX, the CPU interpreter uses
 the same bit moves in Triton ops), with x multiplied by 2^64 (exact) to keep products in
 fp32's normal range and 2^56 folded into the scale. A per-channel scale multiplies each
-column sum once at the end; a 128 x 128 block scale multiplies each partial sum that lies
-in one 128-wide K block (a VEC vector for FMA, a <= 128-wide tensor-core slice for DOT).
+column sum once at the end; a block scale multiplies each partial sum that lies in one
+128-wide K block (a VEC vector for FMA, a <= 128-wide tensor-core slice for DOT). Block
+scales come in two layouts (ref.scale_rows_per_block): 128 x 128 blocks, scale row
+n // 128, or row blocks [N, ceil(K/128)], scale row n (packed projections whose parts'
+128-row blocks do not line up); the kernels index row n // SCALE_ROWS (constexpr 128 or 1)
+and load a [BLOCK_N] vector of scales per 128-wide K block either way, so the 128 x 128
+build is unchanged. Row blocks read 4 bytes of scale per 128 weights (+3 % over FP8 weights).
 e4m3 NaN codes are not handled (checkpoints clamp to +-448).
 
 Small N: programs own fewer columns (down to one) before K is split; a split-K launch
@@ -45,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.gemv.ref import scale_rows_per_block
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 FP8 = torch.float8_e4m3fn
@@ -161,6 +167,7 @@ def _fma_tile(
     stride_xm,
     stride_sn,
     SCALE: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -204,8 +211,9 @@ def _fma_tile(
         if SCALE == 2:
             # A VEC-wide vector never straddles a 128-wide K block. Clamped: masked tails
             # past K would name a block column that does not exist (their sums are 0).
+            # Scale row n // SCALE_ROWS: 128 x 128 blocks (128) or row blocks (1).
             kb = tl.minimum((k0 + r * VEC) // 128, last_kb)
-            s = tl.load(scale_ptr + (n_load // 128)[None, :] * stride_sn + kb[:, None])
+            s = tl.load(scale_ptr + (n_load // SCALE_ROWS)[None, :] * stride_sn + kb[:, None])
             part = part * s[:, None, :]
         acc += part
         w_ptrs += BLOCK_K
@@ -227,6 +235,7 @@ def _dot_tile(
     stride_xm,
     stride_sn,
     SCALE: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -287,7 +296,8 @@ def _dot_tile(
                 if SCALE == 2:
                     part = tl.dot(w, tl.trans(xt), input_precision="ieee")
                     kb = tl.minimum((k0 + j * K_SUB) // 128, last_kb)
-                    s = tl.load(scale_ptr + (n_load // 128) * stride_sn + kb) * FOLD  # finite: scales < 2^72
+                    # [BLOCK_N] scales of this K block: row n // SCALE_ROWS (128 x 128 or row blocks)
+                    s = tl.load(scale_ptr + (n_load // SCALE_ROWS) * stride_sn + kb) * FOLD  # finite: scales < 2^72
                     acc += part * s[:, None]
                 else:
                     acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee")
@@ -317,6 +327,7 @@ def _gemv_kernel(
     stride_sn,
     k_per_split,
     SCALE: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -345,12 +356,12 @@ def _gemv_kernel(
     if USE_DOT:
         acc = _dot_tile(
             x_ptr, w_ptr, scale_ptr, m, M, n_load, k_start, k_end, K, stride_xm, stride_sn,
-            SCALE, BLOCK_M, BLOCK_N, BLOCK_K, K_SUB, EVEN_K, EVEN_M, FP8_ASM,
+            SCALE, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K, K_SUB, EVEN_K, EVEN_M, FP8_ASM,
         )  # fmt: skip
     else:
         acc = _fma_tile(
             x_ptr, w_ptr, scale_ptr, m_load, n_load, k_start, k_end, K, stride_xm, stride_sn,
-            SCALE, BLOCK_M, BLOCK_N, BLOCK_K, VEC, SPLIT_X, EVEN_K,
+            SCALE, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K, VEC, SPLIT_X, EVEN_K,
         )  # fmt: skip
     if SCALE == 1:
         acc = acc * tl.load(scale_ptr + n_load)[None, :]
@@ -506,12 +517,20 @@ def gemv(
     if M == 0 or N == 0:
         return out
     scale_kind = _SCALE_NONE
+    scale_rows = SCALE_BLOCK  # block scales: weight row n uses scale row n // scale_rows
     stride_sn = 0
     if weight_scale is not None:
-        scale_kind = _SCALE_CHANNEL if weight_scale.dim() == 1 else _SCALE_BLOCK
-        expected = (N,) if scale_kind == _SCALE_CHANNEL else (triton.cdiv(N, SCALE_BLOCK), triton.cdiv(K, SCALE_BLOCK))
-        if tuple(weight_scale.shape) != expected:
-            raise ValueError(f"weight_scale must be {expected}, got {tuple(weight_scale.shape)}")
+        if weight_scale.dim() == 1:
+            scale_kind, valid = _SCALE_CHANNEL, tuple(weight_scale.shape) == (N,)
+        else:
+            scale_rows = scale_rows_per_block(weight, weight_scale)  # 128 x 128 (128) or row blocks (1)
+            scale_kind, valid = _SCALE_BLOCK, scale_rows is not None
+        if not valid:
+            k_blocks = triton.cdiv(K, SCALE_BLOCK)
+            raise ValueError(
+                f"weight_scale must be {(N,)}, {(triton.cdiv(N, SCALE_BLOCK), k_blocks)} (128 x 128 blocks)"
+                f" or {(N, k_blocks)} (row blocks), got {tuple(weight_scale.shape)}"
+            )
         weight_scale = weight_scale.float()  # no copy for the usual fp32 scales
         if weight_scale.stride(-1) != 1:
             weight_scale = weight_scale.contiguous()
@@ -546,6 +565,7 @@ def gemv(
         stride_sn,
         k_per_split,
         SCALE=scale_kind,
+        SCALE_ROWS=scale_rows,
         HAS_BIAS=bias is not None,
         SPLIT=split_k > 1,
         USE_DOT=cfg.use_dot,
