@@ -42,23 +42,36 @@ class Artifact:
     chat_template: str | None  # the artifact's own template, byte for byte
     generation_defaults: dict[str, Any]
     num_tensors: int  # how many (name, tensor) pairs weights() yields
-    read_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+    read_weights: Callable[..., Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+    # Block-scaled FP8 weights (name -> shape) a model can keep in FP8; empty for other checkpoints.
+    fp8_weights: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Lazily read (name, tensor) pairs in HF checkpoint naming."""
-        return self.read_weights()
+    def weights(self, keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Lazily read (name, tensor) pairs in HF checkpoint naming (block-scaled FP8 weights
+        dequantized to bf16, or with keep_fp8 as stored, each after its `_scale_inv` scales)."""
+        return self.read_weights(keep_fp8) if keep_fp8 else self.read_weights()
 
     def load_model(
-        self, dtype: torch.dtype | None = None, device: torch.device | str = "cpu", progress: bool = True
+        self,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        progress: bool = True,
+        keep_fp8: bool | None = None,
     ) -> CausalLM:
+        """keep_fp8 (default: on CUDA devices): FP8 checkpoint weights stay FP8 in Fp8Linear
+        layers (GEMV / tensor-core paths); otherwise they are dequantized to bf16 at load."""
+        if keep_fp8 is None:
+            keep_fp8 = torch.device(device).type == "cuda"
+        fp8_weights = self.fp8_weights if keep_fp8 else {}
         return load_model(
             self.config,
-            self.weights(),
+            self.weights(keep_fp8=bool(fp8_weights)),
             dtype=dtype,
             device=device,
-            total=self.num_tensors,
+            total=self.num_tensors + len(fp8_weights),
             progress=progress,
             source=str(self.path),
+            fp8_weights=fp8_weights,
         )
 
 

@@ -105,8 +105,19 @@ class _SafetensorsWeights:
             return names
         return [name for name in names if not name.endswith(_SCALE_SUFFIX)]
 
-    def read(self) -> Iterator[tuple[str, torch.Tensor]]:
+    @property
+    def fp8_weights(self) -> dict[str, tuple[int, ...]]:
+        """Block-scaled e4m3 weights the model can keep in FP8 (128 x 128 blocks, what the GEMV takes)."""
+        if self.fp8_block != (128, 128):
+            return {}
+        stored = set(self.shapes)
+        return {name: self.shapes[name] for name in self.names if name + _SCALE_SUFFIX in stored}
+
+    def read(self, keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """keep_fp8: yield each fp8_weights entry as stored, right after its `_scale_inv` scales;
+        otherwise block-scaled weights come dequantized exactly to bf16."""
         file_of = {name: file for file, names in self.names_by_file.items() for name in names}
+        kept = self.fp8_weights if keep_fp8 else {}
         for file, names in self.names_by_file.items():
             with safe_open(file, framework="pt", device="cpu") as handle:
                 for name in names:
@@ -116,7 +127,11 @@ class _SafetensorsWeights:
                     scale_name = name + _SCALE_SUFFIX
                     if self.fp8_block is not None and scale_name in file_of:
                         with safe_open(file_of[scale_name], framework="pt", device="cpu") as scales:
-                            tensor = dequantize_block_fp8(tensor, scales.get_tensor(scale_name), self.fp8_block)
+                            scale = scales.get_tensor(scale_name)
+                        if name in kept:
+                            yield scale_name, scale
+                        else:
+                            tensor = dequantize_block_fp8(tensor, scale, self.fp8_block)
                     yield name, tensor
 
 
@@ -213,4 +228,5 @@ def open_hf_directory(directory: Path) -> Artifact:
         generation_defaults=_generation_defaults(directory, config),
         num_tensors=len(weights.names),
         read_weights=weights.read,
+        fp8_weights=weights.fp8_weights,
     )

@@ -12,26 +12,43 @@ import logging
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
 from ninfer.models.layers.linear import packed_parts, rows_within
+from ninfer.models.quant.fp8 import FP8, SCALE_BLOCK, Fp8Linear, expand_block_rows, quantize_row_blocks
 from ninfer.models.registry import checkpoint_rule, model_class
 
 log = logging.getLogger(__name__)
+
+FP8_SCALE_SUFFIX = "_scale_inv"  # Qwen FP8 checkpoints: "<weight name>_scale_inv" holds its block scales
 
 
 class WeightLoadError(ValueError):
     """The checkpoint's tensors do not fill the model exactly."""
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> CausalLM:
-    """An uninitialised model with storage allocated on `device` (no weights read)."""
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    fp8_weights: dict[str, tuple[int, ...]] | None = None,
+) -> CausalLM:
+    """An uninitialised model with storage allocated on `device` (no weights read).
+
+    fp8_weights: stored names and shapes of block-scaled FP8 checkpoint weights; the Linear
+    layers they fill become Fp8Linear (row-block scales) before any storage is allocated.
+    """
     cls = model_class(config)
     with torch.device("meta"):
-        model = cls(config)
-    model = model.to_empty(device=device).to(dtype)
+        model = cls(config).to(dtype)
+    for module_name in sorted(fp8_linear_names(model, config, fp8_weights or {})):
+        parent_name, _, child_name = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child_name, Fp8Linear.placeholder(getattr(parent, child_name)))
+    model = model.to_empty(device=device)
     model.tie_weights()
     # Buffers (rotary tables) are computed, not loaded: rebuild them on the real device.
     for module in model.modules():
@@ -39,6 +56,21 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
         if callable(reset):
             reset()
     return model
+
+
+def fp8_linear_names(model: nn.Module, config: ModelConfig, fp8_weights: dict[str, tuple[int, ...]]) -> set[str]:
+    """The Linear layers (packed or not) that stored FP8 weights write into (MoE experts stay bf16)."""
+    rule = checkpoint_rule(config)
+    packed = packed_parts(model)
+    modules = dict(model.named_modules())
+    names: set[str] = set()
+    for stored_name, shape in fp8_weights.items():
+        for param_name, _, _ in rule(stored_name, torch.empty(shape, dtype=FP8, device="meta"), config):
+            param_name = packed.get(param_name, (param_name, None))[0]
+            module_name = param_name.removesuffix(".weight")
+            if param_name.endswith(".weight") and isinstance(modules.get(module_name), nn.Linear):
+                names.add(module_name)
+    return names
 
 
 def load_weights(
@@ -51,6 +83,9 @@ def load_weights(
 ) -> None:
     rule = checkpoint_rule(model.config)
     params = dict(model.named_parameters())
+    fp8_modules = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    params.update({f"{name}.weight": m.weight for name, m in fp8_modules.items()})  # FP8 weights are buffers
+    pending_scales: dict[str, torch.Tensor] = {}  # a block-scaled FP8 weight's scales arrive just before it
     # Tied parameters (lm_head.weight = embed_tokens.weight) appear once; a checkpoint may store both.
     aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
     packed = packed_parts(model)
@@ -59,7 +94,19 @@ def load_weights(
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     with torch.no_grad():
         for stored_name, tensor in tensors:
-            for param_name, index, value in rule(stored_name, tensor, model.config):
+            if stored_name.endswith(FP8_SCALE_SUFFIX):
+                pending_scales[stored_name.removesuffix(FP8_SCALE_SUFFIX)] = tensor
+                bar.update(1)
+                continue
+            row_scales: list | None = None
+            if tensor.dtype == FP8:
+                block_scale = pending_scales.pop(stored_name, None)
+                if block_scale is None:
+                    raise WeightLoadError(f"{source}: FP8 tensor {stored_name!r} has no {FP8_SCALE_SUFFIX} scales before it")
+                # Row-wise scales follow the rule's row slicing exactly as the weight does.
+                row_scales = [s for _, _, s in rule(stored_name, expand_block_rows(block_scale, tensor.shape[-2]), model.config)]
+            for write, (param_name, index, value) in enumerate(rule(stored_name, tensor, model.config)):
+                value_scales = None if row_scales is None else row_scales[write]
                 if param_name in packed:
                     parts_written[param_name] = parts_written.get(param_name, 0) + value.numel()
                     param_name, part_rows = packed[param_name]
@@ -76,7 +123,18 @@ def load_weights(
                         f"parameter {param_name!r}{'' if index is None else f'[{index}]'} "
                         f"expects {tuple(target.shape)}"
                     )
-                target.copy_(value)
+                fp8_module = fp8_modules.get(param_name.removesuffix(".weight")) if param_name.endswith(".weight") else None
+                if fp8_module is not None:
+                    quantized, scales = (value, value_scales) if value_scales is not None else quantize_row_blocks(value)
+                    target.copy_(quantized)
+                    scale_rows = fp8_module.weight_scale if index is None else fp8_module.weight_scale[index]
+                    scale_rows.copy_(scales)
+                elif value_scales is not None:
+                    # FP8 stored, unquantized here (e.g. MoE experts): dequantize exactly.
+                    columns = value_scales.repeat_interleave(SCALE_BLOCK, dim=-1)[..., : value.shape[-1]]
+                    target.copy_(value.float() * columns)
+                else:
+                    target.copy_(value)
                 written[param_name] += value.numel()
             bar.update(1)
     bar.close()
@@ -103,9 +161,12 @@ def load_model(
     total: int | None = None,
     progress: bool = True,
     source: str = "checkpoint",
+    fp8_weights: dict[str, tuple[int, ...]] | None = None,
 ) -> CausalLM:
+    """fp8_weights: see build_model; `tensors` then yields each such weight's scales
+    (`<name>_scale_inv`) right before the e4m3 weight itself."""
     dtype = dtype or getattr(torch, config.torch_dtype, torch.bfloat16)
-    model = build_model(config, dtype, device)
+    model = build_model(config, dtype, device, fp8_weights)
     load_weights(model, tensors, total=total, progress=progress, source=source)
     model.eval()
     return model

@@ -311,3 +311,61 @@ def _make_fp8_source(directory):
     model.save_pretrained(directory)
     _write_tokenizer(directory)
     return directory
+
+
+def test_block_scaled_fp8_checkpoint_kept_in_fp8(tmp_path):
+    """Qwen's 128x128 layout loaded natively: packed projections become Fp8Linear with per-row
+    block scales; stored FP8 parts are kept bit for bit, an unquantized part (v_proj here) is
+    quantized per row and 128 columns, and lm_head / embeddings stay unquantized."""
+    import json as _json
+
+    import torch as _torch
+    from safetensors.torch import load_file, save_file
+
+    from ninfer.artifact import open_artifact as _open
+    from ninfer.models.quant.fp8 import Fp8Linear
+
+    hf = _make_fp8_source(tmp_path / "bf16")
+    config = _json.loads((hf / "config.json").read_text())
+    tensors = load_file(hf / "model.safetensors")
+    stored = {}
+    for name, tensor in tensors.items():
+        quantize = tensor.dim() == 2 and "embed" not in name and name != "lm_head.weight" and "v_proj" not in name
+        if quantize:
+            scale_inv = tensor.float().abs().amax().reshape(1, 1) / 448  # one 128x128 block holds it all
+            stored[name] = (tensor.float() / scale_inv).clamp(-448, 448).to(_torch.float8_e4m3fn)
+            stored[name + "_scale_inv"] = scale_inv
+        else:
+            stored[name] = tensor
+    out = tmp_path / "fp8"
+    out.mkdir()
+    for extra in hf.iterdir():
+        if extra.name != "model.safetensors":
+            (out / extra.name).write_bytes(extra.read_bytes())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (out / "config.json").write_text(_json.dumps(config))
+    save_file(stored, out / "model.safetensors")
+
+    artifact = _open(out)
+    assert "model.layers.0.self_attn.q_proj.weight" in artifact.fp8_weights
+    assert "model.layers.0.self_attn.v_proj.weight" not in artifact.fp8_weights
+    dequantized = dict(artifact.weights())  # the bf16 path
+    model = artifact.load_model(dtype=_torch.float32, progress=False, keep_fp8=True)
+    layer = model.model.layers[0]
+    qkv, gate_up, down = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+    assert all(isinstance(m, Fp8Linear) for m in (qkv, gate_up, down))
+    assert not isinstance(model.lm_head, Fp8Linear)
+    assert qkv.weight_scale.shape == (qkv.weight.shape[0], 1)  # one scale per row and 128 columns
+    q_rows, kv_rows = 2 * 16, 16
+    qkv_weight = qkv.dequantized(_torch.float32)
+    # Stored FP8 parts: exactly the checkpoint's values (compared at the bf16 the other path yields).
+    assert _torch.equal(qkv_weight[:q_rows].bfloat16(), dequantized["model.layers.0.self_attn.q_proj.weight"])
+    assert _torch.equal(
+        qkv_weight[q_rows : q_rows + kv_rows].bfloat16(), dequantized["model.layers.0.self_attn.k_proj.weight"]
+    )
+    gate = dequantized["model.layers.0.mlp.gate_proj.weight"]
+    assert _torch.equal(gate_up.dequantized(_torch.float32)[: gate.shape[0]].bfloat16(), gate)
+    # The unquantized v_proj part: e4m3 with its own per-row scale, within 2^-4 of each row's max.
+    v_stored = tensors["model.layers.0.self_attn.v_proj.weight"].float()
+    v_error = (qkv_weight[q_rows + kv_rows :] - v_stored).abs().amax(dim=1)
+    assert (v_error <= v_stored.abs().amax(dim=1) * 2**-4).all() and v_error.max() > 0

@@ -8,8 +8,6 @@ names clients see stay those of the checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
@@ -33,22 +31,20 @@ class PackedLinear(Linear):
     def part_sizes(self) -> list[int]:
         return list(self.parts.values())
 
-    def part_rows(self) -> Iterator[tuple[str, slice]]:
-        start = 0
-        for name, rows in self.parts.items():
-            yield name, slice(start, start + rows)
-            start += rows
-
 
 def packed_parts(model: nn.Module) -> dict[str, tuple[str, slice]]:
     """Stored parameter name -> (packed parameter name, its rows) for every PackedLinear in `model`."""
     table: dict[str, tuple[str, slice]] = {}
     for module_name, module in model.named_modules():
-        if not isinstance(module, PackedLinear):
+        parts = getattr(module, "parts", None)  # a PackedLinear, or a quantized module that replaced one
+        if not parts:
             continue
         parent = module_name.rpartition(".")[0]
         prefix = f"{parent}." if parent else ""
-        for part, rows in module.part_rows():
+        start = 0
+        for part, num_rows in parts.items():
+            rows = slice(start, start + num_rows)
+            start += num_rows
             table[f"{prefix}{part}.weight"] = (f"{module_name}.weight", rows)
             if module.bias is not None:
                 table[f"{prefix}{part}.bias"] = (f"{module_name}.bias", rows)

@@ -17,19 +17,43 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.kernels.gemv import MAX_ROWS, gemv
+from ninfer.kernels.gemv.ref import dequantize
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _ROW_MULTIPLE = 16  # _scaled_mm wants row counts in multiples of 16
 
 
+SCALE_BLOCK = 128  # K columns per block scale (Qwen's FP8 checkpoints: 128 x 128 blocks)
+
+
 class Fp8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        parts: dict[str, int] | None = None,
+    ):
+        """weight_scale: float32 [out] (per channel), [ceil(out/128), ceil(in/128)] (128x128
+        blocks) or [out, ceil(in/128)] (row blocks: a checkpoint's block scales expanded per
+        row, so packed parts need not start on a 128-row boundary). parts: a PackedLinear's."""
         super().__init__()
         self.register_buffer("weight", weight)  # [out, in] float8_e4m3fn
-        # float32 [out] (per channel) or [ceil(out/128), ceil(in/128)] (128x128 blocks)
         self.register_buffer("weight_scale", weight_scale)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.parts = parts
+
+    @classmethod
+    def placeholder(cls, linear: nn.Linear) -> Fp8Linear:
+        """An unfilled row-block-scaled module shaped like `linear` (on its device, e.g. meta),
+        for the loader to fill from a block-scaled FP8 checkpoint."""
+        device = linear.weight.device
+        out_features, in_features = linear.weight.shape
+        weight = torch.empty(out_features, in_features, dtype=FP8, device=device)
+        scale = torch.empty(out_features, -(-in_features // SCALE_BLOCK), dtype=torch.float32, device=device)
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(weight, scale, bias, getattr(linear, "parts", None))
 
     @classmethod
     @torch.no_grad()
@@ -37,7 +61,7 @@ class Fp8Linear(nn.Module):
         weight = linear.weight.float()
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
         quantized = (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        return cls(quantized, scale, None if linear.bias is None else linear.bias.detach())
+        return cls(quantized, scale, None if linear.bias is None else linear.bias.detach(), getattr(linear, "parts", None))
 
     @property
     def in_features(self) -> int:
@@ -52,12 +76,7 @@ class Fp8Linear(nn.Module):
         return self.weight_scale.dim() == 2
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.block_scaled:
-            out_features, in_features = self.weight.shape
-            scale = self.weight_scale.repeat_interleave(128, 0)[:out_features]
-            scale = scale.repeat_interleave(128, 1)[:, :in_features]
-            return (self.weight.float() * scale).to(dtype)
-        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+        return dequantize(self.weight, self.weight_scale).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -93,3 +112,19 @@ def quantize_fp8_(model: nn.Module, skip: tuple[str, ...] = ("lm_head", "embed_t
                 setattr(parent, child_name, Fp8Linear.from_linear(child))
                 replaced += 1
     return replaced
+
+
+def quantize_row_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (e4m3 [N, K], fp32 scales [N, ceil(K/128)]): one scale per row and
+    128 columns, for unquantized parts of a packed projection whose other parts are FP8."""
+    rows, cols = weight.shape
+    blocks = -(-cols // SCALE_BLOCK)
+    padded = torch.nn.functional.pad(weight.float(), (0, blocks * SCALE_BLOCK - cols)).view(rows, blocks, SCALE_BLOCK)
+    scale = padded.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    quantized = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(rows, -1)[:, :cols].to(FP8)
+    return quantized, scale
+
+
+def expand_block_rows(block_scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's [.., ceil(rows/128), ceil(K/128)] block scales -> one scale row per weight row."""
+    return block_scale.float().repeat_interleave(SCALE_BLOCK, dim=-2)[..., :rows, :]
