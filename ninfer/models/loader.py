@@ -102,9 +102,12 @@ def load_weights(
             if tensor.dtype == FP8:
                 block_scale = pending_scales.pop(stored_name, None)
                 if block_scale is None:
-                    raise WeightLoadError(f"{source}: FP8 tensor {stored_name!r} has no {FP8_SCALE_SUFFIX} scales before it")
+                    raise WeightLoadError(
+                        f"{source}: FP8 tensor {stored_name!r} has no {FP8_SCALE_SUFFIX} scales before it"
+                    )
                 # Row-wise scales follow the rule's row slicing exactly as the weight does.
-                row_scales = [s for _, _, s in rule(stored_name, expand_block_rows(block_scale, tensor.shape[-2]), model.config)]
+                per_row = expand_block_rows(block_scale, tensor.shape[-2])
+                row_scales = [scales for _, _, scales in rule(stored_name, per_row, model.config)]
             for write, (param_name, index, value) in enumerate(rule(stored_name, tensor, model.config)):
                 value_scales = None if row_scales is None else row_scales[write]
                 if param_name in packed:
@@ -123,9 +126,12 @@ def load_weights(
                         f"parameter {param_name!r}{'' if index is None else f'[{index}]'} "
                         f"expects {tuple(target.shape)}"
                     )
-                fp8_module = fp8_modules.get(param_name.removesuffix(".weight")) if param_name.endswith(".weight") else None
-                if fp8_module is not None:
-                    quantized, scales = (value, value_scales) if value_scales is not None else quantize_row_blocks(value)
+                fp8_module = fp8_modules.get(param_name.removesuffix(".weight"))
+                if fp8_module is not None and param_name.endswith(".weight"):
+                    if value_scales is not None:
+                        quantized, scales = value, value_scales
+                    else:  # an unquantized part of a projection whose other parts are FP8
+                        quantized, scales = quantize_row_blocks(value)
                     target.copy_(quantized)
                     scale_rows = fp8_module.weight_scale if index is None else fp8_module.weight_scale[index]
                     scale_rows.copy_(scales)
