@@ -13,6 +13,7 @@ import torch
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
 from ninfer.log import setup_logging
+from ninfer.models.quant.fp8 import Fp8Linear
 
 log = logging.getLogger("ninfer.engine")
 
@@ -51,7 +52,10 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     log.info("loading %s (%s, %s) on %s", artifact.model_id, artifact.config.model_type, str(dtype).removeprefix("torch."), device)
     # The bar is a transient terminal line; redirected stderr gets only the milestone records.
     model = artifact.load_model(dtype=dtype, device=device, progress=sys.stderr.isatty())
-    num_params = sum(p.numel() for p in model.parameters())
+    # FP8 weights are buffers of their Fp8Linear layers, not parameters.
+    num_params = sum(p.numel() for p in model.parameters()) + sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear)
+    )
     log.info("model loaded in %.1fs: %.2fB parameters", time.perf_counter() - started, num_params / 1e9)
     engine = spec.engine
     if spec.kv_capacity_auto:
