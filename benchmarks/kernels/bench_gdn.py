@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from ninfer.kernels.causal_conv1d import triton as conv_fast
 from ninfer.kernels.gated_delta_rule import triton as gdn_fast
+from timing import copy_bandwidth, median_seconds  # benchmarks/kernels/timing.py (run as a script)
 
 SHAPES = {"27B": (16, 48), "35B-A3B": (16, 32)}  # (Hk, Hv); dk = dv = 128
 HEAD_DIM = 128
@@ -28,37 +28,6 @@ BATCHES = (1, 8)
 # (BLOCK_V, num_warps) beside the default choice (None); the first run's sweep also had
 # (16, 2), (32, 8), (64, 8), (128, 8), all slower (docs/gpu-notes.md).
 VARIANTS = ((None, 4), (16, 4), (32, 4), (64, 4))
-
-
-def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
-    """Device-to-device copy, bytes read + written per second (median of 20)."""
-    src = torch.randn(num_bytes // 4, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * num_bytes / (median_seconds(lambda: dst.copy_(src), replays=20, graph=False))
-
-
-def median_seconds(fn, replays: int = 30, graph: bool = True) -> float:
-    """Median time of one fn() call (fn launches device work only), after warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-        for _ in range(3):
-            run()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def _fla_recurrent():

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import triton
 
 from ninfer.kernels.moe import triton as moe_fast
+from timing import copy_bandwidth, median_seconds  # benchmarks/kernels/timing.py (run as a script)
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
 NUM_CALLS = 16
@@ -32,36 +32,6 @@ DOWN_VARIANTS = ((32, 128, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4))
 ROUTE_WARPS = (1, 2, 4)
 PREFILL_TOKENS = (1000, 4096)
 PREFILL_BLOCK_M = (16, 32, 64)
-
-
-def median_seconds(fn, replays: int = 30, graph: bool = True) -> float:
-    """Median time of one fn() call (fn launches device work only), after warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-        for _ in range(3):
-            run()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
-    src = torch.randn(num_bytes // 4, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * num_bytes / median_seconds(lambda: dst.copy_(src), replays=20, graph=False)
 
 
 def bench_batch(batch: int, gate_up: torch.Tensor, down: torch.Tensor, bandwidth: float, gen: torch.Generator):

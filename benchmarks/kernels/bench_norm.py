@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
@@ -23,6 +22,7 @@ from ninfer.kernels.activation import ref as act_ref
 from ninfer.kernels.activation import triton as act_fast
 from ninfer.kernels.rms_norm import ref as norm_ref
 from ninfer.kernels.rms_norm import triton as norm_fast
+from timing import median_seconds  # benchmarks/kernels/timing.py (run as a script)
 
 NUM_CALLS = 20
 TOKENS = (1, 8, 1000)
@@ -38,30 +38,6 @@ OPS = {  # name: (ours, the reference)
     "silu_and_mul": (act_fast.silu_and_mul, act_ref.silu_and_mul),
     "sigmoid_mul": (act_fast.sigmoid_mul, act_ref.sigmoid_mul),
 }
-
-
-def median_seconds(fn, replays: int = 50, graph: bool = True) -> float:
-    """Median time of one fn() call (fn makes NUM_CALLS calls of the op), after warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-        for _ in range(3):
-            run()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times) / NUM_CALLS
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -113,7 +89,7 @@ def main() -> None:
                     for _ in range(NUM_CALLS):
                         fn(*op_args)
 
-                seconds = median_seconds(calls, graph=not args.eager)
+                seconds = median_seconds(calls, replays=50, graph=not args.eager) / NUM_CALLS
                 row[f"{impl}_us"] = seconds * 1e6
                 row[f"{impl}_gb_s"] = io_bytes / seconds / 1e9
             row["speedup"] = row["torch_us"] / row["triton_us"]
