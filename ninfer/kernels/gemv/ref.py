@@ -18,6 +18,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # rows and columns per block scale in Qwen's FP8 checkpoints
+MAX_ROWS = 16  # the largest M the fast path takes; larger batches go to ref (a plain matmul)
 
 
 def scale_rows_per_block(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int | None:

@@ -50,12 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.gemv.ref import scale_rows_per_block
+from ninfer.kernels.gemv.ref import FP8, MAX_ROWS, SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
-FP8 = torch.float8_e4m3fn
-SCALE_BLOCK = 128  # rows and columns per block scale (Qwen FP8 checkpoints)
-MAX_ROWS = 16
 DOT_ROWS = 16  # DOT programs with 16-bit weights pad x to 16 rows (the MMA's M)
 FP8_DOT_ROWS = 8  # ... with FP8 weights to 8 (x^T is the MMA's N operand)
 _SCALE_NONE, _SCALE_CHANNEL, _SCALE_BLOCK = 0, 1, 2

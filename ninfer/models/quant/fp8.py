@@ -17,14 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.kernels.gemv import MAX_ROWS, gemv
-from ninfer.kernels.gemv.ref import dequantize
+from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, dequantize
 
-FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _ROW_MULTIPLE = 16  # _scaled_mm wants row counts in multiples of 16
-
-
-SCALE_BLOCK = 128  # K columns per block scale (Qwen's FP8 checkpoints: 128 x 128 blocks)
 
 
 class Fp8Linear(nn.Module):
