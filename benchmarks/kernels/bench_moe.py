@@ -32,6 +32,11 @@ DOWN_VARIANTS = ((32, 128, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4))
 ROUTE_WARPS = (1, 2, 4)
 PREFILL_TOKENS = (1000, 4096)
 PREFILL_BLOCK_M = (16, 32, 64)
+# --prefill-sweep: 8192 tokens (256 rows per expert on average, the 35B-A3B 8K prefill chunk).
+# (block_m, up tile or None = default, down tile or None); tiles are (BLOCK_N, BLOCK_K, warps, stages).
+SWEEP_TOKENS = 8192
+# The first run's best Triton tiles at BLOCK_M 64 and 128 (docs/gpu-notes.md, session 3).
+SWEEP_TRITON = ((64, (64, 64, 4, 3), (128, 64, 8, 3)), (128, (64, 64, 4, 3), (128, 64, 4, 3)))
 
 
 def bench_batch(batch: int, gate_up: torch.Tensor, down: torch.Tensor, bandwidth: float, gen: torch.Generator):
@@ -92,15 +97,59 @@ def bench_batch(batch: int, gate_up: torch.Tensor, down: torch.Tensor, bandwidth
     return rows
 
 
+def prefill_sweep(gate_up: torch.Tensor, down: torch.Tensor, gen: torch.Generator) -> list[dict]:
+    """8192-token prefill: the Triton grouped kernels (best tiles of the first sweep) and the
+    torch grouped GEMM path, the stages of the default split out by the profiler, and a cuBLAS
+    bound: torch.bmm over the same FLOPs in 256 equal groups (a perfectly balanced grouped GEMM)."""
+    tokens = SWEEP_TOKENS
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+    weights, ids = moe_fast.route(torch.randn(tokens, NUM_EXPERTS, device="cuda", generator=gen), TOP_K, True)
+    flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+    rows = []
+
+    def record(variant: str, seconds: float) -> None:
+        rows.append({"tokens": tokens, "variant": variant, "us": seconds * 1e6, "tflops": flops / seconds / 1e12})
+        print(f"prefill {tokens} {variant:44} {seconds * 1e6:8.0f} us {flops / seconds / 1e12:6.0f} TFLOP/s", flush=True)
+
+    per_group = tokens * TOP_K // NUM_EXPERTS
+    xs = torch.randn(NUM_EXPERTS, per_group, HIDDEN, device="cuda", generator=gen).bfloat16()
+    acts = torch.randn(NUM_EXPERTS, per_group, INTER, device="cuda", generator=gen).bfloat16()
+    record("torch.bmm, 256 equal groups (cuBLAS)", median_seconds(
+        lambda: (torch.bmm(xs, gate_up.transpose(1, 2)), torch.bmm(acts, down.transpose(1, 2))), replays=10, graph=False))
+    for block_m, up, dn in SWEEP_TRITON:
+        name = f"Triton BLOCK_M {block_m} up" + "/".join(map(str, up)) + " dn" + "/".join(map(str, dn))
+        record(name, median_seconds(
+            lambda up=up, dn=dn, block_m=block_m: moe_fast.fused_experts(
+                x, weights, ids, gate_up, down, block_m=block_m, tiles=(up, dn), grouped_mm=False),
+            replays=10, graph=False))
+    record("torch grouped_mm (the default on sm_90)", median_seconds(
+        lambda: moe_fast.fused_experts(x, weights, ids, gate_up, down, grouped_mm=True), replays=10, graph=False))
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            moe_fast.fused_experts(x, weights, ids, gate_up, down)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write all rows here")
+    parser.add_argument("--prefill-sweep", action="store_true", help="only the 8192-token prefill tile sweep")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     gen = torch.Generator("cuda").manual_seed(0)
     gate_up = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen) * HIDDEN**-0.5).bfloat16()
     down = (torch.randn(NUM_EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) * INTER**-0.5).bfloat16()
+    if args.prefill_sweep:
+        sweep = prefill_sweep(gate_up, down, gen)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"copy_bandwidth": bandwidth, "prefill_sweep": sweep}, f, indent=1)
+        return
     rows = []
     for batch in BATCHES:
         rows += bench_batch(batch, gate_up, down, bandwidth, gen)

@@ -14,7 +14,9 @@ What is measured (and stated in the report):
 from __future__ import annotations
 
 import gc
+import gzip
 import logging
+import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -55,7 +57,7 @@ class BenchOptions:
     peer_prompt: int = 4096
     cuda_graphs: bool = True
     seed: int = 0
-    profile_dir: str | None = None  # write profile-<shape>-<weights>.txt for the smallest decode case
+    profile_dir: str | None = None  # write profile-*.txt for the smallest decode case and the shortest prefill
 
 
 @dataclass
@@ -172,7 +174,7 @@ class Suite:
         times = [_sync_time(lambda: runner.execute(step)) for _ in range(self.options.decode_rounds)]
         per_round = statistics.median(times)
         if self.options.profile_dir and batch == min(self.options.batches) and context == min(self.options.contexts):
-            self._profile(f"{shape}-{weights}-b{batch}-{context}", lambda: runner.execute(step))
+            self._profile(f"{shape}-{weights}-b{batch}-{context}", lambda: runner.execute(step), 5, "decode rounds")
         tps = batch / per_round
         mb = model_bytes(config, weight_bytes, runner.kv_cache.k.element_size(), batch)
         roof = decode_roofline_tokens_per_s(mb, batch, context, self.ceilings)
@@ -203,22 +205,30 @@ class Suite:
                      note=f"chunk {chunk}; roofline = measured bf16 matmul rate / FLOPs per token")
         if prompt == min(self.options.prefill_lengths):
             self._record(shape, weights, "ttft", 1, prompt, elapsed, None, note="seconds to first token, runner only")
+            if self.options.profile_dir:
+                self._profile(f"{shape}-{weights}-prefill-{prompt}", prefill, 1, "prefill")
 
-    def _profile(self, label: str, decode_round) -> None:
-        """Per-kernel GPU time over 5 decode rounds (graph replays included), sorted by total time."""
+    def _profile(self, label: str, run, repeats: int, what: str) -> None:
+        """Per-kernel GPU time over `repeats` runs (graph replays included), sorted by total time."""
         from pathlib import Path
 
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                decode_round()
+            for _ in range(repeats):
+                run()
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
         out = Path(self.options.profile_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"profile-{label}.txt").write_text(f"{label}: 5 decode rounds\n{table}\n")
-        log.info("[%s] kernel profile written to %s", label, out / f"profile-{label}.txt")
+        (out / f"profile-{label}.txt").write_text(f"{label}: {repeats} {what}\n{table}\n")
+        # The timeline too (chrome://tracing, Perfetto): where the GPU waits for the host.
+        trace = out / f"trace-{label}.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        trace.unlink()
+        log.info("[%s] kernel profile and timeline written to %s", label, out)
 
     # ---- peer ----------------------------------------------------------------------
     def _run_hf(self, shape: str) -> None:
