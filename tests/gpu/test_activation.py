@@ -113,3 +113,23 @@ def test_activations_replay_in_a_cuda_graph() -> None:
         eager = step(new)
         for replayed, expected in zip(static_out, eager):
             assert torch.equal(replayed, expected)
+
+
+def test_sigmoid_mul_prefill_rows_share_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """8K-token prefill of the 35B-A3B attention output gate (131,072 rows of 256, read from the
+    packed q projection) and shared-expert gate: several rows per program, same bits as one."""
+    from ninfer.kernels.activation import triton as fast
+    from ninfer.kernels.rms_norm import triton as norms
+
+    tokens, heads, head_dim = 8192, 16, 256
+    out = _randn(tokens, heads, head_dim, seed=1, dtype=torch.bfloat16)
+    q_gate = _randn(tokens, heads, 2 * head_dim, seed=2, dtype=torch.bfloat16).chunk(2, dim=-1)[1]
+    shared_in = _randn(tokens, 2048, seed=3, dtype=torch.bfloat16)
+    shared_gate = _randn(tokens, 1, seed=4, dtype=torch.bfloat16)
+    cases = [(out, q_gate), (shared_in, shared_gate)]
+    assert fast.rows_per_program(tokens * heads, 256) > 1
+    shared = [sigmoid_mul(x, gate) for x, gate in cases]
+    monkeypatch.setattr(norms, "MANY_ROWS", 1 << 30)
+    for (x, gate), got in zip(cases, shared):
+        assert torch.equal(got, sigmoid_mul(x, gate))
+        assert_matches(got, ref.sigmoid_mul(x, gate))

@@ -81,3 +81,24 @@ def test_sigmoid_mul_promotes_like_torch() -> None:
 def test_sigmoid_mul_rejects_other_broadcasts() -> None:
     with pytest.raises(ValueError):
         fast.sigmoid_mul(torch.randn(4, 8), torch.randn(1, 8))
+
+
+def test_sigmoid_mul_many_rows_share_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill-sized launches put several rows in a program (MANY_ROWS lowered here so that a
+    few dozen rows take that path): same bits as one row per program, for all gate forms."""
+    tokens, heads, head_dim = 9, 4, 128
+    out = _randn(tokens, heads, head_dim, seed=12, dtype=torch.bfloat16)
+    packed = _randn(tokens, heads * 2 * head_dim + 2 * 64, seed=13, dtype=torch.bfloat16)
+    attention_gate = packed[:, : heads * 2 * head_dim].view(tokens, heads, 2 * head_dim).chunk(2, dim=-1)[1]
+    cases = [
+        (out, attention_gate),  # 36 two-level strided rows of 128: 32 per program
+        (_randn(37, 1100, seed=14, dtype=torch.bfloat16), _randn(37, 1100, seed=15, dtype=torch.bfloat16)),
+        (_randn(40, 300, seed=16, dtype=torch.bfloat16), _randn(40, 7, seed=17, dtype=torch.bfloat16)[:, 2:3]),
+    ]
+    one_row = [fast.sigmoid_mul(x, gate) for x, gate in cases]
+    monkeypatch.setitem(fast.rows_per_program.__globals__, "MANY_ROWS", 16)
+    for (x, gate), expected in zip(cases, one_row):
+        assert fast.rows_per_program(x.numel() // x.shape[-1], 128) > 1
+        shared = fast.sigmoid_mul(x, gate)
+        assert torch.equal(shared, expected)
+        assert_matches(shared, ref.sigmoid_mul(x, gate))

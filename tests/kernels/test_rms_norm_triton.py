@@ -130,6 +130,23 @@ def test_gated_rms_norm_matches_reference(dtype: torch.dtype, num_tokens: int) -
     assert_matches(fast.gated_rms_norm(x, gate, weight, EPS), ref.gated_rms_norm(x, gate, weight, EPS))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_many_rows_share_programs(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prefill-sized launches put several rows in a program; MANY_ROWS lowered so that 35 rows
+    # take that path here (16 per program, the last program partly past the end).
+    tokens, heads = 7, 5
+    weight = _weight(False, dtype, seed=22)
+    packed = _randn(tokens, heads * DIM + 40, seed=23, dtype=dtype, scale=2.0)
+    gate = packed[:, 40:].view(tokens, heads, DIM)  # two-level strided rows
+    x = _randn(tokens, heads, DIM, seed=24, dtype=dtype)
+    one_row = fast.gated_rms_norm(x, gate, weight, EPS)
+    monkeypatch.setattr(fast, "MANY_ROWS", 16)
+    assert fast.rows_per_program(tokens * heads, 256) == 16
+    shared = fast.gated_rms_norm(x, gate, weight, EPS)
+    assert torch.equal(shared, one_row)
+    assert_matches(shared, ref.gated_rms_norm(x, gate, weight, EPS))
+
+
 def test_empty_inputs_launch_nothing() -> None:
     x = torch.empty(0, DIM)
     weight = torch.ones(DIM)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
-from ninfer.kernels.rms_norm.triton import strided_rows
+from ninfer.kernels.rms_norm.triton import rows_per_program, strided_rows
 
 MAX_BLOCK_N = 1024
 
@@ -69,6 +69,7 @@ def _sigmoid_mul_kernel(
     x_ptr,
     gate_ptr,
     out_ptr,
+    num_rows,
     rows_inner,
     stride_x_outer,
     stride_x_inner,
@@ -78,21 +79,37 @@ def _sigmoid_mul_kernel(
     GATE_PER_ROW: tl.constexpr,
     TWO_LEVEL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)  # before the first global load or store
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < num_cols
-    x_start = _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
-    g_start = _row_start(row, rows_inner, stride_g_outer, stride_g_inner, TWO_LEVEL)
-    x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
-    if GATE_PER_ROW:  # [..., 1] gate: one scalar for the whole row
-        gate = tl.load(gate_ptr + g_start).to(tl.float32)
+    if ROWS == 1:
+        row = tl.program_id(0).to(tl.int64)
+        mask = cols < num_cols
+        x_start = _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
+        g_start = _row_start(row, rows_inner, stride_g_outer, stride_g_inner, TWO_LEVEL)
+        x_offsets = x_start + cols
+        g_offsets = g_start if GATE_PER_ROW else g_start + cols
+        out_offsets = row * num_cols + cols
     else:
-        gate = tl.load(gate_ptr + g_start + cols, mask=mask, other=0.0).to(tl.float32)
+        # ROWS short rows per program (prefill: e.g. the attention gate, T * H rows of head_dim)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
+        x_start = _row_start(rows, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
+        g_start = _row_start(rows, rows_inner, stride_g_outer, stride_g_inner, TWO_LEVEL)
+        x_offsets = x_start[:, None] + cols[None, :]
+        g_offsets = g_start[:, None] if GATE_PER_ROW else g_start[:, None] + cols[None, :]
+        out_offsets = rows[:, None] * num_cols + cols[None, :]
+    x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0).to(tl.float32)
+    if GATE_PER_ROW and ROWS == 1:  # [..., 1] gate: one scalar for the whole row
+        gate = tl.load(gate_ptr + g_offsets).to(tl.float32)
+    elif GATE_PER_ROW:
+        gate = tl.load(gate_ptr + g_offsets, mask=rows[:, None] < num_rows, other=0.0).to(tl.float32)
+    else:
+        gate = tl.load(gate_ptr + g_offsets, mask=mask, other=0.0).to(tl.float32)
     scale = tl.sigmoid(gate).to(gate_ptr.dtype.element_ty).to(tl.float32)  # torch.sigmoid's output dtype
-    tl.store(out_ptr + row * num_cols + cols, (x * scale).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out_offsets, (x * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, *, block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
@@ -137,11 +154,13 @@ def sigmoid_mul(
         return out
     default_block, default_warps = block_config(num_cols)
     block_n = block_n or default_block
+    rows = rows_per_program(num_rows, block_n)
     use_pdl = pdl_enabled(x)
-    _sigmoid_mul_kernel[(num_rows, triton.cdiv(num_cols, block_n))](
+    _sigmoid_mul_kernel[(triton.cdiv(num_rows, rows), triton.cdiv(num_cols, block_n))](
         x,
         gate,
         out,
+        num_rows,
         rows_inner,
         sxo,
         sxi,
@@ -151,8 +170,9 @@ def sigmoid_mul(
         GATE_PER_ROW=gate_per_row,
         TWO_LEVEL=rows_inner > 1,
         BLOCK_N=block_n,
+        ROWS=rows,
         USE_PDL=use_pdl,
-        num_warps=num_warps or default_warps,
+        num_warps=num_warps or (default_warps if rows == 1 else min(8, rows * block_n // 256)),
         launch_pdl=use_pdl,
     )
     return out

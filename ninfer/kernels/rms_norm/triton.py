@@ -125,6 +125,7 @@ def _gated_rms_norm_kernel(
     gate_ptr,
     w_ptr,
     out_ptr,
+    num_rows,
     rows_inner,
     stride_x_outer,
     stride_x_inner,
@@ -135,21 +136,49 @@ def _gated_rms_norm_kernel(
     ROUND_WEIGHTED: tl.constexpr,
     TWO_LEVEL: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)  # before the first global load or store
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
-    x_start = _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
-    g_start = _row_start(row, rows_inner, stride_g_outer, stride_g_inner, TWO_LEVEL)
-    x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(gate_ptr + g_start + cols, mask=mask, other=0.0).to(tl.float32)
-    weighted = _scale(_normalize(x, dim, eps), w_ptr, cols, mask, x_ptr.dtype.element_ty, False)
+    if ROWS == 1:
+        row = tl.program_id(0).to(tl.int64)
+        x_start = _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
+        g_start = _row_start(row, rows_inner, stride_g_outer, stride_g_inner, TWO_LEVEL)
+        x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + g_start + cols, mask=mask, other=0.0).to(tl.float32)
+        weighted = _scale(_normalize(x, dim, eps), w_ptr, cols, mask, x_ptr.dtype.element_ty, False)
+        out_ptrs = out_ptr + row * dim + cols
+        out_mask = mask
+    else:
+        # ROWS short rows per program (prefill: thousands of 128-wide head rows), one tile.
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < num_rows
+        out_mask = row_mask[:, None] & mask[None, :]
+        x_start = _row_start(rows, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
+        g_start = _row_start(rows, rows_inner, stride_g_outer, stride_g_inner, TWO_LEVEL)
+        x = tl.load(x_ptr + x_start[:, None] + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + g_start[:, None] + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
+        normed = x * tl.math.rsqrt(tl.sum(x * x, axis=1) / dim + eps)[:, None]
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        weighted = normed.to(x_ptr.dtype.element_ty).to(tl.float32) * w[None, :]  # _scale's Llama-style rounding
+        out_ptrs = out_ptr + rows[:, None] * dim + cols[None, :]
     if ROUND_WEIGHTED:  # ref's `weight * normed.to(dtype)` is in x's dtype unless w is wider
         weighted = weighted.to(x_ptr.dtype.element_ty).to(tl.float32)
     y = weighted * (gate * tl.sigmoid(gate))
-    tl.store(out_ptr + row * dim + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+MANY_ROWS = 4096  # from here on short rows share a program (prefill); decode keeps one row each
+ROW_TILE_ELEMENTS = 4096
+
+
+def rows_per_program(num_rows: int, block: int) -> int:
+    """1 for decode-sized launches; for many short rows, as many as fill ROW_TILE_ELEMENTS."""
+    if num_rows < MANY_ROWS:
+        return 1
+    return max(1, min(64, ROW_TILE_ELEMENTS // block))
 
 
 def row_layout(leading_shape: torch.Size, *tensors: torch.Tensor) -> tuple[int, int, list[tuple[int, int]]] | None:
@@ -298,12 +327,14 @@ def gated_rms_norm(
     if num_rows == 0 or dim == 0:
         return out
     block_d = triton.next_power_of_2(dim)
+    rows = rows_per_program(num_rows, block_d)
     use_pdl = pdl_enabled(x)
-    _gated_rms_norm_kernel[(num_rows,)](
+    _gated_rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x,
         gate,
         weight.contiguous(),
         out,
+        num_rows,
         rows_inner,
         sxo,
         sxi,
@@ -314,8 +345,9 @@ def gated_rms_norm(
         ROUND_WEIGHTED=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
         TWO_LEVEL=rows_inner > 1,
         BLOCK_D=block_d,
+        ROWS=rows,
         USE_PDL=use_pdl,
-        num_warps=num_warps or num_warps_for(block_d),
+        num_warps=num_warps or num_warps_for(rows * block_d),
         launch_pdl=use_pdl,
     )
     return out
