@@ -49,6 +49,33 @@ def test_varlen_prefill_matches_reference(dtype: torch.dtype, kernel: int) -> No
     assert torch.equal(state[2], initial[2])  # the empty request's slot
 
 
+@pytest.mark.parametrize("split", [(60, 60, 80), (200,), (1, 199), (120, 77, 3)])
+def test_split_outputs_are_contiguous_parts(split: tuple[int, ...]) -> None:
+    """The GDN's q, k, v written straight into their own contiguous matrices: the same values
+    as the unsplit output's column blocks, the same state update."""
+    lengths, slots = (5, 33, 2), torch.tensor([3, 0, 6])
+    x, weight, state = _inputs(sum(lengths), 4, num_slots=7, seed=9)
+    split_state, expected_state = state.clone(), state.clone()
+    whole = fast.causal_conv1d(x, weight, state, slots, lengths)
+    parts = fast.causal_conv1d(x, weight, split_state, slots, lengths, split)
+    expected = ref.causal_conv1d(x, weight, expected_state, slots, lengths, split)
+    assert len(parts) == len(split)
+    for part, ref_part, block, width in zip(parts, expected, whole.split(list(split), dim=-1), split):
+        assert part.shape == (sum(lengths), width) and part.is_contiguous()
+        assert torch.equal(part, block)
+        torch.testing.assert_close(part, ref_part, **_tolerance(torch.float32))
+    assert torch.equal(split_state, state) and torch.equal(split_state, expected_state)
+
+
+def test_split_must_cover_the_channels() -> None:
+    x, weight, state = _inputs(4, 4, num_slots=2, seed=10)
+    for bad in ((100, 99), (50, 50, 50, 50), (200, 0)):
+        with pytest.raises(ValueError):
+            fast.causal_conv1d(x, weight, state, torch.tensor([0]), (4,), bad)
+        with pytest.raises(ValueError):
+            ref.causal_conv1d(x, weight, state, torch.tensor([0]), (4,), bad)
+
+
 def test_chunks_shorter_than_the_state_chain_exactly() -> None:
     x, weight, state = _inputs(9, 4, num_slots=2, seed=11)
     whole_state = state.clone()

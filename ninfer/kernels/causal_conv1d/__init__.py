@@ -10,9 +10,10 @@ def causal_conv1d(
     conv_state: torch.Tensor,
     state_slots: torch.Tensor,
     query_lens: tuple[int, ...],
-) -> torch.Tensor:
+    split: tuple[int, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     impl = fast_impl(__name__, "causal_conv1d", x) or ref.causal_conv1d
-    return impl(x, weight, conv_state, state_slots, query_lens)
+    return impl(x, weight, conv_state, state_slots, query_lens, split)
 
 
 def causal_conv1d_update(

@@ -17,12 +17,20 @@ def causal_conv1d(
     conv_state: torch.Tensor,
     state_slots: torch.Tensor,
     query_lens: tuple[int, ...],
-) -> torch.Tensor:
+    split: tuple[int, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """x: [T, C] flat over requests; weight: [C, K]; conv_state: [num_slots, C, K-1] (updated in place).
 
     Request b owns rows sum(query_lens[:b]) ... + query_lens[b] and state slot state_slots[b].
-    Returns silu(conv(x)) [T, C].
+    Returns silu(conv(x)) [T, C]; with split (up to 3 channel counts), its column blocks as
+    separate contiguous [T, c] matrices (the GDN's q, k, v, which the chunked kernels read
+    contiguous).
     """
+    if split is not None:
+        if not 1 <= len(split) <= 3 or sum(split) != x.shape[1] or min(split) <= 0:
+            raise ValueError(f"split {split} must be 1 to 3 positive channel counts summing to {x.shape[1]}")
+        out = causal_conv1d(x, weight, conv_state, state_slots, query_lens)
+        return tuple(part.contiguous() for part in out.split(list(split), dim=-1))
     state_len = conv_state.shape[-1]
     weight_f = weight.float()
     out = torch.empty_like(x)

@@ -67,6 +67,15 @@ def _conv_update_kernel(
 
 
 @triton.jit
+def _store_part(out_ptr, y, rows, c, part_start, width, part_offset, mask):
+    """y's columns c in [part_start, part_start + width) into that part's [num_tokens, width]
+    matrix at part_offset elements. All three are kernel arguments, so Triton knows when they
+    are multiples of 16 and keeps the stores vectorized."""
+    in_part = (c >= part_start) & (c < part_start + width)
+    tl.store(out_ptr + part_offset + rows * width + (c - part_start)[None, :], y, mask=mask & in_part[None, :])
+
+
+@triton.jit
 def _conv_varlen_kernel(
     x_ptr,
     weight_ptr,
@@ -75,11 +84,17 @@ def _conv_varlen_kernel(
     cu_seqlens_ptr,
     out_ptr,
     stride_xt,
-    stride_ot,
     stride_wc,
     stride_slot,
     stride_sc,
     num_channels,
+    split1,
+    split2,
+    width0,
+    width1,
+    width2,
+    offset1,
+    offset2,
     K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -119,11 +134,21 @@ def _conv_varlen_kernel(
             tap = tl.load(weight_ptr + c * stride_wc + w, mask=mask_c, other=0.0).to(tl.float32)
             acc += (from_x.to(tl.float32) + from_state.to(tl.float32)) * tap[None, :]
         y = acc * tl.sigmoid(acc)
-        tl.store(
-            out_ptr + (bos + t)[:, None] * stride_ot + c[None, :],
-            y.to(out_ptr.dtype.element_ty),
-            mask=mask_t[:, None] & mask_c[None, :],
-        )
+        # Output parts [0, split1), [split1, split2), [split2, C) are stored one after another,
+        # each a contiguous [num_tokens, width] matrix (one part when split1 = split2 = C). One
+        # store per part this channel block overlaps, with that part's scalar start and width,
+        # so the addresses stay contiguous along the channels (16-byte stores).
+        y = y.to(out_ptr.dtype.element_ty)
+        rows = (bos + t)[:, None]
+        c_first = i_c * BLOCK_C
+        c_last = tl.minimum(c_first + BLOCK_C, num_channels) - 1
+        mask = mask_t[:, None] & mask_c[None, :]
+        if c_first < split1:
+            _store_part(out_ptr, y, rows, c, 0, width0, 0, mask)
+        if (c_last >= split1) & (c_first < split2):
+            _store_part(out_ptr, y, rows, c, split1, width1, offset1, mask)
+        if c_last >= split2:
+            _store_part(out_ptr, y, rows, c, split2, width2, offset2, mask)
 
         if i_t == 0:
             # New state column j = input at position length-(K-1)+j, from the old state if < 0.
@@ -147,6 +172,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> N
         raise ValueError("conv_state columns must be contiguous")
     if weight.shape[-1] != conv_state.shape[-1] + 1:
         raise ValueError(f"kernel {weight.shape[-1]} needs a state of {weight.shape[-1] - 1} columns")
+
+
+def split_widths(num_channels: int, split: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The output parts' channel counts (up to 3, summing to num_channels); one part without a split."""
+    if split is None:
+        return (num_channels,)
+    if not 1 <= len(split) <= 3 or sum(split) != num_channels or min(split) <= 0:
+        raise ValueError(f"split {split} must be 1 to 3 positive channel counts summing to {num_channels}")
+    return tuple(split)
 
 
 def causal_conv1d_update(
@@ -187,16 +221,26 @@ def causal_conv1d(
     conv_state: torch.Tensor,
     state_slots: torch.Tensor,
     query_lens: tuple[int, ...],
-) -> torch.Tensor:
-    """Same contract as ref.causal_conv1d (varlen, slot states updated in place)."""
+    split: tuple[int, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Same contract as ref.causal_conv1d (varlen, slot states updated in place), split included:
+    the parts are written straight into their own contiguous matrices (no copies)."""
     _check(x, weight, conv_state)
     num_tokens, num_channels = x.shape
-    out = torch.empty((num_tokens, num_channels), dtype=x.dtype, device=x.device)
+    widths = split_widths(num_channels, split)
+    buffer = torch.empty(num_tokens * num_channels, dtype=x.dtype, device=x.device)
+    bounds = [0]
+    for width in widths:
+        bounds.append(bounds[-1] + width)
+    parts = tuple(buffer[num_tokens * lo : num_tokens * hi].view(num_tokens, hi - lo) for lo, hi in zip(bounds, bounds[1:]))
+    out = parts if split is not None else parts[0]
     kernel = weight.shape[-1]
     if num_tokens == 0 or not query_lens:
         return out
     if BLOCK_T_PREFILL < kernel - 1:
         raise ValueError("the first token block must cover the whole state")
+    split1 = bounds[1] if len(widths) > 1 else num_channels
+    split2 = bounds[2] if len(widths) > 2 else num_channels
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
@@ -213,13 +257,19 @@ def causal_conv1d(
         conv_state,
         state_slots,
         cu_seqlens,
-        out,
+        buffer,
         x.stride(0),
-        out.stride(0),
         weight.stride(0),
         conv_state.stride(0),
         conv_state.stride(1),
         num_channels,
+        split1,
+        split2,
+        split1,
+        split2 - split1,
+        num_channels - split2,
+        num_tokens * split1,  # element offsets of parts 1 and 2 in the buffer
+        num_tokens * split2,
         K=kernel,
         BLOCK_T=BLOCK_T_PREFILL,
         BLOCK_C=BLOCK_C_PREFILL,

@@ -358,6 +358,39 @@ def _recurrent(q, k, v, g, beta, raw_gate_params, state, state_slots, query_lens
     return out
 
 
+FLA_CHUNK_SIZE = 64  # fla's chunk_gated_delta_rule default; its chunk_indices are in these units
+
+
+@functools.lru_cache(maxsize=16)
+def _varlen_metadata(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu_seqlens on the device, cu_seqlens on the host, chunk_indices on the device) for fla.
+
+    Built once per distinct set of request lengths (a prefill step's), then the same tensors
+    for every GDN layer of the step: fla's own chunk-index build copies to the device with a
+    stream sync in each call (one per layer, each draining the GPU queue), and its
+    identity-keyed caches hit when the tensors are the same objects. Nothing writes them.
+    """
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    cu_seqlens_cpu = torch.tensor(starts, dtype=torch.int64)
+    # [sequence, chunk within it] per chunk of FLA_CHUNK_SIZE tokens, as fla's prepare_chunk_indices
+    chunk_indices = torch.tensor(
+        [[seq, chunk] for seq, n in enumerate(lengths) for chunk in range(triton.cdiv(n, FLA_CHUNK_SIZE))],
+        dtype=torch.int64,
+    ).reshape(-1, 2)
+    pinned = device.type == "cuda"
+    if pinned:
+        cu_seqlens_host, chunk_indices = cu_seqlens_cpu.pin_memory(), chunk_indices.pin_memory()
+    else:
+        cu_seqlens_host = cu_seqlens_cpu
+    return (
+        cu_seqlens_host.to(device, non_blocking=pinned),
+        cu_seqlens_cpu,
+        chunk_indices.to(device, non_blocking=pinned),
+    )
+
+
 @functools.cache
 def _fla_chunk():
     """fla's chunked kernel, or None when flash-linear-attention is not installed."""
@@ -390,12 +423,8 @@ def chunk_gated_delta_rule(
     if num_tokens == 0:
         return torch.empty(v.shape, dtype=v.dtype, device=v.device)
     keep = [i for i, n in enumerate(query_lens) if n > 0]
-    starts = [0]
-    for i in keep:
-        starts.append(starts[-1] + query_lens[i])
     slots = state_slots if len(keep) == len(query_lens) else state_slots[torch.tensor(keep, device=q.device)]
-    cu_seqlens_cpu = torch.tensor(starts, dtype=torch.int64)
-    cu_seqlens = cu_seqlens_cpu.to(q.device, non_blocking=True)
+    cu_seqlens, cu_seqlens_cpu, chunk_indices = _varlen_metadata(tuple(query_lens[i] for i in keep), q.device)
     with torch.no_grad():
         out, final = fla_chunk(
             q.unsqueeze(0),
@@ -409,6 +438,7 @@ def chunk_gated_delta_rule(
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu,
+            chunk_indices=chunk_indices,
         )
     state[slots] = final.to(state.dtype)
     return out[0].to(v.dtype)

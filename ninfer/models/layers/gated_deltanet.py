@@ -55,11 +55,13 @@ class GatedDeltaNet(nn.Module):
         decode_only = batch.is_decode_only
 
         qkv, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)
+        split = (self.key_dim, self.key_dim, self.value_dim)
         if decode_only:
             qkv = causal_conv1d_update(qkv, conv_weight, conv_state, batch.state_slots)
+            q, k, v = qkv.split(split, dim=-1)
         else:
-            qkv = causal_conv1d(qkv, conv_weight, conv_state, batch.state_slots, batch.query_lens_cpu)
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            # Contiguous q, k, v straight from the conv: the chunked kernels would copy views.
+            q, k, v = causal_conv1d(qkv, conv_weight, conv_state, batch.state_slots, batch.query_lens_cpu, split)
         q = q.reshape(num_tokens, self.num_k_heads, self.k_head_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.k_head_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.v_head_dim)
