@@ -181,3 +181,21 @@ def test_through_dispatch_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
         assert _rel_err(out, _reference(static)) < TOLERANCE[torch.bfloat16], seq_lens
+
+
+@pytest.mark.parametrize("shape", ["qwen3.5-27b", "qwen3.5-35b-a3b", "llama-8b"])
+@pytest.mark.parametrize("query_len, context", [(2048, 0), (1500, 2500)])  # fresh prompt; chunk after a prefix
+def test_dense_prefill_on_flash_matches_ref(shape, query_len, context):
+    """One request's long chunk goes to SDPA (dense_prefill) through the dispatcher: same
+    reference error bound as the paged kernel, and it really took the flash path's shape."""
+    from ninfer.kernels.paged_attention import dense_prefill, paged_attention
+
+    case = _case([query_len], [context], shape, 16, torch.bfloat16, seed=query_len + context)
+    seq_len = query_len + context
+    hosts = dict(query_lens_cpu=(query_len,), seq_lens_cpu=(seq_len,))
+    assert dense_prefill.eligible(case["q"], case["k_cache"], *hosts.values())
+    want = _reference(case)
+    got = paged_attention(**case, **hosts)
+    assert got.shape == case["q"].shape and got.dtype == torch.bfloat16
+    assert _rel_err(got, want) < TOLERANCE[torch.bfloat16]
+    assert _rel_err(got, _fast(case)) < TOLERANCE[torch.bfloat16]  # and the paged kernel agrees

@@ -1,7 +1,7 @@
 import torch
 
 from ninfer.kernels.backend import fast_impl
-from ninfer.kernels.paged_attention import ref
+from ninfer.kernels.paged_attention import dense_prefill, ref
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -26,9 +26,13 @@ def paged_attention(
 
     The fast path reads only device tensors plus max_query_len (a grid size, fixed for a
     captured decode batch), so it can be replayed from a CUDA graph; the host copies
-    query_lens_cpu / seq_lens_cpu serve the reference alone.
+    query_lens_cpu / seq_lens_cpu serve the reference and pick dense_prefill (SDPA) for one
+    request's long prefill chunk.
     """
-    impl = fast_impl(__name__, "paged_attention", q) or ref.paged_attention
+    impl = fast_impl(__name__, "paged_attention", q)
+    if impl is not None and dense_prefill.eligible(q, k_cache, query_lens_cpu, seq_lens_cpu):
+        return dense_prefill.paged_attention(q, k_cache, v_cache, page_table, scale, seq_lens_cpu[0])
+    impl = impl or ref.paged_attention
     return impl(
         q,
         k_cache,

@@ -1,0 +1,65 @@
+"""Prefill attention of one long request on torch's SDPA (FlashAttention-2 on CUDA).
+
+Our Triton paged kernel runs prefill at ~310 TFLOP/s with head_dim 256, where SDPA's flash
+kernel reaches 600-656 on the H200 (docs/gpu-notes.md). A prefill chunk of a single request
+has its whole context in its own pages, so: gather those pages into contiguous K/V (2 x
+context x kv_heads x head_dim elements, small next to the attention's FLOPs), give every
+query head its KV head, and run SDPA causally with bottom-right alignment (the chunk's
+queries are the last query_len positions of the context). Batches of several requests,
+short chunks and decode stay on the paged kernel (which a CUDA graph replays).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention.bias import causal_lower_right
+
+MIN_QUERY_LEN = 1024  # shorter chunks: the gather and the launch are not worth it
+MAX_HEAD_DIM = 256  # FlashAttention-2's limit
+
+
+def eligible(
+    q: torch.Tensor, k_cache: torch.Tensor, query_lens: tuple[int, ...] | None, seq_lens: tuple[int, ...] | None
+) -> bool:
+    """One request's long chunk, 16-bit q and cache of one dtype, a head_dim flash takes."""
+    return (
+        query_lens is not None
+        and seq_lens is not None
+        and len(query_lens) == 1
+        and query_lens[0] >= MIN_QUERY_LEN
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and k_cache.dtype == q.dtype
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and q.shape[-1] % 8 == 0
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    scale: float,
+    seq_len: int,
+) -> torch.Tensor:
+    """q [T, H, D]: the last T of the request's seq_len positions; its pages are page_table row 0.
+    Returns [T, H, D] in q's dtype (the contract of ref.paged_attention for one request)."""
+    num_queries, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    pages = page_table[0, : triton.cdiv(seq_len, page_size)].long()
+    group = num_heads // num_kv_heads
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # [S, kv_heads, D] -> [1, H, S, D], query head h reading KV head h // group
+        context = cache.index_select(0, pages).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        return context.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+
+    query = q.transpose(0, 1).unsqueeze(0)
+    if seq_len == num_queries:
+        out = F.scaled_dot_product_attention(query, gather(k_cache), gather(v_cache), is_causal=True, scale=scale)
+    else:
+        mask = causal_lower_right(num_queries, seq_len)
+        out = F.scaled_dot_product_attention(query, gather(k_cache), gather(v_cache), attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1).contiguous()
