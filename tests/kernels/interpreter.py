@@ -41,7 +41,8 @@ def cpu_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 
     - triton.language's own helpers (tl.sum, tl.max, tl.sigmoid ...) are @jit functions
       built when triton was first imported (here, usually by transformers -> fla, not in
-      interpreter mode); calls to them from interpreted code go to an interpreted copy.
+      interpreter mode); calls to them from interpreted code go to an interpreted copy,
+      and the language patches such a call makes are undone when it returns.
     - The interpreter keeps scalars as 1-element arrays and converts them with int(), which
       numpy >= 2.4 refuses; loops over runtime bounds need the element itself.
     """
@@ -53,7 +54,13 @@ def cpu_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     def call(self, *args, **kwargs):
         if self.fn not in compiled:
             compiled[self.fn] = interpreter.InterpretedFunction(self.fn)
-        return compiled[self.fn](*args, **kwargs)
+        # InterpretedFunction.__call__ patches triton.language for the helper and never restores
+        # it; the leaked patches break later compilations (tests/kernels/test_pdl_launch.py).
+        scope = interpreter._patch_lang(self.fn)
+        try:
+            return compiled[self.fn](*args, **kwargs)
+        finally:
+            scope.restore()
 
     monkeypatch.setattr(JITFunction, "__call__", call)
     original = interpreter._patch_lang_tensor

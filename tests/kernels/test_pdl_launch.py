@@ -30,6 +30,7 @@ KERNEL_MODULES = {
     "attention_prep": ("_prepare_qkv_kernel",),
     "paged_attention": ("_paged_attention_kernel", "_merge_splits_kernel"),
     "moe": ("_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_combine_kernel"),
+    "gemv": ("_gemv_kernel", "_split_sum_kernel"),
 }
 ALL_KERNELS = {name for names in KERNEL_MODULES.values() for name in names}
 
@@ -107,6 +108,10 @@ def _call_every_wrapper(k) -> None:
     k["moe"].fused_experts(r(3, 64), weights, ids, gate_up, down)  # decode grouping
     prefill_ids = torch.randint(0, 16, (40, 4), generator=gen)
     k["moe"].fused_experts(r(40, 64), r(40, 4), prefill_ids, gate_up, down)  # 160 pairs: sorted by expert
+    fp8_weight = r(1024, 2048).to(torch.float8_e4m3fn)
+    k["gemv"].gemv(r(1, 2048), fp8_weight, r(1024, dtype=f32).abs())  # FMA path
+    k["gemv"].gemv(r(4, 2048), fp8_weight, r(1024, dtype=f32).abs())  # tensor-core path
+    k["gemv"].gemv(r(1, 4096), r(64, 4096))  # 64 rows: split K, then the split sum
 
 
 def _name(fn) -> str:
@@ -128,7 +133,7 @@ def test_no_pdl_on_cpu_tensors(launches) -> None:
         assert kwargs.get("USE_PDL") is False and kwargs.get("launch_pdl") is False, _name(fn)
 
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+_DTYPES = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 
 
 def _ptx(fn, args, kwargs) -> str:
