@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch.nn.attention.bias import causal_lower_right
 
 MIN_QUERY_LEN = 1024  # shorter chunks: the gather and the launch are not worth it
@@ -48,7 +47,7 @@ def paged_attention(
     Returns [T, H, D] in q's dtype (the contract of ref.paged_attention for one request)."""
     num_queries, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    pages = page_table[0, : triton.cdiv(seq_len, page_size)].long()
+    pages = page_table[0, : -(-seq_len // page_size)].long()  # no triton here: CPU installs may lack it
     group = num_heads // num_kv_heads
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
