@@ -23,7 +23,7 @@ How a program finds its rows:
   experts the step still reads every expert's weights, once per block, so emptier blocks
   cost bytes, not just FLOPs.
 - prefill on sm_90+ in bf16: the two matmuls run on torch's grouped GEMM instead (CUTLASS,
-  3x our Triton kernels' rate at 8K tokens), see _grouped_mm_experts.
+  2.4x our Triton kernels' rate at 8K tokens), see _grouped_mm_experts.
 """
 
 from __future__ import annotations
@@ -353,8 +353,8 @@ def _expert_rows_kernel(
     ids = tl.load(ids_ptr + pair, mask=valid, other=0)
     cell = ids * num_blocks + b
     first = tl.load(cumulative_ptr + cell, mask=valid, other=0) - tl.load(counts_ptr + cell, mask=valid, other=0)
-    ids_j = tl.load(ids_ptr + pair, mask=valid, other=-1)
-    earlier = (ids[:, None] == ids_j[None, :]) & (offs[None, :] < offs[:, None])
+    # Pairs past the end sit after every real pair of the block, so they are never "earlier".
+    earlier = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])
     row = first + tl.sum(earlier.to(tl.int32), axis=1)
     tl.store(sorted_tokens_ptr + row, (pair // TOP_K).to(tl.int64), mask=valid)
     tl.store(rows_ptr + pair, row.to(tl.int64), mask=valid)
