@@ -94,6 +94,7 @@ def test_sigmoid_mul_many_rows_share_programs(monkeypatch: pytest.MonkeyPatch) -
         (out, attention_gate),  # 36 two-level strided rows of 128: 32 per program
         (_randn(37, 1100, seed=14, dtype=torch.bfloat16), _randn(37, 1100, seed=15, dtype=torch.bfloat16)),
         (_randn(40, 300, seed=16, dtype=torch.bfloat16), _randn(40, 7, seed=17, dtype=torch.bfloat16)[:, 2:3]),
+        (_randn(40, 1, seed=18, dtype=torch.bfloat16), _randn(40, 1, seed=19, dtype=torch.bfloat16)),  # 64 rows of 1
     ]
     one_row = [fast.sigmoid_mul(x, gate) for x, gate in cases]
     monkeypatch.setitem(fast.rows_per_program.__globals__, "MANY_ROWS", 16)

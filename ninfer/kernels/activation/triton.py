@@ -172,7 +172,7 @@ def sigmoid_mul(
         BLOCK_N=block_n,
         ROWS=rows,
         USE_PDL=use_pdl,
-        num_warps=num_warps or (default_warps if rows == 1 else min(8, rows * block_n // 256)),
+        num_warps=num_warps or (default_warps if rows == 1 else max(1, min(8, rows * block_n // 256))),
         launch_pdl=use_pdl,
     )
     return out
