@@ -44,5 +44,9 @@ def test_eligible_only_for_one_long_16_bit_chunk() -> None:
     assert not dense_prefill.eligible(q[:100], cache, (100,), (5000,))  # short chunk
     assert not dense_prefill.eligible(q.float(), cache.float(), (2048,), (2048,))  # fp32
     assert not dense_prefill.eligible(q, cache, None, None)  # no host lengths
+    # K and V gathered for every query head must fit MAX_GATHER_BYTES: 4 heads x 128 x 2 bytes x 2
+    per_token = 4 * 128 * 2 * 2
+    assert dense_prefill.eligible(q, cache, (2048,), (dense_prefill.MAX_GATHER_BYTES // per_token,))
+    assert not dense_prefill.eligible(q, cache, (2048,), (dense_prefill.MAX_GATHER_BYTES // per_token + 1,))
     wide = torch.empty(2048, 4, 512, dtype=torch.bfloat16)
     assert not dense_prefill.eligible(wide, torch.empty(1, 16, 2, 512, dtype=torch.bfloat16), (2048,), (2048,))

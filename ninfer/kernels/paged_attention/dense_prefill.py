@@ -6,7 +6,7 @@ has its whole context in its own pages, so: gather those pages into contiguous K
 context x kv_heads x head_dim elements, small next to the attention's FLOPs), give every
 query head its KV head, and run SDPA causally with bottom-right alignment (the chunk's
 queries are the last query_len positions of the context). Batches of several requests,
-short chunks and decode stay on the paged kernel (which a CUDA graph replays).
+short chunks, long contexts and decode stay on the paged kernel (which a CUDA graph replays).
 """
 
 from __future__ import annotations
@@ -17,17 +17,23 @@ from torch.nn.attention.bias import causal_lower_right
 
 MIN_QUERY_LEN = 1024  # shorter chunks: the gather and the launch are not worth it
 MAX_HEAD_DIM = 256  # FlashAttention-2's limit
+# The gathered K and V, one copy per query head, are temporaries: at most this many bytes, so
+# a long context (which the paged kernel reads in place) cannot eat the activation headroom
+# the KV pool leaves (1 GiB with --kv-capacity auto). An 8K prompt of Qwen3.5 needs 134-201 MiB.
+MAX_GATHER_BYTES = 256 << 20
 
 
 def eligible(
     q: torch.Tensor, k_cache: torch.Tensor, query_lens: tuple[int, ...] | None, seq_lens: tuple[int, ...] | None
 ) -> bool:
-    """One request's long chunk, 16-bit q and cache of one dtype, a head_dim flash takes."""
+    """One request's long chunk over a context of bounded size, 16-bit q and cache of one
+    dtype, a head_dim flash takes."""
     return (
         query_lens is not None
         and seq_lens is not None
         and len(query_lens) == 1
         and query_lens[0] >= MIN_QUERY_LEN
+        and 2 * seq_lens[0] * q.shape[1] * q.shape[2] * q.element_size() <= MAX_GATHER_BYTES
         and q.dtype in (torch.bfloat16, torch.float16)
         and k_cache.dtype == q.dtype
         and q.shape[-1] <= MAX_HEAD_DIM
