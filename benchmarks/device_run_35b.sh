@@ -12,5 +12,5 @@ rm -f "$OUT/b35/bench.png"
 timeout 200 python3 -m ninfer.cli bench --shapes 35b-a3b --weights bf16 --batches 1 --contexts 4096 \
     --prefill 8192,65536 --decode-rounds 10 --peer none --profile --out "$OUT/b35p" > "$OUT/b35p.log" 2>&1
 echo "bench 35b prefill exit $? ($(( $(date +%s) - T0 ))s)" >> "$OUT/b35p.log"
-rm -f "$OUT/b35p/bench.png" "$OUT"/b35p/trace-*b1-4096*
+rm -f "$OUT/b35p/bench.png" "$OUT"/b35p/*b1-4096*  # at most 8 files come back
 grep -hE "tok/s|failed|Error" "$OUT/b35.log" "$OUT/b35p.log" | tail -40
