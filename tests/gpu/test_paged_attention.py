@@ -186,8 +186,8 @@ def test_through_dispatch_in_a_cuda_graph():
 @pytest.mark.parametrize("shape", ["qwen3.5-27b", "qwen3.5-35b-a3b", "llama-8b"])
 @pytest.mark.parametrize("query_len, context", [(2048, 0), (1500, 2500)])  # fresh prompt; chunk after a prefix
 def test_dense_prefill_on_flash_matches_ref(shape, query_len, context):
-    """One request's long chunk goes to SDPA (dense_prefill) through the dispatcher: same
-    reference error bound as the paged kernel, and it really took the flash path's shape."""
+    """One request's long chunk goes to SDPA (dense_prefill) through the dispatcher (eligible,
+    asserted): same reference error bound as the paged kernel, and close to the paged kernel."""
     from ninfer.kernels.paged_attention import dense_prefill, paged_attention
 
     case = _case([query_len], [context], shape, 16, torch.bfloat16, seed=query_len + context)

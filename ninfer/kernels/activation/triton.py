@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
-from ninfer.kernels.rms_norm.triton import rows_per_program, strided_rows
+from ninfer.kernels.rms_norm.triton import _row_start, rows_per_program, strided_rows
 
 MAX_BLOCK_N = 1024
 
@@ -29,15 +29,6 @@ def block_config(num_cols: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps): up to 1024 columns, 8 columns (one 16-byte bf16 load) per thread."""
     block_n = min(MAX_BLOCK_N, triton.next_power_of_2(num_cols))
     return block_n, max(1, block_n // 256)
-
-
-@triton.jit
-def _row_start(row, rows_inner, stride_outer, stride_inner, TWO_LEVEL: tl.constexpr):
-    """Element offset of row `row` in a tensor whose rows are (row // rows_inner, row % rows_inner)."""
-    if TWO_LEVEL:
-        return (row // rows_inner) * stride_outer + (row % rows_inner) * stride_inner
-    else:
-        return row * stride_outer
 
 
 @triton.jit

@@ -161,8 +161,7 @@ def _gated_rms_norm_kernel(
         x = tl.load(x_ptr + x_start[:, None] + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
         gate = tl.load(gate_ptr + g_start[:, None] + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
         normed = x * tl.math.rsqrt(tl.sum(x * x, axis=1) / dim + eps)[:, None]
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        weighted = normed.to(x_ptr.dtype.element_ty).to(tl.float32) * w[None, :]  # _scale's Llama-style rounding
+        weighted = _scale(normed, w_ptr, cols, mask, x_ptr.dtype.element_ty, False)  # w broadcasts over rows
         out_ptrs = out_ptr + rows[:, None] * dim + cols[None, :]
     if ROUND_WEIGHTED:  # ref's `weight * normed.to(dtype)` is in x's dtype unless w is wider
         weighted = weighted.to(x_ptr.dtype.element_ty).to(tl.float32)
