@@ -43,6 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 from ninfer.kernels.gemv import ref  # noqa: E402
 from ninfer.kernels.gemv import triton as gemv_fast  # noqa: E402
+from timing import copy_bandwidth, median_seconds  # noqa: E402  benchmarks/kernels/timing.py (run as a script)
+
+
+def median_call_seconds(calls, replays: int) -> float:
+    """Median time per call of a CUDA graph that runs every callable in `calls` once."""
+    return median_seconds(lambda: [fn() for fn in calls], replays=replays) / len(calls)
 
 Config = gemv_fast.Config
 FP8 = torch.float8_e4m3fn
@@ -193,46 +199,6 @@ def make_weight(n: int, k: int, kind: str, gen: torch.Generator):
     scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
     quantized = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * 128, kb * 128)
     return quantized[:n, :k].contiguous().to(FP8), scale
-
-
-def median_call_seconds(calls, replays: int) -> float:
-    """Median time per call of a CUDA graph that runs every callable in `calls` once."""
-    for fn in calls:  # warm-up and compile outside the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del graph
-    return statistics.median(times) / len(calls)
-
-
-def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * num_bytes / statistics.median(times)
 
 
 def exact_fp32(x, weight, scale) -> torch.Tensor:

@@ -22,7 +22,6 @@ import argparse
 import functools
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,29 +32,20 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ninfer.kernels.paged_attention import triton as kernels  # noqa: E402
+from timing import copy_bandwidth, median_seconds  # noqa: E402  benchmarks/kernels/timing.py (run as a script)
+
+
+def time_graph(fn, reps: int = 30) -> float:
+    return median_seconds(fn, replays=reps)
+
+
+def time_eager(fn, reps: int = 20) -> float:
+    return median_seconds(fn, replays=reps, graph=False)
 
 SHAPES = {"qwen3.5-27b": (24, 4, 256), "qwen3.5-35b-a3b": (16, 2, 256), "llama-8b": (32, 8, 128)}
 PAGE_SIZE = 16
 DTYPE = torch.bfloat16
 L2_BYTES = 60 << 20
-
-
-def copy_bandwidth(size_bytes: int = 2 << 30, reps: int = 20) -> float:
-    """Bytes read + written per second by a device-to-device copy (median of reps)."""
-    src = torch.randn(size_bytes // 4, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * size_bytes / statistics.median(times)
 
 
 class Layers:
@@ -127,42 +117,6 @@ class Layers:
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-
-def time_graph(fn, reps: int = 30) -> float:
-    """Median seconds of one replay of fn captured in a CUDA graph (after warm-up)."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del graph
-    return statistics.median(times)
-
-
-def time_eager(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def num_layers_for(bytes_per_layer: int) -> int:
