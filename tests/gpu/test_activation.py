@@ -13,6 +13,7 @@ import torch
 
 from ninfer.kernels.activation import ref, sigmoid_mul, silu_and_mul
 from ninfer.kernels.backend import fast_impl
+from tests.gpu.graph_replay import assert_replay_equals_eager
 from tests.ulp import assert_matches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -99,20 +100,7 @@ def test_activations_replay_in_a_cuda_graph() -> None:
             sigmoid_mul(t["shared"], t["shared_gate"]),
         ]
 
-    static = fresh(0)
-    step(static)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step(static)
-    for seed in (100, 200, 300):
-        new = fresh(seed)
-        for name, tensor in new.items():
-            static[name].copy_(tensor)
-        graph.replay()
-        eager = step(new)
-        for replayed, expected in zip(static_out, eager):
-            assert torch.equal(replayed, expected)
+    assert_replay_equals_eager(step, fresh)
 
 
 def test_sigmoid_mul_prefill_rows_share_programs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from ninfer.kernels.backend import fast_impl
 from ninfer.kernels.rms_norm import add_rms_norm, gated_rms_norm, ref, rms_norm
+from tests.gpu.graph_replay import assert_replay_equals_eager
 from tests.ulp import MANTISSA_BITS, assert_matches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -183,17 +184,4 @@ def test_norms_replay_in_a_cuda_graph() -> None:
             gated_rms_norm(t["core"], t["z"], w_gdn, EPS),
         ]
 
-    static = fresh(0)
-    step(static)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step(static)
-    for seed in (100, 200, 300):
-        new = fresh(seed)
-        for name, tensor in new.items():
-            static[name].copy_(tensor)
-        graph.replay()
-        eager = step(new)
-        for replayed, expected in zip(static_out, eager):
-            assert torch.equal(replayed, expected)
+    assert_replay_equals_eager(step, fresh)
