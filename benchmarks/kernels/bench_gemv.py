@@ -164,21 +164,53 @@ def sweep_configs(m: int, n: int, k: int, kind: str, num_sms: int, quick: bool =
     return configs
 
 
-def plan(quick: bool, num_sms: int = NUM_SMS_H200) -> list[tuple[str, int, str, list[Config]]]:
+def wide_configs(m: int, n: int, k: int, kind: str, num_sms: int) -> list[Config]:
+    """--wide: the heuristic's config, then every FMA tile (rows per program, K step and
+    warps, 1 or 2 vectors per thread and row, weight prefetch off and on) and the DOT
+    neighbours that sweep_configs would try."""
+    base = gemv_fast._config(m, n, k, weight_dtype(kind), num_sms)
+    vec = 16 // (2 if kind == "bf16" else 1)
+    grid = [
+        Config(block_n, vec * 32 * warps * vectors, warps, 1, False, 1, prefetch)
+        for block_n in (1, 2, 4, 8)
+        for warps in (1, 2, 4, 8)
+        for vectors in (1, 2)
+        for prefetch in (False, True)
+    ]
+    # Keep the split-K of the heuristic where it split (small N).
+    grid = [cfg._replace(split_k=base.split_k) if not base.use_dot else cfg for cfg in grid]
+    configs, seen = [base], {base}
+    for cfg in grid + sweep_configs(m, n, k, kind, num_sms)[1:]:
+        if cfg not in seen and valid(cfg, k, kind, m) and cfg.block_k <= max(vec * 32, 1 << (k - 1).bit_length()):
+            seen.add(cfg)
+            configs.append(cfg)
+    return configs
+
+
+def plan(
+    quick: bool,
+    num_sms: int = NUM_SMS_H200,
+    wide: bool = False,
+    shapes: list[str] | None = None,
+    batches: list[int] | None = None,
+    kinds: list[str] | None = None,
+) -> list[tuple[str, int, str, list[Config]]]:
     cases = []
-    for name in QUICK_SHAPES if quick else SHAPES:
+    for name in shapes or (QUICK_SHAPES if quick else SHAPES):
         if name in DUPLICATE_SHAPES:
             continue
         n, k = SHAPES[name]
-        for m in QUICK_BATCHES if quick else BATCHES:
-            for kind in KINDS:
-                cases.append((name, m, kind, sweep_configs(m, n, k, kind, num_sms, quick)))
+        for m in batches or (QUICK_BATCHES if quick else BATCHES):
+            for kind in kinds or KINDS:
+                configs = wide_configs(m, n, k, kind, num_sms) if wide else sweep_configs(m, n, k, kind, num_sms, quick)
+                cases.append((name, m, kind, configs))
     return cases
 
 
 def config_str(cfg: Config) -> str:
     path = "dot" if cfg.use_dot else "fma"
-    return f"{path} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} split{cfg.split_k}"
+    prefetch = " pf" if cfg.prefetch else ""
+    return f"{path} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} split{cfg.split_k}{prefetch}"
 
 
 # ---------------------------------------------------------------- GPU parts
@@ -413,12 +445,26 @@ def main() -> None:
     parser.add_argument("--plan", action="store_true", help="print cases, configs, a time estimate; no GPU needed")
     parser.add_argument("--no-pdl", action="store_true", help="launch without PDL throughout (NINFER_PDL=0)")
     parser.add_argument("--compile-workers", type=int, default=12, help="pre-compiling processes (0: none)")
+    parser.add_argument("--wide", action="store_true", help="every FMA tile (see wide_configs), not just neighbours")
+    parser.add_argument("--shapes", help=f"comma-separated subset of {', '.join(SHAPES)}")
+    parser.add_argument("--batches", help="comma-separated M values")
+    parser.add_argument("--kinds", help=f"comma-separated subset of {', '.join(KINDS)}")
     args = parser.parse_args()
+    selection = dict(
+        wide=args.wide,
+        shapes=args.shapes.split(",") if args.shapes else None,
+        batches=[int(m) for m in args.batches.split(",")] if args.batches else None,
+        kinds=args.kinds.split(",") if args.kinds else None,
+    )
+    unknown = [name for name in selection["shapes"] or [] if name not in SHAPES]
+    unknown += [kind for kind in selection["kinds"] or [] if kind not in KINDS]
+    if unknown:
+        parser.error(f"unknown shape or kind: {', '.join(unknown)}")
     if args.no_pdl:
         os.environ["NINFER_PDL"] = "0"
     pdl_wanted = os.environ.get("NINFER_PDL", "1") != "0"
     if args.plan:
-        cases = plan(args.quick)
+        cases = plan(args.quick, **selection)
         variants = timed_variants(cases, pdl_wanted, pdl_ab=True)
         for name, m, kind, cfgs in cases:
             print(name, m, kind, "; ".join(config_str(c) for c in cfgs))
@@ -432,7 +478,7 @@ def main() -> None:
         return
     started = time.time()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cases = plan(args.quick, num_sms)
+    cases = plan(args.quick, num_sms, **selection)
     pdl = gemv_fast.pdl_enabled(torch.empty(1, device="cuda"))
     variants = timed_variants(cases, pdl, pdl_ab=True)
     if args.compile_workers > 0:

@@ -143,6 +143,10 @@ CONFIG_CASES = [
     ("35b_gdn_out_proj", "fp8_rows", 1, None),
     ("27b_o_proj", "fp8_rows", 2, None),
     ("27b_o_proj", "fp8_rows", 16, fast.Config(128, 256, 2, 3, True, 2)),
+    # FMA with the next weight tile loaded early (the first before the PDL wait), split-K too
+    ("27b_o_proj", "fp8_channel", 1, fast.Config(4, 1024, 2, 1, prefetch=True)),
+    ("27b_mlp_down", "bf16", 1, fast.Config(4, 2048, 4, 1, prefetch=True)),
+    ("35b_gdn_out_proj", "fp8_block", 2, fast.Config(2, 2048, 2, 1, split_k=4, prefetch=True)),
 ]
 
 

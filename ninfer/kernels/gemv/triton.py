@@ -59,7 +59,8 @@ _SCALE_NONE, _SCALE_CHANNEL, _SCALE_BLOCK = 0, 1, 2
 
 
 class Config(NamedTuple):
-    """One launch shape. block_k: K elements per loop step; split_k: programs along K.
+    """One launch shape. block_k: K elements per loop step; split_k: programs along K;
+    prefetch (FMA): load the first weight tile before the PDL wait.
     FP8 DOT: block_n >= 16 (the MMA's rows), best a multiple of 16 * num_warps (else the
     warps split x's columns and each converts the same weights)."""
 
@@ -69,6 +70,7 @@ class Config(NamedTuple):
     num_stages: int = 1
     use_dot: bool = False
     split_k: int = 1
+    prefetch: bool = False
 
 
 @triton.constexpr_function
@@ -152,6 +154,52 @@ def _load_x(x_ptrs, k0, r, K, VEC: tl.constexpr, VEC_X: tl.constexpr, EVEN_K: tl
 
 
 @triton.jit
+def _load_w(w_ptrs, k0, k_in_tile, K, EVEN_K: tl.constexpr):
+    """The [R, 1, BLOCK_N, VEC] weight tile at k0 (zeros past K)."""
+    if EVEN_K:
+        return tl.load(w_ptrs)
+    return tl.load(w_ptrs, mask=(k0 + k_in_tile) < K, other=0.0)
+
+
+@triton.jit
+def _fma_part(
+    w,
+    x_ptrs,
+    scale_ptr,
+    n_load,
+    k0,
+    r,
+    K,
+    stride_sn,
+    SCALE: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    SPLIT_X: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """One step of _fma_tile: the loaded weight tile times x -> [R, BLOCK_M, BLOCK_N] sums of VEC products."""
+    R: tl.constexpr = w.shape[0]
+    VEC_X: tl.constexpr = VEC // SPLIT_X
+    w = _to_fp32(w)
+    if SPLIT_X == 1:
+        part = tl.sum(_load_x(x_ptrs, k0, r, K, VEC, VEC_X, EVEN_K) * w, axis=3)
+    else:
+        # Split each thread's VEC weights into halves in registers (no data movement).
+        w_lo, w_hi = tl.split(tl.permute(tl.reshape(w, [R, 1, BLOCK_N, 2, VEC_X]), [0, 1, 2, 4, 3]))
+        part = tl.sum(_load_x(x_ptrs, k0, r, K, VEC, VEC_X, EVEN_K) * w_lo, axis=3)
+        part += tl.sum(_load_x(x_ptrs + VEC_X, k0 + VEC_X, r, K, VEC, VEC_X, EVEN_K) * w_hi, axis=3)
+    if SCALE == 2:
+        # A VEC-wide vector never straddles a 128-wide K block. Clamped: masked tails
+        # past K would name a block column that does not exist (their sums are 0).
+        # Scale row n // SCALE_ROWS: 128 x 128 blocks (128) or row blocks (1).
+        kb = tl.minimum((k0 + r * VEC) // 128, (K - 1) // 128)
+        s = tl.load(scale_ptr + (n_load // SCALE_ROWS)[None, :] * stride_sn + kb[:, None])
+        part = part * s[:, None, :]
+    return part
+
+
+@triton.jit
 def _fma_tile(
     x_ptr,
     w_ptr,
@@ -171,8 +219,16 @@ def _fma_tile(
     VEC: tl.constexpr,
     SPLIT_X: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """-> fp32 [BLOCK_M, BLOCK_N]: sum over k in [k_start, k_end) of x[m, k] * w[n, k] (block-scaled)."""
+    """-> fp32 [BLOCK_M, BLOCK_N]: sum over k in [k_start, k_end) of x[m, k] * w[n, k] (block-scaled).
+
+    Waits for the previous kernel (pdl_sync) before reading x. PREFETCH: the weight is
+    read-only for the whole launch chain, so the first weight tile is loaded before that
+    wait: its bytes stream in while the previous kernel (in a decode step a short, latency-
+    bound one) runs, instead of after it. The sums are the same, in the same order.
+    """
     R: tl.constexpr = BLOCK_K // VEC
     r = tl.arange(0, R)
     v = tl.arange(0, VEC)
@@ -181,8 +237,8 @@ def _fma_tile(
     # spread threads along R for both loads (one warp reads 32 consecutive 16-byte vectors
     # of a weight row), so x arrives already in the weight's layout (no shared-memory
     # conversion in the loop) and the VEC axis stays inside one thread.
-    kk = (k_start + r[:, None, None, None] * VEC + v[None, None, None, :]).to(tl.int64)
-    w_ptrs = w_ptr + n_load.to(tl.int64)[None, None, :, None] * K + kk
+    k_in_tile = r[:, None, None, None] * VEC + v[None, None, None, :]
+    w_ptrs = w_ptr + n_load.to(tl.int64)[None, None, :, None] * K + (k_start + k_in_tile).to(tl.int64)
     # x is read as SPLIT_X pieces of VEC // SPLIT_X (16 bytes each when the weight is FP8
     # and x is bf16), so each x load keeps the weight's thread layout.
     VEC_X: tl.constexpr = VEC // SPLIT_X
@@ -191,28 +247,21 @@ def _fma_tile(
     # Per (vector, row, column) sums: the VEC products are summed in registers every step,
     # the R vectors of a column only once after the loop.
     acc = tl.zeros([R, BLOCK_M, BLOCK_N], dtype=tl.float32)
-    last_kb = (K - 1) // 128
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=(k0 + r[:, None, None, None] * VEC + v[None, None, None, :]) < K, other=0.0)
-        w = _to_fp32(w)
-        if SPLIT_X == 1:
-            part = tl.sum(_load_x(x_ptrs, k0, r, K, VEC, VEC_X, EVEN_K) * w, axis=3)
-        else:
-            # Split each thread's VEC weights into halves in registers (no data movement).
-            w_lo, w_hi = tl.split(tl.permute(tl.reshape(w, [R, 1, BLOCK_N, 2, VEC_X]), [0, 1, 2, 4, 3]))
-            part = tl.sum(_load_x(x_ptrs, k0, r, K, VEC, VEC_X, EVEN_K) * w_lo, axis=3)
-            part += tl.sum(_load_x(x_ptrs + VEC_X, k0 + VEC_X, r, K, VEC, VEC_X, EVEN_K) * w_hi, axis=3)
-        if SCALE == 2:
-            # A VEC-wide vector never straddles a 128-wide K block. Clamped: masked tails
-            # past K would name a block column that does not exist (their sums are 0).
-            # Scale row n // SCALE_ROWS: 128 x 128 blocks (128) or row blocks (1).
-            kb = tl.minimum((k0 + r * VEC) // 128, last_kb)
-            s = tl.load(scale_ptr + (n_load // SCALE_ROWS)[None, :] * stride_sn + kb[:, None])
-            part = part * s[:, None, :]
-        acc += part
+    loop_start = k_start
+    if PREFETCH:
+        w_first = _load_w(w_ptrs, k_start, k_in_tile, K, EVEN_K)
+    pdl_sync(USE_PDL)  # x comes from the previous kernel
+    if PREFETCH:
+        # Splits are never empty (gemv sizes them), so the first step always exists.
+        acc += _fma_part(w_first, x_ptrs, scale_ptr, n_load, k_start, r, K, stride_sn,
+                         SCALE, SCALE_ROWS, BLOCK_N, VEC, SPLIT_X, EVEN_K)  # fmt: skip
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        loop_start += BLOCK_K
+    for k0 in range(loop_start, k_end, BLOCK_K):
+        w = _load_w(w_ptrs, k0, k_in_tile, K, EVEN_K)
+        acc += _fma_part(w, x_ptrs, scale_ptr, n_load, k0, r, K, stride_sn,
+                         SCALE, SCALE_ROWS, BLOCK_N, VEC, SPLIT_X, EVEN_K)  # fmt: skip
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     return tl.sum(acc, axis=0)
@@ -337,6 +386,7 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     EVEN_M: tl.constexpr,
     FP8_ASM: tl.constexpr,
+    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
@@ -349,8 +399,8 @@ def _gemv_kernel(
     m_load = tl.minimum(m, M - 1)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    pdl_sync(USE_PDL)  # x (and anything else) may come from the previous kernel
     if USE_DOT:
+        pdl_sync(USE_PDL)  # x (and anything else) may come from the previous kernel
         acc = _dot_tile(
             x_ptr, w_ptr, scale_ptr, m, M, n_load, k_start, k_end, K, stride_xm, stride_sn,
             SCALE, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K, K_SUB, EVEN_K, EVEN_M, FP8_ASM,
@@ -358,7 +408,7 @@ def _gemv_kernel(
     else:
         acc = _fma_tile(
             x_ptr, w_ptr, scale_ptr, m_load, n_load, k_start, k_end, K, stride_xm, stride_sn,
-            SCALE, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K, VEC, SPLIT_X, EVEN_K,
+            SCALE, SCALE_ROWS, BLOCK_M, BLOCK_N, BLOCK_K, VEC, SPLIT_X, EVEN_K, PREFETCH, USE_PDL,
         )  # fmt: skip
     if SCALE == 1:
         acc = acc * tl.load(scale_ptr + n_load)[None, :]
@@ -465,16 +515,28 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> 
         num_warps = max(1, min(4, block_k // (32 * vec)))
         # 4 rows: 4 x 16-byte loads in flight per thread per step; fewer for small N.
         block_n = 4
+        if fp8 and K % 1024 == 0:
+            # Measured at M = 1 (bench_gemv --wide, 27B shapes, PDL chain): wide matrices
+            # (N / 8 > 5 programs per SM) are fastest as 1-warp programs of 2 rows x 1 KiB
+            # steps (-1 to -3 % against 4 rows on 2 warps); narrow ones as 4-warp programs
+            # of 8 rows x 2 KiB steps: 5120 x 6144 12.8 -> 9.7 us, 5120 x 17408 32.8 -> 23.6
+            # (17 KiB rows: the last step is masked, still the fastest measured).
+            if triton.cdiv(N, 8) > 5 * num_sms:
+                block_n, block_k, num_warps = 2, 1024, 1
+            else:
+                block_n, block_k, num_warps = 8, 2048, 4
         while block_n > 1 and triton.cdiv(N, block_n) < target_programs:
             block_n //= 2
         num_stages = 1  # the FMA loop's loads are not pipelined by Triton: residency hides latency
+        # Prefetch (below): the first weight tile before the PDL wait, so the stream starts
+        # while the short kernel before the GEMV (a norm, the conv, silu * mul) runs.
     programs = triton.cdiv(N, block_n)
     split_k = 1
     if programs < 2 * num_sms:
         # Under two programs per SM even with the narrowest tile: split K into fp32
         # partials (one more launch), keeping >= 2 steps per split.
         split_k = min(triton.next_power_of_2(triton.cdiv(2 * num_sms, programs)), _pow2_floor(K // (2 * block_k)))
-    return Config(block_n, block_k, num_warps, num_stages, use_dot, split_k)
+    return Config(block_n, block_k, num_warps, num_stages, use_dot, split_k, prefetch=not use_dot)
 
 
 @functools.cache
@@ -575,6 +637,7 @@ def gemv(
         EVEN_K=even_k,
         EVEN_M=M == block_m,
         FP8_ASM=x.is_cuda,  # inline PTX: not for the CPU interpreter
+        PREFETCH=cfg.prefetch and not cfg.use_dot,
         USE_PDL=use_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
