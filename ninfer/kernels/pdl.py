@@ -6,6 +6,14 @@ while the previous one drains: its programs start, then wait in `gdc_wait()` unt
 previous grid has completed and its writes are visible. Kernels that take USE_PDL call
 `pdl_sync()` before their first load of anything an earlier kernel wrote.
 NINFER_PDL=0 turns it off (A/B measurements, debugging).
+
+Loads that may come before pdl_sync: what the previous launch cannot be writing. A program
+of kernel N starts only after every program of kernel N-1 has passed its own pdl_sync, so
+kernels N-2 and earlier are complete and their writes visible; only N-1 may still run.
+Weights (never written during a step) and state that only the same kernel writes (one step
+earlier: the GDN recurrent and conv states) are loaded before the wait by the norms, the
+conv update, the recurrent kernel and the GEMV's first weight tile, so that their HBM
+latency overlaps the previous kernel. Stores never come before the wait.
 """
 
 from __future__ import annotations

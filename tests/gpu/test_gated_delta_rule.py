@@ -91,7 +91,7 @@ def test_varlen_metadata_matches_fla() -> None:
     from ninfer.kernels.gated_delta_rule.triton import FLA_CHUNK_SIZE, _varlen_metadata
 
     lengths = (65, 1, 1000, 64, 63)
-    cu_seqlens, _, chunk_indices = _varlen_metadata(lengths, torch.device("cuda"))
+    cu_seqlens, chunk_indices = _varlen_metadata(lengths, torch.device("cuda"))
     assert torch.equal(chunk_indices, prepare_chunk_indices(cu_seqlens, FLA_CHUNK_SIZE))
 
 

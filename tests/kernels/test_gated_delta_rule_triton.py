@@ -106,8 +106,9 @@ def test_varlen_metadata_for_fla_is_built_once_per_lengths() -> None:
     for every GDN layer of a step, so fla neither copies nor syncs per layer."""
     from ninfer.kernels.gated_delta_rule.triton import _varlen_metadata
 
-    cu_seqlens, cu_seqlens_cpu, chunk_indices = _varlen_metadata((5, 64, 130), torch.device("cpu"))
-    assert cu_seqlens.tolist() == cu_seqlens_cpu.tolist() == [0, 5, 69, 199]
+    cu_seqlens, chunk_indices = _varlen_metadata((5, 64, 130), torch.device("cpu"))
+    assert cu_seqlens.tolist() == [0, 5, 69, 199]
     assert chunk_indices.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [2, 2]]
-    assert _varlen_metadata((5, 64, 130), torch.device("cpu"))[2] is chunk_indices
-    assert _varlen_metadata((5, 64, 131), torch.device("cpu"))[2] is not chunk_indices
+    assert _varlen_metadata((5, 64, 130), torch.device("cpu"))[1] is chunk_indices
+    assert _varlen_metadata((5, 64, 130), torch.device("cpu"))[0] is cu_seqlens
+    assert _varlen_metadata((5, 64, 131), torch.device("cpu"))[1] is not chunk_indices

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+from ninfer.kernels.varlen import start_offsets
 
 BLOCK_C_DECODE = 256
 # [16, 256] tiles over 8 warps: 128 registers, 16-byte loads of x, no spills (sm_90 build);
@@ -45,22 +46,30 @@ def _conv_update_kernel(
     num_channels,
     K: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    STATE_COLS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_sync(USE_PDL)  # before the first global load or store
     i_b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = c < num_channels
+    # Before the wait (see ninfer.kernels.pdl): the slot, the weights and the state, which
+    # only this kernel writes (one step earlier); x is the previous kernel's output.
     slot = tl.load(slots_ptr + i_b).to(tl.int64)
-    x_new = tl.load(x_ptr + i_b * stride_xt + c, mask=mask, other=0.0)
-    acc = x_new.to(tl.float32) * tl.load(weight_ptr + c * stride_wc + (K - 1), mask=mask, other=0.0).to(tl.float32)
     p_state = state_ptr + slot * stride_slot + c * stride_sc
+    j = tl.arange(0, STATE_COLS)
+    tile_mask = mask[:, None] & (j < K - 1)[None, :]
+    state = tl.load(p_state[:, None] + j[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+    w_old = tl.load(weight_ptr + c[:, None] * stride_wc + j[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+    w_new = tl.load(weight_ptr + c * stride_wc + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    pdl_sync(USE_PDL)
+    x_new = tl.load(x_ptr + i_b * stride_xt + c, mask=mask, other=0.0)
+    acc = x_new.to(tl.float32) * w_new
     # State column m holds the input K-1-m steps back; after this token it moves to m-1.
     for m in tl.static_range(K - 1):
-        s_m = tl.load(p_state + m, mask=mask, other=0.0)
-        acc += s_m.to(tl.float32) * tl.load(weight_ptr + c * stride_wc + m, mask=mask, other=0.0).to(tl.float32)
+        s_m = tl.sum(tl.where(j[None, :] == m, state, 0.0), axis=1)  # column m, exactly
+        acc += s_m * tl.sum(tl.where(j[None, :] == m, w_old, 0.0), axis=1)
         if m > 0:
-            tl.store(p_state + (m - 1), s_m, mask=mask)
+            tl.store(p_state + (m - 1), s_m.to(state_ptr.dtype.element_ty), mask=mask)
     tl.store(p_state + (K - 2), x_new.to(state_ptr.dtype.element_ty), mask=mask)
     y = acc * tl.sigmoid(acc)
     tl.store(out_ptr + i_b * stride_ot + c, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -208,6 +217,7 @@ def causal_conv1d_update(
         num_channels,
         K=weight.shape[-1],
         BLOCK_C=BLOCK_C_DECODE,
+        STATE_COLS=triton.next_power_of_2(weight.shape[-1] - 1),
         USE_PDL=use_pdl,
         num_warps=4,
         launch_pdl=use_pdl,
@@ -241,10 +251,7 @@ def causal_conv1d(
         raise ValueError("the first token block must cover the whole state")
     split1 = bounds[1] if len(widths) > 1 else num_channels
     split2 = bounds[2] if len(widths) > 2 else num_channels
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    cu_seqlens = torch.tensor(starts, dtype=torch.int32).to(x.device, non_blocking=True)
+    cu_seqlens = start_offsets(tuple(query_lens), x.device, torch.int32)
     grid = (
         len(query_lens),
         triton.cdiv(num_channels, BLOCK_C_PREFILL),

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ninfer.kernels.gated_delta_rule import ref
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+from ninfer.kernels.varlen import start_offsets
 
 # Programs own BLOCK_V state columns (dk * BLOCK_V * 4 bytes). H200 sweep (docs/gpu-notes.md):
 # at batch 1 the narrowest strips win (27B: 384 programs of 8 KiB, 3.95 us vs 4.5 at 32
@@ -190,8 +191,11 @@ def _recurrent_kernel(
     USE_PDL: tl.constexpr,
 ):
     """RAW_GATES: g_ptr / beta_ptr hold the projections a / b, and the gates are computed here
-    (saving the gates kernel's launch in a decode step)."""
-    pdl_sync(USE_PDL)  # before the first global load or store
+    (saving the gates kernel's launch in a decode step).
+
+    Before pdl_sync (see ninfer.kernels.pdl): the lengths, the slot, the gate parameters and
+    the state, which only this kernel writes (one step earlier); q, k, v and the gates are
+    the previous kernels' outputs."""
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -214,6 +218,7 @@ def _recurrent_kernel(
     mask_s = mask_k[:, None] & mask_v[None, :]
     p_state = state_ptr + slot * stride_slot + (i_h * DK + o_k[:, None]) * DV + o_v[None, :]
     s = tl.load(p_state, mask=mask_s, other=0.0).to(tl.float32)
+    pdl_sync(USE_PDL)
 
     # The trip count is a host int (the longest request), never a loaded value. In varlen
     # mode a request's steps past its end load g = beta = 0, which leaves s unchanged
@@ -362,18 +367,13 @@ FLA_CHUNK_SIZE = 64  # fla's chunk_gated_delta_rule default; its chunk_indices a
 
 
 @functools.lru_cache(maxsize=16)
-def _varlen_metadata(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(cu_seqlens on the device, cu_seqlens on the host, chunk_indices on the device) for fla.
+def _varlen_metadata(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cu_seqlens, chunk_indices) on the device for fla.
 
     Built once per distinct set of request lengths (a prefill step's), then the same tensors
     for every GDN layer of the step: fla's own chunk-index build copies to the device with a
-    stream sync in each call (one per layer, each draining the GPU queue), and its
-    identity-keyed caches hit when the tensors are the same objects. Nothing writes them.
+    stream sync in each call (one per layer, each draining the GPU queue). Nothing writes them.
     """
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
-    cu_seqlens_cpu = torch.tensor(starts, dtype=torch.int64)
     # [sequence, chunk within it] per chunk of FLA_CHUNK_SIZE tokens, as fla's prepare_chunk_indices
     chunk_indices = torch.tensor(
         [[seq, chunk] for seq, n in enumerate(lengths) for chunk in range(triton.cdiv(n, FLA_CHUNK_SIZE))],
@@ -381,24 +381,35 @@ def _varlen_metadata(lengths: tuple[int, ...], device: torch.device) -> tuple[to
     ).reshape(-1, 2)
     pinned = device.type == "cuda"
     if pinned:
-        cu_seqlens_host, chunk_indices = cu_seqlens_cpu.pin_memory(), chunk_indices.pin_memory()
-    else:
-        cu_seqlens_host = cu_seqlens_cpu
-    return (
-        cu_seqlens_host.to(device, non_blocking=pinned),
-        cu_seqlens_cpu,
-        chunk_indices.to(device, non_blocking=pinned),
-    )
+        chunk_indices = chunk_indices.pin_memory()
+    return start_offsets(lengths, device), chunk_indices.to(device, non_blocking=pinned)
 
 
 @functools.cache
 def _fla_chunk():
-    """fla's chunked kernel, or None when flash-linear-attention is not installed."""
+    """fla's chunked forward, or None when flash-linear-attention is not installed.
+
+    Its public function wraps the forward in an autograd Function, input guards and
+    dispatch decorators: ~1.5 ms of host time per call, which an 8K prefill of 30 GDN
+    layers waits on (prefill is host-bound). The two functions below are what it calls
+    for inference (fla 0.6, pinned < 0.7 in pyproject.toml).
+    """
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        from fla.modules.norm.l2norm import l2norm_fwd
+        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
     except ImportError:
         return None
-    return fla_chunk
+
+    def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices):
+        """-> (o, final_state), as fla's chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)."""
+        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+        _, o, _, final_state, _, _ = chunk_gated_delta_rule_fwd(
+            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+            output_final_state=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        )  # fmt: skip
+        return o, final_state
+
+    return forward
 
 
 def chunk_gated_delta_rule(
@@ -424,21 +435,19 @@ def chunk_gated_delta_rule(
         return torch.empty(v.shape, dtype=v.dtype, device=v.device)
     keep = [i for i, n in enumerate(query_lens) if n > 0]
     slots = state_slots if len(keep) == len(query_lens) else state_slots[torch.tensor(keep, device=q.device)]
-    cu_seqlens, cu_seqlens_cpu, chunk_indices = _varlen_metadata(tuple(query_lens[i] for i in keep), q.device)
+    cu_seqlens, chunk_indices = _varlen_metadata(tuple(query_lens[i] for i in keep), q.device)
     with torch.no_grad():
+        # fla's layout: one packed "batch" of sequences; its kernels want contiguous inputs.
         out, final = fla_chunk(
-            q.unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            g.float().unsqueeze(0),
-            beta.unsqueeze(0),
-            scale=q.shape[-1] ** -0.5,
-            initial_state=state[slots].float(),
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-            cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu,
-            chunk_indices=chunk_indices,
+            q.unsqueeze(0).contiguous(),
+            k.unsqueeze(0).contiguous(),
+            v.unsqueeze(0).contiguous(),
+            g.float().unsqueeze(0).contiguous(),
+            beta.unsqueeze(0).contiguous(),
+            q.shape[-1] ** -0.5,
+            state[slots].float(),
+            cu_seqlens,
+            chunk_indices,
         )
     state[slots] = final.to(state.dtype)
     return out[0].to(v.dtype)

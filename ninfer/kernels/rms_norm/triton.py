@@ -51,9 +51,16 @@ def _normalize(x, dim, eps):
 
 
 @triton.jit
-def _scale(normed, w_ptr, cols, mask, x_dtype: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+def _load_weight(w_ptr, cols, mask):
+    """The norm weight in fp32. Callers load it before pdl_sync: no kernel of a step writes
+    it, so its read (from HBM: a decode step streams GBs of weights between two uses) overlaps
+    the previous kernel instead of following the row's reduction."""
+    return tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _scale(normed, w, x_dtype: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     """The weighted row in fp32, before the caller's final rounding (see the module docstring)."""
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         return normed * (1.0 + w)
     else:
@@ -75,13 +82,14 @@ def _rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_sync(USE_PDL)  # before the first global load or store
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
+    w = _load_weight(w_ptr, cols, mask)
+    pdl_sync(USE_PDL)  # x may be the previous kernel's output
     x_start = _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
     x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _scale(_normalize(x, dim, eps), w_ptr, cols, mask, x_ptr.dtype.element_ty, ZERO_CENTERED)
+    y = _scale(_normalize(x, dim, eps), w, x_ptr.dtype.element_ty, ZERO_CENTERED)
     tl.store(out_ptr + row * dim + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -104,10 +112,11 @@ def _add_rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_sync(USE_PDL)  # before the first global load or store
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
+    w = _load_weight(w_ptr, cols, mask)
+    pdl_sync(USE_PDL)  # x and the residual may be earlier kernels' outputs
     x_start = _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
     r_start = _row_start(row, rows_inner, stride_r_outer, stride_r_inner, TWO_LEVEL)
     x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -115,7 +124,7 @@ def _add_rms_norm_kernel(
     # torch adds bf16/fp16 in fp32 and rounds once; the norm reads the rounded sum.
     summed = (x + residual).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * dim + cols, summed, mask=mask)
-    y = _scale(_normalize(summed.to(tl.float32), dim, eps), w_ptr, cols, mask, sum_ptr.dtype.element_ty, ZERO_CENTERED)
+    y = _scale(_normalize(summed.to(tl.float32), dim, eps), w, sum_ptr.dtype.element_ty, ZERO_CENTERED)
     tl.store(out_ptr + row * dim + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -139,16 +148,17 @@ def _gated_rms_norm_kernel(
     ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_sync(USE_PDL)  # before the first global load or store
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
+    w = _load_weight(w_ptr, cols, mask)
+    pdl_sync(USE_PDL)  # x and the gate are earlier kernels' outputs
     if ROWS == 1:
         row = tl.program_id(0).to(tl.int64)
         x_start = _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
         g_start = _row_start(row, rows_inner, stride_g_outer, stride_g_inner, TWO_LEVEL)
         x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
         gate = tl.load(gate_ptr + g_start + cols, mask=mask, other=0.0).to(tl.float32)
-        weighted = _scale(_normalize(x, dim, eps), w_ptr, cols, mask, x_ptr.dtype.element_ty, False)
+        weighted = _scale(_normalize(x, dim, eps), w, x_ptr.dtype.element_ty, False)
         out_ptrs = out_ptr + row * dim + cols
         out_mask = mask
     else:
@@ -161,7 +171,7 @@ def _gated_rms_norm_kernel(
         x = tl.load(x_ptr + x_start[:, None] + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
         gate = tl.load(gate_ptr + g_start[:, None] + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
         normed = x * tl.math.rsqrt(tl.sum(x * x, axis=1) / dim + eps)[:, None]
-        weighted = _scale(normed, w_ptr, cols, mask, x_ptr.dtype.element_ty, False)  # w broadcasts over rows
+        weighted = _scale(normed, w, x_ptr.dtype.element_ty, False)  # w broadcasts over rows
         out_ptrs = out_ptr + rows[:, None] * dim + cols[None, :]
     if ROUND_WEIGHTED:  # ref's `weight * normed.to(dtype)` is in x's dtype unless w is wider
         weighted = weighted.to(x_ptr.dtype.element_ty).to(tl.float32)
