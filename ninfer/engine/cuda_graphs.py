@@ -1,10 +1,13 @@
-"""DecodeGraphs: one CUDA graph per decode batch size, from token ids to sampled token ids.
+"""DecodeGraphs: CUDA graphs per decode batch size, from token ids to sampled token ids.
 
 A decode round of B requests (each with exactly one new token) is the same sequence of
 kernels every step; only the values differ. At start-up we capture, for every B asked
-for (the engine: 1..max_concurrency), embedding -> model forward -> logits -> sampling over static device
-buffers, and a step then costs two small host->device copies (ints, floats), a copy of
-any page-table row that changed, one replay and the read of the sampled ids.
+for (the engine: 1..max_concurrency), embedding -> model forward -> logits over static
+device buffers, and two sampling graphs reading those logits: the general sampler, and the
+argmax alone for rounds whose rows are all greedy (the general one runs top-k over the
+whole vocabulary, ~0.13 ms on a 248K vocabulary, even for greedy rows). A step then costs
+two small host->device copies (ints, floats), a copy of any page-table row that changed,
+two replays and the read of the sampled ids.
 
 What the captured region may not do: read host copies of per-step values, sync with the
 host (.item(), .tolist(), nonzero ...), or branch in Python on tensor values. The pieces
@@ -13,9 +16,9 @@ inside it satisfy that by contract:
     device; its grid depends only on B (ForwardBatch.max_query_len is 1 at every replay);
   * Gated DeltaNet decode: recurrent_gated_delta_rule with query_lens (1,) * B and
     causal_conv1d_update index their state slots with device tensors;
-  * sampling: the general no-penalty path (greedy rows by torch.where); rows with
-    presence/frequency penalties re-sample eagerly from the graph's logits, because their
-    token lists change length every step.
+  * sampling: the general no-penalty path (greedy rows by torch.where), or argmax when
+    every row is greedy; rounds with presence/frequency penalties sample eagerly from the
+    graph's logits, because their token lists change length every step.
 The reference MoE (`fused_experts` lists the hit experts with .tolist()) cannot be
 captured: models with MoE layers run eagerly until a fast fused_experts exists.
 
@@ -103,8 +106,9 @@ class DecodeGraphs:
         # The pages last copied into each page-table row (a request's pages are fixed at
         # admission, so a row changes only when a different request lands on it).
         self._row_pages: list[list[int] | None] = [None] * max_batch
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the forward of each batch size
+        self.sample_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, all greedy)
+        self._outputs: dict[tuple, torch.Tensor] = {}  # each region's static output, by region key
 
     # ---- capture -------------------------------------------------------------------
     @torch.inference_mode()
@@ -113,18 +117,34 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         self._fill_dummy_inputs()
         for batch_size in reversed(self.batch_sizes):
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                # Warm-up compiles Triton kernels and creates library handles outside capture.
-                for _ in range(2):
-                    self._step(batch_size)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[batch_size] = self._step(batch_size)
-            self.graphs[batch_size] = graph
+            for key, region in self.regions(batch_size):
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    # Warm-up compiles Triton kernels and creates library handles outside capture.
+                    for _ in range(2):
+                        self._outputs[key] = region()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[key] = region()
+                self._store_graph(key, graph)
         self.discard_warmup_writes()
+
+    def regions(self, batch_size: int) -> list[tuple[tuple, object]]:
+        """(key, function) of each captured region of one batch size, in replay order: the
+        forward first (the sampling regions read its logits)."""
+        return [
+            (("forward", batch_size), lambda: self._forward(batch_size)),
+            (("sample", batch_size, False), lambda: self._sample(batch_size, all_greedy=False)),
+            (("sample", batch_size, True), lambda: self._sample(batch_size, all_greedy=True)),
+        ]
+
+    def _store_graph(self, key: tuple, graph) -> None:
+        if key[0] == "forward":
+            self.graphs[key[1]] = graph
+        else:
+            self.sample_graphs[key[1:]] = graph
 
     def _fill_dummy_inputs(self) -> None:
         """Valid inputs for the warm-up runs: token 0 at position 0 of page 0, greedy rows."""
@@ -148,8 +168,8 @@ class DecodeGraphs:
             self.slot_logits[slot].zero_()
         self._row_pages = [None] * self.max_batch
 
-    def _step(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured region: static buffers -> (logits [B, V] fp32, sampled ids [B])."""
+    def _forward(self, batch_size: int) -> torch.Tensor:
+        """Captured: static buffers -> logits [B, V] fp32 (also written to the rows' slot logits)."""
         cols = self.ints[:batch_size].t().contiguous()  # each column as a contiguous row
         positions = cols[_POSITION]
         state_slots = cols[_STATE_SLOT]
@@ -173,20 +193,24 @@ class DecodeGraphs:
         if self.num_valid_tokens < logits.shape[-1]:
             logits[:, self.num_valid_tokens :] = float("-inf")
         self.slot_logits.index_copy_(0, state_slots, logits)
+        return logits
+
+    def _sample(self, batch_size: int, all_greedy: bool) -> torch.Tensor:
+        """Captured: the forward's logits -> sampled ids [B]; all_greedy: argmax only."""
         floats = self.floats[:batch_size]
         sampling = SamplingBatch(
             num_rows=batch_size,
             row_floats=floats[:, :_NUM_FLOAT_PARAMS],
-            top_ks=cols[_TOP_K],
-            is_greedy=cols[_GREEDY].bool(),
+            top_ks=self.ints[:batch_size, _TOP_K],
+            is_greedy=self.ints[:batch_size, _GREEDY].bool(),
             noise=floats[:, _NUM_FLOAT_PARAMS:],
             penalty_rows=None,
             penalty_token_ids=None,
-            all_greedy=False,  # the general path serves every mix of greedy and sampled rows
+            all_greedy=all_greedy,  # else the general path: every mix of greedy and sampled rows
             any_greedy=True,
             has_penalties=False,
         )
-        return logits, self.sampler.sample(logits, sampling)
+        return self.sampler.sample(self._outputs[("forward", batch_size)], sampling)
 
     # ---- replay --------------------------------------------------------------------
     def can_run(self, chunks: Sequence[ScheduledChunk]) -> bool:
@@ -222,11 +246,13 @@ class DecodeGraphs:
         self.floats[:batch_size].copy_(self._floats_host[:batch_size], non_blocking=True)
 
         self.graphs[batch_size].replay()
-        logits, token_ids = self._outputs[batch_size]
         if host.has_penalties:
             # Penalty token lists grow every step: sample these batches eagerly from the graph's logits.
             device_batch = SamplingBatch.build(params, histories, device=self.device, num_generated=generated)
-            token_ids = self.sampler.sample(logits, device_batch)
+            token_ids = self.sampler.sample(self.logits(batch_size), device_batch)
+        else:
+            self.sample_graphs[(batch_size, host.all_greedy)].replay()
+            token_ids = self._outputs[("sample", batch_size, host.all_greedy)]
         sampled = token_ids.tolist()
         return {c.request_id: t for c, t in zip(chunks, sampled) if c.sample}
 
@@ -241,4 +267,4 @@ class DecodeGraphs:
 
     def logits(self, batch_size: int) -> torch.Tensor:
         """The static logits of the last replay of graph batch_size (tests compare them)."""
-        return self._outputs[batch_size][0]
+        return self._outputs[("forward", batch_size)]

@@ -127,25 +127,45 @@ def _count_replays(graphs: DecodeGraphs) -> dict[int, int]:
     return counts
 
 
+def _count_sample_replays(graphs: DecodeGraphs) -> set[tuple[int, bool]]:
+    """The (batch size, all greedy) sampling graphs replayed from now on."""
+    seen: set[tuple[int, bool]] = set()
+
+    class Counted:
+        def __init__(self, key, graph):
+            self.key, self.graph = key, graph
+
+        def replay(self) -> None:
+            seen.add(self.key)
+            self.graph.replay()
+
+    for key, graph in list(graphs.sample_graphs.items()):
+        graphs.sample_graphs[key] = Counted(key, graph)
+    return seen
+
+
 def _config(**overrides) -> EngineConfig:
     return EngineConfig(max_concurrency=4, prefill_chunk=16, max_context=192, prefix_reuse=False, **overrides)
 
 
 # ---- CPU: the plumbing -------------------------------------------------------------------
 class _Direct:
-    """Stands in for a CUDA graph on CPU: replay() runs the captured function itself."""
+    """Stands in for a CUDA graph on CPU: replay() runs the captured region itself."""
 
-    def __init__(self, graphs: DecodeGraphs, batch_size: int):
-        self.graphs, self.batch_size = graphs, batch_size
+    def __init__(self, graphs: DecodeGraphs, key: tuple, region):
+        self.graphs, self.key, self.region = graphs, key, region
 
     def replay(self) -> None:
-        self.graphs._outputs[self.batch_size] = self.graphs._step(self.batch_size)
+        self.graphs._outputs[self.key] = self.region()
+        self.graphs.replayed.append(self.key)
 
 
 class _DirectGraphs(DecodeGraphs):
     def capture(self) -> None:
+        self.replayed: list[tuple] = []
         for batch_size in self.batch_sizes:
-            self.graphs[batch_size] = _Direct(self, batch_size)
+            for key, region in self.regions(batch_size):
+                self._store_graph(key, _Direct(self, key, region))
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -173,6 +193,9 @@ def test_static_buffers_match_eager_on_cpu(arch, tmp_root, monkeypatch):
     tokens = _lockstep(graph, eager)
     assert set(replays) >= {1, 2, 3, 4}, replays  # every captured size was replayed
     assert all(len(t) > 0 for t in tokens.values())
+    # Both sampling regions served rounds: all-greedy ones (argmax alone) and mixed ones.
+    sampled = {key[2] for key in runner.graphs.replayed if key[0] == "sample"}
+    assert sampled == {False, True}, runner.graphs.replayed
 
 
 def test_no_cuda_graph_option():
@@ -194,10 +217,13 @@ def test_graph_decode_equals_eager_on_gpu(arch, tmp_root):
     assert eager.runner.graphs is None
     assert graph.runner.graphs is not None, "graphs were not captured"
     assert sorted(graph.runner.graphs.graphs) == [1, 2, 3, 4]
+    assert sorted(graph.runner.graphs.sample_graphs) == [(b, greedy) for b in (1, 2, 3, 4) for greedy in (False, True)]
     replays = _count_replays(graph.runner.graphs)
+    sample_replays = _count_sample_replays(graph.runner.graphs)
     tokens = _lockstep(graph, eager)
     assert set(replays) >= {1, 2, 3, 4}, replays
     assert all(len(t) > 0 for t in tokens.values())
+    assert {greedy for _, greedy in sample_replays} == {False, True}, sample_replays  # argmax-only and general
 
 
 @pytest.mark.gpu
