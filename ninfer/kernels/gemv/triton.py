@@ -38,7 +38,8 @@ writes fp32 partials [SPLIT_K, M, N] that a second kernel sums in split order (s
 deterministic). Launch shapes come from shapes and dtypes only (cached), outputs are
 torch.empty: capture-safe for CUDA graphs. Both kernels launch with programmatic
 dependent launch where ninfer.kernels.pdl allows it (sm_90+, NINFER_PDL != 0): each waits
-in pdl_sync for the previous kernel before its first load.
+in pdl_sync for the previous kernel before its first load of x; the FMA path loads its first
+weight tile before that wait (Config.prefetch: the weight is read-only for the chain).
 """
 
 from __future__ import annotations
