@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--decode-rounds", type=int, default=20, help="timed decode rounds per case (default 20)")
     bench.add_argument("--peer", default="hf", choices=["hf", "none"], help="run HF transformers on the same weights (default hf)")
     bench.add_argument("--no-cuda-graph", action="store_true", help="eager decode")
-    bench.add_argument("--profile", action="store_true", help="also write a per-kernel GPU time table of the smallest decode case per model (profile-*.txt)")
+    bench.add_argument("--profile", action="store_true", help="also profile the smallest decode case and the shortest prefill per model: kernel table (profile-*.txt), critical-path increments (increments-*.txt), timeline (trace-*.json.gz)")
     bench.add_argument("--out", default="bench-results", help="output folder for bench.json, bench.md, bench.png")
     bench.add_argument("--log-level", default="info", choices=list(LEVELS))
     args = parser.parse_args(argv)

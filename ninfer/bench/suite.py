@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import gzip
+import json
 import logging
 import shutil
 import statistics
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ninfer.bench.critical_path import increments_table
 from ninfer.bench.random_weights import fill_random_, stored_parameters
 from ninfer.bench.roofline import (
     DeviceCeilings,
@@ -57,7 +59,7 @@ class BenchOptions:
     peer_prompt: int = 4096
     cuda_graphs: bool = True
     seed: int = 0
-    profile_dir: str | None = None  # write profile-*.txt for the smallest decode case and the shortest prefill
+    profile_dir: str | None = None  # profile-, increments-, trace-* for the smallest decode case and the shortest prefill
 
 
 @dataclass
@@ -225,6 +227,10 @@ class Suite:
         # The timeline too (chrome://tracing, Perfetto): where the GPU waits for the host.
         trace = out / f"trace-{label}.json"
         prof.export_chrome_trace(str(trace))
+        # Durations under PDL include waiting for the previous kernel: also tabulate what
+        # each kernel adds to the chain (critical_path.py).
+        kernels = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+        (out / f"increments-{label}.txt").write_text(f"{label}: {repeats} {what}\n" + increments_table(kernels, repeats))
         with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
             shutil.copyfileobj(raw, packed)
         trace.unlink()
