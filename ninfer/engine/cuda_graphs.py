@@ -30,7 +30,7 @@ and those slots are reset afterwards.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -131,7 +131,7 @@ class DecodeGraphs:
                 self._store_graph(key, graph)
         self.discard_warmup_writes()
 
-    def regions(self, batch_size: int) -> list[tuple[tuple, object]]:
+    def regions(self, batch_size: int) -> list[tuple[tuple, Callable[[], torch.Tensor]]]:
         """(key, function) of each captured region of one batch size, in replay order: the
         forward first (the sampling regions read its logits)."""
         return [

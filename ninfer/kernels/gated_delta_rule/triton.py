@@ -315,10 +315,7 @@ def _recurrent(q, k, v, g, beta, raw_gate_params, state, state_slots, query_lens
             raise ValueError(f"query_lens {query_lens} do not cover {num_tokens} rows")
         cu_seqlens = state_slots  # unused placeholder pointer
     else:
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        cu_seqlens = torch.tensor(starts, dtype=torch.int64, device=q.device)
+        cu_seqlens = start_offsets(tuple(query_lens), q.device)
     block_v = block_v or _block_v(q.device, num_requests, num_v_heads, v_dim)
     grid = (num_requests, num_v_heads, triton.cdiv(v_dim, block_v))
     use_pdl = pdl_enabled(q)

@@ -529,14 +529,14 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> 
         while block_n > 1 and triton.cdiv(N, block_n) < target_programs:
             block_n //= 2
         num_stages = 1  # the FMA loop's loads are not pipelined by Triton: residency hides latency
-        # Prefetch (below): the first weight tile before the PDL wait, so the stream starts
-        # while the short kernel before the GEMV (a norm, the conv, silu * mul) runs.
     programs = triton.cdiv(N, block_n)
     split_k = 1
     if programs < 2 * num_sms:
         # Under two programs per SM even with the narrowest tile: split K into fp32
         # partials (one more launch), keeping >= 2 steps per split.
         split_k = min(triton.next_power_of_2(triton.cdiv(2 * num_sms, programs)), _pow2_floor(K // (2 * block_k)))
+    # FMA prefetch: the first weight tile before the PDL wait, so the stream starts while the
+    # short kernel before the GEMV (a norm, the conv, silu * mul) runs.
     return Config(block_n, block_k, num_warps, num_stages, use_dot, split_k, prefetch=not use_dot)
 
 
