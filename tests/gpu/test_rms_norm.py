@@ -104,12 +104,15 @@ def test_head_norms_read_packed_projection_views(shape: str, num_tokens: int, ze
 @pytest.mark.parametrize("num_tokens", TOKENS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("zero_centered", [False, True])
-def test_add_rms_norm_matches_reference(shape: str, num_tokens: int, dtype: torch.dtype, zero_centered: bool) -> None:
+@pytest.mark.parametrize("early_residual", [False, True])
+def test_add_rms_norm_matches_reference(
+    shape: str, num_tokens: int, dtype: torch.dtype, zero_centered: bool, early_residual: bool
+) -> None:
     hidden = HIDDEN[shape]
     x = _randn(num_tokens, hidden, seed=num_tokens, dtype=dtype)
     residual = _randn(num_tokens, hidden, seed=num_tokens + 1, dtype=dtype, scale=4.0)
     weight = _weight(hidden, zero_centered, dtype, seed=hidden)
-    normed, summed = add_rms_norm(x, residual, weight, EPS, zero_centered)
+    normed, summed = add_rms_norm(x, residual, weight, EPS, zero_centered, early_residual=early_residual)
     expected_normed, expected_summed = ref.add_rms_norm(x, residual, weight, EPS, zero_centered)
     assert torch.equal(summed, expected_summed)  # one fp32 add rounded once, as torch does
     assert_matches(normed, expected_normed)
@@ -118,7 +121,8 @@ def test_add_rms_norm_matches_reference(shape: str, num_tokens: int, dtype: torc
 @pytest.mark.parametrize("shape", list(GDN_HEADS))
 @pytest.mark.parametrize("num_tokens", TOKENS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_rms_norm_matches_reference(shape: str, num_tokens: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("early_gate", [False, True])
+def test_gated_rms_norm_matches_reference(shape: str, num_tokens: int, dtype: torch.dtype, early_gate: bool) -> None:
     """GDN output norm; z sliced out of the packed in_proj output (qkv | z | b | a)."""
     num_heads, head_dim = GDN_HEADS[shape]
     value_dim = num_heads * head_dim
@@ -126,7 +130,7 @@ def test_gated_rms_norm_matches_reference(shape: str, num_tokens: int, dtype: to
     packed = _randn(num_tokens, 2 * value_dim + value_dim + 2 * num_heads, seed=num_tokens + 1, dtype=dtype, scale=2.0)
     gate = packed[:, 2 * value_dim : 3 * value_dim].view(num_tokens, num_heads, head_dim)
     weight = _weight(head_dim, False, dtype, seed=head_dim)
-    _assert_gated_norm_matches(gated_rms_norm(x, gate, weight, EPS), x, gate, weight)
+    _assert_gated_norm_matches(gated_rms_norm(x, gate, weight, EPS, early_gate=early_gate), x, gate, weight)
 
 
 def test_gated_rms_norm_prefill_rows_share_programs(monkeypatch: pytest.MonkeyPatch) -> None:

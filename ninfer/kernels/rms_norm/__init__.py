@@ -10,12 +10,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool = False,
+    *,
+    early_residual: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    impl = fast_impl(__name__, "add_rms_norm", x) or ref.add_rms_norm
-    return impl(x, residual, weight, eps, zero_centered)
+    """early_residual: a launch hint for the fast path (see its docstring); same result."""
+    impl = fast_impl(__name__, "add_rms_norm", x)
+    if impl is None:
+        return ref.add_rms_norm(x, residual, weight, eps, zero_centered)
+    return impl(x, residual, weight, eps, zero_centered, early_residual=early_residual)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    impl = fast_impl(__name__, "gated_rms_norm", x) or ref.gated_rms_norm
-    return impl(x, gate, weight, eps)
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *, early_gate: bool = False
+) -> torch.Tensor:
+    """early_gate: a launch hint for the fast path (see its docstring); same result."""
+    impl = fast_impl(__name__, "gated_rms_norm", x)
+    if impl is None:
+        return ref.gated_rms_norm(x, gate, weight, eps)
+    return impl(x, gate, weight, eps, early_gate=early_gate)

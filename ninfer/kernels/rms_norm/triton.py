@@ -110,17 +110,23 @@ def _add_rms_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     TWO_LEVEL: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EARLY_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """EARLY_RESIDUAL: the residual is loaded before pdl_sync (the caller guarantees that the
+    launch just before this one does not write it: see add_rms_norm)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
     w = _load_weight(w_ptr, cols, mask)
-    pdl_sync(USE_PDL)  # x and the residual may be earlier kernels' outputs
-    x_start = _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
     r_start = _row_start(row, rows_inner, stride_r_outer, stride_r_inner, TWO_LEVEL)
+    if EARLY_RESIDUAL:
+        residual = tl.load(res_ptr + r_start + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_sync(USE_PDL)  # x (and the residual) may be earlier kernels' outputs
+    if not EARLY_RESIDUAL:
+        residual = tl.load(res_ptr + r_start + cols, mask=mask, other=0.0).to(tl.float32)
+    x_start = _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
     x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
-    residual = tl.load(res_ptr + r_start + cols, mask=mask, other=0.0).to(tl.float32)
     # torch adds bf16/fp16 in fp32 and rounds once; the norm reads the rounded sum.
     summed = (x + residual).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * dim + cols, summed, mask=mask)
@@ -146,18 +152,25 @@ def _gated_rms_norm_kernel(
     TWO_LEVEL: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
+    EARLY_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """EARLY_GATE (one row per program): the gate is loaded before pdl_sync (the caller
+    guarantees that the launch just before this one does not write it: see gated_rms_norm)."""
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
     w = _load_weight(w_ptr, cols, mask)
-    pdl_sync(USE_PDL)  # x and the gate are earlier kernels' outputs
     if ROWS == 1:
         row = tl.program_id(0).to(tl.int64)
-        x_start = _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
         g_start = _row_start(row, rows_inner, stride_g_outer, stride_g_inner, TWO_LEVEL)
+        if EARLY_GATE:
+            gate = tl.load(gate_ptr + g_start + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_sync(USE_PDL)  # x (and the gate) are earlier kernels' outputs
+    if ROWS == 1:
+        if not EARLY_GATE:
+            gate = tl.load(gate_ptr + g_start + cols, mask=mask, other=0.0).to(tl.float32)
+        x_start = _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
         x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
-        gate = tl.load(gate_ptr + g_start + cols, mask=mask, other=0.0).to(tl.float32)
         weighted = _scale(_normalize(x, dim, eps), w, x_ptr.dtype.element_ty, False)
         out_ptrs = out_ptr + row * dim + cols
         out_mask = mask
@@ -281,9 +294,15 @@ def add_rms_norm(
     eps: float,
     zero_centered: bool = False,
     *,
+    early_residual: bool = False,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ref.add_rms_norm: (rms_norm(x + residual), x + residual), both contiguous."""
+    """Same contract as ref.add_rms_norm: (rms_norm(x + residual), x + residual), both contiguous.
+
+    early_residual: read the residual before the PDL wait (ninfer.kernels.pdl), so its HBM
+    latency overlaps the previous kernel. Only when the launch just before this one cannot
+    be writing it: a pre-norm layer's residual is an earlier norm's sum, with a GEMV between.
+    """
     dim = _check(x, weight)
     if residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
@@ -312,6 +331,7 @@ def add_rms_norm(
         ZERO_CENTERED=zero_centered,
         TWO_LEVEL=rows_inner > 1,
         BLOCK_D=block_d,
+        EARLY_RESIDUAL=early_residual and use_pdl,
         USE_PDL=use_pdl,
         num_warps=num_warps or num_warps_for(block_d),
         launch_pdl=use_pdl,
@@ -325,9 +345,14 @@ def gated_rms_norm(
     weight: torch.Tensor,
     eps: float,
     *,
+    early_gate: bool = False,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ref.gated_rms_norm; x and gate [..., D] (either a strided view). Returns x's dtype."""
+    """Same contract as ref.gated_rms_norm; x and gate [..., D] (either a strided view). Returns x's dtype.
+
+    early_gate: read the gate before the PDL wait (decode-sized launches), as add_rms_norm's
+    early_residual: only when the launch just before this one cannot be writing it.
+    """
     dim = _check(x, weight)
     if gate.shape != x.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and x {tuple(x.shape)} differ")
@@ -355,6 +380,7 @@ def gated_rms_norm(
         TWO_LEVEL=rows_inner > 1,
         BLOCK_D=block_d,
         ROWS=rows,
+        EARLY_GATE=early_gate and use_pdl and rows == 1,
         USE_PDL=use_pdl,
         num_warps=num_warps or num_warps_for(rows * block_d),
         launch_pdl=use_pdl,

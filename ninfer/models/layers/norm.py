@@ -19,8 +19,11 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, self.zero_centered)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) in one pass: a pre-norm layer's residual add and norm."""
-        return add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
+        """(norm(x + residual), x + residual) in one pass: a pre-norm layer's residual add and norm.
+
+        The residual is always an earlier norm's sum (or the layer input) with at least a GEMV
+        launched since, so the kernel may read it before its PDL wait."""
+        return add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered, early_residual=True)
 
 
 class GatedRMSNorm(nn.Module):
@@ -31,5 +34,6 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, gate, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, *, early_gate: bool = False) -> torch.Tensor:
+        """early_gate: the gate was written before the launch just before this one (a PDL hint)."""
+        return gated_rms_norm(x, gate, self.weight, self.eps, early_gate=early_gate)
