@@ -174,7 +174,7 @@ def test_static_buffers_match_eager_on_cpu(arch, tmp_root, monkeypatch):
     # attention read the device tensors instead, as the Triton kernel does.
     import ninfer.models.layers.attention as attention
 
-    def device_lengths_only(*args, **kwargs):
+    def device_lengths_only(*args, prefetch_kv: bool = False, **kwargs):  # prefetch_kv: a launch hint of the kernel
         return paged_ref.paged_attention(*args, **{**kwargs, "query_lens_cpu": None, "seq_lens_cpu": None})
 
     monkeypatch.setattr(attention, "paged_attention", device_lengths_only)

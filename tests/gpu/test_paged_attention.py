@@ -68,7 +68,7 @@ def _case(query_lens, context_lens, shape, page_size, dtype, seed):
 
 
 def _reference(case) -> torch.Tensor:
-    return ref.paged_attention(**case)
+    return ref.paged_attention(**{k: v for k, v in case.items() if k != "prefetch_kv"})
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -86,16 +86,18 @@ def _fast(case, **kwargs) -> torch.Tensor:
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_decode_matches_ref(shape, batch):
+@pytest.mark.parametrize("prefetch_kv", [False, True])
+def test_decode_matches_ref(shape, batch, prefetch_kv):
     gen = torch.Generator().manual_seed(batch)
     contexts = torch.randint(0, 5000, (batch,), generator=gen).tolist()
     contexts[0] = 0  # a request on its first token
     case = _case([1] * batch, contexts, shape, 16, torch.bfloat16, seed=batch)
     want = _reference(case)
-    got = _fast(case)
+    got = _fast(case, prefetch_kv=prefetch_kv)
     assert _rel_err(got, want) < TOLERANCE[torch.bfloat16]
-    # A moving error is a race: the same inputs give the same bits.
+    # A moving error is a race: the same inputs give the same bits, with or without early reads.
     assert torch.equal(got, _fast(case))
+    assert torch.equal(got, _fast(case, prefetch_kv=True))
 
 
 @pytest.mark.parametrize("shape", ["qwen3.5-27b", "qwen3.5-35b-a3b"])
@@ -107,19 +109,21 @@ def test_long_context_split_k(shape, batch, context):
     want = _reference(case)
     split = _fast(case)
     assert _rel_err(split, want) < TOLERANCE[torch.bfloat16]
+    assert torch.equal(_fast(case, prefetch_kv=True), split)
     single = _fast(case, num_splits=1)
     assert _rel_err(single, want) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_varlen_prefill_decode_verify_mix(shape, page_size):
+@pytest.mark.parametrize("prefetch_kv", [False, True])
+def test_varlen_prefill_decode_verify_mix(shape, page_size, prefetch_kv):
     """Prefill chunks over cached prefixes next to decode and 4-token verify rows."""
     query_lens = [1, 700, 4, 1, 129, 33]
     context_lens = [3000, 0, 90, 17, 2500, 1]
     case = _case(query_lens, context_lens, shape, page_size, torch.bfloat16, seed=page_size)
     want = _reference(case)
-    assert _rel_err(_fast(case), want) < TOLERANCE[torch.bfloat16]
+    assert _rel_err(_fast(case, prefetch_kv=prefetch_kv), want) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("max_query_len", [2, 4, 8, 16])
@@ -129,6 +133,7 @@ def test_verify_rows_split_k(max_query_len):
     case = _case(query_lens, [40000, 700, 3], "qwen3.5-27b", 16, torch.bfloat16, seed=max_query_len)
     want = _reference(case)
     assert _rel_err(_fast(case), want) < TOLERANCE[torch.bfloat16]
+    assert _rel_err(_fast(case, prefetch_kv=True), want) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -139,7 +144,8 @@ def test_other_dtypes(dtype):
 
 
 def test_through_dispatch_in_a_cuda_graph():
-    """The op as the model calls it, captured once, replayed with new lengths, pages and data."""
+    """The op as the model calls it (prefetch_kv: the lengths and pages read before the PDL
+    wait), captured once, replayed with new lengths, pages and data."""
     from ninfer.kernels.paged_attention import paged_attention
 
     num_heads, num_kv_heads, head_dim = SHAPES["qwen3.5-35b-a3b"]
@@ -154,6 +160,7 @@ def test_through_dispatch_in_a_cuda_graph():
         seq_lens=torch.ones(batch, dtype=torch.int32, device="cuda"),
         scale=head_dim**-0.5,
         max_query_len=1,
+        prefetch_kv=True,
     )
 
     def refill(seq_lens: list[int]) -> None:

@@ -101,8 +101,9 @@ def _chain(inp, state, w, meta, batch: int) -> dict[str, torch.Tensor]:
     """One decode-like step; every op reads what an earlier op of this step wrote."""
     rows = WIDE // HEAD
     normed, summed = add_rms_norm(
-        inp["x"].view(batch, rows, HEAD), inp["residual"].view(batch, rows, HEAD), w["norm"], EPS, True
-    )
+        inp["x"].view(batch, rows, HEAD), inp["residual"].view(batch, rows, HEAD), w["norm"], EPS, True,
+        early_residual=True,  # the residual is an input: written before the step
+    )  # fmt: skip
     act = silu_and_mul(normed.view(batch, WIDE))  # [B, CONV_DIM]
     gated = sigmoid_mul(act, summed.view(batch, WIDE)[:, CONV_DIM:])  # gate: strided rows of an earlier output
     conv_in = rms_norm(gated.view(batch, CONV_DIM // HEAD, HEAD), w["norm2"], EPS, True).view(batch, CONV_DIM)
@@ -114,7 +115,7 @@ def _chain(inp, state, w, meta, batch: int) -> dict[str, torch.Tensor]:
         g, beta, state["ssm"], meta["state_slots"], (1,) * batch,
     )  # fmt: skip
     z = summed.view(batch, WIDE)[:, :VALUE_DIM].view(batch, HV, HEAD)
-    y = gated_rms_norm(core, z, w["gdn_norm"], EPS).view(batch, VALUE_DIM)
+    y = gated_rms_norm(core, z, w["gdn_norm"], EPS, early_gate=True).view(batch, VALUE_DIM)  # z: 8 launches back
     q_cols, kv_cols = ATT_Q * ATT_D, ATT_KV * ATT_D
     q_out = prepare_qkv(
         y[:, :q_cols].view(batch, ATT_Q, ATT_D),
@@ -125,7 +126,7 @@ def _chain(inp, state, w, meta, batch: int) -> dict[str, torch.Tensor]:
     )  # fmt: skip
     attn = paged_attention(
         q_out, state["k_cache"], state["v_cache"], meta["page_table"], meta["query_start_loc"], meta["seq_lens"],
-        ATT_D**-0.5, max_query_len=1,
+        ATT_D**-0.5, max_query_len=1, prefetch_kv=True,  # as the model: prepare_qkv just wrote the new keys
     )  # fmt: skip
     flat = attn.view(batch, ATT_Q * ATT_D)
     weights, ids = route(flat[:, :EXPERTS], TOP_K, True)

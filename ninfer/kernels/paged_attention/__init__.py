@@ -21,27 +21,21 @@ def paged_attention(
     max_query_len: int,
     query_lens_cpu: tuple[int, ...] | None = None,
     seq_lens_cpu: tuple[int, ...] | None = None,
+    prefetch_kv: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its paged KV (see ref.py).
 
     The fast path reads only device tensors plus max_query_len (a grid size, fixed for a
     captured decode batch), so it can be replayed from a CUDA graph; the host copies
     query_lens_cpu / seq_lens_cpu serve the reference and pick dense_prefill (SDPA) for one
-    request's long prefill chunk.
+    request's long prefill chunk. prefetch_kv is a launch hint for the fast path (see its
+    docstring): same result.
     """
     impl = fast_impl(__name__, "paged_attention", q)
     if impl is not None and dense_prefill.eligible(q, k_cache, query_lens_cpu, seq_lens_cpu):
         return dense_prefill.paged_attention(q, k_cache, v_cache, page_table, scale, seq_lens_cpu[0])
-    impl = impl or ref.paged_attention
-    return impl(
-        q,
-        k_cache,
-        v_cache,
-        page_table,
-        query_start_loc,
-        seq_lens,
-        scale,
-        max_query_len=max_query_len,
-        query_lens_cpu=query_lens_cpu,
-        seq_lens_cpu=seq_lens_cpu,
-    )
+    args = (q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale)
+    lens = {"max_query_len": max_query_len, "query_lens_cpu": query_lens_cpu, "seq_lens_cpu": seq_lens_cpu}
+    if impl is None:
+        return ref.paged_attention(*args, **lens)
+    return impl(*args, **lens, prefetch_kv=prefetch_kv)

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.l2_prefetch import prefetch_l2
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 # Decode and short verification rows (at most this many queries per request) take the
@@ -143,24 +144,56 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    EARLY_KV: tl.constexpr,
+    KV_LINES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_sync(USE_PDL)  # before the first global load or store (and before any early return)
+    """EARLY_KV (needs USE_PDL): the step's metadata (query starts, lengths, page table) are
+    read before pdl_sync, and the K/V lines of this program's first tile that hold keys
+    before the request's new queries are prefetched into L2 there; see paged_attention."""
     q_block = tl.program_id(0)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
     b = pid_bh // NUM_KV_HEADS
     kv_head = pid_bh % NUM_KV_HEADS
+    block_start = q_block * BLOCK_Q
+    page_row = page_table_ptr + b.to(tl.int64) * stride_pt
 
+    if not EARLY_KV:
+        pdl_sync(USE_PDL)  # before the first global load or store (and before any early return)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    block_start = q_block * BLOCK_Q
-    if block_start >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + b)
     context = seq_len - q_len  # absolute position of the request's first query
     # Keys past the block's last query are masked for every row: never load them.
     kv_hi = tl.minimum(seq_len, context + block_start + BLOCK_Q)
+    if SPLIT_K:
+        # ceil(kv_hi / num_splits) rounded up to whole tiles, and at least min_split keys,
+        # so short sequences use fewer, fuller splits (any min_split >= 1 is correct).
+        per_split = ((kv_hi + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        per_split = tl.maximum(per_split, min_split)
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, kv_hi)
+    else:
+        lo = 0
+        hi = kv_hi
+    if EARLY_KV:
+        # Keys before `context` were written by earlier steps; the new ones are the previous
+        # launch's (prepare_qkv) and are left to the loads after the wait.
+        k_pos = lo + tl.arange(0, BLOCK_N)
+        settled = (k_pos < tl.minimum(hi, context)) & (block_start < q_len)
+        page = tl.load(page_row + k_pos // PAGE_SIZE, mask=settled, other=0).to(tl.int64)
+        in_page = k_pos % PAGE_SIZE
+        LINE: tl.constexpr = 1024 // k_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+        lines = tl.arange(0, KV_LINES) * LINE
+        fetch = settled[:, None] & (lines < HEAD_DIM)[None, :]
+        k_off = page * stride_kp + in_page * stride_ko + kv_head * stride_kh
+        v_off = page * stride_vp + in_page * stride_vo + kv_head * stride_vh
+        prefetch_l2(k_ptr + k_off[:, None] + lines[None, :], fetch)
+        prefetch_l2(v_ptr + v_off[:, None] + lines[None, :], fetch)
+        pdl_sync(USE_PDL)  # q and the new keys are the previous launch's
+    if block_start >= q_len:
+        return
 
     rows = tl.arange(0, BLOCK_M)
     t = rows // G
@@ -172,20 +205,11 @@ def _paged_attention_kernel(
     d_valid = d < HEAD_DIM
 
     if SPLIT_K:
-        # ceil(kv_hi / num_splits) rounded up to whole tiles, and at least min_split keys,
-        # so short sequences use fewer, fuller splits (any min_split >= 1 is correct).
-        per_split = ((kv_hi + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        per_split = tl.maximum(per_split, min_split)
-        lo = split * per_split
-        hi = tl.minimum(lo + per_split, kv_hi)
         part = (token * (NUM_KV_HEADS * G) + head) * num_splits + split
         if lo >= hi:
             # Nothing here: the merge gives this split weight 0 and never reads its output.
             tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
             return
-    else:
-        lo = 0
-        hi = kv_hi
 
     q = tl.load(
         q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -196,7 +220,6 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    page_row = page_table_ptr + b.to(tl.int64) * stride_pt
 
     # Whole tiles below the block's first query position are visible to every row.
     unmasked_hi = lo + tl.maximum(tl.minimum(hi, context + block_start) - lo, 0) // BLOCK_N * BLOCK_N
@@ -322,8 +345,15 @@ def paged_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    prefetch_kv: bool = False,
 ) -> torch.Tensor:
-    """Same contract as ref.paged_attention; reads no per-step host values."""
+    """Same contract as ref.paged_attention; reads no per-step host values.
+
+    prefetch_kv (PDL launches): read query_start_loc, seq_lens and the page table before the
+    PDL wait and prefetch the older keys' K/V into L2 there (see ninfer.kernels.pdl). Only
+    when the launch just before this one writes none of those but the new keys' K/V: a
+    decode step's prepare_qkv.
+    """
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -393,6 +423,8 @@ def paged_attention(
         BLOCK_N=block_n,
         SPLIT_K=splits > 1,
         PRECISION=precision,
+        EARLY_KV=prefetch_kv and use_pdl,
+        KV_LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
         USE_PDL=use_pdl,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -78,6 +78,7 @@ class Attention(nn.Module):
             max_query_len=batch.max_query_len,
             query_lens_cpu=batch.query_lens_cpu,
             seq_lens_cpu=batch.seq_lens_cpu,
+            prefetch_kv=True,  # prepare_qkv, launched just before, writes only the new keys
         )
         if gate is not None:
             out = sigmoid_mul(out, gate)
