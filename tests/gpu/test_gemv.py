@@ -131,6 +131,69 @@ def test_bias_and_strided_rows(kind: str, m: int) -> None:
     check(gemv_op.gemv(x, weight, scale, bias), exact_fp32(x, weight, scale, bias))
 
 
+GATE_UP = ["27b_mlp_gate_up", "35b_shared_gate_up"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", GATE_UP)
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_silu_and_mul_epilogue_equals_the_two_launches(
+    name: str, kind: str, m: int, weights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gemv_silu_and_mul's default launch (gate and up rows paired in each FMA program; tensor-core
+    and split-K launches run the two kernels) vs the plain GEMV with that launch then
+    silu_and_mul: the same bits; and the reference's values."""
+    from ninfer.kernels.activation import silu_and_mul
+    from ninfer.kernels.activation import ref as activation_ref
+
+    fallbacks = []
+    monkeypatch.setattr(fast, "silu_and_mul", lambda t: fallbacks.append(t.shape) or silu_and_mul(t))
+
+    n, k = SHAPES[name]
+    weight, scale = weights(name, kind)
+    gen = torch.Generator("cuda").manual_seed(10 + m)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    bias = torch.randn(n, device="cuda", generator=gen).bfloat16() if m == 2 else None
+    fused = gemv_op.gemv_silu_and_mul(x, weight, scale, bias)
+    cfg = fast._config(m, n, k, weight.dtype, torch.cuda.get_device_properties(0).multi_processor_count, 2)
+    assert cfg.block_n % 2 == 0
+    assert len(fallbacks) == int(cfg.use_dot or cfg.split_k > 1)
+    if name == "27b_mlp_gate_up" and m <= 2:
+        assert not fallbacks  # the one- and two-row decode sizes run the epilogue
+    assert fused.shape == (m, n // 2) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused, silu_and_mul(fast.gemv(x, weight, scale, bias, config=cfg)))
+    expected = activation_ref.silu_and_mul(exact_fp32(x, weight, scale, bias).bfloat16())
+    torch.testing.assert_close(fused.float(), expected.float(), rtol=2**-6, atol=2e-3 * expected.abs().max().item())
+
+
+CONV_IN_PROJ = {"27b_gdn_in_proj": 10240, "35b_gdn_in_proj": 8192}  # q | k | v channels of the conv
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", list(CONV_IN_PROJ))
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_conv_epilogue_equals_the_two_launches(name: str, kind: str, m: int, weights) -> None:
+    """gemv_causal_conv1d_update's default launch vs the plain GEMV with that launch, then
+    causal_conv1d_update on the conv channels: the same output and state bits."""
+    from ninfer.kernels.causal_conv1d import causal_conv1d_update
+
+    n, k = SHAPES[name]
+    channels = CONV_IN_PROJ[name]
+    weight, scale = weights(name, kind)
+    gen = torch.Generator("cuda").manual_seed(20 + m)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    conv_weight = (torch.randn(channels, 4, device="cuda", generator=gen) * 0.5).bfloat16()
+    state = torch.randn(m + 3, channels, 3, device="cuda", generator=gen).bfloat16()
+    slots = torch.randperm(m + 3, device="cuda", generator=gen)[:m]
+    fused_state, plain_state = state.clone(), state.clone()
+    fused = gemv_op.gemv_causal_conv1d_update(x, weight, scale, None, conv_weight, fused_state, slots)
+    cfg = fast._config(m, n, k, weight.dtype, torch.cuda.get_device_properties(0).multi_processor_count)
+    plain = fast.gemv(x, weight, scale, config=cfg)
+    mixed = causal_conv1d_update(plain[:, :channels], conv_weight, plain_state, slots)
+    assert torch.equal(fused[:, :channels], mixed) and torch.equal(fused[:, channels:], plain[:, channels:])
+    assert torch.equal(fused_state, plain_state) and not torch.equal(fused_state, state)
+
+
 # Split-K (35B out_proj), FMA and DOT, each weight kind; the sweep's alternatives in the bench.
 CONFIG_CASES = [
     ("35b_gdn_out_proj", "bf16", 1, None),

@@ -181,6 +181,121 @@ def test_e4m3_bits_all_codes(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
     assert torch.equal(torch.signbit(out.float()[finite]), torch.signbit(w.float()[finite]))  # -0 stays -0
 
 
+activation = interpreted("ninfer.kernels.activation.triton")
+
+
+@pytest.mark.parametrize(
+    "dtype, config",
+    [
+        (torch.bfloat16, FMA),  # 32 gate + 32 up rows per program, a masked last program (I = 100)
+        (torch.bfloat16, FMA._replace(block_n=2, prefetch=True)),  # one pair per program, as 27B's gate_up at M = 1
+        (torch.float16, DOT),
+        (torch.float32, FMA._replace(block_n=4)),
+    ],
+)
+@pytest.mark.parametrize("m", [3])  # padded rows; M = 1 below
+@pytest.mark.parametrize("layout", [None, *SCALES])
+def test_silu_and_mul_epilogue_equals_the_two_launches(
+    dtype: torch.dtype, config: Config, m: int, layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Gate and up rows are summed as the plain GEMV sums them and rounded to x's dtype before
+    # the activation's own formula: the same bits as gemv then silu_and_mul, same config.
+    # (DOT launches take the two launches themselves.)
+    fallbacks = []
+    monkeypatch.setattr(fast, "silu_and_mul", lambda t: fallbacks.append(t.shape) or activation.silu_and_mul(t))
+    x, w, bias = _inputs(m, dtype, seed=60 + m, fp8=layout is not None)
+    scale = SCALES[layout](60 + m) if layout else None
+    fused = fast.gemv_silu_and_mul(x, w, scale, bias, config=config)
+    assert len(fallbacks) == int(config.use_dot)  # FMA: the epilogue ran
+    two_launches = activation.silu_and_mul(fast.gemv(x, w, scale, bias, config=config))
+    assert fused.shape == (m, N // 2) and fused.dtype == dtype
+    assert torch.equal(fused, two_launches)
+    expected = ref.gemv_silu_and_mul(x, w, scale, bias)
+    torch.testing.assert_close(fused.float(), expected.float(), rtol=4 * ULP[dtype] + 1e-5, atol=1e-3)
+
+
+def test_silu_and_mul_epilogue_one_row_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = FMA._replace(block_n=2, prefetch=True)
+    test_silu_and_mul_epilogue_equals_the_two_launches(torch.bfloat16, config, 1, "channel", monkeypatch)
+
+
+def test_silu_and_mul_epilogue_falls_back_where_it_cannot_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Split K (the sums are whole only in the split-sum kernel), odd row tiles and tensor-core
+    # launches (measured slower fused) take two launches.
+    fallbacks = []
+    monkeypatch.setattr(fast, "silu_and_mul", lambda t: fallbacks.append(t.shape) or activation.silu_and_mul(t))
+    x, w, bias = _inputs(2, torch.float16, seed=70)
+    for config in (FMA._replace(split_k=3), FMA._replace(block_n=1), DOT):
+        fused = fast.gemv_silu_and_mul(x, w, bias=bias, config=config)
+        assert torch.equal(fused, activation.silu_and_mul(fast.gemv(x, w, bias=bias, config=config)))
+    assert len(fallbacks) == 3
+    with pytest.raises(ValueError, match="gate | up"):
+        fast.gemv_silu_and_mul(x, w[:-1].contiguous())
+    # The default launch keeps a row pair per program even where the plain GEMV takes one row.
+    assert fast._config(1, 1024, 2048, FP8, 132).block_n == 1
+    assert fast._config(1, 1024, 2048, FP8, 132, 2).block_n == 2
+
+
+conv_kernels = interpreted("ninfer.kernels.causal_conv1d.triton")
+CONV_CHANNELS, CONV_WIDTH, NUM_SLOTS = 136, 4, 5
+
+
+def _conv_inputs(m: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    conv_weight = (torch.randn(CONV_CHANNELS, CONV_WIDTH, generator=gen) * 0.5).to(dtype)
+    conv_state = torch.randn(NUM_SLOTS, CONV_CHANNELS, CONV_WIDTH - 1, generator=gen).to(dtype)
+    slots = torch.randperm(NUM_SLOTS, generator=gen)[:m]
+    return conv_weight, conv_state, slots
+
+
+@pytest.mark.parametrize(
+    "dtype, config, layout",
+    [
+        (torch.bfloat16, FMA, None),  # columns 128..135 of the conv in one program's tile with plain ones
+        (torch.bfloat16, FMA._replace(block_n=2, prefetch=True), "channel"),  # as 27B's in_proj at M = 1
+        (torch.float16, DOT, "row"),
+        (torch.float32, FMA._replace(block_n=4), "block"),
+    ],
+)
+@pytest.mark.parametrize("m", [1, 3])
+def test_conv_epilogue_equals_the_two_launches(dtype: torch.dtype, config: Config, layout, m: int) -> None:
+    # The projection rounded to x's dtype, then the conv kernel's own sum: the same output bits
+    # and the same updated states as the GEMV followed by causal_conv1d_update.
+    x, w, bias = _inputs(m, dtype, seed=80 + m, fp8=layout is not None)
+    scale = SCALES[layout](80 + m) if layout else None
+    conv_weight, state, slots = _conv_inputs(m, dtype, seed=90 + m)
+    fused_state, plain_state = state.clone(), state.clone()
+    fused = fast.gemv_causal_conv1d_update(x, w, scale, bias, conv_weight, fused_state, slots, config=config)
+    plain = fast.gemv(x, w, scale, bias, config=config)
+    mixed = conv_kernels.causal_conv1d_update(plain[:, :CONV_CHANNELS], conv_weight, plain_state, slots)
+    assert fused.shape == (m, N) and fused.dtype == dtype
+    assert torch.equal(fused[:, :CONV_CHANNELS], mixed) and torch.equal(fused[:, CONV_CHANNELS:], plain[:, CONV_CHANNELS:])
+    assert torch.equal(fused_state, plain_state) and not torch.equal(fused_state, state)
+    ref_state = state.clone()
+    expected = ref.gemv_causal_conv1d_update(x, w, scale, bias, conv_weight, ref_state, slots)
+    # A one-unit difference in a rounded projection (sum order, the interpreter's rounding)
+    # moves a conv output by up to a unit times its tap: absolute, as taps may cancel.
+    atol = 2 * ULP[dtype] * plain.abs().max().item() * conv_weight.abs().max().item() + 1e-5
+    torch.testing.assert_close(fused.float(), expected.float(), rtol=4 * ULP[dtype] + 1e-5, atol=atol)
+    torch.testing.assert_close(fused_state.float(), ref_state.float(), rtol=ULP[dtype], atol=1e-3)
+
+
+def test_conv_epilogue_falls_back_to_two_launches_with_split_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fast, "causal_conv1d_update", conv_kernels.causal_conv1d_update)
+    x, w, bias = _inputs(2, torch.float16, seed=95)
+    conv_weight, state, slots = _conv_inputs(2, torch.float16, seed=96)
+    config = FMA._replace(split_k=3)
+    fused_state, plain_state = state.clone(), state.clone()
+    fused = fast.gemv_causal_conv1d_update(x, w, None, bias, conv_weight, fused_state, slots, config=config)
+    plain = fast.gemv(x, w, bias=bias, config=config)
+    mixed = conv_kernels.causal_conv1d_update(plain[:, :CONV_CHANNELS], conv_weight, plain_state, slots)
+    assert torch.equal(fused, torch.cat((mixed, plain[:, CONV_CHANNELS:]), 1)) and torch.equal(fused_state, plain_state)
+    with pytest.raises(ValueError, match="conv_state"):
+        fast.gemv_causal_conv1d_update(x, w, None, None, conv_weight, state[:, :, :2], slots)
+    with pytest.raises(ValueError, match="state_slots"):
+        fast.gemv_causal_conv1d_update(x, w, None, None, conv_weight, state, slots[:1])
+
+
 def test_default_config() -> None:
     # The heuristic's own launch at M=16 (DOT; fp16 so it runs here). At M=1 it gives this
     # small N one column per program: 200 interpreted programs, too slow to be worth it.

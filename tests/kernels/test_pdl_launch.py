@@ -80,7 +80,9 @@ def _call_every_wrapper(k) -> None:
 
     k["rms_norm"].rms_norm(r(3, 200), r(200), 1e-6, True)
     k["rms_norm"].add_rms_norm(r(3, 200), r(3, 200), r(200), 1e-6)
+    k["rms_norm"].add_rms_norm(r(3, 200), r(3, 200), r(200), 1e-6, early_residual=True)
     k["rms_norm"].gated_rms_norm(r(3, 4, 64), r(3, 4, 64), r(64), 1e-6)
+    k["rms_norm"].gated_rms_norm(r(3, 4, 64), r(3, 4, 64), r(64), 1e-6, early_gate=True)
     k["activation"].silu_and_mul(r(3, 512))
     k["activation"].sigmoid_mul(r(3, 256), r(3, 256))
     k["gated_delta_rule"].gdn_gates(r(3, 8), r(3, 8), r(8, dtype=f32), r(8, dtype=f32))
@@ -101,6 +103,7 @@ def _call_every_wrapper(k) -> None:
     decode_starts = torch.arange(4, dtype=torch.int32)
     decode_lens = torch.tensor([9, 70, 128], dtype=torch.int32)
     attention(r(3, 4, 64), k_cache, v_cache, page_table, decode_starts, decode_lens, 0.125, max_query_len=1)
+    attention(r(3, 4, 64), k_cache, v_cache, page_table, decode_starts, decode_lens, 0.125, max_query_len=1, prefetch_kv=True)
     prefill_starts = torch.tensor([0, 20, 40, 60], dtype=torch.int32)
     prefill_lens = torch.tensor([20, 70, 128], dtype=torch.int32)
     attention(r(60, 4, 64), k_cache, v_cache, page_table, prefill_starts, prefill_lens, 0.125, max_query_len=20)
@@ -113,6 +116,11 @@ def _call_every_wrapper(k) -> None:
     k["gemv"].gemv(r(1, 2048), fp8_weight, r(1024, dtype=f32).abs())  # FMA path
     k["gemv"].gemv(r(4, 2048), fp8_weight, r(1024, dtype=f32).abs())  # tensor-core path
     k["gemv"].gemv(r(1, 4096), r(64, 4096))  # 64 rows: split K, then the split sum
+    k["gemv"].gemv_silu_and_mul(r(1, 2048), fp8_weight, r(1024, dtype=f32).abs())  # gate | up epilogue, FMA
+    k["gemv"].gemv_silu_and_mul(r(4, 2048), fp8_weight, r(1024, dtype=f32).abs())  # ... tensor cores
+    conv = (r(256, 4), r(4, 256, 3))
+    k["gemv"].gemv_causal_conv1d_update(r(1, 2048), fp8_weight, r(1024, dtype=f32).abs(), None, *conv, slots[:1])
+    k["gemv"].gemv_causal_conv1d_update(r(3, 2048), fp8_weight, r(1024, dtype=f32).abs(), None, *conv, slots)
 
 
 def _name(fn) -> str:
@@ -159,16 +167,19 @@ def _ptx(fn, args, kwargs) -> str:
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
-# Anything that touches global memory or leaves the first basic block.
-_BEFORE_WAIT = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.|cp\.async|bra|ret|exit)\b")
+# Anything that touches global memory (an L2 prefetch included) or leaves the first basic block.
+_BEFORE_WAIT = re.compile(r"\b(ld\.global|prefetch|st\.global|atom\.|red\.|cp\.async|bra|ret|exit)\b")
 # Kernels that load, before the wait, only what the previous launch cannot be writing
 # (ninfer/kernels/pdl.py): weights, and state that only the same kernel writes, a step
 # earlier. No writes or branches before the wait even there; the results are checked on
 # the GPU (each kernel's tests and the PDL chain in tests/gpu/test_pdl.py).
 PRE_WAIT_LOADS = {
-    "_rms_norm_kernel", "_add_rms_norm_kernel", "_gated_rms_norm_kernel",  # the norm weight
+    # the norm weight; with early_residual / early_gate also the residual / gate, which the
+    # callers guarantee were written before the previous launch
+    "_rms_norm_kernel", "_add_rms_norm_kernel", "_gated_rms_norm_kernel",
     "_conv_update_kernel", "_recurrent_kernel",  # the slot, weights / gate parameters, the state
-    "_gemv_kernel",  # the first weight tile (FMA path)
+    "_gemv_kernel",  # the first weight tile (FMA path); with a conv epilogue the slots, conv weights and state
+    "_paged_attention_kernel",  # prefetch_kv: the step's lengths and page table (then L2 prefetches)
 }  # fmt: skip
 _WRITE_OR_BRANCH = re.compile(r"\b(st\.global|atom\.|red\.|cp\.async|bra|ret|exit)\b")
 
@@ -189,7 +200,7 @@ def test_wait_comes_first_in_the_sm90_ptx(launches) -> None:
         allowed_loads = _name(fn) in PRE_WAIT_LOADS
         offending = [line for line in code if (_WRITE_OR_BRANCH if allowed_loads else _BEFORE_WAIT).search(line)]
         assert not offending, (_name(fn), offending)
-        if any("ld.global" in line for line in code):
+        if any("ld.global" in line or "prefetch" in line for line in code):
             loading_early.add(_name(fn))
     assert {name for name, _ in seen} == ALL_KERNELS
     assert loading_early == PRE_WAIT_LOADS  # the list above is what the kernels do

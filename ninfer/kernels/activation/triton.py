@@ -32,6 +32,15 @@ def block_config(num_cols: int) -> tuple[int, int]:
 
 
 @triton.jit
+def silu_mul(gate, up, DTYPE: tl.constexpr):
+    """fp32 silu(gate) * up with torch's roundings for DTYPE inputs: torch's silu formula,
+    x / (1 + exp(-x)), rounded to DTYPE like F.silu's output; the product is the caller's to
+    round. Shared with the GEMV's gate|up epilogue, so both give the same bits."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
+    return act * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,
     out_ptr,
@@ -50,9 +59,8 @@ def _silu_and_mul_kernel(
     x_row = x_ptr + _row_start(row, rows_inner, stride_x_outer, stride_x_inner, TWO_LEVEL)
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    # torch's silu formula, x / (1 + exp(-x)), rounded to x's dtype like F.silu's output.
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    act = silu_mul(gate, up, x_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * inter + cols, act.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -3,7 +3,9 @@
 import torch
 import torch.nn.functional as F
 
+from ninfer.kernels.activation import silu_and_mul
 from ninfer.kernels.backend import fast_impl
+from ninfer.kernels.causal_conv1d import causal_conv1d_update
 from ninfer.kernels.gemv import ref
 from ninfer.kernels.gemv.ref import MAX_ROWS
 
@@ -19,6 +21,33 @@ def gemv(
     return impl(x, weight, weight_scale, bias)
 
 
+def gemv_silu_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """silu(gate) * up of a gate | up projection (weight [2I, K], gate rows first) -> [M, I]."""
+    impl = (fast_impl(__name__, "gemv_silu_and_mul", x) if x.shape[0] <= MAX_ROWS else None) or ref.gemv_silu_and_mul
+    return impl(x, weight, weight_scale, bias)
+
+
+def gemv_causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """x @ W^T with one decode step of a depthwise causal conv + silu on its first
+    conv_weight.shape[0] columns (conv_state updated in place; see ref.py)."""
+    fast = fast_impl(__name__, "gemv_causal_conv1d_update", x) if x.shape[0] <= MAX_ROWS else None
+    impl = fast or ref.gemv_causal_conv1d_update
+    return impl(x, weight, weight_scale, bias, conv_weight, conv_state, state_slots)
+
+
 # Unquantized weights: the largest row count where the GEMV kernel beats cuBLAS on the H200
 # (bench_gemv.py on the 27B shapes: 4-12 % faster than F.linear at M = 1 and 2; at par or
 # behind from M = 4).
@@ -32,3 +61,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.is_cuda and rows.shape[0] <= UNQUANTIZED_GEMV_MAX_ROWS:
         return gemv(rows, weight, None, bias).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up of linear(x, weight, bias) for a gate | up weight [2I, K]: at GEMV sizes
+    in one launch (the activation in the GEMV's epilogue), else the product then the activation."""
+    rows = x.reshape(-1, x.shape[-1])
+    if x.is_cuda and rows.shape[0] <= UNQUANTIZED_GEMV_MAX_ROWS:
+        return gemv_silu_and_mul(rows, weight, None, bias).reshape(*x.shape[:-1], weight.shape[0] // 2)
+    return silu_and_mul(F.linear(x, weight, bias))
+
+
+def linear_causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """linear(x, weight, bias) [B, N] of one decode token per request, with the conv's decode
+    step on its first conv_weight.shape[0] columns: at GEMV sizes in the GEMV's epilogue."""
+    if x.is_cuda and x.shape[0] <= UNQUANTIZED_GEMV_MAX_ROWS:
+        return gemv_causal_conv1d_update(x, weight, None, bias, conv_weight, conv_state, state_slots)
+    return conv_first_columns(F.linear(x, weight, bias), conv_weight, conv_state, state_slots)
+
+
+def conv_first_columns(
+    out: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
+) -> torch.Tensor:
+    """A projection's output [B, N] with its first conv_weight.shape[0] columns through
+    causal_conv1d_update (two launches and a copy: the path where the GEMV cannot fuse it)."""
+    channels = conv_weight.shape[0]
+    return torch.cat((causal_conv1d_update(out[:, :channels], conv_weight, conv_state, state_slots), out[:, channels:]), 1)

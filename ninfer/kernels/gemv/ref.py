@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ninfer.kernels.activation.ref import silu_and_mul
+from ninfer.kernels.causal_conv1d.ref import causal_conv1d_update
+
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # rows and columns per block scale in Qwen's FP8 checkpoints
 MAX_ROWS = 16  # the largest M the fast path takes; larger batches go to ref (a plain matmul)
@@ -65,3 +68,31 @@ def gemv(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def gemv_silu_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """silu(gate) * up of a gate | up projection: weight [2I, K] (gate rows first) -> [M, I]."""
+    return silu_and_mul(gemv(x, weight, weight_scale, bias))
+
+
+def gemv_causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """gemv, then one decode step of the depthwise causal conv + silu (conv_weight [C, K],
+    conv_state [slots, C, K-1] updated in place, row m in slot state_slots[m]) on its first C
+    columns; the other columns as the GEMV gives them."""
+    out = gemv(x, weight, weight_scale, bias)
+    channels = conv_weight.shape[0]
+    mixed = causal_conv1d_update(out[:, :channels], conv_weight, conv_state, state_slots)
+    return torch.cat((mixed, out[:, channels:]), dim=1)

@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.activation.triton import silu_and_mul, silu_mul
+from ninfer.kernels.causal_conv1d.triton import causal_conv1d_update
 from ninfer.kernels.gemv.ref import FP8, MAX_ROWS, SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
@@ -366,12 +368,19 @@ def _gemv_kernel(
     scale_ptr,
     bias_ptr,
     out_ptr,
+    conv_w_ptr,
+    conv_state_ptr,
+    slots_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_om,
     stride_sn,
+    stride_cw,
+    stride_slot,
+    stride_sc,
+    conv_channels,
     k_per_split,
     SCALE: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
@@ -388,16 +397,47 @@ def _gemv_kernel(
     EVEN_M: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PREFETCH: tl.constexpr,
+    GLU: tl.constexpr,
+    CONV_K: tl.constexpr,
+    STATE_COLS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """GLU: W is gate | up (N / 2 rows each) and out[M, N / 2] = silu(gate) * up. A program's
+    BLOCK_N rows are BLOCK_N / 2 gate rows and the up rows of the same columns, so the
+    epilogue pairs them in registers (no split-K: gemv falls back to two launches).
+    CONV_K > 0: the first conv_channels columns of each row go through the decode step of a
+    depthwise causal conv of width CONV_K + silu, with row m's state in slot slots[m]
+    (gemv_causal_conv1d_update); a program owns whole columns, so each state element is read
+    and written by one thread. No split-K either."""
     pid_k = tl.program_id(1)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     # Clamped indices: rows past N (or, for FMA, M) re-read the last real one, so the loads
     # need no masks and keep their 16-byte vectors; only the store is masked. DOT masks x's
     # padding rows instead (up to 12 of 16: not worth reading).
-    n_load = tl.minimum(n, N - 1)
+    if GLU:
+        HALF: tl.constexpr = BLOCK_N // 2
+        inter = N // 2
+        idx = tl.arange(0, BLOCK_N)
+        n_load = tl.minimum(tl.program_id(0) * HALF + idx % HALF, inter - 1) + (idx // HALF) * inter
+    else:
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_load = tl.minimum(n, N - 1)
     m_load = tl.minimum(m, M - 1)
+    if CONV_K > 0:
+        # Before the weight stream (and, FMA, before the PDL wait): the slots, the conv weights
+        # and the conv state, which only this kernel writes (a step earlier).
+        j = tl.arange(0, STATE_COLS)
+        is_conv = (n < conv_channels) & (n < N)
+        c = tl.minimum(n, conv_channels - 1)
+        slot = tl.load(slots_ptr + m_load).to(tl.int64)
+        p_state = conv_state_ptr + slot[:, None] * stride_slot + c[None, :] * stride_sc  # [BLOCK_M, BLOCK_N]
+        state_mask = (m[:, None] < M) & is_conv[None, :]
+        tap_mask = (j < CONV_K - 1)[None, :]
+        state = tl.load(p_state[:, :, None] + j[None, None, :], mask=state_mask[:, :, None] & tap_mask[None, :, :], other=0.0)
+        state = state.to(tl.float32)
+        w_old = tl.load(conv_w_ptr + c[:, None] * stride_cw + j[None, :], mask=is_conv[:, None] & tap_mask, other=0.0)
+        w_old = w_old.to(tl.float32)
+        w_new = tl.load(conv_w_ptr + c * stride_cw + (CONV_K - 1), mask=is_conv, other=0.0).to(tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if USE_DOT:
@@ -413,13 +453,37 @@ def _gemv_kernel(
         )  # fmt: skip
     if SCALE == 1:
         acc = acc * tl.load(scale_ptr + n_load)[None, :]
-    mask = (m[:, None] < M) & (n[None, :] < N)
-    if SPLIT:
+    if GLU:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n_load).to(tl.float32)[None, :]
+        # gate and up rounded to x's dtype, as the plain GEMV's output that silu_and_mul reads
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), [0, 2, 1]))
+        cols = tl.program_id(0) * HALF + tl.arange(0, HALF)
+        act = silu_mul(gate, up, out_ptr.dtype.element_ty)
+        mask = (m[:, None] < M) & (cols[None, :] < inter)
+        tl.store(out_ptr + m[:, None] * stride_om + cols[None, :], act.to(out_ptr.dtype.element_ty), mask=mask)
+    elif SPLIT:
         # fp32 partial of split pid_k; _split_sum_kernel adds the splits in order.
+        mask = (m[:, None] < M) & (n[None, :] < N)
         tl.store(out_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n_load).to(tl.float32)[None, :]
+        if CONV_K > 0:
+            # The projection rounded to x's dtype (what the conv kernel would read), then that
+            # kernel's sum in its order: the new input's tap, then state column m (the input
+            # K-1-m steps back) times tap m, which moves to column m-1 after this token.
+            proj = acc.to(out_ptr.dtype.element_ty)
+            conv = proj.to(tl.float32) * w_new[None, :]
+            for col in tl.static_range(CONV_K - 1):
+                s_col = tl.sum(tl.where(j[None, None, :] == col, state, 0.0), axis=2)  # column col, exactly
+                conv += s_col * tl.sum(tl.where(j[None, :] == col, w_old, 0.0), axis=1)[None, :]
+                if col > 0:
+                    tl.store(p_state + (col - 1), s_col.to(conv_state_ptr.dtype.element_ty), mask=state_mask)
+            tl.store(p_state + (CONV_K - 2), proj.to(conv_state_ptr.dtype.element_ty), mask=state_mask)
+            acc = tl.where(is_conv[None, :], conv * tl.sigmoid(conv), proj.to(tl.float32))
+        mask = (m[:, None] < M) & (n[None, :] < N)
         tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -461,9 +525,10 @@ def _pow2_floor(value: int) -> int:
 
 
 @functools.cache
-def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> Config:
+def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min_block_n: int = 1) -> Config:
     """Default launch shape: predictions for the H200 from the sm_90 build (instruction
-    counts per weight byte); benchmarks/kernels/bench_gemv.py sweeps around it."""
+    counts per weight byte); benchmarks/kernels/bench_gemv.py sweeps around it.
+    min_block_n: 2 for the gate|up epilogue (a program needs a gate and an up row)."""
     elem_bytes = torch.empty((), dtype=weight_dtype).element_size()
     fp8 = weight_dtype == FP8
     # Issue-rate model from the sm_90 build: loop instructions (per thread) per weight byte;
@@ -526,7 +591,7 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> 
                 block_n, block_k, num_warps = 2, 1024, 1
             else:
                 block_n, block_k, num_warps = 8, 2048, 4
-        while block_n > 1 and triton.cdiv(N, block_n) < target_programs:
+        while block_n > min_block_n and triton.cdiv(N, block_n) < target_programs:
             block_n //= 2
         num_stages = 1  # the FMA loop's loads are not pipelined by Triton: residency hides latency
     programs = triton.cdiv(N, block_n)
@@ -560,6 +625,51 @@ def gemv(
     config: Config | None = None,
 ) -> torch.Tensor:
     """Same contract as ref.gemv for M <= MAX_ROWS; config overrides the heuristic (benchmarks)."""
+    return _gemv(x, weight, weight_scale, bias, config, glu=False)
+
+
+def gemv_silu_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """Same contract as ref.gemv_silu_and_mul (the same bits as silu_and_mul(gemv(...)) with the
+    same config): the activation in the FMA GEMV's epilogue, saving a launch per MLP at the
+    one- and two-row decode sizes; tensor-core and split-K launches run the two kernels."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"weight must be gate | up, got an odd {weight.shape[0]} rows")
+    return _gemv(x, weight, weight_scale, bias, config, glu=True)
+
+
+def gemv_causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    *,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """Same contract as ref.gemv_causal_conv1d_update (the same bits as the GEMV, then
+    causal_conv1d_update on its first conv_weight.shape[0] columns, same config): the conv's
+    decode step in the GEMV's epilogue, saving a launch per Gated DeltaNet layer."""
+    channels, width = conv_weight.shape
+    if channels > weight.shape[0] or conv_state.shape[1:] != (channels, width - 1) or conv_state.stride(2) != 1:
+        raise ValueError(
+            f"conv_weight {tuple(conv_weight.shape)} and conv_state {tuple(conv_state.shape)} must be [C, K] and"
+            f" [slots, C, K-1] (unit last stride) with C <= {weight.shape[0]} output columns"
+        )
+    if state_slots.shape != (x.shape[0],):
+        raise ValueError(f"state_slots {tuple(state_slots.shape)} must hold one slot per row of x {tuple(x.shape)}")
+    return _gemv(x, weight, weight_scale, bias, config, glu=False, conv=(conv_weight, conv_state, state_slots))
+
+
+def _gemv(x, weight, weight_scale, bias, config, glu: bool, conv=None) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0]
     if M > MAX_ROWS:
@@ -573,7 +683,7 @@ def gemv(
         raise ValueError(f"weight dtype {weight.dtype} must be x's ({x.dtype}) or float8_e4m3fn")
     if fp8 != (weight_scale is not None):
         raise ValueError("FP8 weights need weight_scale, other weights take none")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, N // 2 if glu else N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     scale_kind = _SCALE_NONE
@@ -595,7 +705,7 @@ def gemv(
         if weight_scale.stride(-1) != 1:
             weight_scale = weight_scale.contiguous()
         stride_sn = weight_scale.stride(0) if scale_kind == _SCALE_BLOCK else 0
-    cfg = config or _config(M, N, K, weight.dtype, _device_sms(x.device))
+    cfg = config or _config(M, N, K, weight.dtype, _device_sms(x.device), 2 if glu else 1)
     # 16-byte weight vectors, at most two 16-byte x loads per vector (fp32 x with FP8: 8-byte weight vectors)
     vec_x = 16 // x.element_size()
     vec = min(16 // weight.element_size(), 2 * vec_x)
@@ -606,23 +716,41 @@ def gemv(
     split_k = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)  # no empty splits
+    if glu and (split_k > 1 or cfg.block_n % 2 or cfg.use_dot):
+        # The epilogue needs whole sums and row pairs: two launches instead. Tensor-core
+        # launches too: there it cost 7 % at batch 8 (27B FP8 decode, H200, session 5).
+        return silu_and_mul(_gemv(x, weight, weight_scale, bias, cfg, glu=False))
+    if conv is not None and split_k > 1:
+        # Whole sums only after the split sum: the conv kernel on the plain product instead.
+        out = _gemv(x, weight, weight_scale, bias, cfg, glu=False)
+        channels = conv[0].shape[0]
+        return torch.cat((causal_conv1d_update(out[:, :channels], *conv), out[:, channels:]), dim=1)
     even_k = K % k_per_split == 0
     block_m = _block_m(M, cfg.use_dot, fp8)
     use_pdl = pdl_enabled(x)
     target = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
     dummy = out  # never read: the constexpr flags compile those loads away
-    _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+    conv_weight, conv_state, state_slots = conv or (dummy, dummy, dummy)
+    conv_width = conv_weight.shape[-1] if conv is not None else 0
+    _gemv_kernel[(triton.cdiv(N // 2 if glu else N, cfg.block_n // 2 if glu else cfg.block_n), split_k)](
         x,
         weight,
         dummy if weight_scale is None else weight_scale,
         dummy if bias is None else bias,
         target,
+        conv_weight,
+        conv_state,
+        state_slots,
         M,
         N,
         K,
         x.stride(0),
         out.stride(0),
         stride_sn,
+        conv_weight.stride(0),
+        conv_state.stride(0),
+        conv_state.stride(1) if conv is not None else 0,
+        conv_weight.shape[0] if conv is not None else 0,
         k_per_split,
         SCALE=scale_kind,
         SCALE_ROWS=scale_rows,
@@ -639,6 +767,9 @@ def gemv(
         EVEN_M=M == block_m,
         FP8_ASM=x.is_cuda,  # inline PTX: not for the CPU interpreter
         PREFETCH=cfg.prefetch and not cfg.use_dot,
+        GLU=glu,
+        CONV_K=conv_width,
+        STATE_COLS=triton.next_power_of_2(max(1, conv_width - 1)),
         USE_PDL=use_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ninfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from ninfer.kernels.causal_conv1d import causal_conv1d
 from ninfer.kernels.gated_delta_rule import chunk_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule_with_gates
 from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
@@ -54,12 +54,14 @@ class GatedDeltaNet(nn.Module):
         conv_weight = self.conv1d.weight.squeeze(1)
         decode_only = batch.is_decode_only
 
-        qkv, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)
         split = (self.key_dim, self.key_dim, self.value_dim)
         if decode_only:
-            qkv = causal_conv1d_update(qkv, conv_weight, conv_state, batch.state_slots)
+            # One token per request: the conv's step rides in the projection's GEMV epilogue.
+            mixed = self.in_proj.forward_causal_conv1d_update(x, conv_weight, conv_state, batch.state_slots)
+            qkv, z, b, a = mixed.split(self.in_proj_sizes, dim=-1)
             q, k, v = qkv.split(split, dim=-1)
         else:
+            qkv, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)
             # Contiguous q, k, v straight from the conv: the chunked kernels would copy views.
             q, k, v = causal_conv1d(qkv, conv_weight, conv_state, batch.state_slots, batch.query_lens_cpu, split)
         q = q.reshape(num_tokens, self.num_k_heads, self.k_head_dim)
@@ -78,5 +80,6 @@ class GatedDeltaNet(nn.Module):
             core = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, slots, lens)
 
         z = z.reshape(num_tokens, self.num_v_heads, self.v_head_dim)
-        out = self.norm(core, z).reshape(num_tokens, self.value_dim)
+        # z is in_proj's output, with at least the rule launched since: read before the PDL wait.
+        out = self.norm(core, z, early_gate=True).reshape(num_tokens, self.value_dim)
         return self.out_proj(out)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ninfer.kernels.gemv import linear
+from ninfer.kernels.gemv import linear, linear_causal_conv1d_update, linear_silu_and_mul
 
 
 class Linear(nn.Linear):
@@ -30,6 +30,17 @@ class PackedLinear(Linear):
     @property
     def part_sizes(self) -> list[int]:
         return list(self.parts.values())
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for a gate | up pair of equal parts (decode: one launch)."""
+        return linear_silu_and_mul(x, self.weight, self.bias)
+
+    def forward_causal_conv1d_update(
+        self, x: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
+    ) -> torch.Tensor:
+        """The product of one decode token per request with the conv's decode step on its
+        first conv_weight.shape[0] columns (decode: one launch)."""
+        return linear_causal_conv1d_update(x, self.weight, self.bias, conv_weight, conv_state, state_slots)
 
 
 def packed_parts(model: nn.Module) -> dict[str, tuple[str, slice]]:

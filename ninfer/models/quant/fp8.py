@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ninfer.kernels.gemv import MAX_ROWS, gemv
+from ninfer.kernels.activation import silu_and_mul
+from ninfer.kernels.gemv import MAX_ROWS, conv_first_columns, gemv, gemv_causal_conv1d_update, gemv_silu_and_mul
 from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, dequantize
 
 FP8_MAX = 448.0
@@ -73,6 +74,27 @@ class Fp8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale).to(dtype)
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a packed gate | up projection: at GEMV sizes the activation is the
+        GEMV's epilogue (one launch), else the product then the activation."""
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if rows.shape[0] <= MAX_ROWS:
+            out = gemv_silu_and_mul(rows, self.weight, self.weight_scale, self.bias)
+            return out.reshape(*shape[:-1], self.out_features // 2)
+        return silu_and_mul(self.forward(x))
+
+    def forward_causal_conv1d_update(
+        self, x: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
+    ) -> torch.Tensor:
+        """x [B, K], one decode token per request: the product with the conv's decode step on
+        its first conv_weight.shape[0] columns (at GEMV sizes in the GEMV's epilogue)."""
+        if x.shape[0] <= MAX_ROWS:
+            return gemv_causal_conv1d_update(
+                x, self.weight, self.weight_scale, self.bias, conv_weight, conv_state, state_slots
+            )
+        return conv_first_columns(self.forward(x), conv_weight, conv_state, state_slots)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
