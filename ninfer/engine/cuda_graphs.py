@@ -6,16 +6,18 @@ for (the engine: 1..max_concurrency), embedding -> model forward -> logits over 
 device buffers, and two sampling graphs reading those logits: the general sampler, and the
 argmax alone for rounds whose rows are all greedy (the general one runs top-k over the
 whole vocabulary, ~0.13 ms on a 248K vocabulary, even for greedy rows). A step then costs
-two small host->device copies (ints, floats), a copy of any page-table row that changed,
-two replays and the read of the sampled ids.
+two small host->device copies (ints, and floats unless every row is greedy without
+penalties), a copy of any page-table row that changed, two replays and the read of the
+sampled ids.
 
 What the captured region may not do: read host copies of per-step values, sync with the
 host (.item(), .tolist(), nonzero ...), or branch in Python on tensor values. The pieces
 inside it satisfy that by contract:
   * paged attention: the Triton path reads query_start_loc / seq_lens / page_table on the
     device; its grid depends only on B (ForwardBatch.max_query_len is 1 at every replay);
-  * Gated DeltaNet decode: recurrent_gated_delta_rule with query_lens (1,) * B and
-    causal_conv1d_update index their state slots with device tensors;
+  * Gated DeltaNet decode: recurrent_gated_delta_rule with query_lens (1,) * B and the
+    conv step (in in_proj's GEMV epilogue, or causal_conv1d_update) index their state
+    slots with device tensors;
   * sampling: the general no-penalty path (greedy rows by torch.where), or argmax when
     every row is greedy; rounds with presence/frequency penalties sample eagerly from the
     graph's logits, because their token lists change length every step.
@@ -234,35 +236,33 @@ class DecodeGraphs:
             ints[row, _STATE_SLOT] = chunk.state_slot
             self._upload_pages(row, chunk.page_ids)
         params = [c.sampling for c in chunks]
+        histories = [c.output_token_ids for c in chunks]
+        generated = [c.num_generated for c in chunks]
+        host = None
         if all(p.is_greedy and not p.presence_penalty and not p.frequency_penalty for p in params):
             # Argmax rows read nothing but the logits: skip packing the sampling rows on the
             # host (tens of microseconds of Python between two rounds, with the GPU idle).
             ints[:batch_size, _TOP_K] = 1
             ints[:batch_size, _GREEDY] = 1
-            self.ints[:batch_size].copy_(self._ints_host[:batch_size], non_blocking=True)
-            self.graphs[batch_size].replay()
-            self.sample_graphs[(batch_size, True)].replay()
-            sampled = self._outputs[("sample", batch_size, True)].tolist()
-            return {c.request_id: t for c, t in zip(chunks, sampled) if c.sample}
-        histories = [c.output_token_ids for c in chunks]
-        generated = [c.num_generated for c in chunks]
-        host = SamplingBatch.build(params, histories, device="cpu", num_generated=generated)
-        ints[:batch_size, _TOP_K] = host.top_ks.numpy()
-        ints[:batch_size, _GREEDY] = host.is_greedy.numpy()
-        floats = self._floats_np
-        floats[:batch_size, :_NUM_FLOAT_PARAMS] = host.row_floats.numpy()
-        floats[:batch_size, _NUM_FLOAT_PARAMS:] = host.noise.numpy()
+        else:
+            host = SamplingBatch.build(params, histories, device="cpu", num_generated=generated)
+            ints[:batch_size, _TOP_K] = host.top_ks.numpy()
+            ints[:batch_size, _GREEDY] = host.is_greedy.numpy()
+            floats = self._floats_np
+            floats[:batch_size, :_NUM_FLOAT_PARAMS] = host.row_floats.numpy()
+            floats[:batch_size, _NUM_FLOAT_PARAMS:] = host.noise.numpy()
+            self.floats[:batch_size].copy_(self._floats_host[:batch_size], non_blocking=True)
         self.ints[:batch_size].copy_(self._ints_host[:batch_size], non_blocking=True)
-        self.floats[:batch_size].copy_(self._floats_host[:batch_size], non_blocking=True)
 
         self.graphs[batch_size].replay()
-        if host.has_penalties:
+        if host is not None and host.has_penalties:
             # Penalty token lists grow every step: sample these batches eagerly from the graph's logits.
             device_batch = SamplingBatch.build(params, histories, device=self.device, num_generated=generated)
             token_ids = self.sampler.sample(self.logits(batch_size), device_batch)
         else:
-            self.sample_graphs[(batch_size, host.all_greedy)].replay()
-            token_ids = self._outputs[("sample", batch_size, host.all_greedy)]
+            all_greedy = host is None or host.all_greedy
+            self.sample_graphs[(batch_size, all_greedy)].replay()
+            token_ids = self._outputs[("sample", batch_size, all_greedy)]
         sampled = token_ids.tolist()
         return {c.request_id: t for c, t in zip(chunks, sampled) if c.sample}
 
