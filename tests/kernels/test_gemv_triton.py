@@ -281,15 +281,23 @@ def test_conv_epilogue_equals_the_two_launches(dtype: torch.dtype, config: Confi
 
 
 def test_conv_epilogue_falls_back_to_two_launches_with_split_k(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fast, "causal_conv1d_update", conv_kernels.causal_conv1d_update)
+    # Split K: the plain GEMV (same config), then the conv on its first columns.
+    fallbacks = []
+
+    def spy(out, *conv):
+        fallbacks.append(out.clone())
+        return gemv_op.conv_first_columns(out, *conv)
+
+    monkeypatch.setattr(fast, "conv_first_columns", spy)
     x, w, bias = _inputs(2, torch.float16, seed=95)
     conv_weight, state, slots = _conv_inputs(2, torch.float16, seed=96)
     config = FMA._replace(split_k=3)
     fused_state, plain_state = state.clone(), state.clone()
     fused = fast.gemv_causal_conv1d_update(x, w, None, bias, conv_weight, fused_state, slots, config=config)
     plain = fast.gemv(x, w, bias=bias, config=config)
-    mixed = conv_kernels.causal_conv1d_update(plain[:, :CONV_CHANNELS], conv_weight, plain_state, slots)
-    assert torch.equal(fused, torch.cat((mixed, plain[:, CONV_CHANNELS:]), 1)) and torch.equal(fused_state, plain_state)
+    assert len(fallbacks) == 1 and torch.equal(fallbacks[0], plain)
+    assert torch.equal(fused, gemv_op.conv_first_columns(plain, conv_weight, plain_state, slots))
+    assert torch.equal(fused_state, plain_state) and not torch.equal(fused_state, state)
     with pytest.raises(ValueError, match="conv_state"):
         fast.gemv_causal_conv1d_update(x, w, None, None, conv_weight, state[:, :, :2], slots)
     with pytest.raises(ValueError, match="state_slots"):

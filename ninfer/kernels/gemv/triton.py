@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.activation.triton import silu_and_mul, silu_mul
-from ninfer.kernels.causal_conv1d.triton import causal_conv1d_update
+from ninfer.kernels.gemv import conv_first_columns
 from ninfer.kernels.gemv.ref import FP8, MAX_ROWS, SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
@@ -722,9 +722,7 @@ def _gemv(x, weight, weight_scale, bias, config, glu: bool, conv=None) -> torch.
         return silu_and_mul(_gemv(x, weight, weight_scale, bias, cfg, glu=False))
     if conv is not None and split_k > 1:
         # Whole sums only after the split sum: the conv kernel on the plain product instead.
-        out = _gemv(x, weight, weight_scale, bias, cfg, glu=False)
-        channels = conv[0].shape[0]
-        return torch.cat((causal_conv1d_update(out[:, :channels], *conv), out[:, channels:]), dim=1)
+        return conv_first_columns(_gemv(x, weight, weight_scale, bias, cfg, glu=False), *conv)
     even_k = K % k_per_split == 0
     block_m = _block_m(M, cfg.use_dot, fp8)
     use_pdl = pdl_enabled(x)
