@@ -51,6 +51,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="weight dtype (default auto: the artifact's on GPU, float32 on CPU)")
     engine.add_argument("--no-prefix-reuse", action="store_true", help="disable compatible-prefix caching (default: reuse on)")
     engine.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly instead of replaying CUDA graphs captured at start-up (default: graphs on, CUDA only)")
+    engine.add_argument("--no-decode-overlap", action="store_true", help="read each decode round's tokens before launching the next (default: the next round is launched first, hiding the host's work between rounds)")
     engine.add_argument("--device-state-slots", type=_non_negative_int, help="checkpoint StateImages beyond the active lanes (default: --max-concurrency)")
     engine.add_argument("--in-process-engine", action="store_true", help="run the engine in a thread of the API process instead of its own process")
     gen = parser.add_argument_group("generation")
@@ -123,6 +124,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         device_state_slots=args.device_state_slots,
         prefix_reuse=not args.no_prefix_reuse,
         cuda_graphs=not args.no_cuda_graph,
+        decode_overlap=not args.no_decode_overlap,
         log_stats_interval_ms=args.log_stats_interval_ms,
         device=resolve_device(args.device),
     )

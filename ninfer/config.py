@@ -23,6 +23,7 @@ class EngineConfig:
     device_state_slots: int | None = None  # checkpoint slots beyond the active lanes; None = max_concurrency
     prefix_reuse: bool = True
     cuda_graphs: bool = True  # capture decode graphs at start-up (CUDA only); --no-cuda-graph turns it off
+    decode_overlap: bool = True  # launch decode round N+1 before reading round N; --no-decode-overlap turns it off
     log_stats_interval_ms: int = 5000
     device: str = "cpu"
 

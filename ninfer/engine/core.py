@@ -2,6 +2,11 @@
 
 Single-threaded by design: requests and aborts are applied between steps, so the
 scheduler and pools never see concurrent mutation. Transports (client.py) drive it.
+
+In steady decode (config.decode_overlap) each step() launches the next decode round
+before it reads the current one's tokens (Scheduler.schedule_ahead), so the GPU computes
+round N+1 while the host commits round N, checks stops and streams; one round stays in
+flight between step() calls.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Callable
 from ninfer.config import EngineConfig
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.request import EngineError, EngineOutput, EngineRequest, ErrorCode, FinishReason
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Scheduler, SchedulerLimits
@@ -60,12 +66,13 @@ class EngineCore:
             max_context=config.max_context,
         )
         self.failed: str | None = None
+        self._inflight: PendingStep | None = None  # launched, not yet committed
         self._last_stats_at = clock()
         self._host_active_s = 0.0
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     def add_request(self, request: EngineRequest) -> list[EngineOutput]:
         if self.failed is not None:
@@ -83,11 +90,18 @@ class EngineCore:
             return []
         started = time.perf_counter()
         try:
-            step = self.scheduler.schedule()
-            if step is None:
-                return self.scheduler.take_pending_outputs()
-            sampled = self.runner.execute(step)
-            outputs = self.scheduler.update(step, sampled)
+            current = self._inflight
+            if current is None:
+                step = self.scheduler.schedule()
+                if step is None:
+                    return self.scheduler.take_pending_outputs()
+                current = self.runner.launch(step)
+            self._inflight = None
+            if self.config.decode_overlap:
+                ahead = self.scheduler.schedule_ahead(current.step)
+                if ahead is not None:
+                    self._inflight = self.runner.launch(ahead)
+            outputs = self.scheduler.update(current.step, current.result())
         except Exception as exc:  # noqa: BLE001 - an engine bug must not hang clients
             log.exception("engine step failed")
             return self._fail(f"{type(exc).__name__}: {exc}")
@@ -98,6 +112,8 @@ class EngineCore:
 
     def _fail(self, message: str) -> list[EngineOutput]:
         self.failed = message
+        self._inflight = None
+        self.scheduler.drop_inflight()
         outputs = []
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             outputs.append(self._failure_output(seq.request_id, seq.request))

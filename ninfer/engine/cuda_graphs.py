@@ -7,8 +7,14 @@ device buffers, and two sampling graphs reading those logits: the general sample
 argmax alone for rounds whose rows are all greedy (the general one runs top-k over the
 whole vocabulary, ~0.13 ms on a 248K vocabulary, even for greedy rows). A step then costs
 two small host->device copies (ints, and floats unless every row is greedy without
-penalties), a copy of any page-table row that changed, two replays and the read of the
-sampled ids.
+penalties), a copy of any page-table row that changed and two replays; the runner reads
+the sampled ids later (pending_step.py).
+
+A row's input token is either given by the host or is the id the previous round sampled
+for that row's request (rows chained by the scheduler's schedule_ahead): the sampling
+graphs leave their ids in a device row of the int buffer, and the forward gathers each
+row's token from the host's column or that row, so a round can be launched before the
+previous round's ids have reached the host.
 
 What the captured region may not do: read host copies of per-step values, sync with the
 host (.item(), .tolist(), nonzero ...), or branch in Python on tensor values. The pieces
@@ -47,10 +53,17 @@ from ninfer.models.state_cache import StateCache
 
 log = logging.getLogger("ninfer.engine")
 
-# Columns of the int64 input buffer [max_batch, _NUM_INTS]: one host->device copy per step.
-_TOKEN, _POSITION, _SLOT, _STATE_SLOT, _TOP_K, _GREEDY = range(6)
-_NUM_INTS = 6
+# Rows of the int64 buffer [_NUM_INT_ROWS, max_batch]. The host fills the first
+# _NUM_HOST_INTS (one contiguous host->device copy per step); the sampling graphs write
+# _SAMPLED. _TOKEN_SOURCE is each row's flat index into the buffer: its own _TOKEN entry,
+# or the _SAMPLED entry of the previous round's row for the same request.
+_TOKEN, _TOKEN_SOURCE, _POSITION, _SLOT, _STATE_SLOT, _TOP_K, _GREEDY, _SAMPLED = range(8)
+_NUM_HOST_INTS = _SAMPLED
+_NUM_INT_ROWS = _SAMPLED + 1
 _NUM_FLOAT_PARAMS = 5  # SamplingBatch.row_floats columns, then TOP_K_CAP noise columns
+# Host staging buffers per kind: a round may be launched while the previous one's copies
+# are still queued, and the runner keeps at most two rounds in flight.
+_NUM_STAGING = 2
 
 
 def graph_blocker(model: CausalLM) -> str | None:
@@ -94,17 +107,21 @@ class DecodeGraphs:
             raise ValueError("capture needs at least max_batch state slots")
 
         dev = self.device
-        self.ints = torch.zeros(max_batch, _NUM_INTS, dtype=torch.int64, device=dev)
+        self.ints = torch.zeros(_NUM_INT_ROWS, max_batch, dtype=torch.int64, device=dev)
         self.floats = torch.ones(max_batch, _NUM_FLOAT_PARAMS + TOP_K_CAP, dtype=torch.float32, device=dev)
         self.page_table = torch.zeros(max_batch, max_pages_per_request, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)  # one token per row
-        # Pinned staging: filled on the host each step, copied without blocking. The previous
-        # step's read of the sampled ids has synced the stream, so rewriting them is safe.
+        # Pinned staging, filled on the host each step and copied without blocking, used in
+        # turn: a buffer is rewritten only after the round that read it has been read back.
         pin = dev.type == "cuda"
-        self._ints_host = torch.zeros(max_batch, _NUM_INTS, dtype=torch.int64, pin_memory=pin)
-        self._floats_host = torch.ones(max_batch, _NUM_FLOAT_PARAMS + TOP_K_CAP, dtype=torch.float32, pin_memory=pin)
-        self._ints_np = self._ints_host.numpy()
-        self._floats_np = self._floats_host.numpy()
+        self._ints_host = [
+            torch.zeros(_NUM_HOST_INTS, max_batch, dtype=torch.int64, pin_memory=pin) for _ in range(_NUM_STAGING)
+        ]
+        self._floats_host = [
+            torch.ones(max_batch, _NUM_FLOAT_PARAMS + TOP_K_CAP, dtype=torch.float32, pin_memory=pin)
+            for _ in range(_NUM_STAGING)
+        ]
+        self._num_runs = 0
         # The pages last copied into each page-table row (a request's pages are fixed at
         # admission, so a row changes only when a different request lands on it).
         self._row_pages: list[list[int] | None] = [None] * max_batch
@@ -151,9 +168,11 @@ class DecodeGraphs:
     def _fill_dummy_inputs(self) -> None:
         """Valid inputs for the warm-up runs: token 0 at position 0 of page 0, greedy rows."""
         self.ints.zero_()
-        self.ints[:, _STATE_SLOT] = torch.arange(self.max_batch, device=self.device)
-        self.ints[:, _TOP_K] = 1
-        self.ints[:, _GREEDY] = 1
+        rows = torch.arange(self.max_batch, device=self.device)
+        self.ints[_TOKEN_SOURCE] = _TOKEN * self.max_batch + rows
+        self.ints[_STATE_SLOT] = rows
+        self.ints[_TOP_K] = 1
+        self.ints[_GREEDY] = 1
         self.floats.fill_(1.0)
         self.floats[:, 2:_NUM_FLOAT_PARAMS] = 0.0  # min_p, presence, frequency
         self.page_table.zero_()
@@ -172,9 +191,10 @@ class DecodeGraphs:
 
     def _forward(self, batch_size: int) -> torch.Tensor:
         """Captured: static buffers -> logits [B, V] fp32 (also written to the rows' slot logits)."""
-        cols = self.ints[:batch_size].t().contiguous()  # each column as a contiguous row
+        cols = self.ints[:, :batch_size]  # each field a contiguous row
         positions = cols[_POSITION]
         state_slots = cols[_STATE_SLOT]
+        token_ids = self.ints.view(-1).index_select(0, cols[_TOKEN_SOURCE])
         batch = ForwardBatch(
             positions=positions.unsqueeze(0).expand(3, -1) if self.mrope else positions,
             query_start_loc=self.query_start_loc[: batch_size + 1],
@@ -190,7 +210,7 @@ class DecodeGraphs:
             query_lens_cpu=(1,) * batch_size,
             seq_lens_cpu=(1,) * batch_size,
         )
-        hidden = self.model(cols[_TOKEN], batch)
+        hidden = self.model(token_ids, batch)
         logits = self.model.compute_logits(hidden).float()
         if self.num_valid_tokens < logits.shape[-1]:
             logits[:, self.num_valid_tokens :] = float("-inf")
@@ -203,8 +223,8 @@ class DecodeGraphs:
         sampling = SamplingBatch(
             num_rows=batch_size,
             row_floats=floats[:, :_NUM_FLOAT_PARAMS],
-            top_ks=self.ints[:batch_size, _TOP_K],
-            is_greedy=self.ints[:batch_size, _GREEDY].bool(),
+            top_ks=self.ints[_TOP_K, :batch_size],
+            is_greedy=self.ints[_GREEDY, :batch_size].bool(),
             noise=floats[:, _NUM_FLOAT_PARAMS:],
             penalty_rows=None,
             penalty_token_ids=None,
@@ -212,7 +232,9 @@ class DecodeGraphs:
             any_greedy=True,
             has_penalties=False,
         )
-        return self.sampler.sample(self._outputs[("forward", batch_size)], sampling)
+        token_ids = self.sampler.sample(self._outputs[("forward", batch_size)], sampling)
+        self.ints[_SAMPLED, :batch_size].copy_(token_ids)  # the next round's chained rows read them here
+        return token_ids
 
     # ---- replay --------------------------------------------------------------------
     def can_run(self, chunks: Sequence[ScheduledChunk]) -> bool:
@@ -223,17 +245,34 @@ class DecodeGraphs:
             len(c.token_ids) == 1 and c.compute_logits and len(c.page_ids) <= self.max_pages for c in chunks
         )
 
-    def run(self, chunks: Sequence[ScheduledChunk]) -> dict[str, int]:
-        """Replay the graph of len(chunks) rows; -> sampled token id per sampling request."""
+    def run(self, chunks: Sequence[ScheduledChunk], previous_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the graphs of len(chunks) rows; -> the sampled id of every row, on the device
+        (a view of this object's buffer, valid until the next run).
+
+        previous_ids: the previous launch's sampled ids by row, read by chunks with a
+        previous_row (when that launch was not a replay here, they are copied in first)."""
         batch_size = len(chunks)
-        ints = self._ints_np
-        page_size = self.page_size
+        staging = self._num_runs % _NUM_STAGING
+        self._num_runs += 1
+        ints_host, floats_host = self._ints_host[staging], self._floats_host[staging]
+        ints = ints_host.numpy()
+        page_size, max_batch = self.page_size, self.max_batch
+        sampled_row = self.ints[_SAMPLED]
+        if any(c.previous_row is not None for c in chunks):
+            if previous_ids is None:
+                raise ValueError("a chunk is chained to the previous round's ids, but none were given")
+            if previous_ids.data_ptr() != sampled_row.data_ptr():
+                sampled_row[: len(previous_ids)].copy_(previous_ids)  # that round ran eagerly
         for row, chunk in enumerate(chunks):
             pos = chunk.num_computed_tokens
-            ints[row, _TOKEN] = chunk.token_ids[0]
-            ints[row, _POSITION] = pos
-            ints[row, _SLOT] = chunk.page_ids[pos // page_size] * page_size + pos % page_size
-            ints[row, _STATE_SLOT] = chunk.state_slot
+            if chunk.previous_row is None:
+                ints[_TOKEN, row] = chunk.token_ids[0]
+                ints[_TOKEN_SOURCE, row] = _TOKEN * max_batch + row
+            else:
+                ints[_TOKEN_SOURCE, row] = _SAMPLED * max_batch + chunk.previous_row
+            ints[_POSITION, row] = pos
+            ints[_SLOT, row] = chunk.page_ids[pos // page_size] * page_size + pos % page_size
+            ints[_STATE_SLOT, row] = chunk.state_slot
             self._upload_pages(row, chunk.page_ids)
         params = [c.sampling for c in chunks]
         histories = [c.output_token_ids for c in chunks]
@@ -242,29 +281,27 @@ class DecodeGraphs:
         if all(p.is_greedy and not p.presence_penalty and not p.frequency_penalty for p in params):
             # Argmax rows read nothing but the logits: skip packing the sampling rows on the
             # host (tens of microseconds of Python between two rounds, with the GPU idle).
-            ints[:batch_size, _TOP_K] = 1
-            ints[:batch_size, _GREEDY] = 1
+            ints[_TOP_K, :batch_size] = 1
+            ints[_GREEDY, :batch_size] = 1
         else:
             host = SamplingBatch.build(params, histories, device="cpu", num_generated=generated)
-            ints[:batch_size, _TOP_K] = host.top_ks.numpy()
-            ints[:batch_size, _GREEDY] = host.is_greedy.numpy()
-            floats = self._floats_np
+            ints[_TOP_K, :batch_size] = host.top_ks.numpy()
+            ints[_GREEDY, :batch_size] = host.is_greedy.numpy()
+            floats = floats_host.numpy()
             floats[:batch_size, :_NUM_FLOAT_PARAMS] = host.row_floats.numpy()
             floats[:batch_size, _NUM_FLOAT_PARAMS:] = host.noise.numpy()
-            self.floats[:batch_size].copy_(self._floats_host[:batch_size], non_blocking=True)
-        self.ints[:batch_size].copy_(self._ints_host[:batch_size], non_blocking=True)
+            self.floats[:batch_size].copy_(floats_host[:batch_size], non_blocking=True)
+        self.ints[:_NUM_HOST_INTS].copy_(ints_host, non_blocking=True)
 
         self.graphs[batch_size].replay()
         if host is not None and host.has_penalties:
             # Penalty token lists grow every step: sample these batches eagerly from the graph's logits.
             device_batch = SamplingBatch.build(params, histories, device=self.device, num_generated=generated)
             token_ids = self.sampler.sample(self.logits(batch_size), device_batch)
+            sampled_row[:batch_size].copy_(token_ids)
         else:
-            all_greedy = host is None or host.all_greedy
-            self.sample_graphs[(batch_size, all_greedy)].replay()
-            token_ids = self._outputs[("sample", batch_size, all_greedy)]
-        sampled = token_ids.tolist()
-        return {c.request_id: t for c, t in zip(chunks, sampled) if c.sample}
+            self.sample_graphs[(batch_size, host is None or host.all_greedy)].replay()
+        return sampled_row[:batch_size]
 
     def _upload_pages(self, row: int, page_ids: list[int]) -> None:
         if self._row_pages[row] == page_ids:

@@ -2,9 +2,15 @@
 
 It owns the device side: the model, the KV page storage, the StateImage slots and, per
 slot, the logits of the last computed row (a checkpoint keeps them so an exact
-full-prompt hit samples without recomputing). One host sync per step: the sampled ids.
-Decode rounds replay a CUDA graph when graphs were captured (cuda_graphs.py); prefill
-chunks, multi-token rows and steps that sample stored logits run eagerly.
+full-prompt hit samples without recomputing). Decode rounds replay a CUDA graph when
+graphs were captured (cuda_graphs.py); prefill chunks, multi-token rows and steps that
+sample stored logits run eagerly.
+
+launch() enqueues a step and returns a PendingStep; the host waits only when it reads the
+sampled ids. A chunk with a previous_row computes the id the previously launched step
+sampled in that row, read on the device, so the engine can launch decode round N+1 before
+round N's ids reach the host (at most two launched steps unread). execute() is launch()
+then result().
 """
 
 from __future__ import annotations
@@ -15,12 +21,17 @@ from collections.abc import Sequence
 import torch
 
 from ninfer.engine.cuda_graphs import DecodeGraphs, graph_blocker
+from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.sampler import Sampler, SamplingBatch
 from ninfer.engine.scheduler import CopyPage, CopySlot, ResetSlot, ScheduledChunk, SchedulerStep
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.forward_batch import ForwardBatch
 
 log = logging.getLogger("ninfer.engine")
+
+# Launched steps whose ids the host has not read: the current round and the one launched
+# ahead of it. The pinned buffers come in this many copies.
+MAX_UNREAD_STEPS = 2
 
 
 class ModelRunner:
@@ -48,6 +59,16 @@ class ModelRunner:
         self.num_valid_tokens = min(num_valid_tokens or vocab, vocab)
         self.mrope = model.config.mrope_section is not None
         self.sampler = Sampler()
+        # Every running request holds a state slot, so no step has more rows than slots.
+        pin = self.device.type == "cuda"
+        self._ids_host = [
+            torch.zeros(num_state_slots, dtype=torch.int64, pin_memory=pin) for _ in range(MAX_UNREAD_STEPS)
+        ]
+        self._num_launches = 0
+        self._num_unread = 0
+        # The last launched step's sampled ids by chunk row (on the device), and its sampling rows.
+        self._last_ids: torch.Tensor | None = None
+        self._last_sampled_rows: frozenset[int] = frozenset()
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_batch_sizes:
             self._capture_graphs(sorted(set(cuda_graph_batch_sizes)), max_context or num_pages * page_size)
@@ -71,17 +92,56 @@ class ModelRunner:
         self.graphs = graphs
         log.info("CUDA graphs captured for decode batch sizes %s", ", ".join(map(str, batch_sizes)))
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerStep) -> dict[str, int]:
+        """Run a step and wait for it: request id -> sampled token id."""
+        return self.launch(step).result()
+
+    @torch.inference_mode()
+    def launch(self, step: SchedulerStep) -> PendingStep:
+        """Enqueue a step; its sampled ids are read through the returned PendingStep."""
+        if self._num_unread >= MAX_UNREAD_STEPS:
+            raise RuntimeError(f"{MAX_UNREAD_STEPS} launched steps are unread: read the oldest first")
+        for chunk in step.chunks:
+            if chunk.previous_row is not None and (
+                chunk.previous_row not in self._last_sampled_rows or len(chunk.token_ids) != 1
+            ):
+                raise ValueError(
+                    f"{chunk.request_id}: chained to row {chunk.previous_row}, which the previous step did not sample"
+                )
         self._apply_actions(step)
         if self.graphs is not None and self.graphs.can_run(step.chunks):
-            return self.graphs.run(step.chunks)
-        computed = [c for c in step.chunks if c.token_ids]
+            ids = self.graphs.run(step.chunks, self._last_ids)
+            sampled_rows = [row for row, c in enumerate(step.chunks) if c.sample]
+        else:
+            ids, sampled_rows = self._run_eagerly(step.chunks)
+        self._last_ids = ids
+        self._last_sampled_rows = frozenset(sampled_rows)
+        return self._pending(step, ids, sampled_rows)
+
+    def _pending(self, step: SchedulerStep, ids: torch.Tensor | None, sampled_rows: list[int]) -> PendingStep:
+        ids_host, ready = None, None
+        if ids is not None:
+            ids_host = self._ids_host[self._num_launches % MAX_UNREAD_STEPS][: len(ids)]
+            ids_host.copy_(ids, non_blocking=True)
+        self._num_launches += 1
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        self._num_unread += 1
+        return PendingStep(step, sampled_rows, ids_host, ready, on_read=self._read_one)
+
+    def _read_one(self) -> None:
+        self._num_unread -= 1
+
+    def _run_eagerly(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, list[int]]:
+        """-> (sampled ids by chunk row on the device, the rows that sample)."""
+        computed = [c for c in chunks if c.token_ids]
         if computed:
             self._forward(computed)
-        to_sample = [c for c in step.chunks if c.sample]
-        if not to_sample:
-            return {}
+        sampled_rows = [row for row, c in enumerate(chunks) if c.sample]
+        if not sampled_rows:
+            return None, []
+        to_sample = [chunks[row] for row in sampled_rows]
         slots = torch.tensor([c.state_slot for c in to_sample], device=self.device)
         logits = self.slot_logits.index_select(0, slots)
         batch = SamplingBatch.build(
@@ -90,8 +150,12 @@ class ModelRunner:
             device=self.device,
             num_generated=[c.num_generated for c in to_sample],
         )
-        token_ids = self.sampler.sample(logits, batch).tolist()
-        return {c.request_id: t for c, t in zip(to_sample, token_ids)}
+        token_ids = self.sampler.sample(logits, batch)
+        if len(sampled_rows) == len(chunks):
+            return token_ids, sampled_rows
+        by_row = torch.zeros(len(chunks), dtype=token_ids.dtype, device=self.device)
+        by_row[sampled_rows] = token_ids
+        return by_row, sampled_rows
 
     def _apply_actions(self, step: SchedulerStep) -> None:
         states = self.state_cache
@@ -117,8 +181,13 @@ class ModelRunner:
         query_lens = [len(c.token_ids) for c in chunks]
         logits_rows: list[int] = []
         logits_slots: list[int] = []
+        chained_offsets: list[int] = []
+        chained_rows: list[int] = []
         offset = 0
         for chunk, query_len in zip(chunks, query_lens):
+            if chunk.previous_row is not None:
+                chained_offsets.append(offset)
+                chained_rows.append(chunk.previous_row)
             offset += query_len
             if chunk.compute_logits:
                 logits_rows.append(offset - 1)
@@ -135,6 +204,9 @@ class ModelRunner:
             device=self.device,
         )
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
+        if chained_offsets:
+            # The ids the previous step sampled, still on the device (these chunks hold a placeholder).
+            input_ids[chained_offsets] = self._last_ids[chained_rows]
         hidden = self.model(input_ids, batch)
         if not logits_rows:
             return

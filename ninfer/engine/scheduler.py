@@ -9,6 +9,12 @@ Policy (ARCHITECTURE.md, "Engine"): FIFO admission reserving the full prompt plu
 effective-output pages and one state slot until completion, no preemption; a step is
 either one prefill chunk of one request or one decode round of every decode-ready
 request, alternating while both kinds of work exist.
+
+Steady decode runs one round ahead: schedule_ahead(N) plans round N+1 before round N's
+tokens are known (each row computes, on the device, the token N sampled for it), so the
+engine launches it before reading N. A request that N finishes (end token, stop string,
+cancel) has then computed one token more: its pages and slot are released, or kept as its
+endpoint checkpoint with that token included, when N+1 lands (update of N+1).
 """
 
 from __future__ import annotations
@@ -81,6 +87,10 @@ class CopyPage:
 SlotAction = ResetSlot | CopySlot | CopyPage
 
 
+# The token of a chained chunk: sampled by the previous step, not yet known on the host.
+PENDING_TOKEN = -1
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
     request_id: str
@@ -93,6 +103,9 @@ class ScheduledChunk:
     sampling: SamplingParams  # seed always set (the engine draws one when the request has none)
     num_generated: int  # RNG position: model-sampled tokens so far
     output_token_ids: list[int]  # for presence/frequency penalties (empty when the request has none)
+    # Set by schedule_ahead: token_ids is [PENDING_TOKEN], and the token to compute is the one
+    # the previously launched step sampled in this row.
+    previous_row: int | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +166,8 @@ class Scheduler:
         self._pending_actions: list[SlotAction] = []
         self._outbox: list[EngineOutput] = []  # outputs ready to send (admission progress, finals, errors)
         self._last_step_kind: StepKind | None = None
+        # Finished requests whose next token a launched step is still computing (by request id).
+        self._draining: dict[str, Sequence] = {}
 
     # ---- requests in ---------------------------------------------------------------
     def add(self, request: EngineRequest) -> EngineOutput | None:
@@ -222,6 +237,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def draining(self) -> list[Sequence]:
+        """Finished requests whose pages and slot a launched step still writes."""
+        return list(self._draining.values())
+
+    def drop_inflight(self) -> None:
+        """The engine failed with a step in flight: forget requests waiting for it to land."""
+        self._draining.clear()
+
+    @property
     def num_active(self) -> int:
         return len(self.running)
 
@@ -241,6 +265,60 @@ class Scheduler:
             step = SchedulerStep(StepKind.DECODE, [], before=self._pending_actions)
             self._pending_actions = []
         return step
+
+    def schedule_ahead(self, inflight: SchedulerStep) -> SchedulerStep | None:
+        """The decode round after `inflight` (launched, not yet updated), planned before its
+        tokens are known: each row computes what inflight sampled for its request. Only for
+        steady decode, where no token inflight can sample changes the plan except by
+        finishing its request: None while a request waits for a free lane, a request
+        prefills or slot actions are pending, and when a row may reach its thinking budget at inflight or has penalties
+        (their token history must include that token). Rows that reach their output limit
+        at inflight are left out."""
+        if inflight.kind is not StepKind.DECODE or not inflight.chunks or self._pending_actions:
+            return None
+        if self.waiting and len(self.running) < self.limits.max_concurrency:
+            return None  # a lane is free: let schedule() admit (full lanes free up only at update)
+        if len(self.running) != len(inflight.chunks):
+            return None
+        by_id = {s.request_id: s for s in self.running}
+        chunks = []
+        for row, chunk in enumerate(inflight.chunks):
+            seq = by_id.get(chunk.request_id)
+            if (
+                seq is None
+                or seq.num_steps_in_flight != 1
+                or not chunk.sample
+                or len(chunk.token_ids) != 1
+                or seq.num_computed_tokens != chunk.num_computed_tokens
+                or seq.num_pending_tokens != 1
+                or _has_penalties(seq.sampling)
+                or self._budget_may_close(seq)
+            ):
+                return None
+            if seq.num_output_tokens + 1 >= seq.max_new_tokens:
+                continue  # inflight's token is its last
+            chunks.append(
+                ScheduledChunk(
+                    request_id=seq.request_id,
+                    token_ids=[PENDING_TOKEN],
+                    num_computed_tokens=seq.num_computed_tokens + 1,
+                    page_ids=seq.pages,
+                    state_slot=seq.state_slot,
+                    compute_logits=True,
+                    sample=True,
+                    sampling=seq.sampling,
+                    num_generated=seq.num_output_tokens - seq.num_forced_tokens + 1,
+                    output_token_ids=[],
+                    previous_row=row,
+                )
+            )
+        return self._step(StepKind.DECODE, chunks) if chunks else None
+
+    @staticmethod
+    def _budget_may_close(seq: Sequence) -> bool:
+        """The next model token may reach the thinking budget (forced close tokens follow it)."""
+        budget = seq.request.thinking_budget
+        return budget is not None and seq.thinking_open and seq.num_thinking_tokens + 1 >= budget.max_thinking_tokens
 
     def _prefill_step(self, seq: Sequence) -> SchedulerStep:
         num_tokens = seq.next_prefill_chunk(self.limits.prefill_chunk)
@@ -274,6 +352,9 @@ class Scheduler:
         )
 
     def _step(self, kind: StepKind, chunks: list[ScheduledChunk]) -> SchedulerStep:
+        by_id = {s.request_id: s for s in self.running}
+        for chunk in chunks:
+            by_id[chunk.request_id].num_steps_in_flight += 1
         step = SchedulerStep(kind, chunks, before=self._pending_actions)
         self._pending_actions = []
         self._last_step_kind = kind
@@ -389,7 +470,12 @@ class Scheduler:
         now = self.clock()
         by_id = {s.request_id: s for s in self.running}
         for chunk in step.chunks:
-            seq = by_id.get(chunk.request_id)
+            seq = by_id.get(chunk.request_id) or self._draining.get(chunk.request_id)
+            if seq is not None:
+                seq.num_steps_in_flight -= 1
+                if seq.is_finished and seq.num_steps_in_flight == 0:
+                    self._land_after_finish(self._draining.pop(seq.request_id), chunk)
+                    continue
             if seq is None or seq.is_finished:
                 continue  # cancelled while the step ran
             was_prefilling = seq.is_prefilling
@@ -486,8 +572,19 @@ class Scheduler:
         if reason is FinishReason.LENGTH or reason is FinishReason.CANCELLED:
             seq.unsent_text += seq.stop_checker.flush()
         self.running.remove(seq)
-        self._release_or_capture_endpoint(seq)
+        if seq.num_steps_in_flight:
+            self._draining[seq.request_id] = seq  # a launched step still writes its pages and slot
+        else:
+            self._release_or_capture_endpoint(seq)
         self._outbox.append(self._final_output(seq, reason, stop_reason))
+
+    def _land_after_finish(self, seq: Sequence, chunk: ScheduledChunk) -> None:
+        """The step launched ahead for a request that finished meanwhile has landed: it
+        computed the last committed token (and stored its logits); now release or keep."""
+        seq.num_computed_tokens += len(chunk.token_ids)
+        if chunk.compute_logits:
+            seq.logits_frontier = seq.num_computed_tokens
+        self._release_or_capture_endpoint(seq)
 
     def _release_or_capture_endpoint(self, seq: Sequence) -> None:
         frontier = seq.num_computed_tokens

@@ -39,6 +39,7 @@ class Sequence:
     thinking_open: bool = False
     num_forced_tokens: int = 0
     logits_frontier: int = -1  # num_computed_tokens when the slot's stored logits were last written
+    num_steps_in_flight: int = 0  # scheduled steps with a chunk of this request that update() has not seen
     # pending output delta (flushed to the client after each step)
     unsent_token_ids: list[int] = field(default_factory=list)
     unsent_text: str = ""

@@ -28,7 +28,7 @@ def test_engine_failure_ends_every_request_and_marks_unhealthy(llama):
     config = EngineConfig(max_concurrency=2, max_context=256, log_stats_interval_ms=0)
     core = EngineCore(llama, make_byte_tokenizer(), config)
     client = InProcessEngineClient(config, lambda: core)
-    original = core.runner.execute
+    original = core.runner.launch
     calls = {"n": 0}
 
     def flaky(step):
@@ -37,7 +37,7 @@ def test_engine_failure_ends_every_request_and_marks_unhealthy(llama):
             raise RuntimeError("simulated device fault")
         return original(step)
 
-    core.runner.execute = flaky
+    core.runner.launch = flaky
 
     async def scenario():
         await client.start()

@@ -156,6 +156,37 @@ def test_prefix_reuse_equals_recompute(arch, tmp_root):
     assert final.cached_tokens == len(follow) and again == toks
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_decode_overlap_stop_then_reuse_equals_recompute(arch, tmp_root):
+    # A stop token ends the request while the next round, launched ahead, computes it: with
+    # overlap the endpoint includes that token, and resuming from it equals recomputing.
+    hf, ours = _models(arch, tmp_root)
+    tokenizer = make_byte_tokenizer()
+    plain = hf_greedy(hf, PROMPTS[0], 12)
+    stop = plain[5]
+    num_out = plain.index(stop) + 1
+    ran = {}
+    for overlap in (False, True):
+        config = EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=256, decode_overlap=overlap)
+        core = EngineCore(ours, tokenizer, config)
+        launches = []
+        launch = core.runner.launch
+        core.runner.launch = lambda step: launches.append(step) or launch(step)
+        request = EngineRequest("t1", PROMPTS[0], SamplingParams(temperature=0.0), max_new_tokens=12, stop_token_ids=[stop])
+        toks, final = run_engine(core, {0: [request], 1: [greedy("side", PROMPTS[2], 10)]})["t1"]
+        assert toks == plain[:num_out] and final.finish_reason is FinishReason.STOP
+        chained = [s for s in launches if any(c.previous_row is not None for c in s.chunks)]
+        assert bool(chained) == overlap
+        follow = PROMPTS[0] + toks + [ord(c) for c in " and then?"]
+        toks2, final2 = run_engine(core, {0: [greedy("t2", follow, 8)]})["t2"]
+        assert toks2 == hf_greedy(hf, follow, 8)
+        assert final2.reuse_path == "private_endpoint"
+        ran[overlap] = final2.cached_tokens
+        assert core.pool_accounting()["running"] == 0 and core.scheduler.draining == []
+    # The stop token was computed only when its round had been launched ahead.
+    assert ran == {False: len(PROMPTS[0]) + num_out - 1, True: len(PROMPTS[0]) + num_out}
+
+
 def test_seeded_sampling_reproducible_across_batches(tmp_root):
     _, ours = _models("qwen3_5", tmp_root)
     tokenizer = make_byte_tokenizer()

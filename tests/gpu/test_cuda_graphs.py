@@ -115,13 +115,17 @@ def _lockstep(graph_core: EngineCore, eager_core: EngineCore, max_steps: int = 4
     raise AssertionError("engines did not finish")
 
 
-def _count_replays(graphs: DecodeGraphs) -> dict[int, int]:
-    counts: dict[int, int] = {}
+def _count_replays(graphs: DecodeGraphs) -> dict[int | str, int]:
+    """Replays by batch size, and under "chained" those of rounds launched ahead (their
+    rows read the previous round's ids on the device)."""
+    counts: dict[int | str, int] = {}
     run = graphs.run
 
-    def counted(chunks):
+    def counted(chunks, previous_ids=None):
         counts[len(chunks)] = counts.get(len(chunks), 0) + 1
-        return run(chunks)
+        if any(c.previous_row is not None for c in chunks):
+            counts["chained"] = counts.get("chained", 0) + 1
+        return run(chunks, previous_ids)
 
     graphs.run = counted
     return counts
@@ -191,7 +195,7 @@ def test_static_buffers_match_eager_on_cpu(arch, tmp_root, monkeypatch):
     runner.graphs.capture()
     replays = _count_replays(runner.graphs)
     tokens = _lockstep(graph, eager)
-    assert set(replays) >= {1, 2, 3, 4}, replays  # every captured size was replayed
+    assert set(replays) >= {1, 2, 3, 4, "chained"}, replays  # every captured size; rounds launched ahead
     assert all(len(t) > 0 for t in tokens.values())
     # Both sampling regions served rounds: all-greedy ones (argmax alone) and mixed ones.
     sampled = {key[2] for key in runner.graphs.replayed if key[0] == "sample"}
@@ -203,6 +207,13 @@ def test_no_cuda_graph_option():
     add_serve_options(parser)
     assert serve_config(parser.parse_args([]))[0].engine.cuda_graphs is True
     assert serve_config(parser.parse_args(["--no-cuda-graph"]))[0].engine.cuda_graphs is False
+
+
+def test_no_decode_overlap_option():
+    parser = argparse.ArgumentParser()
+    add_serve_options(parser)
+    assert serve_config(parser.parse_args([]))[0].engine.decode_overlap is True
+    assert serve_config(parser.parse_args(["--no-decode-overlap"]))[0].engine.decode_overlap is False
 
 
 # ---- GPU ---------------------------------------------------------------------------------
@@ -221,9 +232,45 @@ def test_graph_decode_equals_eager_on_gpu(arch, tmp_root):
     replays = _count_replays(graph.runner.graphs)
     sample_replays = _count_sample_replays(graph.runner.graphs)
     tokens = _lockstep(graph, eager)
-    assert set(replays) >= {1, 2, 3, 4}, replays
+    assert set(replays) >= {1, 2, 3, 4, "chained"}, replays
     assert all(len(t) > 0 for t in tokens.values())
     assert {greedy for _, greedy in sample_replays} == {False, True}, sample_replays  # argmax-only and general
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_decode_overlap_equals_sync_on_gpu(arch, tmp_root):
+    """Rounds launched ahead (graph replays reading the previous round's ids on the device)
+    commit the same tokens as reading every round first, greedy and sampled alike."""
+    model = _model(arch, tmp_root, torch.bfloat16, "cuda")
+    tokenizer = make_byte_tokenizer()
+    finals = {}
+    for overlap in (False, True):
+        core = EngineCore(model, tokenizer, _config(decode_overlap=overlap))
+        replays = _count_replays(core.runner.graphs)
+        tokens: dict[str, list[int]] = {}
+        # Four at once, into the four lanes: the rounds' rows must not differ between the
+        # runs (a request admitted a round later would change later batches). No penalties
+        # or thinking budget: those rows keep the rounds synchronous.
+        text = lambda s: [ord(c) for c in s]  # noqa: E731
+        sampled = lambda seed: SamplingParams(temperature=0.8, top_p=0.9, top_k=12, seed=seed)  # noqa: E731
+        requests = [
+            EngineRequest("greedy", text("The quick brown fox jumps. " * 2), SamplingParams(temperature=0.0), max_new_tokens=14),
+            EngineRequest("sampled", text("Another prompt"), sampled(1234), max_new_tokens=9),
+            EngineRequest("greedy-short", text("abc"), SamplingParams(temperature=0.0), max_new_tokens=11),
+            EngineRequest("sampled-long", text("a longer prompt, chunked in prefill"), sampled(7), max_new_tokens=17),
+        ]
+        for request in requests:
+            tokens[request.request_id] = []
+            assert core.add_request(request) == []
+        while core.has_work:
+            for out in core.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+        assert core.failed is None
+        assert ("chained" in replays) == overlap, replays
+        finals[overlap] = tokens
+    assert finals[True] == finals[False]
 
 
 @pytest.mark.gpu

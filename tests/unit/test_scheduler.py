@@ -6,6 +6,10 @@ that a chunk's slot summarises exactly token_ids[:num_computed] and that its pag
 exactly those tokens, so restores, snapshots, sharing and copy-on-write are verified
 the way the real model would depend on them. The "model" samples a deterministic
 function of the whole history, so reuse must not change outputs.
+
+Every test runs twice: stepping synchronously, and with decode overlap as EngineCore runs
+it (the next round planned by schedule_ahead and launched before the current one is
+committed; the fake runner feeds chained rows the ids it sampled in the previous step).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ninfer.engine.request import (
     ThinkingBudget,
 )
 from ninfer.engine.scheduler import (
+    PENDING_TOKEN,
     CopyPage,
     CopySlot,
     ResetSlot,
@@ -52,8 +57,10 @@ class FakeRunner:
         self.pages: dict[int, dict[int, int]] = {p: {} for p in range(num_pages)}
         self.slots: dict[int, list[int] | None] = {s: None for s in range(num_slots)}
         self.slot_logits: dict[int, list[int] | None] = {s: None for s in range(num_slots)}
+        self.sampled_by_row: dict[int, int] = {}  # the last step's sampled ids, for chained rows
 
     def execute(self, step: SchedulerStep, histories: dict[str, list[int]]) -> dict[str, int]:
+        """histories: each request's tokens as the host knows them when the step is launched."""
         for action in step.before:
             if isinstance(action, ResetSlot):
                 self.slots[action.slot] = []
@@ -63,30 +70,45 @@ class FakeRunner:
                 self.slot_logits[action.dst] = self.slot_logits[action.src]
             elif isinstance(action, CopyPage):
                 self.pages[action.dst] = dict(self.pages[action.src])
-        sampled = {}
-        for chunk in step.chunks:
+        sampled_by_row = {}
+        for row, chunk in enumerate(step.chunks):
             full = histories[chunk.request_id]
             computed = chunk.num_computed_tokens
+            token_ids = chunk.token_ids
+            if chunk.previous_row is not None:
+                # Planned before the previous step was committed: the host cannot know the token.
+                assert token_ids == [PENDING_TOKEN] and len(full) == computed
+                token_ids = [self.sampled_by_row[chunk.previous_row]]
+                full = full + token_ids
             if self.recurrent:
                 assert self.slots[chunk.state_slot] == full[:computed], "state slot does not summarise the prefix"
             for pos in range(computed):
                 page = chunk.page_ids[pos // self.page_size]
                 assert self.pages[page].get(pos % self.page_size) == full[pos], f"KV wrong at {pos}"
-            assert chunk.token_ids == full[computed : computed + len(chunk.token_ids)]
-            for i, tok in enumerate(chunk.token_ids):
+            assert token_ids == full[computed : computed + len(token_ids)]
+            for i, tok in enumerate(token_ids):
                 pos = computed + i
                 self.pages[chunk.page_ids[pos // self.page_size]][pos % self.page_size] = tok
-            self.slots[chunk.state_slot] = full[: computed + len(chunk.token_ids)]
-            if chunk.compute_logits and chunk.token_ids:
+            self.slots[chunk.state_slot] = full[: computed + len(token_ids)]
+            if chunk.compute_logits and token_ids:
                 self.slot_logits[chunk.state_slot] = list(self.slots[chunk.state_slot])
             if chunk.sample:
                 logits_of = self.slot_logits[chunk.state_slot]
-                assert logits_of == full[: computed + len(chunk.token_ids)], "sampling from stale logits"
-                sampled[chunk.request_id] = next_token(logits_of)
-        return sampled
+                assert logits_of == full[: computed + len(token_ids)], "sampling from stale logits"
+                sampled_by_row[row] = next_token(logits_of)
+        self.sampled_by_row = sampled_by_row
+        return {step.chunks[row].request_id: token for row, token in sampled_by_row.items()}
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "overlap"], autouse=True)
+def decode_overlap(request, monkeypatch):
+    monkeypatch.setattr(Harness, "overlap", request.param)
+    return request.param
 
 
 class Harness:
+    overlap = False  # set per test by the decode_overlap fixture
+
     def __init__(
         self,
         byte_tokenizer,
@@ -117,6 +139,7 @@ class Harness:
         self.runner = FakeRunner(num_pages, page_size, num_slots, recurrent=hybrid)
         self.outputs: dict[str, list[EngineOutput]] = {}
         self.steps: list[SchedulerStep] = []
+        self.inflight: tuple[SchedulerStep, dict[str, int]] | None = None  # launched ahead, not committed
 
     def add(self, request: EngineRequest) -> None:
         err = self.scheduler.add(request)
@@ -124,21 +147,36 @@ class Harness:
         if err is not None:
             self.outputs[request.request_id].append(err)
 
+    def _launch(self, step: SchedulerStep) -> tuple[SchedulerStep, dict[str, int]]:
+        histories = {s.request_id: list(s.token_ids) for s in self.scheduler.running}
+        return step, self.runner.execute(step, histories)
+
     def step(self) -> SchedulerStep | None:
-        step = self.scheduler.schedule()
-        if step is None:
-            self._record(self.scheduler.take_pending_outputs())
-            return None
-        histories = {s.request_id: s.token_ids for s in self.scheduler.running}
-        sampled = self.runner.execute(step, histories)
+        """Commit one step (as EngineCore.step: with overlap, launch the next one first)."""
+        current, self.inflight = self.inflight, None
+        if current is None:
+            step = self.scheduler.schedule()
+            if step is None:
+                self._record(self.scheduler.take_pending_outputs())
+                return None
+            current = self._launch(step)
+        if self.overlap:
+            ahead = self.scheduler.schedule_ahead(current[0])
+            if ahead is not None:
+                self.inflight = self._launch(ahead)
+        step, sampled = current
         self._record(self.scheduler.update(step, sampled))
         self.steps.append(step)
         self.now += 0.01
         return step
 
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self.inflight is not None
+
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
-            if not self.scheduler.has_work:
+            if not self.has_work:
                 self._record(self.scheduler.take_pending_outputs())
                 return
             self.step()
@@ -164,7 +202,8 @@ class Harness:
         self.kv_pool.check_balanced()
         self.state_pool.check_balanced()
         expected_refs: dict[int, int] = {}
-        for seq in self.scheduler.running:
+        owners = [*self.scheduler.running, *self.scheduler.draining]
+        for seq in owners:
             for p in seq.pages:
                 expected_refs[p] = expected_refs.get(p, 0) + 1
         for ck in self.cache.checkpoints.values():
@@ -172,10 +211,8 @@ class Harness:
                 expected_refs[p] = expected_refs.get(p, 0) + 1
         for page in range(self.kv_pool.num_pages):
             assert self.kv_pool.refcount(page) == expected_refs.get(page, 0), f"page {page} refcount"
-        owned = {s.state_slot for s in self.scheduler.running} | {
-            c.state_slot for c in self.cache.checkpoints.values()
-        }
-        assert len(owned) == len(self.scheduler.running) + len(self.cache)  # no slot owned twice
+        owned = {s.state_slot for s in owners} | {c.state_slot for c in self.cache.checkpoints.values()}
+        assert len(owned) == len(owners) + len(self.cache)  # no slot owned twice
         assert self.state_pool.num_free == self.state_pool.num_slots - len(owned)
 
     def assert_empty(self) -> None:
@@ -252,7 +289,7 @@ def test_fifo_admission_never_overcommits_kv(byte_tokenizer):
     h.add(req("b", PROMPT[:30], max_new=10))
     h.add(req("c", PROMPT[:4], max_new=2))
     admitted_order = []
-    while h.scheduler.has_work:
+    while h.has_work:
         h.step()
         for seq in h.scheduler.running:
             if seq.request_id not in admitted_order:
@@ -308,6 +345,130 @@ def test_stop_token_and_stop_string(byte_tokenizer):
     assert h.text("str") == text[:first]
     assert h.tokens("str") == expected[: first + len(stop_str)]  # committed up to the completing token
     h.assert_empty()
+
+
+def test_overlap_runs_steady_decode_ahead(byte_tokenizer, decode_overlap):
+    h = Harness(byte_tokenizer, max_concurrency=2)
+    h.add(req("a", PROMPT[:20], max_new=12))
+    h.add(req("b", PROMPT[:30], max_new=9))
+    h.run()
+    assert h.tokens("a") == expected_continuation(PROMPT[:20], 12)
+    assert h.tokens("b") == expected_continuation(PROMPT[:30], 9)
+    chained = [any(c.previous_row is not None for c in s.chunks) for s in h.steps]
+    # a's prefill, a alone while b waits or prefills, then a and b decode: a round is planned
+    # ahead from the second one on, without b once b's next token is its last (9 outputs).
+    kinds_and_rows = [(s.kind, [c.request_id for c in s.chunks]) for s in h.steps]
+    both = kinds_and_rows.index((StepKind.DECODE, ["a", "b"]))
+    assert both == 6 and all(kind is StepKind.DECODE for kind, _ in kinds_and_rows[both:])
+    assert chained == [False] * (both + 1) + [True] * (len(h.steps) - both - 1) if decode_overlap else not any(chained)
+    if decode_overlap:
+        for step in h.steps[both + 1 :]:
+            assert all(c.token_ids == [PENDING_TOKEN] and c.previous_row == row for row, c in enumerate(step.chunks))
+        assert [len(s.chunks) for s in h.steps[both:]] == [2] * 8 + [1]  # b: 1 + 8 tokens, a: 3 + 8 + 1
+    h.assert_empty()
+
+
+def test_overlap_stop_lands_the_extra_token_in_the_endpoint(byte_tokenizer, decode_overlap):
+    # A stop token ends the request while the next round (planned ahead) computes it. Its
+    # pages and slot are released or kept only when that round lands; the endpoint
+    # checkpoint then includes the stop token, and a next turn resumes from it exactly.
+    h = Harness(byte_tokenizer, max_concurrency=1)
+    expected = expected_continuation(PROMPT, 40)
+    stop_tok = expected[6]
+    n = expected.index(stop_tok) + 1
+    h.add(req("a", PROMPT, max_new=40, stop_token_ids=[stop_tok]))
+    while not any(o.finished for o in h.outputs["a"]):
+        h.step()
+    assert h.tokens("a") == expected[:n]
+    if decode_overlap:
+        assert [s.request_id for s in h.scheduler.draining] == ["a"]
+        assert [len(c.token_ids) for c in h.cache.checkpoints.values()] == [len(PROMPT)]  # the prompt's only
+        h.assert_balanced()
+    h.run()
+    assert h.scheduler.draining == []
+    endpoint = max(h.cache.checkpoints.values(), key=lambda c: c.frontier)
+    committed = PROMPT + expected[:n]
+    assert endpoint.token_ids == (committed if decode_overlap else committed[:-1])
+    follow_up = committed + [ord(c) for c in " More."]
+    h.add(req("b", follow_up, max_new=6))
+    h.run()
+    assert h.final("b").cached_tokens == endpoint.frontier
+    assert h.tokens("b") == expected_continuation(follow_up, 6)
+    h.assert_empty()
+
+
+def test_overlap_cancel_while_a_round_is_ahead(byte_tokenizer, decode_overlap):
+    h = Harness(byte_tokenizer, max_concurrency=2)
+    h.add(req("a", PROMPT[:12], max_new=30))
+    h.add(req("b", PROMPT[:14], max_new=30))
+    for _ in range(8):
+        h.step()
+    assert (h.inflight is not None) == decode_overlap
+    out = h.scheduler.abort("a")
+    h._record([out])
+    assert out.finish_reason is FinishReason.CANCELLED
+    assert [s.request_id for s in h.scheduler.draining] == (["a"] if decode_overlap else [])
+    h.assert_balanced()
+    h.run()
+    assert h.tokens("b") == expected_continuation(PROMPT[:14], 30)
+    assert h.tokens("a") == expected_continuation(PROMPT[:12], len(h.tokens("a")))
+    h.assert_empty()
+
+
+def _decode_round_in_flight(h: Harness) -> SchedulerStep:
+    """Step until a decode round of every running request (each already past its first
+    decode) is scheduled; -> that round, launched but not updated."""
+    while True:
+        step = h.scheduler.schedule()
+        steady = all(s.num_output_tokens >= 2 and not s.is_prefilling for s in h.scheduler.running)
+        launched = h._launch(step)
+        if step.kind is StepKind.DECODE and steady:
+            return launched
+        h.scheduler.update(*launched)
+
+
+@pytest.mark.parametrize(
+    "blocker",
+    ["none", "waiting_behind_full_lanes", "waiting_for_a_free_lane", "penalties", "thinking_cap", "prefilling",
+     "all_at_output_limit"],
+)
+def test_schedule_ahead_only_in_steady_decode(byte_tokenizer, blocker):
+    lanes = 2 if blocker == "waiting_behind_full_lanes" else 3
+    h = Harness(byte_tokenizer, max_concurrency=lanes, prefill_chunk=8)
+    h.add(req("a", PROMPT[:10], max_new=20))
+    if blocker == "penalties":
+        h.add(EngineRequest("b", PROMPT[:12], SamplingParams(temperature=0.0, presence_penalty=0.5), max_new_tokens=20))
+    elif blocker == "thinking_cap":
+        budget = ThinkingBudget(max_thinking_tokens=50, close_token_ids=[ord("!")], think_end_token_id=255)
+        h.add(req("b", PROMPT[:12], max_new=20, thinking_budget=budget))
+    else:
+        h.add(req("b", PROMPT[:12], max_new=20))
+    inflight, sampled = _decode_round_in_flight(h)
+    running = {s.request_id: s for s in h.scheduler.running}
+    if blocker == "thinking_cap":
+        running["b"].num_thinking_tokens = 49  # the round's token reaches the cap: close tokens follow
+    if blocker == "all_at_output_limit":
+        for seq in running.values():
+            seq.max_new_tokens = seq.num_output_tokens + 1  # the round's token is each one's last
+    if blocker.startswith("waiting"):
+        h.add(req("c", PROMPT[:5], max_new=2))  # admitted at the next schedule() only if a lane is free
+    if blocker == "prefilling":
+        h.scheduler.update(inflight, sampled)
+        h.add(req("c", PROMPT, max_new=2))
+        assert h.scheduler.schedule().kind is StepKind.PREFILL  # c admitted, its first chunk
+        inflight = h.scheduler.schedule()
+        assert inflight.kind is StepKind.DECODE and h.scheduler.running[-1].is_prefilling
+    ahead = h.scheduler.schedule_ahead(inflight)
+    if blocker not in ("none", "waiting_behind_full_lanes"):
+        assert ahead is None
+        return
+    assert [(c.request_id, c.previous_row, c.token_ids) for c in ahead.chunks] == [
+        ("a", 0, [PENDING_TOKEN]), ("b", 1, [PENDING_TOKEN])
+    ]
+    for chunk, before in zip(ahead.chunks, inflight.chunks):
+        assert chunk.num_computed_tokens == before.num_computed_tokens + 1
+        assert chunk.num_generated == before.num_generated + 1
+        assert chunk.page_ids == before.page_ids and chunk.state_slot == before.state_slot
 
 
 def test_max_new_tokens_zero_processes_prompt_only(byte_tokenizer):
@@ -503,7 +664,7 @@ def test_staggered_arrivals_many_requests_balanced(byte_tokenizer):
     prompts = {f"r{i}": [ord(c) for c in f"request {i}: " + "lorem ipsum " * (i % 4 + 1)] for i in range(9)}
     pending = list(prompts.items())
     step_no = 0
-    while pending or h.scheduler.has_work:
+    while pending or h.has_work:
         if pending and step_no % 3 == 0:
             rid, prompt = pending.pop(0)
             h.add(req(rid, prompt, max_new=5 + step_no % 7, stop_strings=["um l"] if step_no % 2 else []))

@@ -1,0 +1,47 @@
+"""PendingStep: a launched step whose sampled token ids are still on their way to the host.
+
+The runner enqueues the step's kernels and a non-blocking copy of the sampled ids into a
+pinned host buffer, records an event, and returns at once; result() waits for that event
+only. A later step enqueued in between (the engine's next decode round, launched before
+this one is read) therefore does not delay the read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ninfer.engine.scheduler import SchedulerStep
+
+
+class PendingStep:
+    def __init__(
+        self,
+        step: SchedulerStep,
+        sampled_rows: list[int],
+        ids_host: torch.Tensor | None,
+        ready: torch.cuda.Event | None,
+        on_read: Callable[[], None] | None = None,
+    ):
+        """sampled_rows: the chunks (by index) that sample; ids_host holds one id per chunk.
+        ready: recorded after the step's work and the copy into ids_host (None: all done
+        already); on_read: called once, when the result is first read."""
+        self.step = step
+        self._sampled_rows = sampled_rows
+        self._ids_host = ids_host
+        self._ready = ready
+        self._on_read = on_read
+        self._result: dict[str, int] | None = None
+
+    def result(self) -> dict[str, int]:
+        """request id -> sampled token id, for every chunk that samples (blocks until ready)."""
+        if self._result is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            values = self._ids_host.tolist() if self._sampled_rows else []
+            chunks = self.step.chunks
+            self._result = {chunks[row].request_id: values[row] for row in self._sampled_rows}
+            if self._on_read is not None:
+                self._on_read()
+        return self._result
