@@ -207,6 +207,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         decode_rounds=args.decode_rounds,
         peer=args.peer,
         cuda_graphs=not args.no_cuda_graph,
+        decode_overlap=not args.no_decode_overlap,
         profile_dir=args.out if args.profile else None,
     )
     results = Suite(options).run()
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--decode-rounds", type=int, default=20, help="timed decode rounds per case (default 20)")
     bench.add_argument("--peer", default="hf", choices=["hf", "none"], help="run HF transformers on the same weights (default hf)")
     bench.add_argument("--no-cuda-graph", action="store_true", help="eager decode")
+    bench.add_argument("--no-decode-overlap", action="store_true", help="report decode rounds with the host reading each round before launching the next (default: the next is launched first, as the engine does)")
     bench.add_argument("--profile", action="store_true", help="also profile the smallest decode case and the shortest prefill per model: kernel table (profile-*.txt), critical-path increments (increments-*.txt), timeline (trace-*.json.gz)")
     bench.add_argument("--out", default="bench-results", help="output folder for bench.json, bench.md, bench.png")
     bench.add_argument("--log-level", default="info", choices=list(LEVELS))
