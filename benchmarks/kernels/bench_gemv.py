@@ -143,8 +143,12 @@ def sweep_configs(m: int, n: int, k: int, kind: str, num_sms: int, quick: bool =
             base._replace(block_k=base.block_k * 2, num_stages=3),
         ]
     else:
-        # DOT's launch at the smallest M where the heuristic takes it, at this M.
+        # DOT's launch at the smallest M where the heuristic takes it, at this M (FP8 at
+        # M = 2 keeps FMA on wide matrices: then M = 4's DOT launch and its neighbours).
         dot = gemv_fast._config(2 if fp8 else 4, n, k, dtype, num_sms)
+        if not dot.use_dot:
+            dot = gemv_fast._config(4, n, k, dtype, num_sms)
+            alts += [dot._replace(block_n=width, num_warps=max(1, width // 32)) for width in (16, 32, 64) if width != dot.block_n]
         alts += [dot, base._replace(block_n=base.block_n * 2)]
         if base.block_n > 1:
             alts.append(base._replace(block_n=base.block_n // 2))

@@ -539,12 +539,15 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
     #   DOT bf16: 1.1-1.4 at any M; DOT FP8 (bit-move conversion, 1.5 per value): 2.25-2.45
     #     at M <= 8 and 2.65-2.8 at M = 16 with 32 weight rows per warp (2.7-3.4 with 16);
     #     it was 4.4-4.75 (bf16 copy of the tile through shared memory, 2.5 per value).
-    # FP8 takes DOT from M = 2 (FMA at M = 2 is 4.9); at M = 1 FMA's 3.3 vs DOT's ~2.4 is
-    # no reason to leave FMA, measured at 91 % of copy bandwidth on the large shapes.
+    # FP8 takes DOT from M = 3, and at M = 2 below N = 4096 (FMA at M = 2 is 4.9, but DOT
+    # measured slower on every 27B shape); at M = 1 FMA's 3.3 vs DOT's ~2.4 is no reason to
+    # leave FMA, measured at 91 % of copy bandwidth on the large shapes.
     # fp32 stays on FMA (exact fp32 products, no tf32).
     use_dot = elem_bytes < 4 and M > (1 if fp8 else 2)
-    if fp8 and M == 2 and N >= 8192:
-        use_dot = False  # measured (run 2): FMA 25.1 vs DOT 29.1 us on 16480 x 5120, 46.6 vs 51.8 on 34816
+    if fp8 and M == 2 and N >= 4096:
+        # Measured (session 6, 27B shapes): FMA 10.7 vs DOT 12.5 us on 5120 x 6144, 25.1 vs
+        # 30.6 on 5120 x 17408; in the decode chain DOT took 37 us per call on those two.
+        use_dot = False
     target_programs = 4 * num_sms  # several resident programs per SM, short tails
     if use_dot:
         block_k = min(256, max(16, triton.next_power_of_2(K)))
@@ -587,7 +590,11 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
             # steps (-1 to -3 % against 4 rows on 2 warps); narrow ones as 4-warp programs
             # of 8 rows x 2 KiB steps: 5120 x 6144 12.8 -> 9.7 us, 5120 x 17408 32.8 -> 23.6
             # (17 KiB rows: the last step is masked, still the fastest measured).
-            if triton.cdiv(N, 8) > 5 * num_sms:
+            if M == 2:
+                # Measured at M = 2 (bench_gemv --wide, session 6): the best single tile over
+                # the 27B shapes, within 5 % of each shape's best.
+                block_n, block_k, num_warps = 2, 1024, 2
+            elif triton.cdiv(N, 8) > 5 * num_sms:
                 block_n, block_k, num_warps = 2, 1024, 1
             else:
                 block_n, block_k, num_warps = 8, 2048, 4
