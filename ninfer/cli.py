@@ -124,7 +124,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         device_state_slots=args.device_state_slots,
         prefix_reuse=not args.no_prefix_reuse,
         cuda_graphs=not args.no_cuda_graph,
-        decode_overlap=not args.no_decode_overlap,
+        decode_overlap=False if args.no_decode_overlap else None,
         log_stats_interval_ms=args.log_stats_interval_ms,
         device=resolve_device(args.device),
     )

@@ -23,7 +23,10 @@ class EngineConfig:
     device_state_slots: int | None = None  # checkpoint slots beyond the active lanes; None = max_concurrency
     prefix_reuse: bool = True
     cuda_graphs: bool = True  # capture decode graphs at start-up (CUDA only); --no-cuda-graph turns it off
-    decode_overlap: bool = True  # launch decode round N+1 before reading round N; --no-decode-overlap turns it off
+    # Launch decode round N+1 before reading round N. None: where the device runs
+    # asynchronously (CUDA); on the CPU it would only delay each token by a round.
+    # --no-decode-overlap sets False.
+    decode_overlap: bool | None = None
     log_stats_interval_ms: int = 5000
     device: str = "cpu"
 

@@ -3,8 +3,8 @@
 Single-threaded by design: requests and aborts are applied between steps, so the
 scheduler and pools never see concurrent mutation. Transports (client.py) drive it.
 
-In steady decode (config.decode_overlap) each step() launches the next decode round
-before it reads the current one's tokens (Scheduler.schedule_ahead), so the GPU computes
+In steady decode (config.decode_overlap; by default on CUDA) each step() launches the
+next decode round before it reads the current one's tokens (Scheduler.schedule_ahead), so the GPU computes
 round N+1 while the host commits round N, checks stops and streams; one round stays in
 flight between step() calls.
 """
@@ -66,6 +66,8 @@ class EngineCore:
             max_context=config.max_context,
         )
         self.failed: str | None = None
+        overlap = config.decode_overlap
+        self.decode_overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._inflight: PendingStep | None = None  # launched, not yet committed
         self._last_stats_at = clock()
         self._host_active_s = 0.0
@@ -97,7 +99,7 @@ class EngineCore:
                     return self.scheduler.take_pending_outputs()
                 current = self.runner.launch(step)
             self._inflight = None
-            if self.config.decode_overlap:
+            if self.decode_overlap:
                 ahead = self.scheduler.schedule_ahead(current.step)
                 if ahead is not None:
                     self._inflight = self.runner.launch(ahead)

@@ -128,9 +128,12 @@ def test_greedy_matches_transformers_alone_and_batched(arch, tmp_root):
         got = run_engine(alone, {0: [greedy(f"r{i}", prompt, 12)]})
         assert got[f"r{i}"][0] == expected[i], f"{arch} alone, prompt {i}"
 
+    # Batched with decode overlap forced on (off by default on the CPU): chained rounds too.
     batched = EngineCore(
-        ours, tokenizer, EngineConfig(max_concurrency=3, prefill_chunk=7, max_context=256, prefix_reuse=False)
+        ours, tokenizer,
+        EngineConfig(max_concurrency=3, prefill_chunk=7, max_context=256, prefix_reuse=False, decode_overlap=True),
     )
+    assert not alone.decode_overlap and batched.decode_overlap
     got = run_engine(batched, {0: [greedy("a", PROMPTS[0], 12)], 3: [greedy("b", PROMPTS[1], 12)],
                                5: [greedy("c", PROMPTS[2], 12)]})
     for rid, want in zip("abc", expected):
