@@ -332,10 +332,13 @@ def test_heuristic_on_real_shapes() -> None:
                 programs = -(-n // cfg.block_n) * cfg.split_k
                 assert programs >= 2 * 132 or k // cfg.split_k < 4 * cfg.block_k
     assert fast._config(1, 5120, 6144, torch.bfloat16, 132) is fast._config(1, 5120, 6144, torch.bfloat16, 132)
-    # FP8: FMA at M = 1, and at M = 2 for wide matrices only (measured); bf16 DOT at M = 4 on
-    # the 27B shapes: 32 columns on 4 warps (measured).
+    # FP8: FMA at M = 1, and at M = 2 from N = 4096 on, as 2 rows x 1 KiB on 2 warps (measured
+    # on the 27B shapes, session 6); DOT below; bf16 DOT at M = 4 on the 27B shapes: 32
+    # columns on 4 warps (measured).
     assert [fast._config(m, 16480, 5120, FP8, 132).use_dot for m in (1, 2, 4, 16)] == [False, False, True, True]
-    assert fast._config(2, 5120, 17408, FP8, 132).use_dot
+    for n, k in [(16480, 5120), (5120, 6144), (34816, 5120), (5120, 17408)]:
+        assert fast._config(2, n, k, FP8, 132)[:5] == (2, 1024, 2, 1, False)
+    assert fast._config(2, 2048, 4096, FP8, 132).use_dot
     for n, k in [(16480, 5120), (5120, 6144), (5120, 17408)]:
         assert fast._config(4, n, k, torch.bfloat16, 132)[:3] == (32, 256, 4)
 
