@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.kernels.activation import silu_and_mul
+from ninfer.kernels.fp8_quant import quantize_rows
+from ninfer.kernels.fp8_quant.ref import FP8_MAX
 from ninfer.kernels.gemv import MAX_ROWS, conv_first_columns, gemv, gemv_causal_conv1d_update, gemv_silu_and_mul
 from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, dequantize
 
-FP8_MAX = 448.0
 _ROW_MULTIPLE = 16  # _scaled_mm wants row counts in multiples of 16
 
 
@@ -104,14 +105,8 @@ class Fp8Linear(nn.Module):
             return out.reshape(*shape[:-1], self.out_features)
         if not rows.is_cuda or self.block_scaled:
             return F.linear(x, self.dequantized(x.dtype), self.bias)
-        amax = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
-        x_scale = amax / FP8_MAX
-        x_fp8 = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         num_rows = rows.shape[0]
-        padded = -(-num_rows // _ROW_MULTIPLE) * _ROW_MULTIPLE
-        if padded != num_rows:
-            x_fp8 = F.pad(x_fp8.view(torch.uint8), (0, 0, 0, padded - num_rows)).view(FP8)
-            x_scale = F.pad(x_scale, (0, 0, 0, padded - num_rows), value=1.0)
+        x_fp8, x_scale = quantize_rows(rows, _ROW_MULTIPLE)
         out = torch._scaled_mm(
             x_fp8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1), out_dtype=x.dtype
         )[:num_rows]
