@@ -4,9 +4,9 @@ Single-threaded by design: requests and aborts are applied between steps, so the
 scheduler and pools never see concurrent mutation. Transports (client.py) drive it.
 
 In steady decode (config.decode_overlap; by default on CUDA) each step() launches the
-next decode round before it reads the current one's tokens (Scheduler.schedule_ahead), so the GPU computes
-round N+1 while the host commits round N, checks stops and streams; one round stays in
-flight between step() calls.
+next decode round before it reads the current one's tokens (Scheduler.schedule_ahead),
+so the GPU computes round N+1 while the host commits round N, checks stops and streams;
+one round stays in flight between step() calls.
 """
 
 from __future__ import annotations

@@ -238,11 +238,16 @@ class DecodeGraphs:
 
     # ---- replay --------------------------------------------------------------------
     def can_run(self, chunks: Sequence[ScheduledChunk]) -> bool:
-        """A decode round of a captured size, each row one new token that needs its logits."""
+        """A decode round of a captured size, each row one new token that needs its logits
+        (a chained row's token from a previous row inside the sampled-ids row)."""
         if len(chunks) not in self.graphs:
             return False
         return all(
-            len(c.token_ids) == 1 and c.compute_logits and len(c.page_ids) <= self.max_pages for c in chunks
+            len(c.token_ids) == 1
+            and c.compute_logits
+            and len(c.page_ids) <= self.max_pages
+            and (c.previous_row is None or c.previous_row < self.max_batch)
+            for c in chunks
         )
 
     def run(self, chunks: Sequence[ScheduledChunk], previous_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -262,7 +267,8 @@ class DecodeGraphs:
             if previous_ids is None:
                 raise ValueError("a chunk is chained to the previous round's ids, but none were given")
             if previous_ids.data_ptr() != sampled_row.data_ptr():
-                sampled_row[: len(previous_ids)].copy_(previous_ids)  # that round ran eagerly
+                rows = min(len(previous_ids), self.max_batch)  # can_run: chained rows are below max_batch
+                sampled_row[:rows].copy_(previous_ids[:rows])  # that round ran eagerly
         for row, chunk in enumerate(chunks):
             pos = chunk.num_computed_tokens
             if chunk.previous_row is None:

@@ -204,6 +204,31 @@ def test_static_buffers_match_eager_on_cpu(arch, tmp_root, monkeypatch):
     assert sampled == {False, True}, runner.graphs.replayed
 
 
+def test_chained_rows_past_the_largest_graph_run_eagerly(tmp_root):
+    """A round chained to a previous round with more rows than the largest captured graph
+    (that one ran eagerly) replays only if every chained row is inside the sampled-ids row."""
+    from ninfer.engine.scheduler import PENDING_TOKEN, ScheduledChunk
+
+    model = _model("llama", tmp_root, torch.float32, "cpu")
+    core = EngineCore(model, make_byte_tokenizer(), _config())
+    runner = core.runner
+    graphs = _DirectGraphs(
+        model, runner.kv_cache, runner.state_cache, runner.slot_logits, runner.num_valid_tokens,
+        (1, 2), -(-192 // runner.kv_cache.page_size), runner.sampler,
+    )
+    graphs.capture()
+
+    def chunk(previous_row):
+        return ScheduledChunk(
+            request_id=f"r{previous_row}", token_ids=[PENDING_TOKEN], num_computed_tokens=5, page_ids=[0],
+            state_slot=0, compute_logits=True, sample=True, sampling=SamplingParams(temperature=0.0),
+            num_generated=1, output_token_ids=[], previous_row=previous_row,
+        )
+
+    assert graphs.can_run([chunk(0), chunk(1)])
+    assert not graphs.can_run([chunk(0), chunk(2)])  # row 2 of a 3-row round: eager
+
+
 def test_no_cuda_graph_option():
     parser = argparse.ArgumentParser()
     add_serve_options(parser)
