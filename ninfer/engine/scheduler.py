@@ -268,12 +268,13 @@ class Scheduler:
 
     def schedule_ahead(self, inflight: SchedulerStep) -> SchedulerStep | None:
         """The decode round after `inflight` (launched, not yet updated), planned before its
-        tokens are known: each row computes what inflight sampled for its request. Only for
-        steady decode, where no token inflight can sample changes the plan except by
-        finishing its request: None while a request waits for a free lane, a request
-        prefills or slot actions are pending, and when a row may reach its thinking budget at inflight or has penalties
-        (their token history must include that token). Rows that reach their output limit
-        at inflight are left out."""
+        tokens are known: each row computes what inflight sampled for its request.
+
+        Only for steady decode, where no token inflight can sample changes the plan except
+        by finishing its request. None while a request waits for a free lane, a request
+        prefills or slot actions are pending; None when a row may reach its thinking budget
+        at inflight, or has penalties (their token history must include that token). Rows
+        that reach their output limit at inflight are left out."""
         if inflight.kind is not StepKind.DECODE or not inflight.chunks or self._pending_actions:
             return None
         if self.waiting and len(self.running) < self.limits.max_concurrency:
