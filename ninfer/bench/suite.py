@@ -8,7 +8,7 @@ What is measured (and stated in the report):
   waiting for every round before launching the next (--no-decode-overlap). KV pages and
   state slots are filled with random data (the values do not change the work);
 - prefill tok/s: one request's prompt of P random tokens through the runner in chunks;
-- time to first token: a 4K prompt through EngineCore (scheduler + runner), first token committed;
+- time to first token: the shortest prefill case including its first sampled token (runner only);
 - peak GPU memory per case; roofline from bytes streamed per round against the copy bandwidth
   measured in the same run (prefill: FLOPs against the measured bf16 matrix rate);
 - HF transformers: the same shape and the same random weights (filled by name), greedy generate.
