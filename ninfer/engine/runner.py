@@ -64,6 +64,8 @@ class ModelRunner:
         self._ids_host = [
             torch.zeros(num_state_slots, dtype=torch.int64, pin_memory=pin) for _ in range(MAX_UNREAD_STEPS)
         ]
+        # Recorded after each launch's copy; re-recorded only once that launch has been read.
+        self._ready = [torch.cuda.Event() for _ in range(MAX_UNREAD_STEPS)] if pin else None
         self._num_launches = 0
         self._num_unread = 0
         # The last launched step's sampled ids by chunk row (on the device), and its sampling rows.
@@ -119,13 +121,14 @@ class ModelRunner:
         return self._pending(step, ids, sampled_rows)
 
     def _pending(self, step: SchedulerStep, ids: torch.Tensor | None, sampled_rows: list[int]) -> PendingStep:
+        turn = self._num_launches % MAX_UNREAD_STEPS
+        self._num_launches += 1
         ids_host, ready = None, None
         if ids is not None:
-            ids_host = self._ids_host[self._num_launches % MAX_UNREAD_STEPS][: len(ids)]
+            ids_host = self._ids_host[turn][: len(ids)]
             ids_host.copy_(ids, non_blocking=True)
-        self._num_launches += 1
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
+        if self._ready is not None:
+            ready = self._ready[turn]
             ready.record()
         self._num_unread += 1
         return PendingStep(step, sampled_rows, ids_host, ready, on_read=self._read_one)
