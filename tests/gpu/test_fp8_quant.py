@@ -2,8 +2,8 @@
 same e4m3 bytes and scales, bit for bit, at the inputs of the prefill projections; and the
 FP8 Linear's prefill product, which goes through it, against the dequantized weights.
 
-The scales come from torch in both (ref.row_scales): on CUDA torch divides by a Python
-scalar as a multiply by its reciprocal, which a division in the kernel did not match (the
+The scale is amax times the fp32 reciprocal of 448 on both sides (ref.row_scales): on CUDA
+torch divides by a Python scalar that way, which a division in the kernel did not match (the
 first version of this kernel failed here on every shape)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-row FP8 quantization of activations (reference): the input of torch._scaled_mm.
 
-Each row gets its own scale, amax / 448 (e4m3's largest finite value), so the row's
+Each row gets its own scale, amax * (1 / 448) (448: e4m3's largest finite value), so the row's
 largest magnitude maps onto 448; rows are padded with zeros (scale 1) to a multiple of
 `row_multiple`, as _scaled_mm wants. All-zero rows take the scale of amax 1e-12.
 """
@@ -11,12 +11,14 @@ import torch.nn.functional as F
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12
+INV_FP8_MAX = 1.0 / FP8_MAX  # becomes the fp32 reciprocal in torch and in Triton alike
 
 
 def row_scales(amax: torch.Tensor) -> torch.Tensor:
-    """Per-row amax [M, 1] -> fp32 scales. The fast path calls this too: on CUDA, torch divides
-    by a Python scalar as a multiply by its fp32 reciprocal, and both sides get the same bits."""
-    return amax.float().clamp(min=MIN_AMAX) / FP8_MAX
+    """Per-row amax [M, 1] -> fp32 scales, as a multiply by the fp32 reciprocal of 448: what
+    torch on CUDA does for "/ 448" anyway, and one IEEE product that a kernel can repeat
+    (torch on the CPU would divide, and a division in a kernel need not round the same)."""
+    return amax.float().clamp(min=MIN_AMAX) * INV_FP8_MAX
 
 
 def quantize_rows(x: torch.Tensor, row_multiple: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
