@@ -138,7 +138,7 @@ class Suite:
             replaced = quantize_fp8_(model)
             torch.cuda.empty_cache()
             weight_bytes = 1.0  # e4m3; per-channel scales are negligible
-            log.info("[%s fp8] %d Linear layers quantized (experts, embedding and lm_head stay bf16)", shape, replaced)
+            log.info("[%s fp8] %d Linear layers quantized (experts, routers, embedding and lm_head stay bf16)", shape, replaced)
         options = self.options
         max_batch = max(options.batches)
         max_tokens = max([max(options.contexts) + 1, *options.prefill_lengths])

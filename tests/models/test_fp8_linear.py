@@ -63,3 +63,17 @@ def test_quantize_replaces_linears_but_not_lm_head() -> None:
     assert quantize_fp8_(model) == 2
     assert isinstance(model.mlp.gate_up_proj, Fp8Linear) and isinstance(model.mlp.down_proj, Fp8Linear)
     assert type(model.router) is Linear and type(model.lm_head) is Linear
+
+
+def test_quantize_keeps_moe_routers_bf16_but_not_similar_names() -> None:
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module()])
+    model.layers[0].mlp = nn.Module()
+    model.layers[0].mlp.gate = Linear(32, 256, bias=False)  # the MoE router
+    model.layers[0].mlp.gate_proj = Linear(32, 64, bias=False)
+    model.layers[0].mlp.shared_expert = nn.Module()
+    model.layers[0].mlp.shared_expert.gate_proj = Linear(32, 64, bias=False)
+    assert quantize_fp8_(model) == 2
+    assert type(model.layers[0].mlp.gate) is Linear
+    assert isinstance(model.layers[0].mlp.gate_proj, Fp8Linear)
+    assert isinstance(model.layers[0].mlp.shared_expert.gate_proj, Fp8Linear)

@@ -7,7 +7,7 @@ bytes widened in registers, bf16 activations); larger batches (prefill) quantize
 activations per token and run on Hopper's FP8 matrix units through torch._scaled_mm
 (row-wise scales), or dequantize block-scaled weights for a bf16 GEMM. The embedding and
 lm_head stay in bf16 (the embedding reads one row per token; lm_head precision drives
-sampling), and so do 3-D fused MoE experts for now.
+sampling), and so do MoE routers and, for now, the 3-D fused MoE experts.
 """
 
 from __future__ import annotations
@@ -115,13 +115,21 @@ class Fp8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
 
-def quantize_fp8_(model: nn.Module, skip: tuple[str, ...] = ("lm_head", "embed_tokens")) -> int:
-    """Replace every nn.Linear (except `skip` names) by an Fp8Linear in place; returns how many."""
+# The MoE router ("mlp.gate") stays bf16 as in Qwen's FP8 checkpoints: expert choice is
+# sensitive to its logits, and its 256 outputs gain nothing from FP8 prefill.
+DEFAULT_SKIP = ("lm_head", "embed_tokens", "mlp.gate")
+
+
+def quantize_fp8_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> int:
+    """Replace every nn.Linear by an Fp8Linear in place, except those whose name ends in one of
+    `skip` (whole dotted components: "mlp.gate" is not "mlp.gate_proj") or with fewer than 16
+    outputs; returns how many."""
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{parent_name}.{child_name}" if parent_name else child_name
-            if isinstance(child, nn.Linear) and not any(s in full for s in skip) and child.out_features >= 16:
+            skipped = any(full == s or full.endswith("." + s) for s in skip)
+            if isinstance(child, nn.Linear) and not skipped and child.out_features >= 16:
                 setattr(parent, child_name, Fp8Linear.from_linear(child))
                 replaced += 1
     return replaced
