@@ -15,20 +15,23 @@ def write_json(results: dict[str, Any], out: Path) -> Path:
 
 def markdown_table(results: dict[str, Any]) -> str:
     ceilings = results["ceilings"]
+    matmul_clock = ceilings.get("matmul_sm_clock_mhz")
     lines = [
         f"Device: {results['device']} · copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s · "
-        f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s (measured in this run) · torch {results['torch']}",
+        f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s"
+        f"{f' at SM {matmul_clock:.0f} MHz' if matmul_clock else ''} (measured in this run) · torch {results['torch']}",
         "",
-        "| model | weights | case | batch | tokens | result | roofline | % of roofline | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | weights | case | batch | tokens | result | roofline | % of roofline | peak GiB | SM MHz |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["results"]:
         unit = "s" if r["kind"] == "ttft" else "tok/s"
         roof = f"{r['roofline_tokens_per_s']:,.1f}" if r["roofline_tokens_per_s"] else "–"
         frac = f"{100 * r['fraction_of_roofline']:.0f}%" if r["fraction_of_roofline"] is not None else "–"
+        clock = f"{r['sm_clock_mhz']:.0f}" if r.get("sm_clock_mhz") else "–"
         lines.append(
             f"| {r['shape']} | {r['weights']} | {r['kind']} | {r['batch']} | {r['tokens']:,} | "
-            f"{r['tokens_per_s']:,.2f} {unit} | {roof} | {frac} | {r['peak_memory_gib']:.1f} |"
+            f"{r['tokens_per_s']:,.2f} {unit} | {roof} | {frac} | {r['peak_memory_gib']:.1f} | {clock} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
+from ninfer.bench.clocks import ClockSampler
 from ninfer.models.config import ModelConfig
 
 
@@ -14,6 +16,7 @@ class DeviceCeilings:
     copy_bytes_per_s: float  # device-to-device copy, bytes read + written
     bf16_flops_per_s: float  # large bf16 matrix product on random data
     name: str
+    matmul_sm_clock_mhz: float | None = None  # median SM clock while the matrix rate was measured
 
 
 def _median_ms(fn, repeats: int = 10, warmup: int = 3) -> float:
@@ -48,12 +51,15 @@ def _bf16_flops_per_s(device: torch.device) -> float:
     return 2 * size**3 / (ms / 1000.0)
 
 
-def measure_ceilings(device: torch.device) -> DeviceCeilings:
+def measure_ceilings(device: torch.device, clocks: ClockSampler | None = None) -> DeviceCeilings:
     """Random data, median of 10 after warm-up; buffers are freed before the models are built."""
     copy_rate = _copy_bytes_per_s(device)
+    started = time.perf_counter()
     flops = _bf16_flops_per_s(device)
+    clock = clocks.median_mhz(started, time.perf_counter()) if clocks is not None else None
     torch.cuda.empty_cache()
-    return DeviceCeilings(copy_bytes_per_s=copy_rate, bf16_flops_per_s=flops, name=torch.cuda.get_device_name(device))
+    return DeviceCeilings(copy_bytes_per_s=copy_rate, bf16_flops_per_s=flops, name=torch.cuda.get_device_name(device),
+                          matmul_sm_clock_mhz=clock)
 
 
 @dataclass(frozen=True)

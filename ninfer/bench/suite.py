@@ -11,7 +11,9 @@ What is measured (and stated in the report):
 - time to first token: the shortest prefill case including its first sampled token (runner only);
 - peak GPU memory per case; roofline from bytes streamed per round against the copy bandwidth
   measured in the same run (prefill: FLOPs against the measured bf16 matrix rate);
-- HF transformers: the same shape and the same random weights (filled by name), greedy generate.
+- HF transformers: the same shape and the same random weights (filled by name), greedy generate;
+- the median SM clock over each case's timed part and over the matrix-rate measurement
+  (NVML, clocks.py): a power-capped GPU moves it by a third, and prefill follows it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ninfer.bench.clocks import ClockSampler, nvml_sm_clock_reader
 from ninfer.bench.critical_path import increments_table
 from ninfer.bench.random_weights import fill_random_, stored_parameters
 from ninfer.bench.roofline import (
@@ -78,6 +81,13 @@ class CaseResult:
     fraction_of_roofline: float | None
     peak_memory_gib: float
     note: str = ""
+    sm_clock_mhz: float | None = None  # median SM clock over the timed part (None without NVML)
+
+
+# Prefill timings per case: the rate moves with the SM clock, so short prompts get more repeats.
+_PREFILL_REPEATS = 5
+_LONG_PREFILL = 16384
+_LONG_PREFILL_REPEATS = 3
 
 
 def _sync_time(fn) -> float:
@@ -94,12 +104,22 @@ class Suite:
         self.device = torch.device(device)
         self.results: list[CaseResult] = []
         self.ceilings: DeviceCeilings | None = None
+        self.clocks = ClockSampler(None)
 
     def run(self) -> dict[str, Any]:
+        self.clocks = ClockSampler(nvml_sm_clock_reader(self.device)).start()
+        try:
+            return self._run_all()
+        finally:
+            self.clocks.stop()
+
+    def _run_all(self) -> dict[str, Any]:
         log.info("measuring device ceilings (copy bandwidth, bf16 matmul rate)")
-        self.ceilings = measure_ceilings(self.device)
-        log.info("%s: copy %.2f TB/s, bf16 matmul %.0f TFLOP/s", self.ceilings.name,
-                 self.ceilings.copy_bytes_per_s / 1e12, self.ceilings.bf16_flops_per_s / 1e12)
+        self.ceilings = measure_ceilings(self.device, self.clocks)
+        clock = self.ceilings.matmul_sm_clock_mhz
+        log.info("%s: copy %.2f TB/s, bf16 matmul %.0f TFLOP/s%s", self.ceilings.name,
+                 self.ceilings.copy_bytes_per_s / 1e12, self.ceilings.bf16_flops_per_s / 1e12,
+                 f" at SM {clock:.0f} MHz" if clock else "")
         failures: list[str] = []
         for shape in self.options.shapes:
             runs = [(f"{shape} {w}", self._run_ours, (shape, w)) for w in self.options.weights]
@@ -183,8 +203,10 @@ class Suite:
         for _ in range(3):
             runner.execute(step)
         rounds = self.options.decode_rounds
+        started = time.perf_counter()
         sync_per_round = statistics.median(_sync_time(lambda: runner.execute(step)) for _ in range(rounds))
         overlapped = self._overlapped_rounds(runner, step, ahead, warmup=3, rounds=rounds)
+        window = (started, time.perf_counter())
         per_round = statistics.median(overlapped) if self.options.decode_overlap else sync_per_round
         if self.options.profile_dir and batch == min(self.options.batches) and context == min(self.options.contexts):
             self._profile(f"{shape}-{weights}-b{batch}-{context}", lambda: runner.execute(step), 5, "decode rounds")
@@ -195,7 +217,7 @@ class Suite:
             note = f"decode overlap on; host waiting for each round: {batch / sync_per_round:,.1f} tok/s"
         else:
             note = f"decode overlap off; with it: {batch / statistics.median(overlapped):,.1f} tok/s"
-        self._record(shape, weights, "decode", batch, context, tps, roof, note=note)
+        self._record(shape, weights, "decode", batch, context, tps, roof, note=note, window=window)
 
     @staticmethod
     def _overlapped_rounds(runner, step, ahead, warmup: int, rounds: int) -> list[float]:
@@ -232,13 +254,17 @@ class Suite:
 
         prefill()  # warm-up (compilation, autotuning)
         torch.cuda.reset_peak_memory_stats(self.device)
-        elapsed = statistics.median(_sync_time(prefill) for _ in range(2))
+        repeats = _PREFILL_REPEATS if prompt <= _LONG_PREFILL else _LONG_PREFILL_REPEATS
+        started = time.perf_counter()
+        elapsed = statistics.median(_sync_time(prefill) for _ in range(repeats))
+        window = (started, time.perf_counter())
         mb = model_bytes(config, weight_bytes, runner.kv_cache.k.element_size(), 1)
         roof = prefill_roofline_tokens_per_s(mb, config, prompt, self.ceilings)
-        self._record(shape, weights, "prefill", 1, prompt, prompt / elapsed, roof,
-                     note=f"chunk {chunk}; roofline = measured bf16 matmul rate / FLOPs per token")
+        self._record(shape, weights, "prefill", 1, prompt, prompt / elapsed, roof, window=window,
+                     note=f"chunk {chunk}, median of {repeats}; roofline = measured bf16 matmul rate / FLOPs per token")
         if prompt == min(self.options.prefill_lengths):
-            self._record(shape, weights, "ttft", 1, prompt, elapsed, None, note="seconds to first token, runner only")
+            self._record(shape, weights, "ttft", 1, prompt, elapsed, None, window=window,
+                         note="seconds to first token, runner only")
             if self.options.profile_dir:
                 self._profile(f"{shape}-{weights}-prefill-{prompt}", prefill, 1, "prefill")
 
@@ -293,23 +319,27 @@ class Suite:
 
         with torch.no_grad():
             generate(2)  # warm-up
+            started = time.perf_counter()
             first = _sync_time(lambda: generate(1))
             full = _sync_time(lambda: generate(new + 1))
+            window = (started, time.perf_counter())
         decode_tps = new / max(full - first, 1e-9)
         _, ours_config = shape_config(shape)
         mb = model_bytes(ours_config, 2.0, 2, 1)
         roof = decode_roofline_tokens_per_s(mb, 1, prompt_len, self.ceilings)
         note = f"transformers {transformers.__version__} generate, greedy, bf16"
-        self._record(shape, "bf16", "hf_decode", 1, prompt_len, decode_tps, roof, note=note)
-        self._record(shape, "bf16", "hf_prefill", 1, prompt_len, prompt_len / first, None,
+        self._record(shape, "bf16", "hf_decode", 1, prompt_len, decode_tps, roof, note=note, window=window)
+        self._record(shape, "bf16", "hf_prefill", 1, prompt_len, prompt_len / first, None, window=window,
                      note=note + "; prompt + 1 token")
 
-    def _record(self, shape, weights, kind, batch, tokens, value, roof, note="") -> None:
+    def _record(self, shape, weights, kind, batch, tokens, value, roof, note="", window=None) -> None:
         peak = torch.cuda.max_memory_allocated(self.device) / (1 << 30)
         fraction = value / roof if roof else None
-        result = CaseResult(shape, weights, kind, batch, tokens, value, roof, fraction, peak, note)
+        clock = self.clocks.median_mhz(*window) if window is not None else None
+        result = CaseResult(shape, weights, kind, batch, tokens, value, roof, fraction, peak, note, clock)
         self.results.append(result)
         pct = f" ({100 * fraction:.0f}% of {roof:,.1f})" if fraction is not None else ""
         unit = "s" if kind == "ttft" else "tok/s"
-        log.info(f"[{shape} {weights}] {kind} batch {batch} @ {tokens}: {value:,.2f} {unit}{pct} · peak {peak:.1f} GiB")
+        sm = f" · SM {clock:.0f} MHz" if clock else ""
+        log.info(f"[{shape} {weights}] {kind} batch {batch} @ {tokens}: {value:,.2f} {unit}{pct} · peak {peak:.1f} GiB{sm}")
 
