@@ -387,9 +387,9 @@ def _fla_chunk():
     """fla's chunked forward, or None when flash-linear-attention is not installed.
 
     Its public function wraps the forward in an autograd Function, input guards and
-    dispatch decorators: ~1.5 ms of host time per call, which an 8K prefill of 30 GDN
-    layers waits on (prefill is host-bound). The two functions below are what it calls
-    for inference (fla 0.6, pinned < 0.7 in pyproject.toml).
+    dispatch decorators: ~1.5 ms of host time per call, 45 ms over the 30 GDN layers of a
+    prefill step, which the host must spend ahead of the GPU. The two functions below are
+    what it calls for inference (fla 0.6, pinned < 0.7 in pyproject.toml).
     """
     try:
         from fla.modules.norm.l2norm import l2norm_fwd
