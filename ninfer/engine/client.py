@@ -81,6 +81,11 @@ class EngineClient:
     def capacity(self) -> int:
         return self.config.max_concurrency + self.config.max_pending_requests
 
+    @property
+    def num_outstanding(self) -> int:
+        """Requests holding a place, from preparation until their response is released."""
+        return self._outstanding
+
     def reserve(self) -> Ticket:
         with self._lock:
             if self._outstanding >= self.capacity:

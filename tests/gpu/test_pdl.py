@@ -23,6 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="the PDL helpers are Triton code")
+
 from ninfer.kernels.activation import sigmoid_mul, silu_and_mul
 from ninfer.kernels.attention_prep import prepare_qkv
 from ninfer.kernels.causal_conv1d import causal_conv1d_update

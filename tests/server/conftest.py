@@ -8,10 +8,13 @@ given token sequence so reasoning and tool-call decoding can be checked end to e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 import torch
 import uvicorn
@@ -171,3 +174,39 @@ def scripted_server(artifact: str, text: str, **overrides) -> RunningServer:
         return EngineCore(model, tokenizer, config.engine)
 
     return start_server(config, build)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def lane_held(server: RunningServer, path: str, body: dict, headers: dict | None = None) -> Iterator[None]:
+    """Occupy one lane with a long streaming request until the block ends, then drop it.
+
+    The request is cancelled by closing its connection, so the lane stays held however
+    fast the model decodes, and nothing the test does depends on timing.
+    """
+    release = threading.Event()
+    started = threading.Event()
+
+    def run() -> None:
+        with httpx.stream("POST", server.base_url + path, json=body, headers=headers, timeout=120) as resp:
+            lines = resp.iter_lines()
+            next(lines)  # the stream is open: the request was admitted
+            started.set()
+            release.wait(120)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_until(lambda: started.is_set() and server.core.pool_accounting()["running"] > 0, what="the lane holder")
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join(60)
+        wait_until(lambda: server.core.pool_accounting()["running"] == 0, what="the holder's cancellation")

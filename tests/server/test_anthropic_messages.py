@@ -15,7 +15,7 @@ import pytest
 from ninfer.server import generation as generation_module
 from ninfer.server.anthropic_messages_request import MessagesContext, parse_messages_request
 from ninfer.server.errors import APIError
-from tests.server.conftest import RunningServer, scripted_server, serve_config, start_server
+from tests.server.conftest import RunningServer, lane_held, scripted_server, serve_config, start_server, wait_until
 
 MODEL = "claude-sonnet-local"  # any non-empty label; echoed back
 QUESTION = [{"role": "user", "content": "Say something about prefix caching."}]
@@ -560,22 +560,6 @@ def test_client_disconnect_cancels_the_stream(qwen_server):
     assert qwen_server.core.pool_accounting()["running"] == 0
 
 
-def _hold_lane(server: RunningServer) -> threading.Thread:
-    """Occupy the single lane with a long streaming request in the background."""
-
-    def run() -> None:
-        body = {"model": MODEL, "max_tokens": 400, "stream": True, "messages": QUESTION, "temperature": 1.0}
-        with httpx.stream("POST", server.base_url + "/v1/messages", json=body, timeout=120) as resp:
-            sse_events(resp)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    deadline = time.time() + 30
-    while server.core.pool_accounting()["running"] == 0 and time.time() < deadline:
-        time.sleep(0.02)
-    return thread
-
-
 @pytest.fixture(scope="module")
 def guarded(tiny_qwen) -> Iterator[RunningServer]:
     """One lane, one waiting place, a short admission deadline, and an API key."""
@@ -584,8 +568,8 @@ def guarded(tiny_qwen) -> Iterator[RunningServer]:
             tiny_qwen,
             max_concurrency=1,
             max_pending_requests=1,
-            pending_timeout_ms=300,
-            default_max_tokens=400,
+            pending_timeout_ms=3000,
+            max_context=8192,
             api_key="sekret",
         )
     )
@@ -606,47 +590,30 @@ def test_x_api_key_authentication(guarded):
     assert err.value.body["request_id"] == err.value.request_id
 
 
-def _hold_lane(server: RunningServer) -> threading.Thread:
-    """Occupy the single lane with a long streaming request in the background."""
-
-    def run() -> None:
-        body = {"model": MODEL, "max_tokens": 400, "stream": True, "messages": QUESTION, "temperature": 1.0}
-        with httpx.stream(
-            "POST", server.base_url + "/v1/messages", json=body, headers={"x-api-key": "sekret"}, timeout=120
-        ) as resp:
-            sse_events(resp)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    deadline = time.time() + 30
-    while server.core.pool_accounting()["running"] == 0 and time.time() < deadline:
-        time.sleep(0.02)
-    return thread
-
-
 def test_overload_is_529_and_queue_timeout_is_504(guarded):
-    holder = _hold_lane(guarded)
     client = anthropic.Anthropic(base_url=guarded.base_url, api_key="sekret", max_retries=0)
-    waited: dict = {}
+    engine = guarded.serving.engine
+    holder = {"model": MODEL, "max_tokens": 5000, "stream": True, "messages": QUESTION}
+    with lane_held(guarded, "/v1/messages", holder, headers={"x-api-key": "sekret"}):
+        waited: dict = {}
 
-    def wait_in_queue() -> None:
-        try:
+        def wait_in_queue() -> None:
+            try:
+                client.messages.create(model=MODEL, max_tokens=2, messages=QUESTION)
+            except anthropic.APIStatusError as exc:
+                waited["error"] = exc
+
+        waiter = threading.Thread(target=wait_in_queue)
+        waiter.start()
+        wait_until(lambda: engine.num_outstanding == engine.capacity, what="the waiter's place")
+        with pytest.raises(anthropic.OverloadedError) as over:
             client.messages.create(model=MODEL, max_tokens=2, messages=QUESTION)
-        except anthropic.APIStatusError as exc:
-            waited["error"] = exc
-
-    waiter = threading.Thread(target=wait_in_queue)
-    waiter.start()
-    time.sleep(0.1)
-    with pytest.raises(anthropic.OverloadedError) as over:
-        client.messages.create(model=MODEL, max_tokens=2, messages=QUESTION)
-    assert over.value.status_code == 529 and over.value.body["error"]["type"] == "overloaded_error"
-    assert over.value.body["request_id"] == over.value.request_id
-    waiter.join(60)
-    timeout = waited["error"]
-    assert isinstance(timeout, anthropic.GatewayTimeoutError) and timeout.status_code == 504
-    assert timeout.body["error"]["type"] == "timeout_error"
-    holder.join(120)
+        assert over.value.status_code == 529 and over.value.body["error"]["type"] == "overloaded_error"
+        assert over.value.body["request_id"] == over.value.request_id
+        waiter.join(60)
+        timeout = waited["error"]
+        assert isinstance(timeout, anthropic.GatewayTimeoutError) and timeout.status_code == 504
+        assert timeout.body["error"]["type"] == "timeout_error"
 
 
 def test_enabled_thinking_budget_reaches_the_engine(tiny_qwen):

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import scripted_server, serve_config, start_server
+from tests.server.conftest import lane_held, scripted_server, serve_config, start_server, wait_until
 
 QUESTION = [{"role": "user", "content": "Say something about prefix caching."}]
 
@@ -184,46 +184,28 @@ def test_auth_cors_and_body_limit(tiny_qwen):
         server.stop()
 
 
-def _hold_lane(server, max_tokens: int = 400) -> tuple[threading.Thread, dict]:
-    """Occupy the single lane with a long streaming request in the background."""
-    state: dict = {}
-
-    def run():
-        body = {"messages": QUESTION, "max_tokens": max_tokens, "stream": True, "temperature": 1.0,
-                "extra_body": None}
-        body.pop("extra_body")
-        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as resp:
-            state["status"] = resp.status_code
-            state["frames"] = sse_frames(resp)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    deadline = time.time() + 30
-    while server.core.pool_accounting()["running"] == 0 and time.time() < deadline:
-        time.sleep(0.02)
-    return thread, state
-
-
 def test_overload_and_queue_timeout(tiny_qwen):
+    # The waiter's deadline only has to outlast the 429 check below, which starts once it waits.
     server = start_server(serve_config(tiny_qwen, max_concurrency=1, max_pending_requests=1,
-                                       pending_timeout_ms=300, default_max_tokens=400))
+                                       pending_timeout_ms=3000, max_context=8192))
+    engine = server.serving.engine
+    holder = {"messages": QUESTION, "max_tokens": 5000, "stream": True}
     try:
-        thread, _ = _hold_lane(server)
-        waiting = {}
+        with lane_held(server, "/v1/chat/completions", holder):
+            waiting = {}
 
-        def wait_in_queue():
-            waiting["resp"] = httpx.post(server.base_url + "/v1/chat/completions",
-                                         json={"messages": QUESTION, "max_tokens": 2}, timeout=60)
+            def wait_in_queue():
+                waiting["resp"] = httpx.post(server.base_url + "/v1/chat/completions",
+                                             json={"messages": QUESTION, "max_tokens": 2}, timeout=60)
 
-        waiter = threading.Thread(target=wait_in_queue)
-        waiter.start()
-        time.sleep(0.1)
-        over = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2})
-        assert over.status_code == 429 and over.json()["error"]["code"] == "server_overloaded"
-        waiter.join(60)
-        assert waiting["resp"].status_code == 503
-        assert waiting["resp"].json()["error"]["code"] == "request_queue_timeout"
-        thread.join(120)
+            waiter = threading.Thread(target=wait_in_queue)
+            waiter.start()
+            wait_until(lambda: engine.num_outstanding == engine.capacity, what="the waiter's place")
+            over = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2})
+            assert over.status_code == 429 and over.json()["error"]["code"] == "server_overloaded"
+            waiter.join(60)
+            assert waiting["resp"].status_code == 503
+            assert waiting["resp"].json()["error"]["code"] == "request_queue_timeout"
     finally:
         server.stop()
 
