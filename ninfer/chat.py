@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ninfer.config import EngineConfig, ServeConfig
-from ninfer.engine.sampling_defaults import SamplingOverrides
+from ninfer.contract.sampling import SamplingOverrides
 from ninfer.frontend.conversation import Conversation, Message, TextPart
 from ninfer.frontend.output_decoder import ContentDelta, ReasoningDelta
 from ninfer.log import setup_logging

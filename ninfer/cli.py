@@ -11,7 +11,7 @@ import asyncio
 import sys
 
 from ninfer.config import ConfigValueError, EngineConfig, ServeConfig
-from ninfer.engine.sampling_defaults import SamplingOverrides
+from ninfer.contract.sampling import SamplingOverrides
 from ninfer.log import LEVELS
 
 

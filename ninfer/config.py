@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ninfer.engine.sampling_defaults import SamplingOverrides
+from ninfer.contract.sampling import SamplingOverrides
 
 
 class ConfigValueError(ValueError):

@@ -41,7 +41,7 @@ from ninfer.bench.roofline import (
     prefill_roofline_tokens_per_s,
 )
 from ninfer.bench.shapes import shape_config
-from ninfer.engine.request import SamplingParams
+from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import PENDING_TOKEN, ScheduledChunk, SchedulerStep, StepKind
 from ninfer.models.loader import build_model

@@ -12,11 +12,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.state_pool import StatePool
-
-ROOT = "root"
-PRIVATE_ENDPOINT = "private_endpoint"
 
 
 @dataclass
@@ -25,7 +23,7 @@ class Checkpoint:
     token_ids: list[int]  # identity: the exact tokens [0, F)
     pages: list[int]  # KV pages covering [0, F), one reference held by this checkpoint
     state_slot: int
-    path: str
+    path: ReusePath
     session_key: str | None
     last_used: int = 0
 
@@ -104,7 +102,7 @@ class ContextCache:
         return None
 
     def insert(
-        self, token_ids: list[int], pages: list[int], state_slot: int, path: str, session_key: str | None
+        self, token_ids: list[int], pages: list[int], state_slot: int, path: ReusePath, session_key: str | None
     ) -> Checkpoint:
         """Register a checkpoint; it takes over one reference to each page and the slot."""
         ck = Checkpoint(next(self._ids), list(token_ids), list(pages), state_slot, path, session_key)

@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable
 
 from ninfer.config import EngineConfig
+from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason
+from ninfer.contract.request import EngineRequest
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.pending_step import PendingStep
-from ninfer.engine.request import EngineError, EngineOutput, EngineRequest, ErrorCode, FinishReason
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Scheduler, SchedulerLimits
 from ninfer.engine.state_pool import StatePool

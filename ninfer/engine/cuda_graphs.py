@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ninfer.engine.request import TOP_K_CAP
+from ninfer.contract.sampling import TOP_K_CAP
 from ninfer.engine.sampler import Sampler, SamplingBatch
 from ninfer.engine.scheduler import ScheduledChunk
 from ninfer.kernels.backend import fast_impl

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ninfer.contract.messages import Abort, AddRequest, Failed, FromEngine, Outputs, Shutdown, ToEngine
 from ninfer.engine.core import EngineCore
-from ninfer.engine.messages import Abort, AddRequest, Failed, FromEngine, Outputs, Shutdown, ToEngine
 
 log = logging.getLogger("ninfer.engine")
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ninfer.engine.request import TOP_K_CAP, SamplingParams
+from ninfer.contract.sampling import TOP_K_CAP, SamplingParams
 
 # Domain tag so the sampler's noise stream never coincides with another use of the seed.
 _NOISE_DOMAIN = b"ninfer.sampler.v1"

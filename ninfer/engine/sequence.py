@@ -10,7 +10,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ninfer.engine.request import EngineRequest, PromptProgress, SamplingParams, Timings
+from ninfer.contract.output import PromptProgress, Timings
+from ninfer.contract.request import EngineRequest
+from ninfer.contract.reuse_path import ReusePath
+from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.stop_checker import StopChecker
 
 
@@ -31,7 +34,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    reuse_path: str = "root"
+    reuse_path: ReusePath = ReusePath.ROOT
     pages: list[int] = field(default_factory=list)
     state_slot: int | None = None
     capture_frontiers: list[tuple[int, str]] = field(default_factory=list)  # ascending, still to capture

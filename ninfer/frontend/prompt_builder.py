@@ -13,14 +13,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ninfer.engine.request import CaptureHint
+from ninfer.contract.request import CaptureHint
+from ninfer.contract.reuse_path import ReusePath
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.conversation import Conversation, MediaPart, Message, TextPart
 from ninfer.frontend.template import ChatTemplate, TemplateError
 from ninfer.frontend.tokenizer import Tokenizer
 
-TURN_CLOSURE = "private_turn_closure"
-SHARED_PREFIX = "shared_stable_prefix"
 # Private-use characters: a marker no template or tokenizer treats specially.
 _SENTINEL = "\ue000NINFER-CACHE-BREAKPOINT\ue001"
 
@@ -64,11 +63,11 @@ class PromptBuilder:
         hints: list[CaptureHint] = []
         if with_capture_hints:
             for frontier in self._breakpoint_frontiers(conversation, kwargs, text, token_ids):
-                hints.append(CaptureHint(frontier, SHARED_PREFIX))
+                hints.append(CaptureHint(frontier, ReusePath.SHARED_STABLE_PREFIX))
         if with_capture_hints and not conversation.continue_final_message:
             frontier = self._turn_closure_frontier(conversation, kwargs, token_ids)
             if frontier is not None and all(h.frontier != frontier for h in hints):
-                hints.append(CaptureHint(frontier, TURN_CLOSURE))
+                hints.append(CaptureHint(frontier, ReusePath.PRIVATE_TURN_CLOSURE))
         return PreparedPrompt(
             token_ids=token_ids,
             thinking=thinking,

@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ninfer.engine.client import Overloaded, Ticket
-from ninfer.engine.request import FinishReason
+from ninfer.contract.output import FinishReason
 from ninfer.frontend.prompt_builder import PreparedPrompt, PromptBuilder, PromptError
 from ninfer.server.anthropic_messages_request import MessagesContext, MessagesRequest, parse_messages_request
 from ninfer.server.anthropic_messages_stream import BlockAssembler, SseEvent
 from ninfer.server.app import read_json, request_id_of
+from ninfer.server.engine_client import Overloaded, Ticket
 from ninfer.server.errors import APIError
 from ninfer.server.generation import FinishEvent, Generation, GenerationOptions, ProgressEvent, race_disconnect
 from ninfer.server.middleware import anthropic_error_type

@@ -19,8 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ninfer.engine.request import TOP_K_CAP
-from ninfer.engine.sampling_defaults import SamplingOverrides
+from ninfer.contract.sampling import TOP_K_CAP, SamplingOverrides
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.conversation import Conversation, Message, TextPart, Tool, ToolCall
 from ninfer.server.errors import APIError, invalid

@@ -13,20 +13,14 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ninfer.engine.client import EngineUnavailable, Ticket
-from ninfer.engine.context_cache import PRIVATE_ENDPOINT
-from ninfer.engine.request import (
-    CaptureHint,
-    EngineOutput,
-    EngineRequest,
-    ErrorCode,
-    FinishReason,
-    PromptProgress,
-)
-from ninfer.engine.sampling_defaults import SamplingOverrides
+from ninfer.contract.output import EngineOutput, ErrorCode, FinishReason, PromptProgress
+from ninfer.contract.request import CaptureHint, EngineRequest
+from ninfer.contract.reuse_path import ReusePath
+from ninfer.contract.sampling import SamplingOverrides
 from ninfer.frontend.output_decoder import OutputDecoder
 from ninfer.frontend.prompt_builder import PreparedPrompt
 from ninfer.frontend.tool_call_parser import FallbackReason
+from ninfer.server.engine_client import EngineUnavailable, Ticket
 from ninfer.server.errors import APIError
 from ninfer.server.serving import Serving
 from ninfer.server.timings import Timings, compute_timings
@@ -43,7 +37,7 @@ class GenerationOptions:
     thinking_budget: int | None = None  # request-specific cap (Anthropic); None: the process default
     extra_capture_hints: list[CaptureHint] = field(default_factory=list)
     session_key: str | None = None
-    endpoint_path: str = PRIVATE_ENDPOINT  # reuse label of checkpoints this request leaves behind
+    endpoint_path: ReusePath = ReusePath.PRIVATE_ENDPOINT  # label of the checkpoints this request leaves
 
 
 @dataclass
@@ -127,7 +121,7 @@ class Generation:
         self.prompt_tokens = len(prepared.token_ids)
         self.cached_tokens = 0
         self.completion_tokens = 0
-        self.reuse_path = "root"
+        self.reuse_path = ReusePath.ROOT
         self.last: EngineOutput | None = None
         self._stream: AsyncIterator[EngineOutput] | None = None
         self._first: EngineOutput | None = None

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ninfer.engine.client import Overloaded
-from ninfer.engine.request import FinishReason
+from ninfer.contract.output import FinishReason
 from ninfer.frontend.output_decoder import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
 from ninfer.frontend.prompt_builder import PromptError
 from ninfer.server.app import read_json, request_id_of
+from ninfer.server.engine_client import Overloaded
 from ninfer.server.errors import APIError
 from ninfer.server.generation import FinishEvent, Generation, GenerationOptions, ProgressEvent, race_disconnect
 from ninfer.server.openai_chat_request import ChatContext, ChatRequest, parse_chat_request

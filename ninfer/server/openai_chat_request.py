@@ -16,8 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ninfer.engine.request import TOP_K_CAP
-from ninfer.engine.sampling_defaults import SamplingOverrides
+from ninfer.contract.sampling import TOP_K_CAP, SamplingOverrides
 from ninfer.frontend.capabilities import EFFORT_TIERS, TemplateCapabilities
 from ninfer.frontend.conversation import Conversation, MediaPart, Message, Part, TextPart, Tool, ToolCall
 from ninfer.server.errors import APIError, invalid

@@ -15,11 +15,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ninfer.engine.client import Overloaded
-from ninfer.engine.request import FinishReason
+from ninfer.contract.output import FinishReason
+from ninfer.contract.reuse_path import ReusePath
 from ninfer.frontend.conversation import Conversation
 from ninfer.frontend.prompt_builder import PreparedPrompt, PromptError
 from ninfer.server.app import read_json, request_id_of
+from ninfer.server.engine_client import Overloaded
 from ninfer.server.errors import APIError, invalid, unsupported
 from ninfer.server.generation import (
     FinishEvent,
@@ -46,7 +47,6 @@ from ninfer.server.response_store import (
 from ninfer.server.serving import Serving
 from ninfer.server.sse import event_frame, with_keepalive
 
-REPLAY_PATH = "private_response_replay"
 # Engine error params name Chat Completions fields; Responses names them differently.
 _PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens"}
 MAX_LIST_LIMIT, DEFAULT_LIST_LIMIT = 100, 20
@@ -78,7 +78,7 @@ async def create(request: Request, serving: Serving) -> Response:
             sampling=parsed.sampling,
             tools=parsed.callable_tools or None,
             session_key=session_key,
-            endpoint_path=REPLAY_PATH if session_key else "private_endpoint",
+            endpoint_path=ReusePath.PRIVATE_RESPONSE_REPLAY if session_key else ReusePath.PRIVATE_ENDPOINT,
         )
         generation = Generation(serving, request_id_of(request), prepared, options, ticket)
         await race_disconnect(request.receive, _start(generation))

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from ninfer.engine.sampling_defaults import SamplingOverrides
+from ninfer.contract.sampling import SamplingOverrides
 from ninfer.frontend.capabilities import EFFORT_TIERS, TemplateCapabilities
 from ninfer.frontend.conversation import (
     Conversation,

@@ -15,9 +15,9 @@ from ninfer.artifact import open_artifact
 from ninfer.artifact.default_model import default_model_path
 from ninfer.config import ServeConfig
 from ninfer.engine.builder import EngineSpec, build_engine_core
-from ninfer.engine.client import EngineClient, InProcessEngineClient, ProcessEngineClient
 from ninfer.log import setup_logging
 from ninfer.server.app import create_app
+from ninfer.server.engine_client import EngineClient, InProcessEngineClient, ProcessEngineClient
 from ninfer.server.serving import Serving
 
 log = logging.getLogger("ninfer.server")

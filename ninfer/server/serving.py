@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 from ninfer.artifact import Artifact
 from ninfer.config import ServeConfig
-from ninfer.engine.client import EngineClient
-from ninfer.engine.request import ThinkingBudget
-from ninfer.engine.sampling_defaults import SamplingDefaults, SamplingOverrides
+from ninfer.contract.request import ThinkingBudget
+from ninfer.contract.sampling import SamplingOverrides
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.prompt_builder import PromptBuilder
+from ninfer.frontend.sampling_defaults import SamplingDefaults
 from ninfer.frontend.template import ChatTemplate
+from ninfer.server.engine_client import EngineClient
 from ninfer.server.response_store import ResponseStore
 
 log = logging.getLogger("ninfer.server")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ninfer.engine.request import Timings as EngineStamps
+from ninfer.contract.output import Timings as EngineStamps
 
 
 @dataclass

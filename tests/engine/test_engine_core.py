@@ -8,9 +8,11 @@ import logging
 import pytest
 
 from ninfer.config import EngineConfig
-from ninfer.engine.client import EngineUnavailable, InProcessEngineClient
+from ninfer.contract.output import ErrorCode, FinishReason
+from ninfer.contract.request import EngineRequest
+from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
-from ninfer.engine.request import EngineRequest, ErrorCode, FinishReason, SamplingParams
+from ninfer.server.engine_client import EngineUnavailable, InProcessEngineClient
 from tests.engine.test_engine_generation import PROMPTS, _models
 from tests.unit.conftest import make_byte_tokenizer
 

@@ -15,9 +15,11 @@ import torch
 import transformers as tf
 
 from ninfer.config import EngineConfig
-from ninfer.engine.client import InProcessEngineClient
+from ninfer.contract.output import FinishReason
+from ninfer.contract.request import EngineRequest
+from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
-from ninfer.engine.request import EngineRequest, FinishReason, SamplingParams
+from ninfer.server.engine_client import InProcessEngineClient
 from tests.models.helpers import load_ours, normal_init, randomize_, save_hf, uniform_init
 from tests.unit.conftest import make_byte_tokenizer
 
@@ -208,7 +210,7 @@ def test_client_transports_stream_and_cancel(transport, tmp_root):
     config = EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=256)
     if transport == "process":
         pytest.importorskip("zmq")
-        from ninfer.engine.client import ProcessEngineClient
+        from ninfer.server.engine_client import ProcessEngineClient
 
         client = ProcessEngineClient(config, functools.partial(_build_llama_core, tmp_root))
     else:

@@ -6,9 +6,10 @@ import pytest
 
 from ninfer.assets import chat_template_source
 from ninfer.assets.qwen_tokenizer import build_qwen3_5_tokenizer, qwen3_5_tokenizer_config
+from ninfer.contract.reuse_path import ReusePath
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.conversation import Conversation, Message, TextPart, Tool, ToolCall
-from ninfer.frontend.prompt_builder import SHARED_PREFIX, TURN_CLOSURE, PromptBuilder
+from ninfer.frontend.prompt_builder import PromptBuilder
 from ninfer.frontend.template import ChatTemplate
 from ninfer.frontend.tokenizer import Tokenizer
 
@@ -68,7 +69,7 @@ def test_mid_conversation_system_keeps_its_position(tokenizer):
            "<|im_start|>user\nsecond<|im_end|>" in text
     # the first request's turn-closure checkpoint stays a token prefix of the longer conversation
     earlier = b.build(Conversation([user("first")]))
-    (closure,) = [h.frontier for h in earlier.capture_hints if h.path == TURN_CLOSURE]
+    (closure,) = [h.frontier for h in earlier.capture_hints if h.path is ReusePath.PRIVATE_TURN_CLOSURE]
     assert b.build(conv).token_ids[:closure] == earlier.token_ids[:closure]
 
 
@@ -82,7 +83,7 @@ def test_turn_closure_frontier_is_an_exact_prefix(tokenizer):
     ]
     tools = [Tool("calc", "evaluate", {"type": "object", "properties": {"expr": {"type": "string"}}})]
     prepared = b.build(Conversation(history, tools=tools))
-    (hint,) = [h for h in prepared.capture_hints if h.path == TURN_CLOSURE]
+    (hint,) = [h for h in prepared.capture_hints if h.path is ReusePath.PRIVATE_TURN_CLOSURE]
     prefix = b.template.render(
         [{"role": "user", "content": "What is 2+2?"}],
         tools=[{"type": "function", "function": {"name": "calc", "description": "evaluate",
@@ -92,7 +93,7 @@ def test_turn_closure_frontier_is_an_exact_prefix(tokenizer):
     assert hint.frontier == len(tokenizer.encode(prefix))  # before the open turn's first assistant opener
     assert prepared.token_ids[: hint.frontier] == tokenizer.encode(prefix)
     preserved = b.build(Conversation(history, tools=tools, preserve_thinking=True))
-    (hint2,) = [h for h in preserved.capture_hints if h.path == TURN_CLOSURE]
+    (hint2,) = [h for h in preserved.capture_hints if h.path is ReusePath.PRIVATE_TURN_CLOSURE]
     assert hint2.frontier > hint.frontier  # just before the generation prologue instead
 
 
@@ -101,7 +102,7 @@ def test_cache_breakpoints_map_to_exact_frontiers(tokenizer):
     system = Message("system", [TextPart("You are a careful assistant.", cache_breakpoint=True)])
     conv = Conversation([system, user("Hello there", cache_breakpoint=True)])
     prepared = b.build(conv)
-    shared = [h.frontier for h in prepared.capture_hints if h.path == SHARED_PREFIX]
+    shared = [h.frontier for h in prepared.capture_hints if h.path is ReusePath.SHARED_STABLE_PREFIX]
     assert len(shared) == 2
     text = tokenizer.decode(prepared.token_ids)
     first = tokenizer.decode(prepared.token_ids[: shared[0]])
@@ -109,11 +110,11 @@ def test_cache_breakpoints_map_to_exact_frontiers(tokenizer):
     second = tokenizer.decode(prepared.token_ids[: shared[1]])
     assert second.endswith("Hello there")
     implicit = b.build(Conversation([user("Hello there")], implicit_cache_breakpoint=True))
-    assert [h.frontier for h in implicit.capture_hints if h.path == SHARED_PREFIX] == [shared[1] - len(
+    assert [h.frontier for h in implicit.capture_hints if h.path is ReusePath.SHARED_STABLE_PREFIX] == [shared[1] - len(
         tokenizer.encode("<|im_start|>system\nYou are a careful assistant.<|im_end|>\n"))]
     # a boundary the tokenizer merges across (a trailing space before the next word) is not representable
     split = Message("system", [TextPart("Be careful. ", cache_breakpoint=True), TextPart("Today is Monday.")])
-    assert not [h for h in b.build(Conversation([split, user("x")])).capture_hints if h.path == SHARED_PREFIX]
+    assert not [h for h in b.build(Conversation([split, user("x")])).capture_hints if h.path is ReusePath.SHARED_STABLE_PREFIX]
 
 
 def test_assistant_prefill_continues_the_message(tokenizer):

@@ -21,9 +21,10 @@ import transformers as tf
 
 from ninfer.cli import add_serve_options, serve_config
 from ninfer.config import EngineConfig
+from ninfer.contract.request import EngineRequest, ThinkingBudget
+from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
 from ninfer.engine.cuda_graphs import DecodeGraphs
-from ninfer.engine.request import EngineRequest, SamplingParams, ThinkingBudget
 from ninfer.kernels.paged_attention import ref as paged_ref
 from ninfer.models.config import ModelConfig
 from ninfer.models.loader import load_model

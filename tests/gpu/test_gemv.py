@@ -144,8 +144,8 @@ def test_silu_and_mul_epilogue_equals_the_two_launches(
     """gemv_silu_and_mul's default launch (gate and up rows paired in each FMA program; tensor-core
     and split-K launches run the two kernels) vs the plain GEMV with that launch then
     silu_and_mul: the same bits; and the reference's values."""
-    from ninfer.kernels.activation import silu_and_mul
     from ninfer.kernels.activation import ref as activation_ref
+    from ninfer.kernels.activation import silu_and_mul
 
     fallbacks = []
     monkeypatch.setattr(fast, "silu_and_mul", lambda t: fallbacks.append(t.shape) or silu_and_mul(t))

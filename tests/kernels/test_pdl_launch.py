@@ -14,7 +14,6 @@ The GPU side (a CUDA graph of the whole chain vs eager) is tests/gpu/test_pdl.py
 from __future__ import annotations
 
 import importlib
-import os
 import re
 import sys
 

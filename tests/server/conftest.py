@@ -20,12 +20,12 @@ import torch
 import uvicorn
 
 from ninfer.config import EngineConfig, ServeConfig
-from ninfer.engine.client import InProcessEngineClient
 from ninfer.engine.core import EngineCore
 from ninfer.models.causal_lm import CacheSpec, CausalLM
 from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
 from ninfer.server.app import create_app
+from ninfer.server.engine_client import InProcessEngineClient
 from ninfer.server.server import build_serving, listen_socket
 from ninfer.server.serving import Serving
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5

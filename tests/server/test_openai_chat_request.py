@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ninfer.engine.sampling_defaults import SamplingOverrides
+from ninfer.contract.sampling import SamplingOverrides
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.conversation import MediaPart, TextPart, ToolCall
 from ninfer.server.errors import APIError

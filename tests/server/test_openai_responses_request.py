@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from ninfer.frontend.prompt_builder import SHARED_PREFIX
+from ninfer.contract.reuse_path import ReusePath
 from ninfer.server.openai_responses_request import (
     ResponsesContext,
     build_conversation,
@@ -313,7 +313,7 @@ def marked(text: str) -> dict:
 
 
 def shared_frontiers(prepared) -> list[int]:
-    return [hint.frontier for hint in prepared.capture_hints if hint.path == SHARED_PREFIX]
+    return [hint.frontier for hint in prepared.capture_hints if hint.path is ReusePath.SHARED_STABLE_PREFIX]
 
 
 def test_at_most_four_cache_writes(server):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from msgspec.structs import replace
 
-from ninfer.engine.request import TOP_K_CAP, SamplingParams
+from ninfer.contract.sampling import TOP_K_CAP, SamplingParams
 from ninfer.engine.sampler import Sampler, SamplingBatch, exponential_noise, fresh_seed
 
 SAMPLER = Sampler()

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from ninfer.engine.request import SamplingParams
-from ninfer.engine.sampling_defaults import SamplingDefaults, SamplingOverrides
+from ninfer.contract.sampling import SamplingOverrides, SamplingParams
+from ninfer.frontend.sampling_defaults import SamplingDefaults
 from ninfer.models.config import ModelConfig
 
 THINKING_27B = SamplingParams(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=0.0)

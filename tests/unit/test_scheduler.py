@@ -18,17 +18,11 @@ import hashlib
 
 import pytest
 
+from ninfer.contract.output import EngineOutput, ErrorCode, FinishReason
+from ninfer.contract.request import CaptureHint, EngineRequest, ThinkingBudget
+from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.kv_pool import KVPool
-from ninfer.engine.request import (
-    CaptureHint,
-    EngineOutput,
-    EngineRequest,
-    ErrorCode,
-    FinishReason,
-    SamplingParams,
-    ThinkingBudget,
-)
 from ninfer.engine.scheduler import (
     PENDING_TOKEN,
     CopyPage,

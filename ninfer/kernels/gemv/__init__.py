@@ -10,7 +10,6 @@ from ninfer.kernels.gemv import ref
 from ninfer.kernels.gemv.ref import MAX_ROWS
 
 
-
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,

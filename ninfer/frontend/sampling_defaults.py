@@ -13,7 +13,6 @@ the model id is user-chosen and the Qwen3.5/3.6/3.8 generations share one shape.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from ninfer.engine.request import TOP_K_CAP, SamplingParams
+from ninfer.contract.sampling import TOP_K_CAP, SamplingOverrides, SamplingParams
 from ninfer.models.config import ModelConfig
 
 NEUTRAL = SamplingParams()  # temperature 1, top_p 1, top_k 0 (the cap), min_p 0, no penalties
@@ -29,23 +28,6 @@ NEUTRAL = SamplingParams()  # temperature 1, top_p 1, top_k 0 (the cap), min_p 0
 # Generation-defaults keys a generic preset reads; repetition_penalty is deliberately not one
 # (the engine has no multiplicative penalty, and the API accepts only its neutral value).
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
-
-
-@dataclass(frozen=True)
-class SamplingOverrides:
-    """One layer of optional overrides: process flags or request fields (None: not given)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-
-    def apply(self, params: SamplingParams) -> SamplingParams:
-        given = {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
-        return msgspec.structs.replace(params, **given) if given else params
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ninfer.config import EngineConfig
-from ninfer.engine.messages import (
+from ninfer.contract.messages import (
     Abort,
     AddRequest,
     Failed,
@@ -36,7 +36,8 @@ from ninfer.engine.messages import (
     decode_to_engine,
     encode,
 )
-from ninfer.engine.request import EngineError, EngineOutput, EngineRequest, ErrorCode, FinishReason
+from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason
+from ninfer.contract.request import EngineRequest
 
 log = logging.getLogger("ninfer.engine")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from ninfer.engine.request import EngineOutput, EngineRequest
+from ninfer.contract.output import EngineOutput
+from ninfer.contract.request import EngineRequest
 
 
 class AddRequest(msgspec.Struct, tag=True):

@@ -1,0 +1,71 @@
+"""EngineOutput: one step's delta for one request, and the errors and stamps it carries."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from ninfer.contract.reuse_path import ReusePath
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # stop token or stop string
+    LENGTH = "length"  # output limit or context ceiling
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class ErrorCode(str, enum.Enum):
+    OVERLOADED = "server_overloaded"
+    QUEUE_TIMEOUT = "request_queue_timeout"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    THINKING_BUDGET_CAPACITY = "thinking_budget_capacity_insufficient"
+    INVALID_REQUEST = "invalid_request"
+    ENGINE_FAILURE = "engine_failure"
+
+
+class EngineError(msgspec.Struct, frozen=True):
+    code: ErrorCode
+    message: str
+    prompt_tokens: int | None = None  # for context_length_exceeded
+    max_context: int | None = None
+
+
+class PromptProgress(msgspec.Struct, frozen=True):
+    total: int
+    cache: int
+    processed: int
+    time_ms: float  # since admission committed the reuse choice
+
+
+class Timings(msgspec.Struct):
+    """time.monotonic() stamps (one clock on Linux across processes)."""
+
+    arrived: float = 0.0
+    admitted: float | None = None  # admission committed the reuse choice
+    prompt_done: float | None = None  # the last prompt token was computed
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class EngineOutput(msgspec.Struct):
+    """One step's delta for one request; the last one has finish_reason set."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    text: str = ""  # detokenized, UTF-8-complete, stop-safe text of the committed tokens so far unseen
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or the matched stop string
+    forced_token_count: int = 0  # tokens in new_token_ids committed without sampling (thinking close)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    reuse_path: ReusePath = ReusePath.ROOT
+    progress: PromptProgress | None = None
+    timings: Timings | None = None
+    error: EngineError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,28 @@
+"""The scheduler: admission, checkpoints, step planning and commit (pure CPU logic)."""
+
+from ninfer.engine.scheduler.admission import SchedulerLimits
+from ninfer.engine.scheduler.scheduler import Scheduler, SchedulerStats
+from ninfer.engine.scheduler.step import (
+    PENDING_TOKEN,
+    CopyPage,
+    CopySlot,
+    ResetSlot,
+    ScheduledChunk,
+    SchedulerStep,
+    SlotAction,
+    StepKind,
+)
+
+__all__ = [
+    "PENDING_TOKEN",
+    "CopyPage",
+    "CopySlot",
+    "ResetSlot",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerLimits",
+    "SchedulerStats",
+    "SchedulerStep",
+    "SlotAction",
+    "StepKind",
+]

@@ -1,0 +1,241 @@
+"""Admission: requests in, validated into Sequences, admitted FIFO with a legal resource plan.
+
+A request reserves its full prompt plus effective-output pages and one state slot until it
+completes; nothing admitted is preempted. The head of the queue is admitted with the best
+legal plan (resume from a cache hit by copying its state, adopt the hit itself, or start
+from root), evicting least-recently-used checkpoints when that makes room; later requests
+wait behind it. A waiting request past its deadline ends with request_queue_timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from ninfer.contract.output import EngineOutput, ErrorCode, PromptProgress, Timings
+from ninfer.contract.request import EngineRequest
+from ninfer.contract.reuse_path import ReusePath
+from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
+from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.sampler import fresh_seed
+from ninfer.engine.scheduler.outputs import error_output
+from ninfer.engine.scheduler.step import CopyPage, CopySlot, ResetSlot, SlotAction
+from ninfer.engine.sequence import Sequence, SequenceStatus
+from ninfer.engine.state_pool import StatePool
+from ninfer.engine.stop_checker import StopChecker
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_concurrency: int
+    max_context: int
+    prefill_chunk: int
+    prefix_reuse: bool = True
+
+
+@dataclass(frozen=True)
+class AdmissionPlan:
+    hit: CacheHit | None
+    adopt: bool  # take over the checkpoint's slot and pages instead of copying its state
+    num_full_pages: int  # fully reused pages, shared (or, when adopting, taken over)
+    own_partial: bool  # the adopted checkpoint's partial last page is written in place
+    cow_src: int | None  # partial page to copy into the first private page
+    num_private_pages: int
+    evict: list[Checkpoint]
+
+
+class Admission:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        kv_pool: KVPool,
+        state_pool: StatePool,
+        cache: ContextCache,
+        make_stop_checker: Callable[[EngineRequest], StopChecker],
+        clock: Callable[[], float],
+        actions: list[SlotAction],
+    ):
+        """actions: the scheduler's list of slot actions to run before the next forward."""
+        self.limits = limits
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.cache = cache
+        self.make_stop_checker = make_stop_checker
+        self.clock = clock
+        self.actions = actions
+        self.waiting: collections.deque[Sequence] = collections.deque()
+
+    def add(self, request: EngineRequest) -> EngineOutput | None:
+        """Validate and queue a request; returns a terminal error output if it can never run."""
+        now = self.clock()
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            return error_output(request, ErrorCode.INVALID_REQUEST, "prompt has no tokens")
+        if prompt_len > self.limits.max_context:
+            return self._context_error(
+                request, f"prompt has {prompt_len} tokens; the context ceiling is {self.limits.max_context}"
+            )
+        if request.max_new_tokens < 0:
+            return error_output(request, ErrorCode.INVALID_REQUEST, "max_new_tokens must be >= 0")
+        max_new = min(request.max_new_tokens, self.limits.max_context - prompt_len)
+        if self.kv_pool.pages_for(prompt_len + max_new) > self.kv_pool.num_pages:
+            return self._context_error(
+                request,
+                f"prompt plus output needs {prompt_len + max_new} KV tokens; "
+                f"the KV capacity is {self.kv_pool.num_pages * self.kv_pool.page_size}",
+            )
+        budget = request.thinking_budget
+        if budget is not None:
+            if budget.max_thinking_tokens <= 0:
+                return error_output(request, ErrorCode.INVALID_REQUEST, "thinking budget must be positive")
+            close = len(budget.close_token_ids)
+            if budget.max_thinking_tokens < max_new < budget.max_thinking_tokens + close + 1:
+                return error_output(
+                    request,
+                    ErrorCode.THINKING_BUDGET_CAPACITY,
+                    f"output capacity {max_new} passes the thinking budget {budget.max_thinking_tokens} "
+                    f"but cannot fit the {close}-token close sequence plus one token",
+                )
+        sampling = request.sampling
+        if sampling.seed is None:
+            sampling = msgspec.structs.replace(sampling, seed=fresh_seed())
+        self.waiting.append(
+            Sequence(
+                request=request,
+                max_new_tokens=max_new,
+                sampling=sampling,
+                stop_checker=self.make_stop_checker(request),
+                timings=Timings(arrived=now),
+            )
+        )
+        return None
+
+    def _context_error(self, request: EngineRequest, message: str) -> EngineOutput:
+        return error_output(
+            request,
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            message,
+            prompt_tokens=len(request.prompt_token_ids),
+            max_context=self.limits.max_context,
+        )
+
+    def remove(self, request_id: str) -> Sequence | None:
+        """Take a waiting request out of the queue (cancelled before admission)."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                return seq
+        return None
+
+    def expire(self) -> list[EngineOutput]:
+        """Waiting requests past their deadline end with request_queue_timeout."""
+        now = self.clock()
+        expired = []
+        for seq in list(self.waiting):
+            deadline = seq.request.deadline
+            if deadline is not None and now >= deadline:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                expired.append(
+                    error_output(seq.request, ErrorCode.QUEUE_TIMEOUT, "request was not admitted before its deadline")
+                )
+        return expired
+
+    def admit(self, num_running: int) -> list[Sequence]:
+        """Admit from the head while lanes are free and a plan exists; FIFO, so a head that does
+        not fit yet holds the others back."""
+        admitted: list[Sequence] = []
+        while self.waiting and num_running + len(admitted) < self.limits.max_concurrency:
+            if not self._try_admit(self.waiting[0]):
+                break
+            admitted.append(self.waiting.popleft())
+        return admitted
+
+    def _try_admit(self, seq: Sequence) -> bool:
+        """Admit with the best legal plan: resume from the hit (copying its state), adopt the hit
+        itself, or start from root; a hit must never make a fitting request wait forever."""
+        hit = self.cache.lookup(seq.token_ids, seq.request.session_key) if self.limits.prefix_reuse else None
+        candidates: list[tuple[CacheHit | None, bool]] = []
+        if hit is not None:
+            candidates.append((hit, False))
+            if hit.is_exact_frontier:
+                candidates.append((hit, True))
+        candidates.append((None, False))
+        for candidate, adopt in candidates:
+            plan = self._plan(seq, candidate, adopt)
+            if plan is not None:
+                self._commit(seq, plan)
+                return True
+        return False
+
+    def _plan(self, seq: Sequence, hit: CacheHit | None, adopt: bool) -> AdmissionPlan | None:
+        page_size = self.kv_pool.page_size
+        total_pages = self.kv_pool.pages_for(seq.prompt_len + seq.max_new_tokens)
+        ck = hit.checkpoint if hit else None
+        reused = hit.num_reused_tokens if hit else 0
+        num_full = reused // page_size
+        partial = ck.pages[num_full] if ck is not None and reused % page_size else None
+        # A partial last page is copied unless an adopted checkpoint is its only owner: other
+        # owners may write past our frontier in it.
+        own_partial = adopt and partial is not None and self.kv_pool.refcount(partial) == 1
+        cow_src = partial if partial is not None and not own_partial else None
+        num_private = total_pages - num_full - (1 if own_partial else 0)
+        slots_needed = 0 if adopt else 1
+        victims = self.cache.victims(keep=ck)
+        page_gains = [0, *self.cache.pages_freed_by_evicting(victims)]
+        for num_evict in range(len(victims) + 1):
+            if (
+                self.kv_pool.num_free + page_gains[num_evict] >= num_private
+                and self.state_pool.num_free + num_evict >= slots_needed
+            ):
+                return AdmissionPlan(hit, adopt, num_full, own_partial, cow_src, num_private, victims[:num_evict])
+        return None
+
+    def _commit(self, seq: Sequence, plan: AdmissionPlan) -> None:
+        hit = plan.hit
+        ck = hit.checkpoint if hit else None
+        reused = hit.num_reused_tokens if hit else 0
+        shared = ck.pages[: plan.num_full_pages] if ck is not None else []
+        if ck is not None and not plan.adopt:
+            self.kv_pool.share(shared)  # hold the prefix before evicting anything that might release it
+        for victim in plan.evict:
+            self.cache.remove(victim)
+        private = self.kv_pool.allocate(plan.num_private_pages)
+        if plan.cow_src is not None:
+            # Runs before any forward writes, so the source still holds the prefix's tokens.
+            self.actions.append(CopyPage(plan.cow_src, private[0]))
+        if plan.adopt:
+            self.cache.remove(ck, release_resources=False)  # its page references and slot become ours
+            if plan.cow_src is not None:
+                self.kv_pool.release([plan.cow_src])
+            kept = ck.pages[: plan.num_full_pages + (1 if plan.own_partial else 0)]
+            seq.pages = kept + private
+            seq.state_slot = ck.state_slot
+        else:
+            seq.pages = shared + private
+            seq.state_slot = self.state_pool.allocate()
+            if hit is not None and hit.is_exact_frontier:
+                self.actions.append(CopySlot(ck.state_slot, seq.state_slot))
+                self.cache.touch(ck)
+            else:
+                self.actions.append(ResetSlot(seq.state_slot))
+        seq.reuse_path = ck.path if ck is not None else ReusePath.ROOT
+        seq.num_computed_tokens = seq.num_cached_tokens = reused
+        if hit is not None and hit.is_exact_frontier:
+            seq.logits_frontier = reused
+        seq.status = SequenceStatus.RUNNING
+        seq.timings.admitted = self.clock()
+        if reused == seq.prompt_len:
+            seq.timings.prompt_done = seq.timings.admitted
+        if self.limits.prefix_reuse and reused < seq.prompt_len:
+            frontiers = {seq.prompt_len: seq.request.endpoint_path}
+            for capture in seq.request.capture_hints:
+                if reused < capture.frontier <= seq.prompt_len:
+                    frontiers[capture.frontier] = capture.path
+            seq.capture_frontiers = sorted(frontiers.items())
+        # The first progress event reports the reuse choice: processed == cache.
+        seq.unsent_progress = PromptProgress(seq.prompt_len, reused, reused, 0.0)

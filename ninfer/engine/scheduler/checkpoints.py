@@ -1,0 +1,83 @@
+"""Checkpoints: when an active request leaves a checkpoint behind, and what it costs.
+
+Two capture kinds (context cache): a snapshot at a prompt frontier (the prompt end and
+the API's capture hints), which copies the active state slot after the step that reached
+it; and the request's endpoint when it finishes, which hands its slot and pages over to
+the cache instead of releasing them (no copy).
+"""
+
+from __future__ import annotations
+
+from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.scheduler.step import CopySlot, SlotAction
+from ninfer.engine.sequence import Sequence
+from ninfer.engine.state_pool import StatePool
+
+
+class Checkpoints:
+    def __init__(
+        self,
+        prefix_reuse: bool,
+        kv_pool: KVPool,
+        state_pool: StatePool,
+        cache: ContextCache,
+        actions: list[SlotAction],
+    ):
+        """actions: the scheduler's list of slot actions to run before the next forward."""
+        self.prefix_reuse = prefix_reuse
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.cache = cache
+        self.actions = actions
+
+    def capture_prompt_frontiers(self, seq: Sequence) -> None:
+        """Snapshot the frontiers the last prefill chunk reached (chunks end at frontiers)."""
+        while seq.capture_frontiers and seq.capture_frontiers[0][0] <= seq.num_computed_tokens:
+            frontier, path = seq.capture_frontiers.pop(0)
+            if frontier == seq.num_computed_tokens:
+                self._capture_copy(seq, frontier, path)
+
+    def _capture_copy(self, seq: Sequence, frontier: int, path) -> None:
+        tokens = seq.token_ids[:frontier]
+        existing = self.cache.find_identical(tokens)
+        if existing is not None:
+            self.cache.touch(existing)
+            return
+        if self.state_pool.num_free == 0:
+            victims = self.cache.victims()
+            if not victims:
+                return  # every slot is active: skip this capture
+            self.cache.remove(victims[0])
+        slot = self.state_pool.allocate()
+        pages = seq.pages[: self.kv_pool.pages_for(frontier)]
+        self.kv_pool.share(pages)
+        self.cache.insert(tokens, pages, slot, path, seq.request.session_key)
+        # Runs before the next forward, so it still sees the state right after this frontier.
+        self.actions.append(CopySlot(seq.state_slot, slot))
+
+    def release_or_capture_endpoint(self, seq: Sequence) -> None:
+        """A finished request's pages and slot: kept as its endpoint checkpoint when the slot holds
+        the logits of its last computed token and no identical checkpoint exists; else released."""
+        frontier = seq.num_computed_tokens
+        keep = (
+            self.prefix_reuse
+            and frontier > 0
+            and seq.logits_frontier == frontier
+            and self.cache.find_identical(seq.token_ids[:frontier]) is None
+        )
+        if keep:
+            num_pages = self.kv_pool.pages_for(frontier)
+            self.kv_pool.release(seq.pages[num_pages:])
+            self.cache.insert(
+                seq.token_ids[:frontier],
+                seq.pages[:num_pages],
+                seq.state_slot,
+                seq.request.endpoint_path,
+                seq.request.session_key,
+            )
+        else:
+            self.kv_pool.release(seq.pages)
+            self.state_pool.release(seq.state_slot)
+        seq.pages = []
+        seq.state_slot = None

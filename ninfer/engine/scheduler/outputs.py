@@ -1,0 +1,48 @@
+"""EngineOutputs built from a sequence's unsent delta, and terminal error outputs."""
+
+from __future__ import annotations
+
+from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason
+from ninfer.contract.request import EngineRequest
+from ninfer.engine.sequence import Sequence
+
+
+def delta_output(seq: Sequence) -> EngineOutput:
+    """The tokens, text and progress not yet sent; clears them from the sequence."""
+    out = EngineOutput(
+        request_id=seq.request_id,
+        new_token_ids=seq.unsent_token_ids,
+        text=seq.unsent_text,
+        forced_token_count=seq.unsent_forced,
+        prompt_tokens=seq.prompt_len,
+        cached_tokens=seq.num_cached_tokens,
+        completion_tokens=seq.num_output_tokens,
+        reuse_path=seq.reuse_path,
+        progress=seq.unsent_progress,
+        timings=seq.timings,
+    )
+    seq.unsent_token_ids, seq.unsent_text, seq.unsent_forced = [], "", 0
+    seq.unsent_progress = None
+    return out
+
+
+def final_output(seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> EngineOutput:
+    out = delta_output(seq)
+    out.finish_reason = reason
+    out.stop_reason = stop_reason
+    return out
+
+
+def error_output(
+    request: EngineRequest,
+    code: ErrorCode,
+    message: str,
+    prompt_tokens: int | None = None,
+    max_context: int | None = None,
+) -> EngineOutput:
+    return EngineOutput(
+        request_id=request.request_id,
+        finish_reason=FinishReason.ERROR,
+        prompt_tokens=len(request.prompt_token_ids),
+        error=EngineError(code, message, prompt_tokens=prompt_tokens, max_context=max_context),
+    )

@@ -1,0 +1,352 @@
+"""Scheduler: step planning and commit — pure CPU logic, no tensors.
+
+Contract with the runner (step.py): schedule() returns a SchedulerStep; update() takes the
+sampled token ids back and returns the EngineOutputs to stream. Admission (admission.py)
+decides which waiting requests run and from which checkpoint; checkpoints.py decides what
+an active request leaves behind.
+
+Policy: a step is either one prefill chunk of one request or one decode round of every
+decode-ready request, alternating while both kinds of work exist.
+
+Steady decode runs one round ahead: schedule_ahead(N) plans round N+1 before round N's
+tokens are known (each row computes, on the device, the token N sampled for it), so the
+engine launches it before reading N. A request that N finishes (end token, stop string,
+cancel) has then computed one token more: its pages and slot are released, or kept as its
+endpoint checkpoint with that token included, when N+1 lands (update of N+1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ninfer.contract.output import EngineOutput, FinishReason, PromptProgress
+from ninfer.contract.request import EngineRequest
+from ninfer.contract.sampling import SamplingParams
+from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.scheduler.admission import Admission, SchedulerLimits
+from ninfer.engine.scheduler.checkpoints import Checkpoints
+from ninfer.engine.scheduler.outputs import delta_output, final_output
+from ninfer.engine.scheduler.step import PENDING_TOKEN, ScheduledChunk, SchedulerStep, SlotAction, StepKind
+from ninfer.engine.sequence import Sequence, SequenceStatus
+from ninfer.engine.state_pool import StatePool
+from ninfer.engine.stop_checker import StopChecker
+
+
+def _has_penalties(sampling: SamplingParams) -> bool:
+    return sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the last throughput record (the engine reads and resets them)."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    decode_rounds: int = 0
+    decode_rows: int = 0
+
+    def reset(self) -> SchedulerStats:
+        snapshot = SchedulerStats(self.prefill_tokens, self.decode_tokens, self.decode_rounds, self.decode_rows)
+        self.prefill_tokens = self.decode_tokens = self.decode_rounds = self.decode_rows = 0
+        return snapshot
+
+
+class Scheduler:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        kv_pool: KVPool,
+        state_pool: StatePool,
+        cache: ContextCache,
+        make_stop_checker: Callable[[EngineRequest], StopChecker],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.limits = limits
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.cache = cache
+        self.clock = clock
+        # Slot and page actions for the next step, appended by admission and capture too.
+        self._pending_actions: list[SlotAction] = []
+        self.admission = Admission(
+            limits, kv_pool, state_pool, cache, make_stop_checker, clock, self._pending_actions
+        )
+        self.checkpoints = Checkpoints(limits.prefix_reuse, kv_pool, state_pool, cache, self._pending_actions)
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+        self._outbox: list[EngineOutput] = []  # outputs ready to send (admission progress, finals, errors)
+        self._last_step_kind: StepKind | None = None
+        # Finished requests whose next token a launched step is still computing (by request id).
+        self._draining: dict[str, Sequence] = {}
+
+    # ---- requests in ---------------------------------------------------------------
+    @property
+    def waiting(self):
+        return self.admission.waiting
+
+    def add(self, request: EngineRequest) -> EngineOutput | None:
+        """Validate and queue a request; returns a terminal error output if it can never run."""
+        return self.admission.add(request)
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        seq = self.admission.remove(request_id)
+        if seq is not None:
+            return final_output(seq, FinishReason.CANCELLED)
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self._finish(seq, FinishReason.CANCELLED)
+                return self._drain_outbox_for(request_id)
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def draining(self) -> list[Sequence]:
+        """Finished requests whose pages and slot a launched step still writes."""
+        return list(self._draining.values())
+
+    def drop_inflight(self) -> None:
+        """The engine failed with a step in flight: forget requests waiting for it to land."""
+        self._draining.clear()
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running)
+
+    # ---- planning ------------------------------------------------------------------
+    def schedule(self) -> SchedulerStep | None:
+        self._outbox.extend(self.admission.expire())
+        for seq in self.admission.admit(len(self.running)):
+            self.running.append(seq)
+            self._outbox.append(delta_output(seq))
+        prefilling = [s for s in self.running if s.is_prefilling]
+        decode_ready = [s for s in self.running if not s.is_prefilling]
+        if prefilling and (not decode_ready or self._last_step_kind is StepKind.DECODE):
+            step = self._prefill_step(prefilling[0])
+        elif decode_ready:
+            step = self._decode_step(decode_ready)
+        else:
+            step = None
+        if step is None and self._pending_actions:
+            step = SchedulerStep(StepKind.DECODE, [], before=self._take_actions())
+        return step
+
+    def schedule_ahead(self, inflight: SchedulerStep) -> SchedulerStep | None:
+        """The decode round after `inflight` (launched, not yet updated), planned before its
+        tokens are known: each row computes what inflight sampled for its request.
+
+        Only for steady decode, where no token inflight can sample changes the plan except
+        by finishing its request. None while a request waits for a free lane, a request
+        prefills or slot actions are pending; None when a row may reach its thinking budget
+        at inflight, or has penalties (their token history must include that token). Rows
+        that reach their output limit at inflight are left out."""
+        if inflight.kind is not StepKind.DECODE or not inflight.chunks or self._pending_actions:
+            return None
+        if self.waiting and len(self.running) < self.limits.max_concurrency:
+            return None  # a lane is free: let schedule() admit (full lanes free up only at update)
+        if len(self.running) != len(inflight.chunks):
+            return None
+        by_id = {s.request_id: s for s in self.running}
+        chunks = []
+        for row, chunk in enumerate(inflight.chunks):
+            seq = by_id.get(chunk.request_id)
+            if (
+                seq is None
+                or seq.num_steps_in_flight != 1
+                or not chunk.sample
+                or len(chunk.token_ids) != 1
+                or seq.num_computed_tokens != chunk.num_computed_tokens
+                or seq.num_pending_tokens != 1
+                or _has_penalties(seq.sampling)
+                or self._budget_may_close(seq)
+            ):
+                return None
+            if seq.num_output_tokens + 1 >= seq.max_new_tokens:
+                continue  # inflight's token is its last
+            chunks.append(
+                ScheduledChunk(
+                    request_id=seq.request_id,
+                    token_ids=[PENDING_TOKEN],
+                    num_computed_tokens=seq.num_computed_tokens + 1,
+                    page_ids=seq.pages,
+                    state_slot=seq.state_slot,
+                    compute_logits=True,
+                    sample=True,
+                    sampling=seq.sampling,
+                    num_generated=seq.num_output_tokens - seq.num_forced_tokens + 1,
+                    output_token_ids=[],
+                    previous_row=row,
+                )
+            )
+        return self._step(StepKind.DECODE, chunks) if chunks else None
+
+    @staticmethod
+    def _budget_may_close(seq: Sequence) -> bool:
+        """The next model token may reach the thinking budget (forced close tokens follow it)."""
+        budget = seq.request.thinking_budget
+        return budget is not None and seq.thinking_open and seq.num_thinking_tokens + 1 >= budget.max_thinking_tokens
+
+    def _prefill_step(self, seq: Sequence) -> SchedulerStep:
+        num_tokens = seq.next_prefill_chunk(self.limits.prefill_chunk)
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        last = end == seq.prompt_len
+        captures_here = any(f == end for f, _ in seq.capture_frontiers)
+        chunk = self._chunk(seq, seq.token_ids[start:end], compute_logits=last or captures_here, sample=last)
+        return self._step(StepKind.PREFILL, [chunk])
+
+    def _decode_step(self, seqs: list[Sequence]) -> SchedulerStep:
+        chunks = [
+            self._chunk(s, s.token_ids[s.num_computed_tokens :], compute_logits=True, sample=True) for s in seqs
+        ]
+        return self._step(StepKind.DECODE, chunks)
+
+    def _chunk(self, seq: Sequence, token_ids: list[int], compute_logits: bool, sample: bool) -> ScheduledChunk:
+        sample = sample and seq.num_output_tokens < seq.max_new_tokens
+        return ScheduledChunk(
+            request_id=seq.request_id,
+            token_ids=token_ids,
+            num_computed_tokens=seq.num_computed_tokens,
+            page_ids=seq.pages,
+            state_slot=seq.state_slot,
+            compute_logits=compute_logits,
+            sample=sample,
+            sampling=seq.sampling,
+            num_generated=seq.num_output_tokens - seq.num_forced_tokens,
+            # Copying the history costs O(output) per step; only penalties read it.
+            output_token_ids=seq.token_ids[seq.prompt_len :] if _has_penalties(seq.sampling) else [],
+        )
+
+    def _step(self, kind: StepKind, chunks: list[ScheduledChunk]) -> SchedulerStep:
+        by_id = {s.request_id: s for s in self.running}
+        for chunk in chunks:
+            by_id[chunk.request_id].num_steps_in_flight += 1
+        step = SchedulerStep(kind, chunks, before=self._take_actions())
+        self._last_step_kind = kind
+        return step
+
+    def _take_actions(self) -> list[SlotAction]:
+        actions = list(self._pending_actions)
+        self._pending_actions.clear()  # the list is shared with admission and capture
+        return actions
+
+    # ---- commit --------------------------------------------------------------------
+    def update(self, step: SchedulerStep, sampled: dict[str, int]) -> list[EngineOutput]:
+        """Apply the runner's sampled tokens (request id -> token) for a finished step."""
+        now = self.clock()
+        by_id = {s.request_id: s for s in self.running}
+        for chunk in step.chunks:
+            seq = by_id.get(chunk.request_id) or self._draining.get(chunk.request_id)
+            if seq is not None:
+                seq.num_steps_in_flight -= 1
+                if seq.is_finished and seq.num_steps_in_flight == 0:
+                    self._land_after_finish(self._draining.pop(seq.request_id), chunk)
+                    continue
+            if seq is None or seq.is_finished:
+                continue  # cancelled while the step ran
+            was_prefilling = seq.is_prefilling
+            seq.num_computed_tokens += len(chunk.token_ids)
+            if chunk.compute_logits:
+                seq.logits_frontier = seq.num_computed_tokens
+            if step.kind is StepKind.PREFILL:
+                self.stats.prefill_tokens += len(chunk.token_ids)
+                self.checkpoints.capture_prompt_frontiers(seq)
+            if was_prefilling and not seq.is_prefilling:
+                seq.timings.prompt_done = now
+            if was_prefilling:
+                elapsed_ms = (now - seq.timings.admitted) * 1000.0
+                seq.unsent_progress = PromptProgress(
+                    seq.prompt_len, seq.num_cached_tokens, min(seq.num_computed_tokens, seq.prompt_len), elapsed_ms
+                )
+            if chunk.sample:
+                if step.kind is StepKind.DECODE:
+                    self.stats.decode_tokens += 1
+                self._commit(seq, sampled[chunk.request_id], now)
+            elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
+                self._finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
+        if step.kind is StepKind.DECODE and step.chunks:
+            self.stats.decode_rounds += 1
+            self.stats.decode_rows += len(step.chunks)
+        return self._collect_outputs()
+
+    def _commit(self, seq: Sequence, token_id: int, now: float) -> None:
+        seq.timings.first_token = seq.timings.first_token or now
+        seq.timings.last_token = now
+        self._append_token(seq, token_id, forced=False)
+        if seq.is_finished:
+            return
+        # The output limit wins over the thinking cap (spec: limits first, then the forced close).
+        if seq.num_output_tokens >= seq.max_new_tokens:
+            self._finish(seq, FinishReason.LENGTH)
+            return
+        budget = seq.request.thinking_budget
+        if budget is None or not seq.thinking_open:
+            return
+        if token_id == budget.think_end_token_id:
+            seq.thinking_open = False
+            return
+        seq.num_thinking_tokens += 1
+        if seq.num_thinking_tokens >= budget.max_thinking_tokens:
+            # Close thinking without sampling; the close tokens are computed with the next step.
+            seq.thinking_open = False
+            for forced in budget.close_token_ids:
+                self._append_token(seq, forced, forced=True)
+                if seq.is_finished:
+                    return
+
+    def _append_token(self, seq: Sequence, token_id: int, forced: bool) -> None:
+        seq.token_ids.append(token_id)
+        seq.unsent_token_ids.append(token_id)
+        if forced:
+            seq.num_forced_tokens += 1
+            seq.unsent_forced += 1
+        stop = seq.stop_checker.append(token_id)
+        seq.unsent_text += stop.text
+        if stop.stopped:
+            self._finish(seq, FinishReason.STOP, stop.stop_reason)
+
+    # ---- finishing -----------------------------------------------------------------
+    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        if reason is FinishReason.LENGTH or reason is FinishReason.CANCELLED:
+            seq.unsent_text += seq.stop_checker.flush()
+        self.running.remove(seq)
+        if seq.num_steps_in_flight:
+            self._draining[seq.request_id] = seq  # a launched step still writes its pages and slot
+        else:
+            self.checkpoints.release_or_capture_endpoint(seq)
+        self._outbox.append(final_output(seq, reason, stop_reason))
+
+    def _land_after_finish(self, seq: Sequence, chunk: ScheduledChunk) -> None:
+        """The step launched ahead for a request that finished meanwhile has landed: it
+        computed the last committed token (and stored its logits); now release or keep."""
+        seq.num_computed_tokens += len(chunk.token_ids)
+        if chunk.compute_logits:
+            seq.logits_frontier = seq.num_computed_tokens
+        self.checkpoints.release_or_capture_endpoint(seq)
+
+    # ---- outputs -------------------------------------------------------------------
+    def _collect_outputs(self) -> list[EngineOutput]:
+        outputs = self._outbox
+        self._outbox = []
+        for seq in self.running:
+            if seq.unsent_token_ids or seq.unsent_progress is not None:
+                outputs.append(delta_output(seq))
+        return outputs
+
+    def _drain_outbox_for(self, request_id: str) -> EngineOutput | None:
+        for i, out in enumerate(self._outbox):
+            if out.request_id == request_id and out.finished:
+                return self._outbox.pop(i)
+        return None
+
+    def take_pending_outputs(self) -> list[EngineOutput]:
+        """Outputs produced outside a step (deadline expiry, progress at admission)."""
+        return self._collect_outputs()

@@ -1,0 +1,73 @@
+"""SchedulerStep: the typed contract between the scheduler and the runner.
+
+A step names which tokens of which requests to compute, where their KV pages and state
+slots are, which rows to sample, and the slot/page actions to perform before the forward.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ninfer.contract.sampling import SamplingParams
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class ResetSlot:
+    slot: int
+
+
+@dataclass(frozen=True)
+class CopySlot:
+    """Copy a whole StateImage (recurrent + conv state and the stored last logits)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class CopyPage:
+    src: int
+    dst: int
+
+
+SlotAction = ResetSlot | CopySlot | CopyPage
+
+
+# The token of a chained chunk: sampled by the previous step, not yet known on the host.
+PENDING_TOKEN = -1
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute now (empty: sample from the slot's stored logits)
+    num_computed_tokens: int
+    page_ids: list[int]
+    state_slot: int
+    compute_logits: bool  # keep the last row's logits in the slot (for sampling or a capture)
+    sample: bool
+    sampling: SamplingParams  # seed always set (the engine draws one when the request has none)
+    num_generated: int  # RNG position: model-sampled tokens so far
+    output_token_ids: list[int]  # for presence/frequency penalties (empty when the request has none)
+    # Set by schedule_ahead: token_ids is [PENDING_TOKEN], and the token to compute is the one
+    # the previously launched step sampled in this row.
+    previous_row: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerStep:
+    kind: StepKind
+    chunks: list[ScheduledChunk]
+    # Performed in order before the forward: restores, copy-on-write, resets, and the
+    # snapshots captured at the previous step's frontiers (nothing has run since).
+    before: list[SlotAction] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
