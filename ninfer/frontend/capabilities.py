@@ -11,7 +11,8 @@ and compares the prompts:
   without it); the default tier is the one whose prompt equals the prompt without it;
 - preserve_thinking: reasoning of a closed earlier assistant turn appears or not depending on
   the flag; its default is whether it appears when the flag is omitted;
-- think markers: the tags around a rendered reasoning text (or in the generation prompt).
+- think markers: the tags around a rendered reasoning text (or in the generation prompt);
+- tools: a declared tool's name and an assistant tool call's name both appear in the prompt.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ EFFORT_TIERS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 _PROBE_REASONING = "NINFER-PROBE-REASONING"
 _PROBE_ANSWER = "NINFER-PROBE-ANSWER"
+_PROBE_TOOL = "ninfer_probe_tool"
 _TAG = re.compile(r"<[^<>\s]{1,64}>")
 
 
@@ -42,6 +44,7 @@ class TemplateCapabilities:
     preserve_thinking_default: bool
     think_open: str | None
     think_close: str | None
+    supports_tools: bool = True
 
     @property
     def supports_thinking(self) -> bool:
@@ -83,6 +86,7 @@ class TemplateCapabilities:
             preserve_thinking_default=supports_preserve and preserved_default == preserved_on,
             think_open=think_open,
             think_close=think_close,
+            supports_tools=probe.renders_tools(),
         )
 
 
@@ -131,6 +135,19 @@ class _Probe:
         if prompt is None or think_open not in prompt:
             return False
         return think_close not in prompt[prompt.rindex(think_open) :]
+
+    def renders_tools(self) -> bool:
+        tool = {"type": "function", "function": {"name": _PROBE_TOOL, "parameters": {"type": "object"}}}
+        declared = self.render(_plain_chat(), tools=[tool])
+        call = {"type": "function", "id": "call_0", "function": {"name": _PROBE_TOOL + "_called", "arguments": {}}}
+        history = self.render(
+            [
+                {"role": "user", "content": "Hello."},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "ok"},
+            ]
+        )
+        return declared is not None and _PROBE_TOOL in declared and history is not None and _PROBE_TOOL + "_called" in history
 
     def effort_tiers(self, baseline: str) -> tuple[tuple[str, ...], str | None]:
         rendered = {tier: self.render(_plain_chat(), reasoning_effort=tier) for tier in EFFORT_TIERS}

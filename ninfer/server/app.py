@@ -1,8 +1,7 @@
-"""The HTTP application: routes, middleware stack and error rendering."""
+"""The HTTP application: the three protocols' routes, health and models, middleware, error rendering."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -10,48 +9,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.middleware.cors import CORSMiddleware
 
+from ninfer.server.anthropic_messages import routes as messages_routes
 from ninfer.server.errors import APIError
 from ninfer.server.generation import ClientDisconnected
-from ninfer.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware, error_body
+from ninfer.server.http import error_response, request_id_of
+from ninfer.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from ninfer.server.openai_chat import routes as chat_routes
+from ninfer.server.openai_responses import routes as responses_routes
 from ninfer.server.serving import Serving
 
 log = logging.getLogger("ninfer.server")
 
 
-def request_id_of(request: Request) -> str:
-    return request.scope.get("state", {}).get("request_id", "")
-
-
-def error_response(request: Request, error: APIError) -> Response:
-    return Response(
-        error_body(request.url.path, error, request_id_of(request)),
-        status_code=error.status,
-        media_type="application/json",
-    )
-
-
-async def read_json(request: Request) -> object:
-    """Parse the body keeping member order (tool schemas and arguments reach the prompt as sent)."""
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
-
-
-def _bind(handler, serving: Serving):
-    """Route adapter: handler(request, serving, **path_params) -> Response."""
-
-    async def endpoint(request: Request) -> Response:
-        return await handler(request, serving, **request.path_params)
-
-    endpoint.__name__ = handler.__name__
-    return endpoint
-
-
-def create_app(serving: Serving) -> FastAPI:
-    from ninfer.server import anthropic_messages, openai_chat, openai_responses
-
+def create_app(serving: Serving):
     created = int(time.time())
     app = FastAPI(title="NInfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
@@ -96,24 +66,9 @@ def create_app(serving: Serving) -> FastAPI:
             raise APIError(404, f"the model {model_id!r} does not exist", code="model_not_found", param="model")
         return JSONResponse(model_card())
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await openai_chat.create(request, serving)
-
-    # OpenAI Responses Core (openai_responses.py)
-    app.add_api_route("/v1/responses", _bind(openai_responses.create, serving), methods=["POST"])
-    app.add_api_route("/v1/responses/input_tokens", _bind(openai_responses.input_tokens, serving), methods=["POST"])
-    app.add_api_route("/v1/responses/compact", _bind(openai_responses.compact, serving), methods=["POST"])
-    app.add_api_route("/v1/responses/{response_id}", _bind(openai_responses.retrieve, serving), methods=["GET"])
-    app.add_api_route("/v1/responses/{response_id}", _bind(openai_responses.delete, serving), methods=["DELETE"])
-    app.add_api_route(
-        "/v1/responses/{response_id}/input_items", _bind(openai_responses.input_items, serving), methods=["GET"]
-    )
-    app.add_api_route("/v1/responses/{response_id}/cancel", _bind(openai_responses.cancel, serving), methods=["POST"])
-
-    # Anthropic Messages (anthropic_messages.py)
-    app.add_api_route("/v1/messages", _bind(anthropic_messages.create, serving), methods=["POST"])
-    app.add_api_route("/v1/messages/count_tokens", _bind(anthropic_messages.count_tokens, serving), methods=["POST"])
+    chat_routes.register(app, serving)
+    responses_routes.register(app, serving)
+    messages_routes.register(app, serving)
 
     config = serving.config
     wrapped = AuthMiddleware(app, config.api_key) if config.api_key else app

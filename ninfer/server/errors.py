@@ -1,10 +1,31 @@
 """APIError: a client-visible failure with its HTTP status, type, field and stable code.
 
-Adapters raise it; app.py renders it in the endpoint's protocol (OpenAI error envelope,
-or Anthropic's with request_id). Internal failures are never relabelled as client errors.
+Adapters raise it; the app renders it in the endpoint's protocol: OpenAI's error envelope, or
+Anthropic's with request_id. Internal failures are never relabelled as client errors.
 """
 
 from __future__ import annotations
+
+import json
+
+ANTHROPIC_PREFIX = "/v1/messages"
+# Seconds a client should wait after a capacity refusal. Some agent clients (Codex) give up at
+# once on a 429 that carries no Retry-After, but retry one that does.
+RETRY_AFTER_SECONDS = 1
+_RETRYABLE = (429, 503, 504, 529)
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
 
 
 class APIError(Exception):
@@ -26,6 +47,28 @@ class APIError(Exception):
 
     def openai_body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def anthropic_type(self) -> str:
+        return _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+
+    def anthropic_body(self, request_id: str | None) -> dict:
+        body: dict = {"type": "error", "error": {"type": self.anthropic_type(), "message": self.message}}
+        if request_id:
+            body["request_id"] = request_id
+        return body
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(RETRY_AFTER_SECONDS)} if self.status in _RETRYABLE else {}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def error_body(path: str, error: APIError, request_id: str | None) -> bytes:
+    """The error in the endpoint's protocol, chosen by path (middleware errors come before routing)."""
+    body = error.anthropic_body(request_id) if is_anthropic(path) else error.openai_body()
+    return json.dumps(body).encode()
 
 
 def _default_type(status: int) -> str:

@@ -7,52 +7,15 @@ the body limit applies before anything parses JSON.
 from __future__ import annotations
 
 import hmac
-import json
 import uuid
 
-from ninfer.server.errors import APIError
-
-ANTHROPIC_PREFIX = "/v1/messages"
-
-
-def is_anthropic(path: str) -> bool:
-    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
-
-
-def error_body(path: str, error: APIError, request_id: str | None) -> bytes:
-    """The error in the endpoint's protocol (Anthropic's carries request_id in the body)."""
-    if is_anthropic(path):
-        body = {"type": "error", "error": {"type": anthropic_error_type(error), "message": error.message}}
-        if request_id:
-            body["request_id"] = request_id
-    else:
-        body = error.openai_body()
-    return json.dumps(body).encode()
-
-
-def anthropic_error_type(error: APIError) -> str:
-    return {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        403: "permission_error",
-        404: "not_found_error",
-        413: "request_too_large",
-        429: "rate_limit_error",
-        500: "api_error",
-        503: "api_error",
-        504: "timeout_error",
-        529: "overloaded_error",
-    }.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+from ninfer.server.errors import APIError, error_body, is_anthropic
 
 
 async def send_error(send, path: str, error: APIError, request_id: str | None) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": error.status,
-            "headers": [(b"content-type", b"application/json")],
-        }
-    )
+    headers = [(b"content-type", b"application/json")]
+    headers += [(name.encode(), value.encode()) for name, value in error.headers().items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": error_body(path, error, request_id)})
 
 

@@ -19,7 +19,8 @@ from ninfer.frontend.prompt_builder import PromptBuilder
 from ninfer.frontend.sampling_defaults import SamplingDefaults
 from ninfer.frontend.template import ChatTemplate
 from ninfer.server.engine_client import EngineClient
-from ninfer.server.response_store import ResponseStore
+from ninfer.server.openai_responses.store import ResponseStore
+from ninfer.server.request_context import RequestContext
 
 log = logging.getLogger("ninfer.server")
 
@@ -86,6 +87,10 @@ class Serving:
             thinking_close_ids=close_ids,
             response_store=ResponseStore(config.response_store_max_records, config.response_store_max_mib << 20),
         )
+
+    @property
+    def request_context(self) -> RequestContext:
+        return RequestContext(self.model_id, self.capabilities, self.config.default_max_tokens)
 
     @property
     def max_model_len(self) -> int:

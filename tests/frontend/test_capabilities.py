@@ -46,6 +46,7 @@ def test_qwen3_5_template() -> None:
         preserve_thinking_default=False,
         think_open="<think>",
         think_close="</think>",
+        supports_tools=True,
     )
 
 
@@ -60,6 +61,7 @@ def test_qwen3_8_template() -> None:
         preserve_thinking_default=True,
         think_open="<think>",
         think_close="</think>",
+        supports_tools=True,
     )
     assert caps.supports_thinking
 
@@ -85,6 +87,7 @@ def test_smollm2_chatml_template() -> None:
         preserve_thinking_default=False,
         think_open=None,
         think_close=None,
+        supports_tools=False,  # its template has no tool section: tool requests get a 400
     )
     assert not caps.supports_thinking
 

@@ -34,5 +34,6 @@ CHATML = TemplateCapabilities(
     preserve_thinking_default=False,
     think_open=None,
     think_close=None,
+    supports_tools=False,
 )
 # A template that always opens a think block and has no switch (e.g. an R1-style template).

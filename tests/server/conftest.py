@@ -16,19 +16,16 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-import torch
 import uvicorn
 
 from ninfer.config import EngineConfig, ServeConfig
 from ninfer.engine.core import EngineCore
-from ninfer.models.causal_lm import CacheSpec, CausalLM
-from ninfer.models.config import ModelConfig
-from ninfer.models.forward_batch import ForwardBatch
 from ninfer.server.app import create_app
 from ninfer.server.engine_client import InProcessEngineClient
 from ninfer.server.server import build_serving, listen_socket
 from ninfer.server.serving import Serving
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
+from tests.scripted_model import ScriptedLM
 
 
 class RunningServer:
@@ -116,53 +113,6 @@ def qwen_server(tiny_qwen) -> Iterator[RunningServer]:
     server.stop()
 
 
-class ScriptedLM(CausalLM):
-    """Test-only model: after each prompt it emits `script` token by token, then end-of-turn.
-
-    The prompt end is the last position of the latest multi-token chunk of a sequence; it is
-    kept in the sequence's state slot, so concurrent and resumed requests stay independent.
-    """
-
-    def __init__(self, vocab_size: int, script: list[int], end_token: int):
-        super().__init__()
-        self.config = ModelConfig(
-            model_type="scripted", family="scripted", vocab_size=vocab_size, hidden_size=1,
-            num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=1,
-            intermediate_size=1, layer_types=("linear_attention",),
-        )
-        self.script = list(script)
-        self.end_token = end_token
-        self.anchor = torch.nn.Parameter(torch.zeros(1))
-        self.lm_head = torch.nn.Identity()
-
-    def cache_spec(self) -> CacheSpec:
-        return CacheSpec(num_attention_layers=1, num_kv_heads=1, head_dim=1, num_linear_layers=1,
-                         conv_dim=1, conv_kernel=2, num_v_heads=1, k_head_dim=1, v_head_dim=1)
-
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        recurrent = batch.state_cache.recurrent[0]
-        out = torch.zeros(len(input_ids), 1)
-        start = 0
-        for b, query_len in enumerate(batch.query_lens_cpu):
-            slot = int(batch.state_slots[b])
-            seq_len = batch.seq_lens_cpu[b]
-            if query_len > 1 or recurrent[slot].sum() == 0:
-                recurrent[slot].fill_(seq_len)  # prompt end (a prefill chunk)
-            prompt_end = int(recurrent[slot].flatten()[0])
-            for i in range(query_len):
-                position = seq_len - query_len + i
-                out[start + i, 0] = position + 1 - prompt_end  # index into the script
-            start += query_len
-        return out
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.full((hidden.shape[0], self.config.vocab_size), -1e9)
-        for row, index in enumerate(hidden[:, 0].long().tolist()):
-            token = self.script[index] if 0 <= index < len(self.script) else self.end_token
-            logits[row, token] = 0.0
-        return logits
-
-
 def scripted_server(artifact: str, text: str, **overrides) -> RunningServer:
     """A server whose model answers every prompt with exactly `text` (then <|im_end|>)."""
     config = serve_config(artifact, **overrides)
@@ -170,7 +120,7 @@ def scripted_server(artifact: str, text: str, **overrides) -> RunningServer:
     def build(serving: Serving) -> EngineCore:
         tokenizer = serving.artifact.tokenizer
         end = tokenizer.token_to_id("<|im_end|>")
-        model = ScriptedLM(serving.artifact.config.vocab_size, tokenizer.encode(text), end)
+        model = ScriptedLM(serving.artifact.config.vocab_size, [tokenizer.encode(text)], end)
         return EngineCore(model, tokenizer, config.engine)
 
     return start_server(config, build)

@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from ninfer.server import generation as generation_module
-from ninfer.server.anthropic_messages_request import MessagesContext, parse_messages_request
+from ninfer.server.anthropic_messages.request import parse_messages_request
 from ninfer.server.errors import APIError
+from ninfer.server.request_context import RequestContext
 from tests.server.conftest import RunningServer, lane_held, scripted_server, serve_config, start_server, wait_until
 
 MODEL = "claude-sonnet-local"  # any non-empty label; echoed back
@@ -290,7 +291,7 @@ def test_cache_control_becomes_exact_shared_prefix_frontiers(qwen_server):
             }
         ],
     }
-    parsed = parse_messages_request(body, MessagesContext(serving.capabilities, 64))
+    parsed = parse_messages_request(body, RequestContext(serving.model_id, serving.capabilities, 64))
     prepared = serving.prompt_builder.build(parsed.conversation)
     frontiers = [hint.frontier for hint in prepared.capture_hints if hint.path == "shared_stable_prefix"]
     prefixes = [serving.artifact.tokenizer.decode(prepared.token_ids[:frontier]) for frontier in frontiers]
@@ -376,7 +377,6 @@ REJECTIONS = [
         True,
     ),
     ({"tools": [{**WEATHER_TOOL, "strict": True}]}, "tools[0].strict", "unsupported_parameter", True),
-    ({"tools": [{**WEATHER_TOOL, "defer_loading": True}]}, "tools[0].defer_loading", "unsupported_parameter", True),
     (
         {"tools": [{**WEATHER_TOOL, "allowed_callers": ["code_execution_20250825"]}]},
         "tools[0].allowed_callers",
@@ -437,7 +437,6 @@ REJECTIONS = [
         "unsupported_parameter",
         True,
     ),
-    ({"output_config": {"effort": "low"}}, "output_config.effort", "reasoning_effort_not_supported", True),
     (
         {"thinking": {"type": "enabled", "budget_tokens": 512}, "max_tokens": 4096},
         "thinking.budget_tokens",
@@ -450,7 +449,6 @@ REJECTIONS = [
         "invalid_value",
         False,
     ),
-    ({"thinking": {"type": "adaptive", "display": "omitted"}}, "thinking.display", "unsupported_parameter", True),
     ({"system": FIVE_MARKERS}, "cache_control", "invalid_value", True),
     ({"cache_control": {"type": "ephemeral", "ttl": "2h"}}, "cache_control.ttl", "invalid_value", True),
 ]
@@ -461,7 +459,7 @@ def test_rejections_name_the_field_in_anthropic_envelope(qwen_server, changes, p
     body = {"model": MODEL, "max_tokens": 8, "messages": QUESTION, **changes}
     body = {k: v for k, v in body.items() if v is not None}
     # The envelope has no code member, so the exact (param, code) is read from the parser itself.
-    context = MessagesContext(qwen_server.serving.capabilities, qwen_server.serving.config.default_max_tokens)
+    context = qwen_server.serving.request_context
     with pytest.raises(APIError) as err:
         parse_messages_request(body, context)
     assert (err.value.param, err.value.code) == (param, code)

@@ -14,13 +14,10 @@ import pytest
 
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.conversation import Message, TextPart, ToolCall
-from ninfer.server.anthropic_messages_request import (
-    TOOL_ERROR_MARKER,
-    MessagesContext,
-    MessagesRequest,
-    parse_messages_request,
-)
+from ninfer.server.anthropic_messages.lowering import TOOL_ERROR_MARKER
+from ninfer.server.anthropic_messages.request import MessagesRequest, parse_messages_request
 from ninfer.server.errors import APIError
+from ninfer.server.request_context import RequestContext
 from tests.server.capability_sets import CHATML, QWEN35, QWEN38
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.0; cc_entrypoint=cli;"
@@ -35,7 +32,7 @@ EPHEMERAL = {"type": "ephemeral"}
 def parse(body: dict[str, Any], caps: TemplateCapabilities = QWEN35, **kwargs: Any) -> MessagesRequest:
     full = {"model": "claude-sonnet-local", "max_tokens": 64, **body}
     full.setdefault("messages", [{"role": "user", "content": "Hi"}])
-    return parse_messages_request(full, MessagesContext(caps, default_max_tokens=8192), **kwargs)
+    return parse_messages_request(full, RequestContext("local", caps, default_max_tokens=8192), **kwargs)
 
 
 def rejection(body: dict[str, Any], caps: TemplateCapabilities = QWEN35, **kwargs: Any) -> APIError:
@@ -406,9 +403,9 @@ def test_thinking_modes():
         "messages": [{"role": "user", "content": "Hi"}],
         "thinking": {"type": "enabled", "budget_tokens": 2000},
     }
-    assert parse_messages_request(body, MessagesContext(QWEN35, 8192)).max_tokens == 8192
+    assert parse_messages_request(body, RequestContext("local", QWEN35, 8192)).max_tokens == 8192
     with pytest.raises(APIError):
-        parse_messages_request(body, MessagesContext(QWEN35, 2000))
+        parse_messages_request(body, RequestContext("local", QWEN35, 2000))
 
 
 @pytest.mark.parametrize(
@@ -417,13 +414,7 @@ def test_thinking_modes():
         ({"type": "enabled", "budget_tokens": 1023}, 4096, "thinking.budget_tokens", "invalid_value"),
         ({"type": "enabled", "budget_tokens": 4096}, 4096, "thinking.budget_tokens", "invalid_value"),
         ({"type": "enabled"}, 4096, "thinking.budget_tokens", "missing_required_parameter"),
-        (
-            {"type": "enabled", "budget_tokens": 1024, "display": "omitted"},
-            4096,
-            "thinking.display",
-            "unsupported_parameter",
-        ),
-        ({"type": "adaptive", "display": "omitted"}, 4096, "thinking.display", "unsupported_parameter"),
+        ({"type": "adaptive", "display": "hidden"}, 4096, "thinking.display", "invalid_value"),
         ({"type": "between_tools"}, 4096, "thinking.type", "unsupported_parameter"),
         ({"type": "sometimes"}, 4096, "thinking.type", "invalid_value"),
     ],
@@ -433,17 +424,37 @@ def test_thinking_rejections(thinking, max_tokens, param, code):
     assert (error.param, error.code) == (param, code)
 
 
-def test_thinking_needs_a_template_that_can_think():
-    assert rejection({"thinking": {"type": "adaptive"}}, CHATML).code == "unsupported_parameter"
+def test_omitted_thinking_display_is_served_through_the_signature():
+    request = parse({"thinking": {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}, "max_tokens": 4096})
+    assert request.thinking_omitted and request.conversation.enable_thinking is True
+    assert request.thinking_budget == 1024
+    assert not parse({"thinking": {"type": "adaptive", "display": "summarized"}}).thinking_omitted
+
+
+def test_thinking_on_a_template_that_cannot_think_is_served_without_it():
+    """Compatibility rule: Claude Code always asks for thinking; a plain template answers without."""
+    for thinking in ({"type": "adaptive"}, {"type": "enabled", "budget_tokens": 1024}):
+        request = parse({"thinking": thinking, "max_tokens": 4096}, CHATML)
+        assert request.conversation.enable_thinking is None and request.thinking_budget is None
+        assert request.notes == [f"thinking {thinking['type']!r} served without thinking (the template cannot think)"]
     assert parse({"thinking": {"type": "disabled"}}, CHATML).conversation.enable_thinking is False
 
 
-def test_effort_is_checked_against_the_template_tiers():
-    assert parse({"output_config": {"effort": "low"}}, QWEN38).conversation.reasoning_effort == "low"
-    assert parse({"output_config": {"effort": "xhigh"}}, QWEN38).conversation.reasoning_effort == "xhigh"
-    for effort, caps in (("high", QWEN38), ("max", QWEN38), ("low", QWEN35)):
-        error = rejection({"output_config": {"effort": effort}}, caps)
-        assert (error.code, error.param) == ("reasoning_effort_not_supported", "output_config.effort")
+def test_effort_maps_to_what_the_template_exposes():
+    """Compatibility rule: an exposed tier as is; else the nearest tier (ties go up); plain
+    thinking on a template without tiers; nothing on a template that cannot think."""
+    cases = [
+        ("low", QWEN38, "low", []),
+        ("xhigh", QWEN38, "xhigh", []),
+        ("high", QWEN38, "xhigh", ["output_config.effort 'high' served as 'xhigh', the template's nearest tier"]),
+        ("max", QWEN38, "xhigh", ["output_config.effort 'max' served as 'xhigh', the template's nearest tier"]),
+        ("low", QWEN35, None, ["output_config.effort 'low' served as plain thinking (the template has no effort tiers)"]),
+        ("high", CHATML, None, ["output_config.effort 'high' ignored (the template cannot think)"]),
+    ]
+    for effort, caps, served, notes in cases:
+        request = parse({"output_config": {"effort": effort}}, caps)
+        assert (request.conversation.reasoning_effort, request.notes) == (served, notes), (effort, caps)
+        assert request.requested_effort == effort
     assert rejection({"output_config": {"effort": "extreme"}}, QWEN38).code == "invalid_value"
 
 
@@ -457,7 +468,7 @@ def test_sampling_stop_sequences_and_default_max_tokens():
     assert (request.sampling.temperature, request.sampling.top_p, request.sampling.top_k) == (0.2, 0.9, 5)
     assert request.stop_sequences == ["\n\nHuman:", "END"]
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
-    assert parse_messages_request(body, MessagesContext(QWEN35, 321)).max_tokens == 321
+    assert parse_messages_request(body, RequestContext("local", QWEN35, 321)).max_tokens == 321
 
 
 # ---- tools -----------------------------------------------------------------------------------

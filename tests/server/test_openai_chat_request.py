@@ -15,11 +15,8 @@ from ninfer.contract.sampling import SamplingOverrides
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.conversation import MediaPart, TextPart, ToolCall
 from ninfer.server.errors import APIError
-from ninfer.server.openai_chat_request import (
-    ChatContext,
-    ChatRequest,
-    parse_chat_request,
-)
+from ninfer.server.openai_chat.request import ChatRequest, parse_chat_request
+from ninfer.server.request_context import RequestContext
 
 MODEL = "qwen3.8-27b"
 
@@ -48,7 +45,7 @@ def body(**fields: Any) -> dict[str, Any]:
 
 
 def parse(payload: Any, caps: TemplateCapabilities = QWEN35, vision: bool = False) -> ChatRequest:
-    return parse_chat_request(payload, ChatContext(model_id=MODEL, capabilities=caps, vision_enabled=vision))
+    return parse_chat_request(payload, RequestContext(model_id=MODEL, capabilities=caps, vision_enabled=vision))
 
 
 def rejected(
@@ -287,7 +284,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"
 def test_media_needs_vision():
     messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, IMAGE]}]
     error = rejected(body(messages=messages), param="messages[0].content[1]", code="vision_disabled")
-    assert "--vision" in error.message
+    assert error.message == "messages[0].content[1]: this server does not accept image or video input (vision is not enabled)"
 
 
 def test_media_parts_when_vision_is_on():

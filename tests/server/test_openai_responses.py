@@ -12,7 +12,7 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 
-from ninfer.server.response_store import session_key_for
+from ninfer.server.openai_responses.store import session_key_for
 from tests.server.conftest import scripted_server, serve_config, start_server
 
 STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)

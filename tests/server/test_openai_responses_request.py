@@ -10,11 +10,8 @@ import httpx
 import pytest
 
 from ninfer.contract.reuse_path import ReusePath
-from ninfer.server.openai_responses_request import (
-    ResponsesContext,
-    build_conversation,
-    parse_create,
-)
+from ninfer.server.openai_responses.history import build_conversation
+from ninfer.server.openai_responses.request import parse_create
 from tests.server.conftest import serve_config, start_server
 
 FN = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
@@ -85,8 +82,10 @@ REJECTIONS = [
      "text.format"),
     ({"text": {"format": {"type": "json_object"}}}, 400, "unsupported_parameter", "text.format"),
     ({"text": {"format": {"type": "yaml"}}}, 400, "invalid_value", "text.format.type"),
-    ({"text": {"verbosity": "low"}}, 400, "unsupported_parameter", "text.verbosity"),
-    ({"tools": [{"type": "web_search"}]}, 400, "unsupported_parameter", "tools[0].type"),
+    ({"text": {"verbosity": "loud"}}, 400, "invalid_value", "text.verbosity"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, 400, "unsupported_parameter",
+     "tool_choice"),
+    ({"tools": [{"type": "local_shell"}]}, 400, "unsupported_parameter", "tools[0].type"),
     ({"tools": [{"type": "mcp", "server_label": "x"}]}, 400, "unsupported_parameter", "tools[0].type"),
     ({"tools": [{"type": "custom", "name": "x"}]}, 400, "unsupported_parameter", "tools[0].type"),
     ({"tools": [{**FN, "strict": True}]}, 400, "unsupported_parameter", "tools[0].strict"),
@@ -127,7 +126,8 @@ REJECTIONS = [
     ({"service_tier": "flex"}, 400, "unsupported_parameter", "service_tier"),
     ({"service_tier": "gold"}, 400, "invalid_value", "service_tier"),
     ({"background": True}, 400, "unsupported_parameter", "background"),
-    ({"include": ["reasoning.encrypted_content"]}, 400, "unsupported_parameter", "include"),
+    ({"include": ["message.output_text.logprobs"]}, 400, "unsupported_parameter", "include"),
+    ({"include": ["reasoning.encrypted_content", 5]}, 400, "invalid_type", "include[1]"),
     ({"stream_options": {"include_obfuscation": "no"}}, 400, "invalid_type", "stream_options.include_obfuscation"),
     ({"prompt_cache_retention": "1y"}, 400, "invalid_value", "prompt_cache_retention"),
     ({"prompt_cache_options": {"mode": "always"}}, 400, "invalid_value", "prompt_cache_options.mode"),
@@ -269,7 +269,7 @@ def test_validation_happens_before_any_stream(server):
 
 
 def prompt_of(server, body: dict, history: list[dict] | None = None):
-    context = ResponsesContext(server.serving.model_id, server.serving.capabilities)
+    context = server.serving.request_context
     request = parse_create({"model": server.serving.model_id, **body}, context)
     conversation = build_conversation(request, history or [], None)
     return conversation, server.serving.prompt_builder.build(conversation)
@@ -335,6 +335,6 @@ def test_at_most_four_cache_writes(server):
     _, prepared = prompt_of(server, {"input": [USER], "prompt_cache_options": {"mode": "explicit"}})
     assert shared_frontiers(prepared) == []
     request_items = parse_create({"model": server.serving.model_id, "input": items},
-                                 ResponsesContext(server.serving.model_id, server.serving.capabilities)).items
+                                 server.serving.request_context).items
     conversation, _ = prompt_of(server, {"input": [USER], "previous_response_id": "resp_x"}, history=request_items)
     assert not any(p.cache_breakpoint for m in conversation.messages for p in m.content)

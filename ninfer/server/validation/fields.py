@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -100,3 +101,48 @@ def required_str(obj: dict, key: str, path: str, *, non_empty: bool = False) -> 
     if non_empty and not value:
         raise invalid(path, f"{path} must not be empty")
     return value
+
+
+def enum_value(obj: dict, key: str, path: str, allowed: tuple[str, ...]) -> str | None:
+    value = optional_str(obj, key, path)
+    if value is not None and value not in allowed:
+        raise invalid(path, f"{path} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+def object_body(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, not {json_type(body)}", code="invalid_type")
+    return body
+
+
+def require_object(value: Any, path: str) -> dict:
+    if not isinstance(value, dict):
+        raise wrong_type(path, "an object", value)
+    return value
+
+
+def _reject_non_finite(constant: str) -> Any:
+    raise ValueError(f"{constant} is not valid JSON")
+
+
+def json_object_text(text: str) -> dict[str, Any]:
+    """A JSON string holding an object (tool-call arguments); member order is kept because it
+    reaches the prompt. Raises ValueError (bad JSON, NaN/Infinity) or TypeError (not an object)."""
+    value = json.loads(text, parse_constant=_reject_non_finite)
+    if not isinstance(value, dict):
+        raise TypeError(f"it must encode a JSON object, not {json_type(value)}")
+    return value
+
+
+def arguments_field(obj: dict, key: str, path: str) -> dict[str, Any]:
+    """A required field holding JSON-object text, parsed (tool-call history arguments)."""
+    text = obj.get(key)
+    if text is None:
+        raise invalid(path, f"{path} is required", code="missing_required_parameter")
+    if not isinstance(text, str):
+        raise wrong_type(path, "a JSON string", text)
+    try:
+        return json_object_text(text)
+    except (ValueError, TypeError) as error:
+        raise invalid(path, f"{path} is not a JSON object: {error}") from None

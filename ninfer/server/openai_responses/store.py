@@ -6,13 +6,14 @@ Response), so deleting or evicting an ancestor never breaks a descendant. Item d
 between records, not copied; the byte budget still charges every record for its whole history,
 because that is what the record keeps alive once its ancestors are gone.
 
-The store is touched only from the event loop, so it needs no lock.
+Requests with large bodies are validated on worker threads, so every method takes the lock.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self._records: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._records)
@@ -75,25 +77,28 @@ class ResponseStore:
                 f"the response needs {record.size} bytes of local storage; the store holds "
                 f"{self.max_records} records within {self.max_bytes} bytes"
             )
-        self._remove(record.id)
-        self._records[record.id] = record
-        self._bytes += record.size
-        evicted: list[str] = []
-        while len(self._records) > self.max_records or self._bytes > self.max_bytes:
-            oldest = next(iter(self._records))
-            self._remove(oldest)
-            evicted.append(oldest)
-        return evicted
+        with self._lock:
+            self._remove(record.id)
+            self._records[record.id] = record
+            self._bytes += record.size
+            evicted: list[str] = []
+            while len(self._records) > self.max_records or self._bytes > self.max_bytes:
+                oldest = next(iter(self._records))
+                self._remove(oldest)
+                evicted.append(oldest)
+            return evicted
 
     def get(self, response_id: str) -> StoredResponse | None:
         """The record, marked as most recently used; None when absent, deleted or evicted."""
-        record = self._records.get(response_id)
-        if record is not None:
-            self._records.move_to_end(response_id)
-        return record
+        with self._lock:
+            record = self._records.get(response_id)
+            if record is not None:
+                self._records.move_to_end(response_id)
+            return record
 
     def delete(self, response_id: str) -> bool:
-        return self._remove(response_id)
+        with self._lock:
+            return self._remove(response_id)
 
     def _remove(self, response_id: str) -> bool:
         record = self._records.pop(response_id, None)

@@ -23,7 +23,9 @@ from ninfer.frontend.output_decoder import (
     ToolCallStart,
 )
 from ninfer.server.errors import APIError
-from ninfer.server.openai_responses_request import FunctionRef, new_item_id
+from ninfer.server.openai_responses.items import new_item_id
+from ninfer.server.openai_responses.tools import FunctionRef
+from ninfer.server.reasoning_envelope import seal
 
 # Response object members in OpenAI's order (the SDK does not care; humans reading logs do).
 _RESPONSE_FIELDS = (
@@ -37,9 +39,17 @@ _TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.i
 
 
 class ResponseAssembler:
-    def __init__(self, response_id: str, config: dict[str, Any], functions: dict[str, FunctionRef]):
-        """`config`: the request configuration the Response object repeats (model, tools, ...)."""
+    def __init__(
+        self,
+        response_id: str,
+        config: dict[str, Any],
+        functions: dict[str, FunctionRef],
+        encrypted_reasoning: bool = False,
+    ):
+        """`config`: the request configuration the Response object repeats (model, tools, ...);
+        encrypted_reasoning: reasoning Items also carry their text sealed as encrypted_content."""
         self.id = response_id
+        self.encrypted_reasoning = encrypted_reasoning
         self.created_at = int(time.time())
         self.config = config
         self.functions = functions
@@ -159,6 +169,8 @@ class ResponseAssembler:
             part = {"type": "output_text", "text": text, "annotations": []}
             done = self._event("response.output_text.done", **where, text=text, logprobs=[])
         item["content"] = [part]
+        if item["type"] == "reasoning" and self.encrypted_reasoning:
+            item["encrypted_content"] = seal(text)
         item["status"] = status
         self._open = None
         self._open_text = []

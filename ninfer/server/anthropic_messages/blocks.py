@@ -5,12 +5,14 @@ accumulates from content_block_start/delta/stop equals the aggregate `content` b
 construction. Block lifecycle: a thinking block ends with its signature_delta and then its
 content_block_stop; a text block ends when anything else starts; a tool_use block streams
 its arguments as input_json_delta and ends with the call.
+
+The thinking signature is NInfer's reversible envelope of the block's text, so a client that
+replays the block (with or without its text) renders the same prompt. With display "omitted"
+the block carries no thinking text at all: no thinking_delta, only the signature.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import uuid
 
@@ -21,19 +23,14 @@ from ninfer.frontend.output_decoder import (
     ToolCallEnd,
     ToolCallStart,
 )
+from ninfer.server.reasoning_envelope import seal
 
 SseEvent = tuple[str, dict]  # (event name, JSON payload whose "type" is that name)
 
 
-def thinking_signature(thinking: str) -> str:
-    """An opaque compatibility signature. Request lowering never reads it back, so it only has to
-    be a stable non-empty string; a digest of the text keeps aggregate and stream identical."""
-    digest = hashlib.sha256(b"ninfer-thinking\0" + thinking.encode()).digest()
-    return base64.b64encode(digest).decode()
-
-
 class BlockAssembler:
-    def __init__(self) -> None:
+    def __init__(self, thinking_omitted: bool = False) -> None:
+        self.thinking_omitted = thinking_omitted
         self.content: list[dict] = []  # finished and open blocks, in wire order
         self._open: dict | None = None  # the block being streamed
         self._pieces: list[str] = []  # its text (or arguments JSON) so far
@@ -74,8 +71,8 @@ class BlockAssembler:
         self._pieces = []
         events: list[SseEvent] = []
         if block["type"] == "thinking":
-            block["thinking"] = text
-            block["signature"] = thinking_signature(text)
+            block["thinking"] = "" if self.thinking_omitted else text
+            block["signature"] = seal(text)
             delta = {"type": "signature_delta", "signature": block["signature"]}
             events.append(
                 ("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
@@ -101,6 +98,8 @@ class BlockAssembler:
                 else {"type": "text", "text": ""}
             )
         self._pieces.append(text)
+        if kind == "thinking" and self.thinking_omitted:
+            return events  # the text reaches the client only inside the signature
         events.append(("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta}))
         return events
 

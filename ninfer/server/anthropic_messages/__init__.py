@@ -1,0 +1,1 @@
+"""Anthropic Messages: request rules, block lowering, content blocks and SSE, and the routes."""

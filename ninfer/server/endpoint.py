@@ -1,0 +1,188 @@
+"""The one endpoint lifecycle every generation route runs, and the seam a protocol plugs into.
+
+parse -> reserve a place -> build the prompt -> start the generation under a disconnect watch
+(admission errors stay ordinary HTTP errors) -> stream frames or fold an aggregate body ->
+release the place. A protocol supplies three things: how to parse its body (`Protocol.parse`),
+how its errors and statuses differ (`Protocol.map_error`), and its wire format (a `Wire` per
+request, which the stream and the aggregate drive with the same events, so both agree).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ninfer.frontend.conversation import Conversation
+from ninfer.frontend.prompt_builder import PreparedPrompt, PromptError
+from ninfer.server.engine_client import Overloaded
+from ninfer.server.errors import APIError
+from ninfer.server.generation import FinishEvent, Generation, GenerationOptions, ProgressEvent, race_disconnect
+from ninfer.server.http import read_json, request_id_of
+from ninfer.server.serving import Serving
+from ninfer.server.sse import with_keepalive
+
+log = logging.getLogger("ninfer.server")
+
+
+@dataclass
+class ParsedRequest:
+    """What the lifecycle needs from any protocol's request; protocols subclass it with their own fields."""
+
+    conversation: Conversation
+    options: GenerationOptions
+    stream: bool = False
+
+
+class Wire(abc.ABC):
+    """One request's wire format. Every method returns the SSE frames it produces now; the
+    aggregate path calls the same methods, ignores the frames and then asks for body()."""
+
+    def begin(self) -> list[bytes]:
+        return []
+
+    def progress(self, event: ProgressEvent) -> list[bytes]:
+        return []
+
+    @abc.abstractmethod
+    def output(self, event: object) -> list[bytes]:
+        """A decoder event (reasoning, content, tool-call start/arguments/end)."""
+
+    @abc.abstractmethod
+    def finish(self, event: FinishEvent) -> list[bytes]:
+        """The generation ended; the stream's closing frames."""
+
+    @abc.abstractmethod
+    def error(self, error: APIError) -> list[bytes]:
+        """A failure after the stream started, in the protocol's in-stream error shape."""
+
+    @abc.abstractmethod
+    def body(self) -> dict[str, Any]:
+        """The aggregate response, after finish(); may raise APIError."""
+
+
+class Protocol(abc.ABC):
+    prompt_param = "messages"  # the field a prompt-rendering error names
+
+    @abc.abstractmethod
+    def parse(self, body: object, serving: Serving) -> ParsedRequest:
+        """Validate a create body; raises APIError naming the field."""
+
+    @abc.abstractmethod
+    def wire(self, parsed: ParsedRequest, generation: Generation, request_id: str) -> Wire: ...
+
+    def parse_count(self, body: object, serving: Serving) -> Conversation:
+        """Validate a token-count body (the prompt-shaping subset of create)."""
+        raise NotImplementedError
+
+    def count_body(self, num_tokens: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def map_error(self, error: APIError) -> APIError:
+        """The protocol's statuses and field names for a lifecycle error (default: unchanged)."""
+        return error
+
+
+async def _parse(request: Request, parse, serving: Serving):
+    body, large = await read_json(request)
+    if large:
+        return await asyncio.to_thread(parse, body, serving)
+    return parse(body, serving)
+
+
+async def prepare_prompt(serving: Serving, conversation: Conversation, param: str, with_capture_hints: bool = True):
+    try:
+        return await asyncio.to_thread(serving.prompt_builder.build, conversation, with_capture_hints)
+    except PromptError as exc:
+        raise APIError(400, str(exc), code="invalid_prompt", param=param) from exc
+
+
+def reserve(serving: Serving):
+    try:
+        return serving.engine.reserve()
+    except Overloaded as exc:
+        raise APIError(429, "the server is at capacity; retry later", code="server_overloaded") from exc
+
+
+async def generate(request: Request, serving: Serving, protocol: Protocol) -> Response:
+    """POST of a generation endpoint: the whole lifecycle (module docstring)."""
+    try:
+        parsed = await _parse(request, protocol.parse, serving)
+        ticket = reserve(serving)
+    except APIError as error:
+        raise protocol.map_error(error) from None
+    request_id = request_id_of(request)
+    try:
+        prepared: PreparedPrompt = await prepare_prompt(serving, parsed.conversation, protocol.prompt_param)
+        generation = Generation(serving, request_id, prepared, parsed.options, ticket)
+        await race_disconnect(request.receive, generation.start())
+        wire = protocol.wire(parsed, generation, request_id)
+    except APIError as error:
+        ticket.release()
+        raise protocol.map_error(error) from None
+    except BaseException:
+        ticket.release()
+        raise
+    if parsed.stream:
+        return StreamingResponse(
+            with_keepalive(_stream(protocol, wire, generation, ticket, request_id)),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache"},
+        )
+    try:
+        payload = await race_disconnect(request.receive, _aggregate(wire, generation))
+    except APIError as error:
+        raise protocol.map_error(error) from None
+    finally:
+        ticket.release()
+    return JSONResponse(payload)
+
+
+async def count_tokens(request: Request, serving: Serving, protocol: Protocol) -> Response:
+    """The prompt tokens a create with the same input would use: no engine work, no place taken."""
+    try:
+        conversation = await _parse(request, protocol.parse_count, serving)
+        prepared = await prepare_prompt(serving, conversation, protocol.prompt_param, with_capture_hints=False)
+    except APIError as error:
+        raise protocol.map_error(error) from None
+    return JSONResponse(protocol.count_body(len(prepared.token_ids)))
+
+
+async def _aggregate(wire: Wire, generation: Generation) -> dict[str, Any]:
+    async for event in generation.events():
+        if isinstance(event, FinishEvent):
+            wire.finish(event)
+            return wire.body()
+        if not isinstance(event, ProgressEvent):
+            wire.output(event)
+    raise APIError(500, "the generation ended without a finish event", code="internal_error")
+
+
+async def _stream(protocol: Protocol, wire: Wire, generation: Generation, ticket, request_id: str) -> AsyncIterator[bytes]:
+    try:
+        for frame in wire.begin():
+            yield frame
+        async for event in generation.events():
+            if isinstance(event, ProgressEvent):
+                frames = wire.progress(event)
+            elif isinstance(event, FinishEvent):
+                frames = wire.finish(event)
+            else:
+                frames = wire.output(event)
+            for frame in frames:
+                yield frame
+    except APIError as error:
+        for frame in wire.error(protocol.map_error(error)):
+            yield frame
+    except Exception:
+        log.exception("request %s: the stream failed", request_id)
+        for frame in wire.error(APIError(500, "internal server error", code="internal_error")):
+            yield frame
+    finally:
+        ticket.release()

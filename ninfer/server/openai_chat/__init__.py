@@ -1,0 +1,1 @@
+"""OpenAI Chat Completions: request rules, messages, wire shapes and the route."""

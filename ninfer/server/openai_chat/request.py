@@ -1,0 +1,361 @@
+"""ChatRequest: a Chat Completions body validated into a Conversation and generation options.
+
+Every field the API names is mapped, accepted as neutral/advisory, or rejected with a
+field-specific APIError; options whose behaviour the engine cannot provide are rejected only
+when they actually request it. Unknown top-level fields are ignored. Messages are parsed in
+messages.py; tools, cache markers, media, thinking and sampling rules are the shared ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ninfer.contract.sampling import SamplingOverrides
+from ninfer.frontend.capabilities import EFFORT_TIERS
+from ninfer.frontend.conversation import Conversation, Tool
+from ninfer.server.endpoint import ParsedRequest
+from ninfer.server.errors import APIError, invalid
+from ninfer.server.generation import GenerationOptions
+from ninfer.server.openai_chat.messages import parse_messages
+from ninfer.server.request_context import RequestContext
+from ninfer.server.validation.cache_markers import check_advisory_cache_fields, implicit_candidate, limit_cache_writes
+from ninfer.server.validation.fields import (
+    cannot_provide,
+    enum_value,
+    is_number,
+    object_body,
+    optional_bool,
+    optional_int,
+    optional_list,
+    optional_object,
+    optional_str,
+    required_str,
+    wrong_type,
+)
+from ninfer.server.validation.sampling import openai_sampling, stop_strings
+from ninfer.server.validation.thinking import (
+    ThinkingChoice,
+    check_preserve_thinking,
+    check_template_kwargs,
+    check_thinking_switch,
+    effort_not_supported,
+    exact_effort,
+    template_option,
+)
+from ninfer.server.validation.tools import check_definition_flags, check_parallel_calls, check_template_renders_tools
+
+MAX_STOP_STRINGS = 4
+# Accepted as constrained-decoding requests by other servers; rejected explicitly, never ignored.
+CONSTRAINED_DECODING_ALIASES = (
+    "grammar",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+# Template variables a client may set through chat_template_kwargs.
+TEMPLATE_OPTIONS = ("enable_thinking", "preserve_thinking")
+
+
+@dataclass
+class ChatRequest(ParsedRequest):
+    include_usage: bool = False  # stream_options.include_usage
+    timings_per_token: bool = False
+    return_progress: bool = False
+    requested_reasoning_effort: str | None = None  # the client value, for logs
+    prompt_cache_implicit: bool = True  # prompt_cache_options.mode "explicit" turns the implicit candidate off
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.options.max_tokens
+
+    @property
+    def sampling(self) -> SamplingOverrides:
+        return self.options.sampling
+
+    @property
+    def stop(self) -> list[str]:
+        return self.options.stop
+
+    @property
+    def callable_tools(self) -> dict[str, dict | None]:
+        return self.options.tools or {}
+
+    @property
+    def tools_enabled(self) -> bool:
+        return bool(self.options.tools)
+
+
+def parse_chat_request(body: Any, context: RequestContext) -> ChatRequest:
+    """Validate a parsed JSON body; raises APIError naming the offending field."""
+    body = object_body(body)
+    _check_model(body, context.model_id)
+    _reject_unprovidable_options(body)
+    _check_advisory_fields(body)
+    messages, breakpoints = parse_messages(body, context.vision_enabled)
+    tools = _parse_tools(body)
+    callable_tools = _callable_tools(body, tools)
+    thinking = _thinking(body, context)
+    implicit = implicit_candidate(body)
+    limit_cache_writes(messages, breakpoints, implicit)
+    conversation = Conversation(
+        messages=messages,
+        tools=tools,
+        enable_thinking=thinking.enable_thinking,
+        reasoning_effort=thinking.template_effort,
+        preserve_thinking=thinking.preserve_thinking,
+        implicit_cache_breakpoint=implicit,
+    )
+    check_template_renders_tools(conversation, context.capabilities, "tools" if tools else "messages")
+    stream_options = optional_object(body, "stream_options", "stream_options") or {}
+    optional_bool(stream_options, "include_obfuscation", "stream_options.include_obfuscation")  # advisory
+    options = GenerationOptions(
+        max_tokens=_max_tokens(body),
+        sampling=openai_sampling(body),
+        stop=stop_strings(body, "stop", MAX_STOP_STRINGS, allow_string=True),
+        tools=callable_tools or None,
+    )
+    return ChatRequest(
+        conversation=conversation,
+        options=options,
+        stream=bool(optional_bool(body, "stream", "stream")),
+        include_usage=bool(optional_bool(stream_options, "include_usage", "stream_options.include_usage")),
+        timings_per_token=bool(optional_bool(body, "timings_per_token", "timings_per_token")),
+        return_progress=bool(optional_bool(body, "return_progress", "return_progress")),
+        requested_reasoning_effort=thinking.requested_effort,
+        prompt_cache_implicit=implicit,
+    )
+
+
+# ---- top-level options -----------------------------------------------------------------------
+
+
+def _check_model(body: dict, model_id: str) -> None:
+    # Only an explicit non-empty string names a model; anything else means "the loaded one".
+    model = body.get("model")
+    if isinstance(model, str) and model and model != model_id:
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{model_id}'",
+            code="model_not_found",
+            param="model",
+        )
+
+
+def _reject_unprovidable_options(body: dict) -> None:
+    """Options whose observable behaviour the engine cannot provide, rejected only when requested."""
+    n = optional_int(body, "n", 1)
+    if n is not None and n != 1:
+        raise cannot_provide("n", "more than one choice per request")
+    response_format = optional_object(body, "response_format", "response_format")
+    if response_format is not None:
+        kind = required_str(response_format, "type", "response_format.type")
+        if kind in ("json_object", "json_schema"):
+            raise cannot_provide("response_format", f"JSON constrained output ({kind})")
+        if kind != "text":
+            raise invalid("response_format.type", f"response_format.type must be text, got {kind!r}")
+    modalities = optional_list(body, "modalities", "modalities")
+    if modalities is not None:
+        for i, modality in enumerate(modalities):
+            if modality == "audio":
+                raise cannot_provide("modalities", "audio output")
+            if modality != "text":
+                raise invalid(f"modalities[{i}]", f"modalities[{i}] must be text, got {modality!r}")
+        if not modalities:
+            raise invalid("modalities", "modalities must contain text")
+    if body.get("audio") is not None:
+        raise cannot_provide("audio", "audio output")
+    _check_logit_bias(body)
+    if optional_bool(body, "logprobs", "logprobs"):
+        raise cannot_provide("logprobs", "token log probabilities")
+    if optional_int(body, "top_logprobs", 0, 20):
+        raise cannot_provide("top_logprobs", "token log probabilities")
+    if body.get("web_search_options") is not None:
+        raise cannot_provide("web_search_options", "web search")
+    if body.get("moderation") is not None:
+        raise cannot_provide("moderation", "input/output moderation")
+    verbosity = enum_value(body, "verbosity", "verbosity", ("low", "medium", "high"))
+    if verbosity in ("low", "high"):
+        raise cannot_provide("verbosity", f"{verbosity} output verbosity (only medium)")
+    if optional_bool(body, "store", "store"):
+        raise cannot_provide("store", "stored Chat Completions")
+    _check_legacy_function_controls(body)
+    for alias in CONSTRAINED_DECODING_ALIASES:
+        if body.get(alias) is not None:
+            raise cannot_provide(alias, "constrained decoding")
+    repetition_penalty = body.get("repetition_penalty")
+    if repetition_penalty is not None:
+        if not is_number(repetition_penalty):
+            raise wrong_type("repetition_penalty", "a number", repetition_penalty)
+        if repetition_penalty != 1:
+            raise cannot_provide("repetition_penalty", "a multiplicative repetition penalty other than 1")
+    mm_kwargs = optional_object(body, "mm_processor_kwargs", "mm_processor_kwargs")
+    for key, value in (mm_kwargs or {}).items():
+        if value is not None:
+            raise cannot_provide(f"mm_processor_kwargs.{key}", "per-request multimodal processor options")
+
+
+def _check_logit_bias(body: dict) -> None:
+    logit_bias = optional_object(body, "logit_bias", "logit_bias")
+    for token, bias in (logit_bias or {}).items():
+        path = f"logit_bias.{token}"
+        if not is_number(bias):
+            raise wrong_type(path, "a number", bias)
+        if not math.isfinite(bias) or not -100 <= bias <= 100:
+            raise invalid(path, f"{path} must be between -100 and 100, got {bias!r}")
+        if bias != 0:
+            raise cannot_provide("logit_bias", "token logit biasing (only all-zero biases)")
+
+
+def _check_legacy_function_controls(body: dict) -> None:
+    functions = optional_list(body, "functions", "functions")
+    if functions:
+        raise cannot_provide("functions", "legacy function calling (use tools)")
+    function_call = body.get("function_call")
+    if function_call is None or function_call in ("none", "auto"):
+        return
+    if isinstance(function_call, dict):
+        raise cannot_provide("function_call", "a forced legacy function call")
+    raise invalid("function_call", f"function_call must be none, auto or an object, got {function_call!r}")
+
+
+def _check_advisory_fields(body: dict) -> None:
+    """Advisory hints: accepted without changing execution, but their shape must be right."""
+    for key in ("user", "safety_identifier", "service_tier"):
+        optional_str(body, key, key)
+    check_advisory_cache_fields(body)
+    metadata = optional_object(body, "metadata", "metadata")
+    for key, value in (metadata or {}).items():
+        if not isinstance(value, str):
+            raise wrong_type(f"metadata.{key}", "a string", value)
+    prediction = optional_object(body, "prediction", "prediction")
+    if prediction is not None:
+        if prediction.get("type") != "content":
+            raise invalid("prediction.type", "prediction.type must be content")
+        content = prediction.get("content")
+        if not isinstance(content, (str, list)):
+            raise wrong_type("prediction.content", "a string or an array of text parts", content)
+
+
+def _max_tokens(body: dict) -> int | None:
+    modern = optional_int(body, "max_completion_tokens", 0)
+    legacy = optional_int(body, "max_tokens", 0)
+    if modern is not None and legacy is not None and modern != legacy:
+        raise invalid("max_tokens", f"max_tokens ({legacy}) and max_completion_tokens ({modern}) disagree")
+    return modern if modern is not None else legacy
+
+
+# ---- tools -----------------------------------------------------------------------------------
+
+
+def _parse_tools(body: dict) -> list[Tool]:
+    raw = optional_list(body, "tools", "tools") or []
+    tools: list[Tool] = []
+    seen: set[str] = set()
+    for i, item in enumerate(raw):
+        path = f"tools[{i}]"
+        if not isinstance(item, dict):
+            raise wrong_type(path, "an object", item)
+        kind = required_str(item, "type", f"{path}.type")
+        if kind != "function":
+            raise cannot_provide(f"{path}.type", f"{kind} tools (only function tools)")
+        function = item.get("function")
+        if not isinstance(function, dict):
+            raise wrong_type(f"{path}.function", "an object", function)
+        name = required_str(function, "name", f"{path}.function.name", non_empty=True)
+        if name in seen:
+            raise invalid(f"{path}.function.name", f"{path}.function.name {name!r} is declared twice")
+        seen.add(name)
+        check_definition_flags(function, f"{path}.function")
+        tools.append(
+            Tool(
+                name=name,
+                description=optional_str(function, "description", f"{path}.function.description"),
+                parameters=optional_object(function, "parameters", f"{path}.function.parameters"),
+            )
+        )
+    return tools
+
+
+def _callable_tools(body: dict, tools: list[Tool]) -> dict[str, dict | None]:
+    """The effective callable set: every declared tool, narrowed by tool_choice; empty when disabled."""
+    declared = {tool.name: tool.parameters for tool in tools}
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        allowed = declared
+    elif choice == "none":
+        allowed = {}  # tools stay in the prompt; calls stay text
+    elif choice == "required":
+        raise cannot_provide("tool_choice", "required tool calls")
+    elif isinstance(choice, dict):
+        allowed = _allowed_tools(choice, declared)
+    else:
+        raise invalid("tool_choice", f"tool_choice must be auto, none or an allowed_tools object, got {choice!r}")
+    check_parallel_calls(optional_bool(body, "parallel_tool_calls", "parallel_tool_calls"), "parallel_tool_calls", allowed)
+    return allowed
+
+
+def _allowed_tools(choice: dict, declared: dict[str, dict | None]) -> dict[str, dict | None]:
+    kind = required_str(choice, "type", "tool_choice.type")
+    if kind in ("function", "custom"):
+        raise cannot_provide("tool_choice", "a named (forced) tool choice")
+    if kind != "allowed_tools":
+        raise invalid("tool_choice.type", f"tool_choice.type must be allowed_tools, got {kind!r}")
+    config = choice.get("allowed_tools")
+    if not isinstance(config, dict):
+        raise wrong_type("tool_choice.allowed_tools", "an object", config)
+    mode = required_str(config, "mode", "tool_choice.allowed_tools.mode")
+    if mode == "required":
+        raise cannot_provide("tool_choice.allowed_tools.mode", "required tool calls")
+    if mode != "auto":
+        raise invalid("tool_choice.allowed_tools.mode", f"tool_choice.allowed_tools.mode must be auto, got {mode!r}")
+    entries = config.get("tools")
+    if not isinstance(entries, list):
+        raise wrong_type("tool_choice.allowed_tools.tools", "an array", entries)
+    names: set[str] = set()
+    for i, entry in enumerate(entries):
+        path = f"tool_choice.allowed_tools.tools[{i}]"
+        if not isinstance(entry, dict):
+            raise wrong_type(path, "an object", entry)
+        if entry.get("type") != "function" or not isinstance(entry.get("function"), dict):
+            raise invalid(path, f"{path} must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        name = required_str(entry["function"], "name", f"{path}.function.name")
+        if name not in declared:
+            raise invalid(f"{path}.function.name", f"{path}.function.name {name!r} is not a declared tool")
+        names.add(name)
+    return {name: schema for name, schema in declared.items() if name in names}  # declaration order
+
+
+# ---- thinking / template options -------------------------------------------------------------
+
+
+def _thinking(body: dict, context: RequestContext) -> ThinkingChoice:
+    """reasoning_effort, enable_thinking and preserve_thinking resolved against the loaded template."""
+    caps = context.capabilities
+    kwargs = optional_object(body, "chat_template_kwargs", "chat_template_kwargs") or {}
+    check_template_kwargs(kwargs, TEMPLATE_OPTIONS)
+    enable, enable_source = template_option(body, kwargs, "enable_thinking")
+    preserve, preserve_source = template_option(body, kwargs, "preserve_thinking")
+    effort = enum_value(body, "reasoning_effort", "reasoning_effort", EFFORT_TIERS)
+    choice = ThinkingChoice(requested_effort=effort)
+    if effort is not None:
+        if effort != "none" and effort not in caps.effort_tiers:
+            raise effort_not_supported("reasoning_effort", effort, caps)
+        if enable is not None and enable != (effort != "none"):
+            raise APIError(
+                400,
+                f"reasoning_effort {effort!r} contradicts enable_thinking {str(enable).lower()}",
+                code="conflicting_template_option",
+                param=enable_source,
+            )
+        if enable is not None:
+            check_thinking_switch(enable, enable_source, caps)  # the explicit switch names the field
+        enable, choice.template_effort = exact_effort("reasoning_effort", effort, caps)
+    elif enable is not None:
+        check_thinking_switch(enable, enable_source, caps)
+    choice.enable_thinking = enable
+    choice.preserve_thinking = check_preserve_thinking(preserve, preserve_source, caps)
+    return choice
