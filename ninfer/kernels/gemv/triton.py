@@ -1,5 +1,8 @@
 """Skinny matmul out[M, N] = x[M, K] @ W[N, K]^T for decode batches (M <= 16), bf16 or FP8 weights.
 
+One file past the usual size on purpose: the FMA, DOT and split-K paths, the two epilogues and
+the launch heuristic share tile helpers and one config table, and are tuned together.
+
 At M <= 16 the product is a pure weight stream: 2 * M FLOP per weight element against
 1-2 bytes read, far under the H200's ~200 FLOP/byte ridge, so the goal is to read W once
 at HBM bandwidth. Each program owns BLOCK_N whole output columns (all M rows) and walks K

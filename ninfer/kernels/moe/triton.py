@@ -1,5 +1,8 @@
 """Routed MoE in Triton: fused router (softmax, top-k, renorm) and a grouped SwiGLU expert GEMM.
 
+One file past the usual size on purpose: router, both expert stages and the combine share the
+pair layout (how a program finds its rows) described below, which must change in all at once.
+
 Routing: one program per token holds all E logits, takes the softmax in fp32 and picks the
 top k by k rounds of argmax (ties go to the lowest expert id), renormalising in registers.
 One launch instead of torch's five, and no host sync: capture-safe.
