@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from ninfer.config import EngineConfig, ServeConfig
 from ninfer.contract.sampling import SamplingOverrides
@@ -31,8 +32,12 @@ async def run_chat(args: argparse.Namespace) -> int:
         engine_process=False,
         log_level=args.log_level,
     )
+    started = time.perf_counter()
+    # Loading takes seconds even for the small default model: say so (stderr keeps stdout the answer).
+    _status(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
     serving = build_serving(config)
     await serving.engine.start()
+    _status(f"{serving.model_id} ready in {time.perf_counter() - started:.1f}s")
     try:
         messages = [Message("system", [TextPart(args.system)])] if args.system else []
         messages.append(Message("user", [TextPart(args.prompt)]))
@@ -51,3 +56,8 @@ async def run_chat(args: argparse.Namespace) -> int:
     finally:
         await serving.engine.shutdown()
     return 0
+
+
+def _status(line: str) -> None:
+    sys.stderr.write(f"{_DIM}{line}{_RESET}\n" if sys.stderr.isatty() else f"{line}\n")
+    sys.stderr.flush()

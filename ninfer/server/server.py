@@ -12,7 +12,7 @@ import time
 import uvicorn
 
 from ninfer.artifact import open_artifact
-from ninfer.artifact.default_model import default_model_path
+from ninfer.artifact.default_model import open_default_model
 from ninfer.config import ServeConfig
 from ninfer.engine.builder import EngineSpec, build_engine_core
 from ninfer.log import setup_logging
@@ -48,8 +48,12 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Serving:
     """Open the artifact on the API side (tokenizer and template; weights stay lazy) and the engine client."""
-    artifact_path = config.artifact or str(default_model_path())
-    artifact = open_artifact(artifact_path)
+    if config.artifact is None:
+        artifact = open_default_model()
+        artifact_path = str(artifact.path)
+    else:
+        artifact_path = config.artifact
+        artifact = open_artifact(artifact_path)
     spec = EngineSpec(
         artifact_path=artifact_path,
         engine=config.engine,

@@ -133,3 +133,16 @@ def test_greedy_generation_matches_transformers(
         )
     assert ours == output[0, len(prompt) :].tolist()
     assert "Paris" in artifact.tokenizer.decode(ours)
+
+
+def test_default_sampling_is_the_model_cards() -> None:
+    """The file carries no sampling defaults; the server uses the model card's (temperature 0.2,
+    top_p 0.9), at which the README's question is answered correctly, instead of neutral 1.0."""
+    from ninfer.artifact.default_model import MODEL_CARD_SAMPLING, open_default_model
+    from ninfer.frontend.sampling_defaults import SamplingDefaults
+
+    artifact = open_default_model()
+    defaults = SamplingDefaults.for_model(artifact.config, artifact.generation_defaults)
+    assert (defaults.thinking.temperature, defaults.thinking.top_p) == (0.2, 0.9) == tuple(MODEL_CARD_SAMPLING.values())
+    assert defaults.non_thinking == defaults.thinking
+    assert artifact.generation_defaults["eos_token_id"] == [2]  # the file's own entries are kept
