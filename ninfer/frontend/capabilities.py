@@ -1,8 +1,7 @@
 """TemplateCapabilities: what the loaded chat template can do, found by rendering it.
 
-The server must not guess from the model name (the spec resolves capabilities "from the exact
-chat_template.jinja embedded in the artifact"), so start-up renders a few probe conversations
-and compares the prompts:
+Capabilities come from the artifact's own chat template, never from the model name (a user
+chooses the name), so start-up renders a few probe conversations and compares the prompts:
 
 - thinking switch: `enable_thinking` true and false both render and give different prompts;
 - thinking default: the default generation prompt leaves a think block open;

@@ -45,7 +45,7 @@ class Message:
 
     @property
     def text(self) -> str:
-        """Text parts joined without separators (the spec forbids inserting any)."""
+        """Text parts joined without separators (clients rely on none being inserted)."""
         return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
     @property

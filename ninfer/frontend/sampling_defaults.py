@@ -54,9 +54,9 @@ class RegisteredTarget:
 _QWEN_THINKING = SamplingParams(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=0.0)
 _QWEN_NON_THINKING = SamplingParams(temperature=0.7, top_p=0.80, top_k=20, min_p=0.0, presence_penalty=1.5)
 
-# Spec: "Qwen3.6-27B and Qwen3.8-27B use 1.0/0.95/20/0/0 ... in thinking mode and
-# 0.7/0.80/20/0/1.5 in non-thinking mode. Qwen3.6-35B-A3B differs only in its thinking
-# presence penalty, which is 1.5." Qwen3.5 checkpoints of the same shape match too.
+# Qwen's published presets (temperature/top-p/top-k/min-p/presence penalty): the 27B uses
+# 1.0/0.95/20/0/0 when thinking and 0.7/0.80/20/0/1.5 when not; the 35B-A3B differs only in
+# its thinking presence penalty, 1.5. Qwen3.5 checkpoints of the same shape match too.
 REGISTERED_TARGETS: tuple[RegisteredTarget, ...] = (
     RegisteredTarget(
         name="Qwen3.6/3.8-27B",

@@ -16,7 +16,7 @@ at the *balanced* `</parameter>`: a value may contain function/tool-call markers
 nested `<parameter=..>..</parameter>` text, while an unmatched nested opener or a standalone
 `</parameter>` is ambiguous and sends the whole region back to text.
 
-Argument typing follows the request's tool schemas (spec: a direct primitive `type`, or an
+Argument typing follows the request's tool schemas (a direct primitive `type`, or an
 anyOf/oneOf made only of explicit primitive types, guides conversion; anything else keeps
 untyped inference). Typing never decides *whether* a region is a call, only its values.
 

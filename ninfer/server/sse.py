@@ -1,4 +1,4 @@
-"""Server-sent events with the spec's heartbeat: `: keep-alive` after 5 s without an event."""
+"""Server-sent events with a heartbeat: `: keep-alive` after 5 s without an event."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ SCRIPT = (
 
 def validate_response(raw: dict) -> Response:
     """Response.model_validate, except for one documented divergence: this SDK release requires
-    usage.input_tokens_details.cache_write_tokens, which the spec's checkpoint-native usage leaves
+    usage.input_tokens_details.cache_write_tokens, which NInfer's checkpoint-native usage leaves
     out (NInfer cannot prove how many tokens a capture hint wrote)."""
     usage = raw.get("usage")
     if usage is not None:

@@ -280,7 +280,7 @@ class Scheduler:
         self._append_token(seq, token_id, forced=False)
         if seq.is_finished:
             return
-        # The output limit wins over the thinking cap (spec: limits first, then the forced close).
+        # The output limit wins over the thinking cap: limits first, then the forced close.
         if seq.num_output_tokens >= seq.max_new_tokens:
             self._finish(seq, FinishReason.LENGTH)
             return
