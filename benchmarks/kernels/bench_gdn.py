@@ -26,7 +26,7 @@ HEAD_DIM = 128
 NUM_LAYERS = 16
 BATCHES = (1, 8)
 # (BLOCK_V, num_warps) beside the default choice (None); the first run's sweep also had
-# (16, 2), (32, 8), (64, 8), (128, 8), all slower (docs/gpu-notes.md).
+# (16, 2), (32, 8), (64, 8), (128, 8), all slower (docs/kernels.md).
 VARIANTS = ((None, 4), (16, 4), (32, 4), (64, 4))
 
 

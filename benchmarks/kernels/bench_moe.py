@@ -35,7 +35,8 @@ PREFILL_BLOCK_M = (16, 32, 64)
 # --prefill-sweep: 8192 tokens (256 rows per expert on average, the 35B-A3B 8K prefill chunk).
 # (block_m, up tile or None = default, down tile or None); tiles are (BLOCK_N, BLOCK_K, warps, stages).
 SWEEP_TOKENS = 8192
-# The first run's best Triton tiles at BLOCK_M 64 and 128 (docs/gpu-notes.md, session 3).
+# The best Triton tiles at BLOCK_M 64 and 128 in the first --prefill-sweep run on an H200
+# (2026-12-01; docs/kernels.md, "Routed MoE").
 SWEEP_TRITON = ((64, (64, 64, 4, 3), (128, 64, 8, 3)), (128, (64, 64, 4, 3), (128, 64, 4, 3)))
 
 

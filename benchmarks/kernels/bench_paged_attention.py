@@ -179,7 +179,7 @@ def decode_cases(copy_bw: float, quick: bool, deadline: float) -> list[dict]:
     return rows
 
 
-PREFILL_CONFIGS = {  # (BLOCK_M, BLOCK_N, warps, stages): spill-free on sm_90 (cuobjdump), see docs/gpu-notes.md
+PREFILL_CONFIGS = {  # (BLOCK_M, BLOCK_N, warps, stages): spill-free on sm_90 (cuobjdump), see docs/kernels.md
     256: [(64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2)],
     128: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
 }

@@ -1,8 +1,9 @@
 """The SM clock each benchmark case ran at, sampled from NVML on a background thread.
 
-The lent H200s run under a power cap that moves the SM clock between about 1.45 and
-1.98 GHz during long runs; prefill is bound by the matrix units, so its rate (and its
-fraction of a matrix rate measured at another moment) is only readable next to the clock.
+The H200s measured in docs/performance.md ran under a software power cap that moved the
+SM clock between about 1.45 and 1.98 GHz during long runs; prefill is bound by the matrix
+units, so its rate (and its fraction of a matrix rate measured at another moment) is only
+readable next to the clock.
 """
 
 from __future__ import annotations

@@ -333,7 +333,7 @@ def test_heuristic_on_real_shapes() -> None:
                 assert programs >= 2 * 132 or k // cfg.split_k < 4 * cfg.block_k
     assert fast._config(1, 5120, 6144, torch.bfloat16, 132) is fast._config(1, 5120, 6144, torch.bfloat16, 132)
     # FP8: FMA at M = 1, and at M = 2 from N = 4096 on, as 2 rows x 1 KiB on 2 warps (measured
-    # on the 27B shapes, session 6); DOT below; bf16 DOT at M = 4 on the 27B shapes: 32
+    # on the 27B shapes, docs/kernels.md); DOT below; bf16 DOT at M = 4 on the 27B shapes: 32
     # columns on 4 warps (measured).
     assert [fast._config(m, 16480, 5120, FP8, 132).use_dot for m in (1, 2, 4, 16)] == [False, False, True, True]
     for n, k in [(16480, 5120), (5120, 6144), (34816, 5120), (5120, 17408)]:
