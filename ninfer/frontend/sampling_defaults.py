@@ -1,13 +1,13 @@
 """SamplingDefaults: the effective SamplingParams of a request, resolved from four layers.
 
-  1. a preset for the loaded model and the request's thinking mode: a registered preset when
-     the architecture is a registered target, else the artifact's generation defaults, else
-     neutral values;
+  1. a preset for the loaded model and the request's thinking mode: its family module's
+     preset when the architecture is a registered shape, else the artifact's generation
+     defaults, else neutral values;
   2. process flags (--temperature, --top-p, ... --seed) override the preset;
   3. request fields override the process flags;
   4. --greedy finally forces temperature 0.
 
-Registered targets are recognised from architecture facts in ModelConfig, never from names:
+Registered shapes are recognised from architecture facts in ModelConfig, never from names:
 the model id is user-chosen and the Qwen3.5/3.6/3.8 generations share one shape.
 """
 
@@ -22,61 +22,13 @@ import msgspec
 
 from ninfer.contract.sampling import TOP_K_CAP, SamplingOverrides, SamplingParams
 from ninfer.models.config import ModelConfig
+from ninfer.models.registry import sampling_preset_for
 
 NEUTRAL = SamplingParams()  # temperature 1, top_p 1, top_k 0 (the cap), min_p 0, no penalties
 
 # Generation-defaults keys a generic preset reads; repetition_penalty is deliberately not one
 # (the engine has no multiplicative penalty, and the API accepts only its neutral value).
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
-
-
-@dataclass(frozen=True)
-class RegisteredTarget:
-    """Architecture facts that identify one registered model shape, and its presets."""
-
-    name: str
-    family: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_experts: int  # 0: dense
-    thinking: SamplingParams
-    non_thinking: SamplingParams
-
-    def matches(self, config: ModelConfig) -> bool:
-        return (
-            config.family == self.family
-            and config.hidden_size == self.hidden_size
-            and config.num_hidden_layers == self.num_hidden_layers
-            and config.num_experts == self.num_experts
-        )
-
-
-_QWEN_THINKING = SamplingParams(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=0.0)
-_QWEN_NON_THINKING = SamplingParams(temperature=0.7, top_p=0.80, top_k=20, min_p=0.0, presence_penalty=1.5)
-
-# Qwen's published presets (temperature/top-p/top-k/min-p/presence penalty): the 27B uses
-# 1.0/0.95/20/0/0 when thinking and 0.7/0.80/20/0/1.5 when not; the 35B-A3B differs only in
-# its thinking presence penalty, 1.5. Qwen3.5 checkpoints of the same shape match too.
-REGISTERED_TARGETS: tuple[RegisteredTarget, ...] = (
-    RegisteredTarget(
-        name="Qwen3.6/3.8-27B",
-        family="qwen3_5",
-        hidden_size=5120,
-        num_hidden_layers=64,
-        num_experts=0,
-        thinking=_QWEN_THINKING,
-        non_thinking=_QWEN_NON_THINKING,
-    ),
-    RegisteredTarget(
-        name="Qwen3.6-35B-A3B",
-        family="qwen3_5",
-        hidden_size=2048,
-        num_hidden_layers=40,
-        num_experts=256,
-        thinking=msgspec.structs.replace(_QWEN_THINKING, presence_penalty=1.5),
-        non_thinking=_QWEN_NON_THINKING,
-    ),
-)
 
 
 def _valid_generation_default(key: str, value: Any) -> bool:
@@ -100,9 +52,9 @@ class SamplingDefaults:
 
     @classmethod
     def for_model(cls, config: ModelConfig, generation_defaults: Mapping[str, Any] | None = None) -> SamplingDefaults:
-        for target in REGISTERED_TARGETS:
-            if target.matches(config):
-                return cls(target.name, target.thinking, target.non_thinking)
+        preset = sampling_preset_for(config)
+        if preset is not None:
+            return cls(preset.name, preset.thinking, preset.non_thinking)
         source = generation_defaults or {}
         given: dict[str, Any] = {}
         ignored: list[str] = []

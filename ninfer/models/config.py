@@ -13,20 +13,6 @@ from typing import Any
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 
-# model_type -> our family key (one model file per family)
-FAMILY_BY_MODEL_TYPE = {
-    "qwen3_5": "qwen3_5",
-    "qwen3_5_text": "qwen3_5",
-    "qwen3_5_moe": "qwen3_5",
-    "qwen3_5_moe_text": "qwen3_5",
-    "qwen3_next": "qwen3_next",
-    "llama": "llama",
-    "qwen2": "llama",
-    "qwen3": "llama",
-    "qwen3_moe": "llama",
-}
-
-
 class ConfigError(ValueError):
     """The artifact's config cannot describe a model we can build."""
 
@@ -144,12 +130,13 @@ class ModelConfig:
                     hf[key] = top[key]
         if model_type is None:
             raise ConfigError(f"{source}: no model_type")
+        from ninfer.models.registry import family_for_model_type, supported_model_types
+
         base_type = model_type.removesuffix("_text")
-        family = FAMILY_BY_MODEL_TYPE.get(model_type) or FAMILY_BY_MODEL_TYPE.get(base_type)
+        family = family_for_model_type(model_type)
         if family is None:
             raise ConfigError(
-                f"{source}: unsupported model_type {model_type!r} "
-                f"(supported: {', '.join(sorted(set(FAMILY_BY_MODEL_TYPE)))})"
+                f"{source}: unsupported model_type {model_type!r} (supported: {', '.join(supported_model_types())})"
             )
 
         def need(key: str) -> Any:
@@ -171,9 +158,8 @@ class ModelConfig:
         scaling = None
         if rope_type not in (None, "default", "mrope"):
             scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
-        mrope_section = rope.get("mrope_section")
 
-        hybrid = family in ("qwen3_5", "qwen3_next")
+        hybrid = family.hybrid
         layer_types = hf.get("layer_types")
         if hybrid and not layer_types:
             interval = int(hf.get("full_attention_interval", 4))
@@ -191,16 +177,18 @@ class ModelConfig:
         eos = hf.get("eos_token_id", top.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-        if base_type == "qwen3_moe" and not num_experts:
-            raise ConfigError(f"{source}: qwen3_moe config without num_experts")
+        try:
+            family_fields = family.config_fields(hf, rope, base_type)
+        except ConfigError as error:
+            raise ConfigError(f"{source}: {error}") from None
         intermediate = hf.get("intermediate_size")
         if intermediate is None and not num_experts:
             raise ConfigError(f"{source}: missing required key 'intermediate_size' for {model_type}")
         dtype = hf.get("dtype") or hf.get("torch_dtype") or top.get("dtype") or top.get("torch_dtype") or "bfloat16"
 
-        return cls(
+        fields = dict(
             model_type=model_type,
-            family=family,
+            family=family.name,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             num_hidden_layers=num_layers,
@@ -216,15 +204,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             partial_rotary_factor=partial,
             rope_scaling=scaling,
-            mrope_section=tuple(mrope_section) if mrope_section and family == "qwen3_5" else None,
-            mrope_interleaved=bool(rope.get("mrope_interleaved", family == "qwen3_5")) and family == "qwen3_5",
-            # transformers' Qwen2 always has q/k/v biases, whatever the config says.
-            attention_bias=True if base_type == "qwen2" else bool(hf.get("attention_bias") or False),
-            attention_output_bias=base_type == "llama" and bool(hf.get("attention_bias") or False),
+            attention_bias=bool(hf.get("attention_bias") or False),
             mlp_bias=bool(hf.get("mlp_bias") or False),
-            qk_norm=base_type in ("qwen3", "qwen3_moe") or hybrid,
-            attn_output_gate=hybrid and bool(hf.get("attn_output_gate", True)),
-            zero_centered_norm=hybrid,
             layer_types=tuple(layer_types),
             linear_conv_kernel_dim=int(hf.get("linear_conv_kernel_dim", 4)),
             linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
@@ -235,8 +216,7 @@ class ModelConfig:
             num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
             shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
-            # Qwen3.5-MoE always renormalises the top-k weights; the others follow the config.
-            norm_topk_prob=True if family == "qwen3_5" else bool(hf.get("norm_topk_prob", True)),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
             decoder_sparse_step=int(hf.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
             mtp_num_hidden_layers=int(hf.get("mtp_num_hidden_layers", hf.get("num_nextn_predict_layers", 0)) or 0),
@@ -245,3 +225,4 @@ class ModelConfig:
             pad_token_id=hf.get("pad_token_id", top.get("pad_token_id")),
             extra={"top_level": {k: v for k, v in top.items() if k != "text_config"}},
         )
+        return cls(**{**fields, **family_fields})

@@ -1,40 +1,53 @@
-"""Which model file and checkpoint rules serve each architecture family."""
+"""The architecture families NInfer serves: one family module each (models/families/)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Callable, Iterable
-from typing import Any
 
-import torch
+from ninfer.models.family import CheckpointRule, ModelFamily, SamplingPreset, WeightSlice
 
-from ninfer.models.config import ModelConfig
+FAMILY_MODULES = ("qwen3_5", "qwen3_next", "llama")
 
-# A checkpoint rule maps one stored tensor to zero or more (parameter name, index, tensor)
-# writes; index None writes the whole parameter, otherwise param[index] = tensor.
-WeightSlice = tuple[str, Any, torch.Tensor]
-CheckpointRule = Callable[[str, torch.Tensor, ModelConfig], Iterable[WeightSlice]]
-
-_MODEL_CLASSES = {
-    "qwen3_5": "ninfer.models.qwen3_5:Qwen3_5ForCausalLM",
-    "qwen3_next": "ninfer.models.qwen3_next:Qwen3NextForCausalLM",
-    "llama": "ninfer.models.llama:LlamaForCausalLM",
-}
-_CHECKPOINT_RULES = {
-    "qwen3_5": "ninfer.models.checkpoint.qwen3_5:convert",
-    "qwen3_next": "ninfer.models.checkpoint.qwen3_next:convert",
-    "llama": "ninfer.models.checkpoint.llama:convert",
-}
+__all__ = [
+    "CheckpointRule",
+    "WeightSlice",
+    "checkpoint_rule",
+    "families",
+    "family_for_model_type",
+    "model_class",
+    "sampling_preset_for",
+]
 
 
-def _resolve(path: str) -> Any:
-    module, name = path.split(":")
+@functools.cache
+def families() -> tuple[ModelFamily, ...]:
+    return tuple(importlib.import_module(f"ninfer.models.families.{name}").FAMILY for name in FAMILY_MODULES)
+
+
+def family_named(name: str) -> ModelFamily:
+    return next(family for family in families() if family.name == name)
+
+
+def family_for_model_type(model_type: str) -> ModelFamily | None:
+    base_type = model_type.removesuffix("_text")
+    return next((f for f in families() if model_type in f.model_types or base_type in f.model_types), None)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for family in families() for t in family.model_types)
+
+
+def model_class(config) -> type:
+    module, name = family_named(config.family).model_class.split(":")
     return getattr(importlib.import_module(module), name)
 
 
-def model_class(config: ModelConfig) -> type:
-    return _resolve(_MODEL_CLASSES[config.family])
+def checkpoint_rule(config) -> CheckpointRule:
+    return family_named(config.family).checkpoint_rule
 
 
-def checkpoint_rule(config: ModelConfig) -> CheckpointRule:
-    return _resolve(_CHECKPOINT_RULES[config.family])
+def sampling_preset_for(config) -> SamplingPreset | None:
+    """The registered shape the config matches, within its own family."""
+    family = family_named(config.family) if config.family in FAMILY_MODULES else None
+    return next((preset for preset in family.sampling_presets if preset.matches(config)), None) if family else None

@@ -1,4 +1,4 @@
-"""Checkpoint rule for the llama family (Llama, Qwen2, Qwen3, Qwen3-MoE).
+"""The llama family (Llama, Qwen2, Qwen3, Qwen3-MoE): its config quirks and checkpoint rule.
 
 Names already match the model except Qwen3-MoE experts, which HF checkpoints store one
 tensor per expert; our model keeps them fused ([E, 2I, H] gate rows then up rows, and
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from ninfer.models.config import ModelConfig
-from ninfer.models.registry import WeightSlice
+from ninfer.models.config import ConfigError, ModelConfig
+from ninfer.models.family import ModelFamily, WeightSlice
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # Buffers some exporters save; we recompute them.
@@ -36,3 +37,24 @@ def convert(name: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[We
         yield f"{prefix}.gate_up_proj", (expert_id, slice(0, intermediate)), tensor
     else:
         yield f"{prefix}.gate_up_proj", (expert_id, slice(intermediate, 2 * intermediate)), tensor
+
+
+def _config_fields(hf: dict[str, Any], rope: dict[str, Any], base_type: str) -> dict[str, Any]:
+    if base_type == "qwen3_moe" and not (hf.get("num_experts") or hf.get("num_local_experts")):
+        raise ConfigError("qwen3_moe config without num_experts")
+    attention_bias = bool(hf.get("attention_bias") or False)
+    return {
+        # transformers' Qwen2 always has q/k/v biases, whatever the config says.
+        "attention_bias": True if base_type == "qwen2" else attention_bias,
+        "attention_output_bias": base_type == "llama" and attention_bias,  # Llama's also covers o_proj
+        "qk_norm": base_type in ("qwen3", "qwen3_moe"),
+    }
+
+
+FAMILY = ModelFamily(
+    name="llama",
+    model_types=("llama", "qwen2", "qwen3", "qwen3_moe"),
+    model_class="ninfer.models.llama:LlamaForCausalLM",
+    checkpoint_rule=convert,
+    config_fields=_config_fields,
+)

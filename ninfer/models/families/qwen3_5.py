@@ -1,4 +1,4 @@
-"""Checkpoint rules for Qwen3.5 / 3.6 / 3.8 (dense and MoE, VLM or text-only layout).
+"""The Qwen3.5 / 3.6 / 3.8 family (dense and MoE, VLM or text-only layout): config, presets, checkpoint rules.
 
 - `model.language_model.X` (VLM checkpoints) and `model.X` (text-only) -> `model.X`
 - `model.visual.*` -> nothing (the vision tower is a separate module)
@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import Any
 
+import msgspec
 import torch
 
+from ninfer.contract.sampling import SamplingParams
 from ninfer.models.config import ModelConfig
-from ninfer.models.registry import WeightSlice
+from ninfer.models.family import ModelFamily, SamplingPreset, WeightSlice
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 
@@ -54,3 +57,39 @@ def convert(name: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[We
         yield from expert_slices
         return
     yield target, None, tensor
+
+
+def config_fields(hf: dict[str, Any], rope: dict[str, Any], base_type: str) -> dict[str, Any]:
+    """The Qwen3.5 hybrid trunk: q/k norms, gated attention output, zero-centred norms,
+    interleaved MRoPE, and always-renormalised MoE top-k weights."""
+    mrope_section = rope.get("mrope_section")
+    return {
+        "qk_norm": True,
+        "attn_output_gate": bool(hf.get("attn_output_gate", True)),
+        "zero_centered_norm": True,
+        "mrope_section": tuple(mrope_section) if mrope_section else None,
+        "mrope_interleaved": bool(rope.get("mrope_interleaved", True)),
+        "norm_topk_prob": True,
+    }
+
+
+_THINKING = SamplingParams(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=0.0)
+_NON_THINKING = SamplingParams(temperature=0.7, top_p=0.80, top_k=20, min_p=0.0, presence_penalty=1.5)
+
+FAMILY = ModelFamily(
+    name="qwen3_5",
+    model_types=("qwen3_5", "qwen3_5_moe"),
+    model_class="ninfer.models.qwen3_5:Qwen3_5ForCausalLM",
+    checkpoint_rule=convert,
+    hybrid=True,
+    config_fields=config_fields,
+    # Qwen's published presets (temperature/top-p/top-k/min-p/presence penalty): the 27B uses
+    # 1.0/0.95/20/0/0 when thinking and 0.7/0.80/20/0/1.5 when not; the 35B-A3B differs only in
+    # its thinking presence penalty, 1.5. Qwen3.5, 3.6 and 3.8 share these shapes.
+    sampling_presets=(
+        SamplingPreset("Qwen3.6/3.8-27B", 5120, 64, 0, _THINKING, _NON_THINKING),
+        SamplingPreset(
+            "Qwen3.6-35B-A3B", 2048, 40, 256, msgspec.structs.replace(_THINKING, presence_penalty=1.5), _NON_THINKING
+        ),
+    ),
+)

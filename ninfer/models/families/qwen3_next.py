@@ -1,4 +1,4 @@
-"""Checkpoint rules for Qwen3-Next.
+"""The Qwen3-Next family: the Qwen3.5 hybrid in the older tensor layout; config and checkpoint rules.
 
 Beyond the Qwen3.5 rules (per-expert experts, MTP), the hub checkpoints fuse the GDN input
 projections with rows grouped per key head:
@@ -10,12 +10,13 @@ which we split into in_proj_qkv ([q | k | v], head-major) / in_proj_z / in_proj_
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from ninfer.models.checkpoint import qwen3_5
 from ninfer.models.config import ModelConfig
-from ninfer.models.registry import WeightSlice
+from ninfer.models.families import qwen3_5
+from ninfer.models.family import ModelFamily, WeightSlice
 
 
 def _split_qkvz(prefix: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[WeightSlice]:
@@ -46,3 +47,17 @@ def convert(name: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[We
         yield from _split_ba(name.removesuffix(".in_proj_ba.weight"), tensor, config)
     else:
         yield from qwen3_5.convert(name, tensor, config)
+
+
+def _config_fields(hf: dict[str, Any], rope: dict[str, Any], base_type: str) -> dict[str, Any]:
+    return {"qk_norm": True, "attn_output_gate": bool(hf.get("attn_output_gate", True)), "zero_centered_norm": True}
+
+
+FAMILY = ModelFamily(
+    name="qwen3_next",
+    model_types=("qwen3_next",),
+    model_class="ninfer.models.qwen3_next:Qwen3NextForCausalLM",
+    checkpoint_rule=convert,
+    hybrid=True,
+    config_fields=_config_fields,
+)

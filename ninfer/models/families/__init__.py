@@ -1,0 +1,1 @@
+"""One module per architecture family: its config quirks, checkpoint rules and sampling presets."""
