@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
-import os
 import queue
 import tempfile
 import threading
@@ -33,11 +32,11 @@ from ninfer.contract.messages import (
     Shutdown,
     ToEngine,
     decode_from_engine,
-    decode_to_engine,
     encode,
 )
 from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason
 from ninfer.contract.request import EngineRequest
+from ninfer.engine.process import engine_process_main
 
 log = logging.getLogger("ninfer.engine")
 
@@ -197,43 +196,6 @@ class InProcessEngineClient(EngineClient):
             self._thread = None
 
 
-def _engine_process_main(build_core: Callable[[], object], inbox_addr: str, outbox_addr: str) -> None:
-    """Entry point of the engine process: build the core, then serve the loop over ZMQ."""
-    import zmq
-
-    from ninfer.engine.loop import EngineLoop
-
-    context = zmq.Context()
-    pull = context.socket(zmq.PULL)
-    pull.connect(inbox_addr)
-    push = context.socket(zmq.PUSH)
-    push.connect(outbox_addr)
-    try:
-        core = build_core()
-    except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits
-        log.exception("engine start-up failed")
-        push.send(encode(Failed(f"start-up failed: {type(exc).__name__}: {exc}")))
-        return
-    push.send(encode(Ready({"pid": os.getpid()})))
-
-    def receive(timeout: float | None) -> ToEngine | None:
-        if timeout is None:
-            return decode_to_engine(pull.recv())
-        if timeout == 0.0:
-            try:
-                return decode_to_engine(pull.recv(flags=zmq.NOBLOCK))
-            except zmq.Again:
-                return None
-        if pull.poll(int(timeout * 1000)):
-            return decode_to_engine(pull.recv())
-        return None
-
-    EngineLoop(core, receive, lambda m: push.send(encode(m))).run()
-    push.close(linger=1000)
-    pull.close(linger=0)
-    context.term()
-
-
 class ProcessEngineClient(EngineClient):
     """The engine in its own OS process, so JSON/SSE work never delays a decode batch."""
 
@@ -261,7 +223,7 @@ class ProcessEngineClient(EngineClient):
         self._pull.bind(outbox_addr)
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
-            target=_engine_process_main, args=(self._build_core, inbox_addr, outbox_addr), name="ninfer-engine"
+            target=engine_process_main, args=(self._build_core, inbox_addr, outbox_addr), name="ninfer-engine"
         )
         self._process.start()
         first = decode_from_engine(await asyncio.wait_for(self._pull.recv(), self._start_timeout_s))

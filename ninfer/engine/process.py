@@ -1,0 +1,52 @@
+"""The engine process's main function: build the core, then serve the loop over ZMQ.
+
+The API process spawns it (server/engine_client.py) and talks to it with the messages of
+contract/messages.py; a start-up failure is reported as Failed before the process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+from ninfer.contract.messages import Failed, Ready, ToEngine, decode_to_engine, encode
+
+log = logging.getLogger("ninfer.engine")
+
+
+def engine_process_main(build_core: Callable[[], object], inbox_addr: str, outbox_addr: str) -> None:
+    """Entry point of the engine process: build the core, then serve the loop over ZMQ."""
+    import zmq
+
+    from ninfer.engine.loop import EngineLoop
+
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.connect(inbox_addr)
+    push = context.socket(zmq.PUSH)
+    push.connect(outbox_addr)
+    try:
+        core = build_core()
+    except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits
+        log.exception("engine start-up failed")
+        push.send(encode(Failed(f"start-up failed: {type(exc).__name__}: {exc}")))
+        return
+    push.send(encode(Ready({"pid": os.getpid()})))
+
+    def receive(timeout: float | None) -> ToEngine | None:
+        if timeout is None:
+            return decode_to_engine(pull.recv())
+        if timeout == 0.0:
+            try:
+                return decode_to_engine(pull.recv(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                return None
+        if pull.poll(int(timeout * 1000)):
+            return decode_to_engine(pull.recv())
+        return None
+
+    EngineLoop(core, receive, lambda m: push.send(encode(m))).run()
+    push.close(linger=1000)
+    pull.close(linger=0)
+    context.term()
