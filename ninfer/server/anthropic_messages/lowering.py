@@ -32,6 +32,7 @@ from ninfer.server.validation.fields import (
     optional_object,
     optional_str,
     require_object,
+    required_list,
     required_str,
     wrong_type,
 )
@@ -159,13 +160,7 @@ class Lowering:
 
     def messages(self, body: dict) -> tuple[list[Message], bool]:
         """The ordered history and whether its final Assistant turn is a prefill to continue."""
-        raw = body.get("messages")
-        if raw is None:
-            raise invalid("messages", "messages is required", code="missing_required_parameter")
-        if not isinstance(raw, list):
-            raise wrong_type("messages", "an array of messages", raw)
-        if not raw:
-            raise invalid("messages", "messages must contain at least one message")
+        raw = required_list(body, "messages", "messages")
         turns: list[Turn] = []
         for i, item in enumerate(raw):
             turn = self._turn(item, f"messages[{i}]")

@@ -18,6 +18,7 @@ from ninfer.server.validation.fields import (
     optional_list,
     optional_object,
     optional_str,
+    required_list,
     required_str,
     wrong_type,
 )
@@ -30,13 +31,7 @@ MEDIA_PART_KINDS = {"image_url": "image", "video_url": "video"}
 
 def parse_messages(body: dict, vision_enabled: bool) -> tuple[list[Message], list[TextPart]]:
     """The conversation's messages and the text parts that carry an explicit cache breakpoint."""
-    raw = body.get("messages")
-    if raw is None:
-        raise invalid("messages", "messages is required", code="missing_required_parameter")
-    if not isinstance(raw, list):
-        raise wrong_type("messages", "an array of messages", raw)
-    if not raw:
-        raise invalid("messages", "messages must contain at least one message")
+    raw = required_list(body, "messages", "messages")
     parser = _MessageParser(vision_enabled)
     messages = [parser.parse(item, f"messages[{i}]") for i, item in enumerate(raw)]
     return messages, parser.breakpoints

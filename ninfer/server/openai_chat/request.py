@@ -32,6 +32,7 @@ from ninfer.server.validation.fields import (
     optional_object,
     optional_str,
     required_str,
+    text_format,
     wrong_type,
 )
 from ninfer.server.validation.sampling import openai_sampling, stop_strings
@@ -44,7 +45,12 @@ from ninfer.server.validation.thinking import (
     exact_effort,
     template_option,
 )
-from ninfer.server.validation.tools import check_definition_flags, check_parallel_calls, check_template_renders_tools
+from ninfer.server.validation.tools import (
+    check_allowed_tools_mode,
+    check_definition_flags,
+    check_parallel_calls,
+    check_template_renders_tools,
+)
 
 MAX_STOP_STRINGS = 4
 # Accepted as constrained-decoding requests by other servers; rejected explicitly, never ignored.
@@ -150,13 +156,7 @@ def _reject_unprovidable_options(body: dict) -> None:
     n = optional_int(body, "n", 1)
     if n is not None and n != 1:
         raise cannot_provide("n", "more than one choice per request")
-    response_format = optional_object(body, "response_format", "response_format")
-    if response_format is not None:
-        kind = required_str(response_format, "type", "response_format.type")
-        if kind in ("json_object", "json_schema"):
-            raise cannot_provide("response_format", f"JSON constrained output ({kind})")
-        if kind != "text":
-            raise invalid("response_format.type", f"response_format.type must be text, got {kind!r}")
+    text_format(body, "response_format", "response_format", "JSON constrained output")
     modalities = optional_list(body, "modalities", "modalities")
     if modalities is not None:
         for i, modality in enumerate(modalities):
@@ -307,11 +307,7 @@ def _allowed_tools(choice: dict, declared: dict[str, dict | None]) -> dict[str, 
     config = choice.get("allowed_tools")
     if not isinstance(config, dict):
         raise wrong_type("tool_choice.allowed_tools", "an object", config)
-    mode = required_str(config, "mode", "tool_choice.allowed_tools.mode")
-    if mode == "required":
-        raise cannot_provide("tool_choice.allowed_tools.mode", "required tool calls")
-    if mode != "auto":
-        raise invalid("tool_choice.allowed_tools.mode", f"tool_choice.allowed_tools.mode must be auto, got {mode!r}")
+    check_allowed_tools_mode(config, "tool_choice.allowed_tools.mode")
     entries = config.get("tools")
     if not isinstance(entries, list):
         raise wrong_type("tool_choice.allowed_tools.tools", "an array", entries)

@@ -36,6 +36,7 @@ from ninfer.server.validation.fields import (
     optional_object,
     optional_str,
     required_str,
+    text_format,
     wrong_type,
 )
 from ninfer.server.validation.thinking import (
@@ -248,13 +249,7 @@ def _metadata(body: dict) -> dict[str, str]:
 def _text_config(body: dict) -> dict[str, Any]:
     text = optional_object(body, "text", "text") or {}
     echo: dict[str, Any] = {"format": {"type": "text"}}
-    fmt = optional_object(text, "format", "text.format")
-    if fmt is not None:
-        kind = required_str(fmt, "type", "text.format.type")
-        if kind in ("json_object", "json_schema"):
-            raise cannot_provide("text.format", f"Structured Outputs / JSON mode ({kind})")
-        if kind != "text":
-            raise invalid("text.format.type", f"text.format.type must be text, got {kind!r}")
+    text_format(text, "format", "text.format", "Structured Outputs / JSON mode")
     verbosity = enum_value(text, "verbosity", "text.verbosity", ("low", "medium", "high"))
     if verbosity is not None:
         echo["verbosity"] = verbosity  # a hint (module docstring)

@@ -25,7 +25,12 @@ from ninfer.server.validation.fields import (
     required_str,
     wrong_type,
 )
-from ninfer.server.validation.tools import HOSTED_TOOL_TYPES, check_definition_flags, check_parallel_calls
+from ninfer.server.validation.tools import (
+    HOSTED_TOOL_TYPES,
+    check_allowed_tools_mode,
+    check_definition_flags,
+    check_parallel_calls,
+)
 
 
 @dataclass(frozen=True)
@@ -141,11 +146,7 @@ def _allowed_tools(choice: dict, functions: dict[str, FunctionRef]) -> set[str]:
         if kind in ("function", "custom", "mcp", "apply_patch", "shell"):
             raise cannot_provide("tool_choice", f"a forced {kind} tool choice")
         raise cannot_provide("tool_choice", f"forcing the hosted {kind} tool")
-    mode = required_str(choice, "mode", "tool_choice.mode")
-    if mode == "required":
-        raise cannot_provide("tool_choice.mode", "required tool calls")
-    if mode != "auto":
-        raise invalid("tool_choice.mode", f"tool_choice.mode must be auto, got {mode!r}")
+    check_allowed_tools_mode(choice, "tool_choice.mode")
     entries = choice.get("tools")
     if not isinstance(entries, list):
         raise wrong_type("tool_choice.tools", "an array", entries)

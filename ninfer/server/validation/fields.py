@@ -146,3 +146,27 @@ def arguments_field(obj: dict, key: str, path: str) -> dict[str, Any]:
         return json_object_text(text)
     except (ValueError, TypeError) as error:
         raise invalid(path, f"{path} is not a JSON object: {error}") from None
+
+
+def required_list(obj: dict, key: str, what: str) -> list:
+    """A required, non-empty array (`what` names its items in the errors)."""
+    value = obj.get(key)
+    if value is None:
+        raise invalid(key, f"{key} is required", code="missing_required_parameter")
+    if not isinstance(value, list):
+        raise wrong_type(key, f"an array of {what}", value)
+    if not value:
+        raise invalid(key, f"{key} must contain at least one {what.removesuffix('s')}")
+    return value
+
+
+def text_format(obj: dict, key: str, path: str, constrained: str) -> None:
+    """An output format that must be plain text; JSON modes ask for constrained decoding."""
+    fmt = optional_object(obj, key, path)
+    if fmt is None:
+        return
+    kind = required_str(fmt, "type", f"{path}.type")
+    if kind in ("json_object", "json_schema"):
+        raise cannot_provide(path, f"{constrained} ({kind})")
+    if kind != "text":
+        raise invalid(f"{path}.type", f"{path}.type must be text, got {kind!r}")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.conversation import Conversation
-from ninfer.server.errors import APIError
-from ninfer.server.validation.fields import cannot_provide, optional_bool, optional_list
+from ninfer.server.errors import APIError, invalid
+from ninfer.server.validation.fields import cannot_provide, optional_bool, optional_list, required_str
 
 # OpenAI-hosted tools: executed by OpenAI's servers, never by the client. A request that offers
 # them without forcing one is served with them left out of the prompt (and the log says so).
@@ -38,6 +38,15 @@ def check_definition_flags(raw: dict, path: str, *, allow_deferred: bool = False
     if callers is not None and "direct" not in callers:
         raise cannot_provide(f"{path}.allowed_callers", "tools the model may not call directly")
     return deferred
+
+
+def check_allowed_tools_mode(config: dict, path: str) -> None:
+    """allowed_tools narrows the callable set in auto mode; required would force a call."""
+    mode = required_str(config, "mode", path)
+    if mode == "required":
+        raise cannot_provide(path, "required tool calls")
+    if mode != "auto":
+        raise invalid(path, f"{path} must be auto, got {mode!r}")
 
 
 def check_parallel_calls(parallel: bool | None, param: str, callable_names: dict) -> None:
