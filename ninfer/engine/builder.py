@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
 from ninfer.log import setup_logging
 from ninfer.models.quant.fp8 import Fp8Linear
+from ninfer.models.quant.half_weights import store_half_weights_
 
 log = logging.getLogger("ninfer.engine")
 
@@ -39,6 +41,34 @@ def resolve_dtype(name: str, artifact_dtype: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def cpu_half_weights(dtype_name: str, dtype: torch.dtype, device: str) -> bool:
+    """Whether a CPU engine stores its Linear weights in float16 (models/quant/half_weights.py):
+    for --dtype auto (float32 activations), on x86 CPUs whose float16 GEMV torch vectorizes.
+    An explicit --dtype float32 keeps every weight in float32."""
+    return (
+        dtype_name == "auto"
+        and dtype == torch.float32
+        and not device.startswith("cuda")
+        and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    )
+
+
+def cpu_threads() -> int:
+    """Torch threads for a CPU engine: one per two CPUs it may run on (at least one).
+
+    Decode is memory-bound: threads past one per physical core add no bandwidth (vCPUs are
+    often SMT siblings), and each OpenMP thread joins a barrier per op, which stalls for a
+    time slice whenever another process holds its CPU. On 2 vCPUs beside one busy process,
+    2 threads decode the default model at ~0.6 tok/s and 1 thread at ~27 (idle: 32 and 29;
+    2 threads prefill 1.3x faster). The CPU left over serves the API process.
+    OMP_NUM_THREADS, when set, wins.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, available // 2)
+
+
 def build_engine_core(spec: EngineSpec) -> EngineCore:
     from ninfer.artifact import open_artifact
 
@@ -49,7 +79,17 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         artifact.config = artifact.config.replace(mtp_num_hidden_layers=0)
     device = spec.engine.device
     dtype = resolve_dtype(spec.dtype, artifact.config.torch_dtype, device)
-    log.info("loading %s (%s, %s) on %s", artifact.model_id, artifact.config.model_type, str(dtype).removeprefix("torch."), device)
+    on_cpu = not device.startswith("cuda")
+    if on_cpu:
+        torch.set_num_threads(cpu_threads())
+    log.info(
+        "loading %s (%s, %s) on %s%s",
+        artifact.model_id,
+        artifact.config.model_type,
+        str(dtype).removeprefix("torch."),
+        device,
+        f" ({torch.get_num_threads()} threads)" if on_cpu else "",
+    )
     # The bar is a transient terminal line; redirected stderr gets only the milestone records.
     model = artifact.load_model(dtype=dtype, device=device, progress=sys.stderr.isatty())
     # FP8 weights are buffers of their Fp8Linear layers, not parameters.
@@ -57,6 +97,8 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear)
     )
     log.info("model loaded in %.1fs: %.2fB parameters", time.perf_counter() - started, num_params / 1e9)
+    if cpu_half_weights(spec.dtype, dtype, device):
+        log.info("Linear weights stored in float16 for decode: %d layers", store_half_weights_(model))
     engine = spec.engine
     if spec.kv_capacity_auto:
         engine = dataclasses.replace(engine, kv_capacity=_auto_kv_tokens(model, engine))

@@ -1,4 +1,4 @@
-"""Dispatch between an op's reference and its fast implementation."""
+"""Dispatch between an op's reference and its fast implementations (triton.py on CUDA, cpu.py on CPU)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ def _force_ref() -> bool:
 
 
 @functools.cache
-def _fast_module(package: str) -> ModuleType | None:
+def _fast_module(package: str, backend: str = "triton") -> ModuleType | None:
     try:
-        return importlib.import_module(f"{package}.triton")
+        return importlib.import_module(f"{package}.{backend}")
     except ImportError:
         return None
 
@@ -27,4 +27,12 @@ def fast_impl(package: str, name: str, tensor: torch.Tensor):
     if not tensor.is_cuda or _force_ref():
         return None
     module = _fast_module(package)
+    return getattr(module, name, None) if module is not None else None
+
+
+def cpu_impl(package: str, name: str, tensor: torch.Tensor):
+    """The CPU version of `package.name` (its cpu.py) for this CPU tensor, or None to use ref.py."""
+    if tensor.device.type != "cpu" or _force_ref():
+        return None
+    module = _fast_module(package, "cpu")
     return getattr(module, name, None) if module is not None else None

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from ninfer.artifact import Artifact, default_model_path, open_artifact
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.forward_batch import ForwardBatch
+from ninfer.models.quant.half_weights import store_half_weights_
 
 MAX_NEW_TOKENS = 24
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -119,7 +120,11 @@ def test_greedy_generation_matches_transformers(
     assert prompt == reference_tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=False)
 
     stop_ids = artifact.generation_defaults["eos_token_id"]
-    ours = _greedy(artifact.load_model(dtype=torch.float32, progress=False), prompt, stop_ids)
+    model = artifact.load_model(dtype=torch.float32, progress=False)
+    ours = _greedy(model, prompt, stop_ids)
+    # What a CPU engine serves under --dtype auto: float16 Linear weights, float32 activations.
+    store_half_weights_(model)
+    served = _greedy(model, prompt, stop_ids)
 
     path = default_model_path()
     reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).eval()
@@ -132,6 +137,7 @@ def test_greedy_generation_matches_transformers(
             pad_token_id=stop_ids[0],
         )
     assert ours == output[0, len(prompt) :].tolist()
+    assert served == ours
     assert "Paris" in artifact.tokenizer.decode(ours)
 
 

@@ -1,10 +1,10 @@
-"""out = x @ W^T (+ bias) for decode-sized batches (M <= MAX_ROWS), bf16 or FP8 weights: see ref.py."""
+"""out = x @ W^T (+ bias) for decode-sized batches (M <= MAX_ROWS), bf16, fp16 or FP8 weights: see ref.py."""
 
 import torch
 import torch.nn.functional as F
 
 from ninfer.kernels.activation import silu_and_mul
-from ninfer.kernels.backend import fast_impl
+from ninfer.kernels.backend import cpu_impl, fast_impl
 from ninfer.kernels.causal_conv1d import causal_conv1d_update
 from ninfer.kernels.gemv import ref
 from ninfer.kernels.gemv.ref import MAX_ROWS
@@ -16,7 +16,8 @@ def gemv(
     weight_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    impl = (fast_impl(__name__, "gemv", x) if x.shape[0] <= MAX_ROWS else None) or ref.gemv
+    fast = fast_impl(__name__, "gemv", x) if x.shape[0] <= MAX_ROWS else None
+    impl = fast or cpu_impl(__name__, "gemv", x) or ref.gemv
     return impl(x, weight, weight_scale, bias)
 
 
@@ -60,6 +61,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.is_cuda and rows.shape[0] <= UNQUANTIZED_GEMV_MAX_ROWS:
         return gemv(rows, weight, None, bias).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+# float16 weights on the CPU (models/quant/half_weights.py): up to this many rows the float16
+# GEMV (gemv/cpu.py) is the faster route; it makes one pass over the weight per row, so from
+# 4 rows widening the weight for one fp32 GEMM wins (2 cores: 0.18 vs 0.31 ms at 1 row,
+# 0.35 vs 0.38 at 2, 0.67 vs 0.56 at 4, for a 3072 x 576 weight).
+HALF_WEIGHT_GEMV_MAX_ROWS = 2
+
+
+def linear_half_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight^T (+ bias) for a float16 weight and float32 x: the float16 GEMV at
+    decode sizes, else the weight widened to x's dtype for one GEMM (prefill)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= HALF_WEIGHT_GEMV_MAX_ROWS:
+        return gemv(rows, weight, None, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight.to(x.dtype), bias)
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 import torch
 
-from ninfer.kernels.backend import fast_impl
+from ninfer.kernels.backend import cpu_impl, fast_impl
 from ninfer.kernels.paged_attention import dense_prefill, ref
 
 
@@ -27,9 +27,9 @@ def paged_attention(
 
     The fast path reads only device tensors plus max_query_len (a grid size, fixed for a
     captured decode batch), so it can be replayed from a CUDA graph; the host copies
-    query_lens_cpu / seq_lens_cpu serve the reference and pick dense_prefill (SDPA) for one
-    request's long prefill chunk. prefetch_kv is a launch hint for the fast path (see its
-    docstring): same result.
+    query_lens_cpu / seq_lens_cpu serve the reference and the CPU version (cpu.py) and pick
+    dense_prefill (SDPA) for one request's long prefill chunk. prefetch_kv is a launch hint
+    for the fast path (see its docstring): same result.
     """
     impl = fast_impl(__name__, "paged_attention", q)
     if impl is not None and dense_prefill.eligible(q, k_cache, query_lens_cpu, seq_lens_cpu):
@@ -37,5 +37,5 @@ def paged_attention(
     args = (q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale)
     lens = {"max_query_len": max_query_len, "query_lens_cpu": query_lens_cpu, "seq_lens_cpu": seq_lens_cpu}
     if impl is None:
-        return ref.paged_attention(*args, **lens)
+        return (cpu_impl(__name__, "paged_attention", q) or ref.paged_attention)(*args, **lens)
     return impl(*args, **lens, prefetch_kv=prefetch_kv)

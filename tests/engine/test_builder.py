@@ -1,0 +1,62 @@
+"""build_engine_core's CPU choices: torch threads and float16 Linear weights under --dtype auto."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.config import EngineConfig
+from ninfer.contract.request import EngineRequest
+from ninfer.contract.sampling import SamplingParams
+from ninfer.engine import builder
+from ninfer.engine.builder import EngineSpec, build_engine_core, cpu_half_weights, cpu_threads
+from ninfer.models.quant.half_weights import HalfWeightLinear
+from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cpus, threads", [(1, 1), (2, 1), (3, 1), (8, 4)])
+def test_cpu_threads_take_one_per_two_cpus(monkeypatch, cpus, threads) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(builder.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert cpu_threads() == threads
+
+
+def test_cpu_threads_follow_omp_num_threads(monkeypatch, restore_threads) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    torch.set_num_threads(3)
+    assert cpu_threads() == 3
+
+
+def test_half_weights_only_for_auto_float32_on_a_vectorizing_cpu(monkeypatch) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert cpu_half_weights("auto", torch.float32, "cpu")
+    assert not cpu_half_weights("float32", torch.float32, "cpu")  # an explicit dtype is kept as asked
+    assert not cpu_half_weights("auto", torch.bfloat16, "cuda:0")
+    assert not cpu_half_weights("bfloat16", torch.bfloat16, "cpu")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert not cpu_half_weights("auto", torch.float32, "cpu")
+
+
+def test_cpu_engine_as_the_server_builds_it(monkeypatch, tmp_path, restore_threads) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    path = make_tiny_qwen3_5(tmp_path)
+    config = EngineConfig(max_context=128, log_stats_interval_ms=0)
+    core = build_engine_core(EngineSpec(str(path), config, log_level="warning"))
+    assert torch.get_num_threads() == cpu_threads()
+    model = core.runner.model
+    assert next(model.parameters()).dtype == torch.float32
+    assert isinstance(model.lm_head, HalfWeightLinear)
+    assert any(isinstance(m, HalfWeightLinear) for m in model.model.layers.modules())
+    core.add_request(EngineRequest("r", list(range(10, 30)), SamplingParams(temperature=0.0), max_new_tokens=4))
+    outputs = []
+    while core.has_work:
+        outputs.extend(core.step())
+    assert sum(len(o.new_token_ids) for o in outputs) == 4 and outputs[-1].finished
