@@ -48,7 +48,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--pending-timeout-ms", type=int, default=30000, help="maximum preparation-plus-admission wait (default 30000)")
     engine.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per prefill step (default 1024)")
     engine.add_argument("--device", type=int, default=0, help="CUDA device index (default 0; CPU when no GPU is present)")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="weight dtype (default auto: the artifact's on GPU, float32 on CPU)")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="weight dtype (default auto: the artifact's on GPU; on CPU float32 activations with float16 Linear weights where the CPU has AVX2)")
     engine.add_argument("--no-prefix-reuse", action="store_true", help="disable compatible-prefix caching (default: reuse on)")
     engine.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly instead of replaying CUDA graphs captured at start-up (default: graphs on, CUDA only)")
     engine.add_argument("--no-decode-overlap", action="store_true", help="read each decode round's tokens before launching the next (default: the next round is launched first, hiding the host's work between rounds)")

@@ -77,7 +77,7 @@ class ServeConfig:
     tolerant_tool_calls: bool = False
     greedy: bool = False
     log_level: str = "info"
-    dtype: str = "auto"  # auto: the artifact's dtype on GPU, float32 on CPU
+    dtype: str = "auto"  # auto: the artifact's dtype on GPU; on CPU float32 with float16 Linear weights
     engine_process: bool = True  # False: the engine runs in a thread of the API process
     response_store_max_records: int = 1024
     response_store_max_mib: int = 256
