@@ -1,8 +1,10 @@
 """Suite-wide test setup."""
 
 import importlib.abc
+import logging
 import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -17,3 +19,13 @@ if not torch.cuda.is_available():
             return None
 
     sys.meta_path.insert(0, _NoFlashLinearAttention())
+
+
+@pytest.fixture(autouse=True)
+def _restore_ninfer_logger():
+    """Building an engine in-process calls `setup_logging`, which stops the `ninfer` logger from
+    propagating; restore it so a later test's `caplog` still sees the records."""
+    logger = logging.getLogger("ninfer")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved

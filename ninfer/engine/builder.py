@@ -13,7 +13,6 @@ import torch
 
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
-from ninfer.log import setup_logging
 from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.half_weights import store_half_weights_
 
@@ -27,7 +26,6 @@ class EngineSpec:
     artifact_path: str
     engine: EngineConfig
     dtype: str = "auto"
-    log_level: str = "info"
     kv_capacity_auto: bool = False
     speculative: bool = False  # loads the MTP head's weights and KV layer only when speculation uses them
 
@@ -72,7 +70,6 @@ def cpu_threads() -> int:
 def build_engine_core(spec: EngineSpec) -> EngineCore:
     from ninfer.artifact import open_artifact
 
-    setup_logging(spec.log_level)
     started = time.perf_counter()
     artifact = open_artifact(spec.artifact_path)
     if artifact.config.mtp_num_hidden_layers and not spec.speculative:

@@ -15,12 +15,17 @@ from ninfer.contract.messages import Failed, Ready, ToEngine, decode_to_engine, 
 log = logging.getLogger("ninfer.engine")
 
 
-def engine_process_main(build_core: Callable[[], object], inbox_addr: str, outbox_addr: str) -> None:
+def engine_process_main(
+    build_core: Callable[[], object], inbox_addr: str, outbox_addr: str, log_level: str = "info"
+) -> None:
     """Entry point of the engine process: build the core, then serve the loop over ZMQ."""
     import zmq
 
     from ninfer.engine.loop import EngineLoop
+    from ninfer.log import setup_logging
 
+    # A spawned process starts with bare logging; the API process configured its own.
+    setup_logging(log_level)
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.connect(inbox_addr)

@@ -199,9 +199,16 @@ class InProcessEngineClient(EngineClient):
 class ProcessEngineClient(EngineClient):
     """The engine in its own OS process, so JSON/SSE work never delays a decode batch."""
 
-    def __init__(self, config: EngineConfig, build_core: Callable[[], object], start_timeout_s: float = 3600.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        build_core: Callable[[], object],
+        start_timeout_s: float = 3600.0,
+        log_level: str = "info",
+    ):
         super().__init__(config)
         self._build_core = build_core
+        self._log_level = log_level
         self._start_timeout_s = start_timeout_s
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader: asyncio.Task | None = None
@@ -223,7 +230,9 @@ class ProcessEngineClient(EngineClient):
         self._pull.bind(outbox_addr)
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
-            target=engine_process_main, args=(self._build_core, inbox_addr, outbox_addr), name="ninfer-engine"
+            target=engine_process_main, args=(self._build_core, inbox_addr, outbox_addr, self._log_level),
+            name="ninfer-engine",
+
         )
         self._process.start()
         first = decode_from_engine(await asyncio.wait_for(self._pull.recv(), self._start_timeout_s))

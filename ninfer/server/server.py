@@ -58,13 +58,12 @@ def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Servin
         artifact_path=artifact_path,
         engine=config.engine,
         dtype=config.dtype,
-        log_level=config.log_level,
         kv_capacity_auto=kv_capacity_auto,
     )
     build = functools.partial(build_engine_core, spec)
     client: EngineClient
     if config.engine_process:
-        client = ProcessEngineClient(config.engine, build)
+        client = ProcessEngineClient(config.engine, build, log_level=config.log_level)
     else:
         client = InProcessEngineClient(config.engine, build)
     return Serving.create(config, artifact, client)

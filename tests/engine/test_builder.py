@@ -49,7 +49,7 @@ def test_cpu_engine_as_the_server_builds_it(monkeypatch, tmp_path, restore_threa
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     path = make_tiny_qwen3_5(tmp_path)
     config = EngineConfig(max_context=128, log_stats_interval_ms=0)
-    core = build_engine_core(EngineSpec(str(path), config, log_level="warning"))
+    core = build_engine_core(EngineSpec(str(path), config))
     assert torch.get_num_threads() == cpu_threads()
     model = core.runner.model
     assert next(model.parameters()).dtype == torch.float32
