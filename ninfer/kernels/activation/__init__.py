@@ -1,14 +1,7 @@
-import torch
+"""Activations: the ops of ref.py, run by triton.py on CUDA (kernels/backend.py)."""
 
 from ninfer.kernels.activation import ref
-from ninfer.kernels.backend import fast_impl
+from ninfer.kernels.backend import dispatched
 
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    impl = fast_impl(__name__, "silu_and_mul", x) or ref.silu_and_mul
-    return impl(x)
-
-
-def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    impl = fast_impl(__name__, "sigmoid_mul", x) or ref.sigmoid_mul
-    return impl(x, gate)
+silu_and_mul = dispatched(__name__, ref.silu_and_mul)
+sigmoid_mul = dispatched(__name__, ref.sigmoid_mul)

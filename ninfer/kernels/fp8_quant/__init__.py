@@ -1,10 +1,6 @@
-import torch
+"""FP8 activation quantization: the ops of ref.py, run by triton.py on CUDA (kernels/backend.py)."""
 
-from ninfer.kernels.backend import fast_impl
+from ninfer.kernels.backend import dispatched
 from ninfer.kernels.fp8_quant import ref
 
-
-def quantize_rows(x: torch.Tensor, row_multiple: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 activations and fp32 scales for torch._scaled_mm (see ref.py)."""
-    impl = fast_impl(__name__, "quantize_rows", x) or ref.quantize_rows
-    return impl(x, row_multiple)
+quantize_rows = dispatched(__name__, ref.quantize_rows)

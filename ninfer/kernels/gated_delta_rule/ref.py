@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 L2NORM_EPS = 1e-6
+# Positions per chunk of the chunked form: the triangular solve is CHUNK_SIZE^2 per head.
+CHUNK_SIZE = 64
 
 
 def gdn_gates(
@@ -147,7 +149,6 @@ def chunk_gated_delta_rule(
     state: torch.Tensor,
     state_slots: torch.Tensor,
     query_lens: tuple[int, ...],
-    chunk_size: int = 64,
 ) -> torch.Tensor:
     """Chunked form (prefill chunks); same arguments and result as recurrent_gated_delta_rule."""
     num_v_heads = v.shape[1]
@@ -164,7 +165,7 @@ def chunk_gated_delta_rule(
             gf[rows].t(),
             betaf[rows].t(),
             state[slot].float(),
-            chunk_size,
+            CHUNK_SIZE,
         )
         out[rows] = o.transpose(0, 1)
         state[slot] = final.to(state.dtype)

@@ -31,7 +31,7 @@ from ninfer.kernels.gated_delta_rule import ref
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.varlen import start_offsets
 
-# Programs own BLOCK_V state columns (dk * BLOCK_V * 4 bytes). H200 sweep (docs/gpu-notes.md):
+# Programs own BLOCK_V state columns (dk * BLOCK_V * 4 bytes). H200 sweep (docs/kernels.md):
 # at batch 1 the narrowest strips win (27B: 384 programs of 8 KiB, 3.95 us vs 4.5 at 32
 # columns), at batch 8 64 columns do (768 programs, 17.1 us, 70 % of copy bandwidth); the
 # rule below takes the widest strip that still gives every SM three programs.

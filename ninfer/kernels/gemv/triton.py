@@ -548,7 +548,7 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
     # fp32 stays on FMA (exact fp32 products, no tf32).
     use_dot = elem_bytes < 4 and M > (1 if fp8 else 2)
     if fp8 and M == 2 and N >= 4096:
-        # Measured (session 6, 27B shapes): FMA 10.7 vs DOT 12.5 us on 5120 x 6144, 25.1 vs
+        # Measured on the H200 (bench_gemv, 27B shapes): FMA 10.7 vs DOT 12.5 us on 5120 x 6144, 25.1 vs
         # 30.6 on 5120 x 17408; in the decode chain DOT took 37 us per call on those two.
         use_dot = False
     target_programs = 4 * num_sms  # several resident programs per SM, short tails
@@ -565,7 +565,7 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
             if M > 8 or triton.cdiv(N, 64) >= 2 * num_sms:
                 block_n, num_warps = 64, 2
             elif triton.cdiv(N, 32) >= target_programs:
-                # Measured (run 2, M = 8): 16 rows beat 32 up to N = 16480 (27.1 vs 29.5 us).
+                # Measured on the H200 (bench_gemv, M = 8): 16 rows beat 32 up to N = 16480 (27.1 vs 29.5 us).
                 block_n, num_warps = 32, 1
             else:
                 block_n, num_warps = 16, 1
@@ -594,7 +594,7 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
             # of 8 rows x 2 KiB steps: 5120 x 6144 12.8 -> 9.7 us, 5120 x 17408 32.8 -> 23.6
             # (17 KiB rows: the last step is masked, still the fastest measured).
             if M == 2:
-                # Measured at M = 2 (bench_gemv --wide, session 6): the best single tile over
+                # Measured at M = 2 (bench_gemv --wide, H200): the best single tile over
                 # the 27B shapes, within 5 % of each shape's best.
                 block_n, block_k, num_warps = 2, 1024, 2
             elif triton.cdiv(N, 8) > 5 * num_sms:
@@ -728,7 +728,7 @@ def _gemv(x, weight, weight_scale, bias, config, glu: bool, conv=None) -> torch.
     split_k = triton.cdiv(K, k_per_split)  # no empty splits
     if glu and (split_k > 1 or cfg.block_n % 2 or cfg.use_dot):
         # The epilogue needs whole sums and row pairs: two launches instead. Tensor-core
-        # launches too: there it cost 7 % at batch 8 (27B FP8 decode, H200, session 5).
+        # launches too: there it cost 7 % at batch 8 (27B FP8 decode, H200).
         return silu_and_mul(_gemv(x, weight, weight_scale, bias, cfg, glu=False))
     if conv is not None and split_k > 1:
         # Whole sums only after the split sum: the conv kernel on the plain product instead.

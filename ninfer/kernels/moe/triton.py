@@ -40,7 +40,7 @@ from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 DECODE_MAX_PAIRS = 128
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the (up, down) kernels by BLOCK_M, from the
-# H200 sweep in benchmarks/kernels/bench_moe.py (docs/gpu-notes.md): at BLOCK_M 16 (batch
+# H200 sweep in benchmarks/kernels/bench_moe.py (docs/kernels.md): at BLOCK_M 16 (batch
 # 1-2) narrow up tiles give enough programs to stream 8-16 experts; from BLOCK_M 32 on,
 # wider tiles read longer runs per program.
 TILES = {

@@ -1,12 +1,12 @@
+"""Paged KV writes and attention as ref.py defines them, run by triton.py on CUDA and cpu.py on CPU;
+one long prefill chunk goes to dense_prefill (SDPA) instead (kernels/backend.py)."""
+
 import torch
 
-from ninfer.kernels.backend import cpu_impl, fast_impl
+from ninfer.kernels.backend import cpu_impl, dispatched, fast_impl
 from ninfer.kernels.paged_attention import dense_prefill, ref
 
-
-def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    impl = fast_impl(__name__, "store_kv", k) or ref.store_kv
-    impl(k, v, k_cache, v_cache, slot_mapping)
+store_kv = dispatched(__name__, ref.store_kv)
 
 
 def paged_attention(

@@ -1,7 +1,7 @@
 """Prefill attention of one long request on torch's SDPA (FlashAttention-2 on CUDA).
 
 Our Triton paged kernel runs prefill at ~310 TFLOP/s with head_dim 256, where SDPA's flash
-kernel reaches 600-656 on the H200 (docs/gpu-notes.md). A prefill chunk of a single request
+kernel reaches 600-656 on the H200 (docs/kernels.md). A prefill chunk of a single request
 has its whole context in its own pages, so: gather those pages into contiguous K/V (2 x
 context x kv_heads x head_dim elements, small next to the attention's FLOPs), give every
 query head its KV head, and run SDPA causally with bottom-right alignment (the chunk's

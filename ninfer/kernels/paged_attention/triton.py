@@ -295,7 +295,7 @@ def split_plan(num_requests: int, num_kv_heads: int, num_q_blocks: int, block_n:
 
     Depends only on sizes fixed for a captured batch (never on sequence lengths), so a
     graph replay and an eager step of the same batch run identical launches. Measured on an
-    H200 (docs/gpu-notes.md): at long contexts about SPLIT_WAVES programs per SM is best
+    H200 (docs/kernels.md): at long contexts about SPLIT_WAVES programs per SM is best
     (more add partial outputs to write and merge, fewer leave bandwidth idle); at short
     contexts min_split keeps splits full, a 4K context filling about two programs per SM
     while the remaining programs exit at once.
@@ -317,7 +317,7 @@ def _block_config(head_dim: int, group: int, max_query_len: int) -> tuple[int, i
             # A [256, 64] bf16 K tile plus its V tile is 64 KB per pipeline stage.
             return block_q, block_m, 64 if block_m <= 16 else 32, 4 if block_m <= 16 else 8, 2
         return block_q, block_m, 64, 4, 2
-    # Prefill tiles, best of the H200 sweep (docs/gpu-notes.md): head_dim 256 at 128 x 32 with
+    # Prefill tiles, best of the H200 sweep (docs/kernels.md): head_dim 256 at 128 x 32 with
     # 8 warps (310 TFLOP/s vs 140 at 64 x 32), head_dim <= 128 at 64 x 64 with 4 warps.
     block_m = max(PREFILL_BLOCK_M_D256 if head_dim > 128 else PREFILL_BLOCK_M, triton.next_power_of_2(group))
     block_q = block_m // group

@@ -1,9 +1,6 @@
-import torch
+"""Rotary embedding: the op of ref.py (on CUDA, attention_prep fuses it with the norms and the KV write)."""
 
-from ninfer.kernels.backend import fast_impl
+from ninfer.kernels.backend import dispatched
 from ninfer.kernels.rotary import ref
 
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    impl = fast_impl(__name__, "apply_rotary", q) or ref.apply_rotary
-    return impl(q, k, cos, sin)
+apply_rotary = dispatched(__name__, ref.apply_rotary)
