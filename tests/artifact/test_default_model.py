@@ -34,6 +34,9 @@ RECORDED_IDS = {
 }
 DIGIT_TEXTS = ["year  2024", "x  12 ab", "pi is 3.14159\n  42", "v1.2.3   -7"]
 
+# Loading the embedded model and its transformers twin takes ~10 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def artifact() -> Artifact:
@@ -109,7 +112,6 @@ def _greedy(model: CausalLM, prompt: list[int], stop_ids: list[int]) -> list[int
     return generated
 
 
-@pytest.mark.slow
 def test_greedy_generation_matches_transformers(
     artifact: Artifact, reference_tokenizer: PreTrainedTokenizerBase
 ) -> None:

@@ -203,6 +203,7 @@ def test_seeded_sampling_reproducible_across_batches(tmp_root):
     assert mixed["y"][0] == alone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["thread", "process"])
 def test_client_transports_stream_and_cancel(transport, tmp_root):
     _, ours = _models("llama", tmp_root)

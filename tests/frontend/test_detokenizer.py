@@ -112,6 +112,7 @@ def test_qwen_every_split(qwen: Tokenizer, text: str) -> None:
         _check(qwen, ids, chunks)
 
 
+@pytest.mark.slow
 def test_corpus_really_splits_characters(qwen: Tokenizer, smollm2: Tokenizer) -> None:
     """The texts above exercise the hold-back path: some single tokens are partial characters."""
     assert _has_split_character(qwen, qwen.encode(TEXTS[2]))
@@ -149,6 +150,7 @@ def test_incomplete_tail_is_flushed(qwen: Tokenizer) -> None:
     assert streamed + detok.flush() == qwen.decode(ids[:partial])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_smollm2_every_split(smollm2: Tokenizer, text: str) -> None:
     ids = smollm2.encode(text)
@@ -156,6 +158,7 @@ def test_smollm2_every_split(smollm2: Tokenizer, text: str) -> None:
         _check(smollm2, ids, chunks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", ["a😀b", "龘", "é中"])
 def test_smollm2_all_compositions_of_short_streams(smollm2: Tokenizer, text: str) -> None:
     ids = smollm2.encode(text)

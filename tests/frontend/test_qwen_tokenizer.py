@@ -267,6 +267,7 @@ def test_transformers_autotokenizer_encodes_identically(hf_tokenizer, backend: t
         assert hf_tokenizer.decode(ids, skip_special_tokens=True) == backend.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_build_is_cached_and_fast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NINFER_CACHE_DIR", str(tmp_path))
     qt.qwen3_5_tokenizer_json.cache_clear()

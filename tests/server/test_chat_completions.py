@@ -163,6 +163,7 @@ def test_omitted_model_uses_loaded_model(qwen_server):
     assert resp.status_code == 200 and resp.json()["model"] == qwen_server.serving.model_id
 
 
+@pytest.mark.slow
 def test_auth_cors_and_body_limit(tiny_qwen):
     server = start_server(serve_config(tiny_qwen, api_key="sekret", cors=True, max_request_mib=1))
     try:
@@ -184,6 +185,7 @@ def test_auth_cors_and_body_limit(tiny_qwen):
         server.stop()
 
 
+@pytest.mark.slow
 def test_overload_and_queue_timeout(tiny_qwen):
     # The waiter's deadline only has to outlast the 429 check below, which starts once it waits.
     server = start_server(serve_config(tiny_qwen, max_concurrency=1, max_pending_requests=1,
@@ -210,6 +212,7 @@ def test_overload_and_queue_timeout(tiny_qwen):
         server.stop()
 
 
+@pytest.mark.slow
 def test_client_disconnect_cancels_the_request(tiny_qwen):
     server = start_server(serve_config(tiny_qwen, max_concurrency=1, default_max_tokens=5000, max_context=8192))
     try:

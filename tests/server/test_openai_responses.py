@@ -409,6 +409,7 @@ def test_cancel_and_compact_fail_explicitly(server):
     assert compacted.status_code == 400 and compacted.json()["error"]["code"] == "compaction_not_supported"
 
 
+@pytest.mark.slow
 def test_store_bounds_lru_and_capacity(tiny_qwen):
     server = start_server(serve_config(tiny_qwen, response_store_max_records=2, default_max_tokens=2))
     try:
@@ -440,6 +441,7 @@ def test_store_bounds_lru_and_capacity(tiny_qwen):
         server.stop()
 
 
+@pytest.mark.slow
 def test_overloaded_server_answers_429(tiny_qwen):
     server = start_server(serve_config(tiny_qwen, max_concurrency=1, max_pending_requests=0, default_max_tokens=1))
     try:
