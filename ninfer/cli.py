@@ -53,6 +53,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly instead of replaying CUDA graphs captured at start-up (default: graphs on, CUDA only)")
     engine.add_argument("--no-decode-overlap", action="store_true", help="read each decode round's tokens before launching the next (default: the next round is launched first, hiding the host's work between rounds)")
     engine.add_argument("--device-state-slots", type=_non_negative_int, help="checkpoint StateImages beyond the active lanes (default: --max-concurrency)")
+    engine.add_argument("--host-state-slots", type=_non_negative_int, help="checkpoint StateImages in pinned host memory, where device checkpoints spill instead of being dropped (default 8)")
     engine.add_argument("--in-process-engine", action="store_true", help="run the engine in a thread of the API process instead of its own process")
     gen = parser.add_argument_group("generation")
     gen.add_argument("--default-max-tokens", type=int, default=8192, help="output limit when a request omits one (default 8192)")
@@ -111,8 +112,11 @@ def resolve_device(index: int) -> str:
 
 def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
     """-> (config, kv_capacity_auto)."""
-    if args.no_prefix_reuse and args.device_state_slots is not None:
-        raise ConfigValueError("--no-prefix-reuse cannot be combined with --device-state-slots")
+    if args.no_prefix_reuse:
+        capacity_flags = {"--device-state-slots": args.device_state_slots, "--host-state-slots": args.host_state_slots}
+        given = [flag for flag, value in capacity_flags.items() if value is not None]
+        if given:
+            raise ConfigValueError(f"--no-prefix-reuse cannot be combined with {', '.join(given)} (a context-cache capacity)")
     kv_auto = args.kv_capacity == "auto"
     engine = EngineConfig(
         max_concurrency=args.max_concurrency,
@@ -122,6 +126,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         max_context=args.max_context,
         kv_capacity=None if kv_auto else args.kv_capacity,
         device_state_slots=args.device_state_slots,
+        host_state_slots=args.host_state_slots,
         prefix_reuse=not args.no_prefix_reuse,
         cuda_graphs=not args.no_cuda_graph,
         decode_overlap=False if args.no_decode_overlap else None,

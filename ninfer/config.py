@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from ninfer.contract.sampling import SamplingOverrides
 
+DEFAULT_HOST_STATE_SLOTS = 8
+
 
 class ConfigValueError(ValueError):
     """An option value or combination is invalid; the message names the option."""
@@ -21,6 +23,7 @@ class EngineConfig:
     kv_capacity: int | None = None  # Main KV tokens; None follows max_context
     page_size: int = 16
     device_state_slots: int | None = None  # checkpoint slots beyond the active lanes; None = max_concurrency
+    host_state_slots: int | None = None  # pinned host checkpoint StateImages; None = 8 (0 without prefix reuse)
     prefix_reuse: bool = True
     cuda_graphs: bool = True  # capture decode graphs at start-up (CUDA only); --no-cuda-graph turns it off
     # Launch decode round N+1 before reading round N. None: where the device runs
@@ -43,6 +46,7 @@ class EngineConfig:
         check(self.kv_capacity is None or self.kv_capacity >= 1, "--kv-capacity must be >= 1")
         check(self.page_size >= 1, "page size must be >= 1")
         check(self.device_state_slots is None or self.device_state_slots >= 0, "--device-state-slots must be >= 0")
+        check(self.host_state_slots is None or self.host_state_slots >= 0, "--host-state-slots must be >= 0")
         check(self.log_stats_interval_ms >= 0, "--log-stats-interval-ms must be >= 0")
 
     @property
@@ -57,6 +61,12 @@ class EngineConfig:
     def num_state_slots(self) -> int:
         extra = self.max_concurrency if self.device_state_slots is None else self.device_state_slots
         return self.max_concurrency + extra
+
+    @property
+    def num_host_state_slots(self) -> int:
+        if not self.prefix_reuse:
+            return 0
+        return DEFAULT_HOST_STATE_SLOTS if self.host_state_slots is None else self.host_state_slots
 
 
 @dataclass(frozen=True)

@@ -101,14 +101,18 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         engine = dataclasses.replace(engine, kv_capacity=_auto_kv_tokens(model, engine))
     core = EngineCore(model, artifact.tokenizer, engine)
     kv = core.runner.kv_cache
+    host = core.runner.host_states
     log.info(
-        "KV pool: %d tokens in %d pages (%.1f MiB) · state slots: %d (%d active + %d checkpoint)",
+        "KV pool: %d tokens in %d pages (%.1f MiB) · state slots: %d (%d active + %d checkpoint)"
+        " · host state slots: %d (%.1f MiB pinned)",
         engine.num_kv_pages * engine.page_size,
         engine.num_kv_pages,
         kv.k.numel() * kv.k.element_size() * 2 / (1 << 20),
         engine.num_state_slots,
         engine.max_concurrency,
         engine.num_state_slots - engine.max_concurrency,
+        host.num_slots,
+        host.num_slots * host.bytes_per_slot / (1 << 20),
     )
     return core
 

@@ -1,8 +1,9 @@
 """ContextCache: checkpoints a later request can resume from (design: context-cache.md).
 
 A checkpoint at frontier F holds the exact token ids [0, F), references to the KV pages
-covering them, and one state slot holding the StateImage after token F-1 together with
-that position's logits (so an exact full-prompt hit can sample without recomputing).
+covering them, and one StateImage after token F-1 together with that position's logits (so
+an exact full-prompt hit can sample without recomputing). The StateImage lives in a device
+slot or, once spilled under pressure (scheduler/placement.py), in a pinned host slot.
 Recurrent state cannot be cut mid-way, so hybrid models only reuse at F exactly; pure
 attention models may reuse any common prefix (KV is valid position by position).
 """
@@ -22,10 +23,15 @@ class Checkpoint:
     checkpoint_id: int
     token_ids: list[int]  # identity: the exact tokens [0, F)
     pages: list[int]  # KV pages covering [0, F), one reference held by this checkpoint
-    state_slot: int
+    state_slot: int | None  # device slot of the StateImage; None while it lives on the host
     path: ReusePath
     session_key: str | None
     last_used: int = 0
+    host_slot: int | None = None  # pinned host slot of the StateImage once spilled
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_slot is not None
 
     @property
     def frontier(self) -> int:
@@ -61,6 +67,7 @@ class ContextCache:
     state_pool: StatePool
     exact_frontier_only: bool  # True for models with recurrent state
     enabled: bool = True
+    host_pool: StatePool = field(default_factory=lambda: StatePool(0))  # pinned host StateImages
     checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=itertools.count)
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -115,11 +122,23 @@ class ContextCache:
         del self.checkpoints[checkpoint.checkpoint_id]
         if release_resources:
             self.kv_pool.release(checkpoint.pages)
-            self.state_pool.release(checkpoint.state_slot)
+            if checkpoint.state_slot is not None:
+                self.state_pool.release(checkpoint.state_slot)
+            if checkpoint.host_slot is not None:
+                self.host_pool.release(checkpoint.host_slot)
 
     def victims(self, keep: Checkpoint | None = None) -> list[Checkpoint]:
         """Eviction order: least recently used first, never `keep`."""
         return sorted((c for c in self.checkpoints.values() if c is not keep), key=lambda c: c.last_used)
+
+    def move_to_host(self, checkpoint: Checkpoint, host_slot: int) -> int:
+        """Record a spill: the checkpoint's StateImage now lives in host_slot; returns the freed device slot."""
+        device_slot = checkpoint.state_slot
+        if device_slot is None or checkpoint.host_slot is not None:
+            raise ValueError(f"checkpoint {checkpoint.checkpoint_id} is not on the device")
+        self.state_pool.release(device_slot)
+        checkpoint.state_slot, checkpoint.host_slot = None, host_slot
+        return device_slot
 
     def pages_freed_by_evicting(self, victims: list[Checkpoint]) -> list[int]:
         """Cumulative free-page gain after evicting victims[0..i] (pages shared elsewhere free nothing)."""

@@ -48,6 +48,7 @@ class EngineCore:
             self.state_pool,
             exact_frontier_only=model.config.is_hybrid,
             enabled=config.prefix_reuse,
+            host_pool=StatePool(config.num_host_state_slots),
         )
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_concurrency, config.max_context, config.prefill_chunk, config.prefix_reuse),
@@ -65,6 +66,7 @@ class EngineCore:
             num_valid_tokens=tokenizer.vocab_size,
             cuda_graph_batch_sizes=range(1, config.max_concurrency + 1) if config.cuda_graphs else (),
             max_context=config.max_context,
+            num_host_state_slots=config.num_host_state_slots,
         )
         self.failed: str | None = None
         overlap = config.decode_overlap
@@ -165,6 +167,7 @@ class EngineCore:
         return {
             "kv_pages_used": self.kv_pool.num_used,
             "state_slots_free": self.state_pool.num_free,
+            "host_state_slots_free": self.cache.host_pool.num_free,
             "checkpoints": len(self.cache),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

@@ -2,7 +2,8 @@
 
 It owns the device side: the model, the KV page storage, the StateImage slots and, per
 slot, the logits of the last computed row (a checkpoint keeps them so an exact
-full-prompt hit samples without recomputing). Decode rounds replay a CUDA graph when
+full-prompt hit samples without recomputing), plus the pinned host tier that checkpoint
+StateImages spill to (host_states.py). Decode rounds replay a CUDA graph when
 graphs were captured (cuda_graphs.py); prefill chunks, multi-token rows and steps that
 sample stored logits run eagerly.
 
@@ -21,9 +22,18 @@ from collections.abc import Sequence
 import torch
 
 from ninfer.engine.cuda_graphs import DecodeGraphs, graph_blocker
+from ninfer.engine.host_states import HostStates
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.sampler import Sampler, SamplingBatch
-from ninfer.engine.scheduler import CopyPage, CopySlot, ResetSlot, ScheduledChunk, SchedulerStep
+from ninfer.engine.scheduler import (
+    CopyPage,
+    CopySlot,
+    ResetSlot,
+    RestoreSlot,
+    ScheduledChunk,
+    SchedulerStep,
+    SpillSlot,
+)
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.forward_batch import ForwardBatch
 
@@ -45,6 +55,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         cuda_graph_batch_sizes: Sequence[int] = (),
         max_context: int | None = None,
+        num_host_state_slots: int = 0,
     ):
         """cuda_graph_batch_sizes: decode batch sizes to capture a CUDA graph for (on CUDA,
         when the model allows it; other sizes decode eagerly); max_context bounds the
@@ -55,6 +66,7 @@ class ModelRunner:
         self.kv_cache, self.state_cache = model.allocate_caches(num_pages, page_size, num_state_slots, kv_dtype)
         vocab = model.config.vocab_size
         self.slot_logits = torch.zeros(num_state_slots, vocab, dtype=torch.float32, device=self.device)
+        self.host_states = HostStates(self.state_cache, self.slot_logits, num_host_state_slots)
         # Embedding rows past the tokenizer's ids are padding: never sample them.
         self.num_valid_tokens = min(num_valid_tokens or vocab, vocab)
         self.mrope = model.config.mrope_section is not None
@@ -175,6 +187,10 @@ class ModelRunner:
             elif isinstance(action, CopyPage):
                 kv.k[:, action.dst].copy_(kv.k[:, action.src])
                 kv.v[:, action.dst].copy_(kv.v[:, action.src])
+            elif isinstance(action, SpillSlot):
+                self.host_states.spill(action.device_slot, action.host_slot)
+            elif isinstance(action, RestoreSlot):
+                self.host_states.restore(action.host_slot, action.device_slot)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> None:
         max_pages = max(len(c.page_ids) for c in chunks)

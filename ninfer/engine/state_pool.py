@@ -1,8 +1,9 @@
 """StatePool: allocation of StateImage slots (the storage is the runner's StateCache).
 
-Capacity is C active + H checkpoint slots. An active request always owns one slot; the
+Device capacity is C active + H checkpoint slots. An active request always owns one slot; the
 rest hold checkpoints. Models without recurrent layers still account slots this way, so
-checkpoint bounds are the same for every architecture.
+checkpoint bounds are the same for every architecture. The pinned host tier is a second
+pool of the same kind (it may be empty).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ class StatePoolError(RuntimeError):
 
 class StatePool:
     def __init__(self, num_slots: int):
-        if num_slots <= 0:
-            raise ValueError("state pool needs at least one slot")
+        if num_slots < 0:
+            raise ValueError("a state pool cannot have a negative number of slots")
         self.num_slots = num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._used: set[int] = set()

@@ -74,7 +74,8 @@ def parse(*argv: str):
         (["--temperature", "2.5"], "--temperature"),
         (["--top-k", "21"], "--top-k"),
         (["--default-thinking-budget", "0"], "--default-thinking-budget"),
-        (["--no-prefix-reuse", "--device-state-slots", "0"], "--no-prefix-reuse"),
+        (["--no-prefix-reuse", "--device-state-slots", "0"], "--no-prefix-reuse cannot be combined with --device"),
+        (["--no-prefix-reuse", "--host-state-slots", "0"], "--no-prefix-reuse cannot be combined with --host-state"),
         (["--port", "0"], "--port"),
         (["--prefill-chunk", "0"], "--prefill-chunk"),
     ],
@@ -90,6 +91,9 @@ def test_options_reach_the_config():
     assert config.artifact == "model-dir" and config.model_id == "alias" and config.greedy
     assert kv_auto and config.engine.kv_capacity is None
     assert config.engine.max_concurrency == 4 and config.engine.num_state_slots == 7
+    assert config.engine.num_host_state_slots == 8  # the default pinned host tier
+    assert parse("--host-state-slots", "0")[0].engine.num_host_state_slots == 0
+    assert parse("--no-prefix-reuse")[0].engine.num_host_state_slots == 0
     assert config.sampling.seed == -7
     default, _ = parse()
     assert default.engine.max_context == 8192 and default.engine.kv_tokens == 8192

@@ -28,9 +28,11 @@ from ninfer.engine.scheduler import (
     CopyPage,
     CopySlot,
     ResetSlot,
+    RestoreSlot,
     Scheduler,
     SchedulerLimits,
     SchedulerStep,
+    SpillSlot,
     StepKind,
 )
 from ninfer.engine.state_pool import StatePool
@@ -45,12 +47,16 @@ def next_token(history: list[int]) -> int:
 
 
 class FakeRunner:
-    def __init__(self, num_pages: int, page_size: int, num_slots: int, recurrent: bool):
+    def __init__(self, num_pages: int, page_size: int, num_slots: int, recurrent: bool, num_host_slots: int = 0):
         self.recurrent = recurrent  # attention-only models carry no state in their slot
         self.page_size = page_size
         self.pages: dict[int, dict[int, int]] = {p: {} for p in range(num_pages)}
         self.slots: dict[int, list[int] | None] = {s: None for s in range(num_slots)}
         self.slot_logits: dict[int, list[int] | None] = {s: None for s in range(num_slots)}
+        # Host tier: (state, logits) per slot; the None sentinel is what a never-written slot holds.
+        self.host: dict[int, tuple[list[int] | None, list[int] | None]] = {
+            s: (None, None) for s in range(num_host_slots)
+        }
         self.sampled_by_row: dict[int, int] = {}  # the last step's sampled ids, for chained rows
 
     def execute(self, step: SchedulerStep, histories: dict[str, list[int]]) -> dict[str, int]:
@@ -64,6 +70,14 @@ class FakeRunner:
                 self.slot_logits[action.dst] = self.slot_logits[action.src]
             elif isinstance(action, CopyPage):
                 self.pages[action.dst] = dict(self.pages[action.src])
+            elif isinstance(action, SpillSlot):
+                self.host[action.host_slot] = (self.slots[action.device_slot], self.slot_logits[action.device_slot])
+                # The device slot is free once spilled: poison it so any read of it is caught.
+                self.slots[action.device_slot] = self.slot_logits[action.device_slot] = ["spilled"]
+            elif isinstance(action, RestoreSlot):
+                state, logits = self.host[action.host_slot]
+                self.slots[action.device_slot] = list(state)
+                self.slot_logits[action.device_slot] = logits
         sampled_by_row = {}
         for row, chunk in enumerate(step.chunks):
             full = histories[chunk.request_id]
@@ -115,13 +129,17 @@ class Harness:
         max_context: int = 256,
         hybrid: bool = True,
         prefix_reuse: bool = True,
+        host_slots: int = 0,
     ):
         self.now = 0.0
         num_pages = kv_tokens // page_size
         num_slots = max_concurrency + extra_slots
         self.kv_pool = KVPool(num_pages, page_size)
         self.state_pool = StatePool(num_slots)
-        self.cache = ContextCache(self.kv_pool, self.state_pool, exact_frontier_only=hybrid, enabled=prefix_reuse)
+        self.host_pool = StatePool(host_slots)
+        self.cache = ContextCache(
+            self.kv_pool, self.state_pool, exact_frontier_only=hybrid, enabled=prefix_reuse, host_pool=self.host_pool
+        )
         self.scheduler = Scheduler(
             SchedulerLimits(max_concurrency, max_context, prefill_chunk, prefix_reuse),
             self.kv_pool,
@@ -130,7 +148,7 @@ class Harness:
             make_stop_checker=lambda r: StopChecker(byte_tokenizer, r.stop_token_ids, r.stop_strings),
             clock=lambda: self.now,
         )
-        self.runner = FakeRunner(num_pages, page_size, num_slots, recurrent=hybrid)
+        self.runner = FakeRunner(num_pages, page_size, num_slots, recurrent=hybrid, num_host_slots=host_slots)
         self.outputs: dict[str, list[EngineOutput]] = {}
         self.steps: list[SchedulerStep] = []
         self.inflight: tuple[SchedulerStep, dict[str, int]] | None = None  # launched ahead, not committed
@@ -195,6 +213,7 @@ class Harness:
         """Every page and slot is owned by a running request or a checkpoint, or is free."""
         self.kv_pool.check_balanced()
         self.state_pool.check_balanced()
+        self.host_pool.check_balanced()
         expected_refs: dict[int, int] = {}
         owners = [*self.scheduler.running, *self.scheduler.draining]
         for seq in owners:
@@ -205,15 +224,23 @@ class Harness:
                 expected_refs[p] = expected_refs.get(p, 0) + 1
         for page in range(self.kv_pool.num_pages):
             assert self.kv_pool.refcount(page) == expected_refs.get(page, 0), f"page {page} refcount"
-        owned = {s.state_slot for s in owners} | {c.state_slot for c in self.cache.checkpoints.values()}
-        assert len(owned) == len(owners) + len(self.cache)  # no slot owned twice
+        checkpoints = list(self.cache.checkpoints.values())
+        for ck in checkpoints:  # each StateImage lives in exactly one tier
+            assert (ck.state_slot is None) != (ck.host_slot is None), f"checkpoint {ck.checkpoint_id} placement"
+        on_device = [c.state_slot for c in checkpoints if c.state_slot is not None]
+        owned = {s.state_slot for s in owners} | set(on_device)
+        assert len(owned) == len(owners) + len(on_device)  # no slot owned twice
         assert self.state_pool.num_free == self.state_pool.num_slots - len(owned)
+        on_host = {c.host_slot for c in checkpoints if c.host_slot is not None}
+        assert len(on_host) == len(checkpoints) - len(on_device)
+        assert self.host_pool.num_free == self.host_pool.num_slots - len(on_host)
 
     def assert_empty(self) -> None:
         self.cache.clear()
         self.assert_balanced()
         assert self.kv_pool.num_free == self.kv_pool.num_pages
         assert self.state_pool.num_free == self.state_pool.num_slots
+        assert self.host_pool.num_free == self.host_pool.num_slots
 
 
 def req(request_id: str, prompt: list[int], max_new: int = 8, **kw) -> EngineRequest:
@@ -592,6 +619,82 @@ def test_no_free_slot_adopts_the_checkpoint(byte_tokenizer):
     h.run()
     assert h.final("b").cached_tokens == len(PROMPT) + 2
     assert h.tokens("b") == expected_continuation(follow, 3)
+    h.assert_empty()
+
+
+def _turn_closure_conversation(h: Harness) -> tuple[list[int], int]:
+    """One turn with a turn-closure hint, then the next turn's prompt, which re-renders the
+    closed turn differently (as Qwen's template drops reasoning): -> (next prompt, frontier)."""
+    opener = [ord(c) for c in "<assistant>"]
+    prompt = PROMPT + opener + [ord(c) for c in "<think>"]  # the generation prologue opens reasoning
+    frontier = len(PROMPT)  # before the open turn's assistant opener
+    h.add(req("t1", prompt, max_new=5, capture_hints=[CaptureHint(frontier, "private_turn_closure")]))
+    h.run()
+    rerendered = opener + [ord(c) for c in "answer without its reasoning</assistant><user>next?"]
+    return PROMPT + rerendered, frontier
+
+
+def test_turn_closure_survives_at_one_lane_through_the_host_tier(byte_tokenizer):
+    # The defaults at --max-concurrency 1: two device slots, so the prompt-end capture and the
+    # endpoint push the turn-closure checkpoint out of the device; it spills to the host.
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=1, host_slots=8)
+    follow, frontier = _turn_closure_conversation(h)
+    assert any(isinstance(a, SpillSlot) for s in h.steps for a in s.before)
+    assert sum(ck.on_host for ck in h.cache.checkpoints.values()) == 1
+    h.assert_balanced()
+    h.add(req("t2", follow, max_new=6))
+    h.run()
+    out = h.final("t2")
+    assert out.cached_tokens == frontier and out.reuse_path == "private_turn_closure"
+    assert any(isinstance(a, RestoreSlot) for s in h.steps for a in s.before)
+    assert h.tokens("t2") == expected_continuation(follow, 6)  # the FakeRunner checked the restored state
+    h.assert_balanced()
+    h.assert_empty()
+
+
+def test_without_a_host_tier_the_turn_closure_is_dropped(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=1, host_slots=0)
+    follow, _ = _turn_closure_conversation(h)
+    h.add(req("t2", follow, max_new=6))
+    h.run()
+    assert h.final("t2").cached_tokens == 0
+    assert h.tokens("t2") == expected_continuation(follow, 6)
+    h.assert_empty()
+
+
+def test_full_prompt_hit_restored_from_the_host_samples_its_stored_logits(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=1, host_slots=4)
+    h.add(req("a", PROMPT, max_new=3))
+    h.run()
+    for i in range(2):  # later conversations push PROMPT's checkpoints to the host
+        h.add(req(f"x{i}", [ord(c) for c in f"another conversation {i} " * 2], max_new=2))
+        h.run()
+    assert any(ck.on_host and ck.frontier == len(PROMPT) for ck in h.cache.checkpoints.values())
+    h.add(req("b", PROMPT, max_new=3))
+    h.run()
+    assert h.final("b").cached_tokens == len(PROMPT)
+    assert h.tokens("b") == h.tokens("a")
+    assert not any(s.kind is StepKind.PREFILL and s.chunks[0].request_id == "b" for s in h.steps)
+    h.assert_empty()
+
+
+def test_a_full_host_tier_drops_its_least_recently_used(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=1, host_slots=2)
+    prompts = {f"r{i}": [ord(c) for c in f"conversation number {i} " * 3] for i in range(5)}
+    for rid, prompt in prompts.items():
+        h.add(req(rid, prompt, max_new=3))
+        h.run()
+        h.assert_balanced()
+        assert len(h.cache) <= h.state_pool.num_slots + h.host_pool.num_slots
+    assert h.host_pool.num_free == 0
+    newest = prompts["r4"] + h.tokens("r4") + [ord("!")]
+    oldest = prompts["r0"] + h.tokens("r0") + [ord("!")]
+    h.add(req("n", newest, max_new=2))
+    h.add(req("o", oldest, max_new=2))
+    h.run()
+    assert h.final("n").cached_tokens > 0
+    assert h.final("o").cached_tokens == 0
+    assert h.tokens("n") == expected_continuation(newest, 2) and h.tokens("o") == expected_continuation(oldest, 2)
     h.assert_empty()
 
 

@@ -7,9 +7,11 @@ from ninfer.engine.scheduler.step import (
     CopyPage,
     CopySlot,
     ResetSlot,
+    RestoreSlot,
     ScheduledChunk,
     SchedulerStep,
     SlotAction,
+    SpillSlot,
     StepKind,
 )
 
@@ -18,11 +20,13 @@ __all__ = [
     "CopyPage",
     "CopySlot",
     "ResetSlot",
+    "RestoreSlot",
     "ScheduledChunk",
     "Scheduler",
     "SchedulerLimits",
     "SchedulerStats",
     "SchedulerStep",
     "SlotAction",
+    "SpillSlot",
     "StepKind",
 ]

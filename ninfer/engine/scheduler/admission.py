@@ -2,9 +2,10 @@
 
 A request reserves its full prompt plus effective-output pages and one state slot until it
 completes; nothing admitted is preempted. The head of the queue is admitted with the best
-legal plan (resume from a cache hit by copying its state, adopt the hit itself, or start
-from root), evicting least-recently-used checkpoints when that makes room; later requests
-wait behind it. A waiting request past its deadline ends with request_queue_timeout.
+legal plan (resume from a cache hit by copying its state, or restoring it from the host
+tier; adopt a device hit itself; or start from root), evicting least-recently-used
+checkpoints when that makes room for pages and spilling one to the host when a device slot
+is short (placement.py); later requests wait behind it. A waiting request past its deadline ends with request_queue_timeout.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.sampler import fresh_seed
 from ninfer.engine.scheduler.outputs import error_output
-from ninfer.engine.scheduler.step import CopyPage, CopySlot, ResetSlot, SlotAction
+from ninfer.engine.scheduler.placement import Placement
+from ninfer.engine.scheduler.step import CopyPage, CopySlot, ResetSlot, RestoreSlot, SlotAction
 from ninfer.engine.sequence import Sequence, SequenceStatus
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
@@ -45,6 +47,7 @@ class AdmissionPlan:
     cow_src: int | None  # partial page to copy into the first private page
     num_private_pages: int
     evict: list[Checkpoint]
+    free_device_slot: bool  # spill (or drop) one more device checkpoint for the request's slot
 
 
 class Admission:
@@ -54,6 +57,7 @@ class Admission:
         kv_pool: KVPool,
         state_pool: StatePool,
         cache: ContextCache,
+        placement: Placement,
         make_stop_checker: Callable[[EngineRequest], StopChecker],
         clock: Callable[[], float],
         actions: list[SlotAction],
@@ -63,6 +67,7 @@ class Admission:
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.cache = cache
+        self.placement = placement
         self.make_stop_checker = make_stop_checker
         self.clock = clock
         self.actions = actions
@@ -162,7 +167,7 @@ class Admission:
         candidates: list[tuple[CacheHit | None, bool]] = []
         if hit is not None:
             candidates.append((hit, False))
-            if hit.is_exact_frontier:
+            if hit.is_exact_frontier and not hit.checkpoint.on_host:
                 candidates.append((hit, True))
         candidates.append((None, False))
         for candidate, adopt in candidates:
@@ -188,11 +193,14 @@ class Admission:
         victims = self.cache.victims(keep=ck)
         page_gains = [0, *self.cache.pages_freed_by_evicting(victims)]
         for num_evict in range(len(victims) + 1):
-            if (
-                self.kv_pool.num_free + page_gains[num_evict] >= num_private
-                and self.state_pool.num_free + num_evict >= slots_needed
-            ):
-                return AdmissionPlan(hit, adopt, num_full, own_partial, cow_src, num_private, victims[:num_evict])
+            if self.kv_pool.num_free + page_gains[num_evict] < num_private:
+                continue
+            evict = victims[:num_evict]
+            free_slots = self.state_pool.num_free + sum(c.state_slot is not None for c in evict)
+            if free_slots >= slots_needed:
+                return AdmissionPlan(hit, adopt, num_full, own_partial, cow_src, num_private, evict, False)
+            if self.placement.can_free_device_slot(ck, evict):
+                return AdmissionPlan(hit, adopt, num_full, own_partial, cow_src, num_private, evict, True)
         return None
 
     def _commit(self, seq: Sequence, plan: AdmissionPlan) -> None:
@@ -204,6 +212,8 @@ class Admission:
             self.kv_pool.share(shared)  # hold the prefix before evicting anything that might release it
         for victim in plan.evict:
             self.cache.remove(victim)
+        if plan.free_device_slot and not self.placement.free_device_slot(keep=ck):
+            raise AssertionError("admission planned a device slot that placement cannot free")
         private = self.kv_pool.allocate(plan.num_private_pages)
         if plan.cow_src is not None:
             # Runs before any forward writes, so the source still holds the prefix's tokens.
@@ -219,7 +229,10 @@ class Admission:
             seq.pages = shared + private
             seq.state_slot = self.state_pool.allocate()
             if hit is not None and hit.is_exact_frontier:
-                self.actions.append(CopySlot(ck.state_slot, seq.state_slot))
+                if ck.on_host:
+                    self.actions.append(RestoreSlot(ck.host_slot, seq.state_slot))
+                else:
+                    self.actions.append(CopySlot(ck.state_slot, seq.state_slot))
                 self.cache.touch(ck)
             else:
                 self.actions.append(ResetSlot(seq.state_slot))

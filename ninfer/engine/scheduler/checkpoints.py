@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.step import CopySlot, SlotAction
 from ninfer.engine.sequence import Sequence
 from ninfer.engine.state_pool import StatePool
@@ -22,6 +23,7 @@ class Checkpoints:
         kv_pool: KVPool,
         state_pool: StatePool,
         cache: ContextCache,
+        placement: Placement,
         actions: list[SlotAction],
     ):
         """actions: the scheduler's list of slot actions to run before the next forward."""
@@ -29,6 +31,7 @@ class Checkpoints:
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.cache = cache
+        self.placement = placement
         self.actions = actions
 
     def capture_prompt_frontiers(self, seq: Sequence) -> None:
@@ -44,11 +47,8 @@ class Checkpoints:
         if existing is not None:
             self.cache.touch(existing)
             return
-        if self.state_pool.num_free == 0:
-            victims = self.cache.victims()
-            if not victims:
-                return  # every slot is active: skip this capture
-            self.cache.remove(victims[0])
+        if self.state_pool.num_free == 0 and not self.placement.free_device_slot():
+            return  # every device slot is active: skip this capture
         slot = self.state_pool.allocate()
         pages = seq.pages[: self.kv_pool.pages_for(frontier)]
         self.kv_pool.share(pages)

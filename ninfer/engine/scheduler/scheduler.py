@@ -29,6 +29,7 @@ from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.admission import Admission, SchedulerLimits
 from ninfer.engine.scheduler.checkpoints import Checkpoints
 from ninfer.engine.scheduler.outputs import delta_output, final_output
+from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.step import PENDING_TOKEN, ScheduledChunk, SchedulerStep, SlotAction, StepKind
 from ninfer.engine.sequence import Sequence, SequenceStatus
 from ninfer.engine.state_pool import StatePool
@@ -71,10 +72,13 @@ class Scheduler:
         self.clock = clock
         # Slot and page actions for the next step, appended by admission and capture too.
         self._pending_actions: list[SlotAction] = []
+        placement = Placement(cache, self._pending_actions)
         self.admission = Admission(
-            limits, kv_pool, state_pool, cache, make_stop_checker, clock, self._pending_actions
+            limits, kv_pool, state_pool, cache, placement, make_stop_checker, clock, self._pending_actions
         )
-        self.checkpoints = Checkpoints(limits.prefix_reuse, kv_pool, state_pool, cache, self._pending_actions)
+        self.checkpoints = Checkpoints(
+            limits.prefix_reuse, kv_pool, state_pool, cache, placement, self._pending_actions
+        )
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
         self._outbox: list[EngineOutput] = []  # outputs ready to send (admission progress, finals, errors)

@@ -36,7 +36,24 @@ class CopyPage:
     dst: int
 
 
-SlotAction = ResetSlot | CopySlot | CopyPage
+@dataclass(frozen=True)
+class SpillSlot:
+    """Copy a device StateImage (and its stored logits) to a pinned host slot; the device slot is
+    then free for other use, so the copy is ordered before any later action or forward."""
+
+    device_slot: int
+    host_slot: int
+
+
+@dataclass(frozen=True)
+class RestoreSlot:
+    """Copy a host StateImage back into a device slot, ordered before the forward that reads it."""
+
+    host_slot: int
+    device_slot: int
+
+
+SlotAction = ResetSlot | CopySlot | CopyPage | SpillSlot | RestoreSlot
 
 
 # The token of a chained chunk: sampled by the previous step, not yet known on the host.
