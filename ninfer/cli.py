@@ -185,6 +185,18 @@ def _run_chat(args: argparse.Namespace) -> int:
     return asyncio.run(run_chat(args))
 
 
+def _run_write_checkpoint(args: argparse.Namespace) -> int:
+    import torch
+
+    from ninfer.bench.checkpoint import write_random_checkpoint
+    from ninfer.log import setup_logging
+
+    setup_logging(args.log_level)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    write_random_checkpoint(args.shape, args.directory, seed=args.seed, device=device)
+    return 0
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -257,7 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--profile", action="store_true", help="also profile the smallest decode case and the shortest prefill per model: kernel table (profile-*.txt), critical-path increments (increments-*.txt), timeline (trace-*.json.gz)")
     bench.add_argument("--out", default="bench-results", help="output folder for bench.json, bench.md, bench.png")
     bench.add_argument("--log-level", default="info", choices=list(LEVELS))
+    write = sub.add_parser("write-checkpoint", help="write a random-weight checkpoint in the real layout (for end-to-end benchmarks)")
+    write.add_argument("directory", help="output folder (tmpfs such as /dev/shm is fastest)")
+    write.add_argument("--shape", default="27b", choices=["27b", "35b-a3b"], help="model shape (default 27b)")
+    write.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    write.add_argument("--device", help="where to build the weights (default: cuda when present, else cpu)")
+    write.add_argument("--log-level", default="info", choices=list(LEVELS))
     args = parser.parse_args(argv)
+    if args.command == "write-checkpoint":
+        return _run_write_checkpoint(args)
     if args.command == "serve":
         return _run_serve(args, "ninfer serve")
     if args.command == "bench":

@@ -34,7 +34,7 @@ class HostStates:
     @property
     def bytes_per_slot(self) -> int:
         tensors = [t for t in (self.conv, self.recurrent, self.logits) if t is not None]
-        return sum(t[0].numel() * t.element_size() for t in tensors)
+        return sum(t.shape[1:].numel() * t.element_size() for t in tensors)
 
     def spill(self, device_slot: int, host_slot: int) -> None:
         if self.device_states is not None:

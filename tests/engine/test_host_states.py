@@ -42,6 +42,12 @@ def test_spill_then_overwrite_then_restore_is_exact(device: str) -> None:
     assert host.bytes_per_slot == want[0].numel() * 2 + want[1].numel() * 4 + want[2].numel() * 4
 
 
+def test_an_empty_host_tier_still_reports_its_slot_size() -> None:
+    states = StateCache.allocate(2, 3, 8, 4, 2, 4, 4, torch.float32)
+    host = HostStates(states, torch.zeros(3, 10), num_slots=0)  # --no-prefix-reuse or --host-state-slots 0
+    assert host.num_slots == 0 and host.bytes_per_slot == (2 * 8 * 3 + 2 * 2 * 4 * 4 + 10) * 4
+
+
 def test_attention_only_models_keep_only_logits() -> None:
     logits = torch.arange(3 * 5, dtype=torch.float32).view(3, 5)
     host = HostStates(None, logits, num_slots=1)

@@ -1,0 +1,73 @@
+"""A random-weight checkpoint in the real on-disk layout, for end-to-end figures without the weights.
+
+`ninfer bench write-checkpoint --shape 27b DIR` writes what a Hugging Face model directory
+holds (config.json, safetensors shards with their index, the Qwen3.5 tokenizer and chat
+template) with the deterministic random weights of random_weights.py, so `ninfer-serve DIR`
+loads and serves it exactly as it would the published model: same shapes, same tensor
+names, same load path. Write it to tmpfs (e.g. /dev/shm) when disk is slow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ninfer.assets.qwen_tokenizer import write_qwen3_5_tokenizer
+from ninfer.bench.random_weights import fill_random_, stored_parameters
+from ninfer.bench.shapes import shape_config
+from ninfer.models.loader import build_model
+
+log = logging.getLogger("ninfer.bench")
+
+ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+SHARD_BYTES = 4 << 30  # the hub's shards are a few GB each
+
+
+def write_random_checkpoint(
+    shape: str, directory: str | Path, *, seed: int = 0, device: str = "cuda", shard_bytes: int = SHARD_BYTES
+) -> Path:
+    """Build `shape` with random bf16 weights on `device` and write it under `directory`."""
+    from safetensors.torch import save_file
+
+    hf_config, config = shape_config(shape)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    model = build_model(config, torch.bfloat16, device)
+    fill_random_(stored_parameters(model), seed)
+    tensors = list(stored_parameters(model))
+    total_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    log.info("%s: %d tensors, %.1f GB of random weights built in %.1fs", shape, len(tensors), total_bytes / 1e9,
+             time.perf_counter() - started)
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    shard_size = 0
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_size + size > shard_bytes:
+            shards.append([])
+            shard_size = 0
+        shards[-1].append((name, tensor))
+        shard_size += size
+    weight_map: dict[str, str] = {}
+    written = 0
+    for index, shard in enumerate(shards, start=1):
+        file_name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file({name: t.detach().to("cpu").contiguous() for name, t in shard}, out / file_name,
+                  metadata={"format": "pt"})
+        weight_map.update({name: file_name for name, _ in shard})
+        written += sum(t.numel() * t.element_size() for _, t in shard)
+        log.info("wrote %s (%.1f / %.1f GB)", file_name, written / 1e9, total_bytes / 1e9)
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    hf = {**hf_config, "architectures": [ARCHITECTURES[hf_config["model_type"]]], "torch_dtype": "bfloat16"}
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    write_qwen3_5_tokenizer(out)
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    log.info("%s: random-weight checkpoint in %s (%.1fs)", shape, out, time.perf_counter() - started)
+    return out
