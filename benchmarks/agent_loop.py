@@ -31,6 +31,7 @@ import os
 import random
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,7 +48,7 @@ WORDS = (
     "option default update commit branch merge review check output input source target module "
     "package import export parse render format string number list array object class method"
 ).split()
-TOKENS_PER_WORD = 1.25  # the Qwen tokenizer on WORDS with spaces and punctuation, measured
+TOKENS_PER_WORD = 1.1  # the Qwen3.5 tokenizer on words() output, measured
 DONE_RECORD = re.compile(r"request (\S+) done: .*\(cache (\d+), \d+%, ([a-z ]+)\)")
 
 
@@ -248,10 +249,14 @@ class Client:
         return request_id, first, usage, None
 
 
-def start_server(model: str, server_args: list[str], port: int, log_path: Path, ready_timeout: float) -> subprocess.Popen:
-    command = ["ninfer-serve", model, "--port", str(port), *server_args]
+def start_server(
+    serve_command: list[str], model: str, server_args: list[str], port: int, log_path: Path, ready_timeout: float
+) -> subprocess.Popen:
+    command = [*serve_command, model, "--port", str(port), *server_args]
     print(f"$ {shlex.join(command)}  (log: {log_path})", file=sys.stderr, flush=True)
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"))  # noqa: SIM115
+    # Its own process group, so stopping it also stops the engine process it spawned.
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"),  # noqa: SIM115
+                               start_new_session=True)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -267,11 +272,22 @@ def start_server(model: str, server_args: list[str], port: int, log_path: Path, 
 
 
 def stop_server(process: subprocess.Popen) -> None:
-    process.terminate()
+    """Stop the server and every process of its group; wait until they are gone (GPU memory freed)."""
+    group = os.getpgid(process.pid)
+    os.killpg(group, signal.SIGTERM)
     try:
         process.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        process.kill()
+        pass
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)  # anyone left?
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.killpg(group, signal.SIGKILL)
+    process.wait()
 
 
 def paths_from_log(log_path: Path) -> dict[str, tuple[int, str]]:
@@ -283,7 +299,7 @@ def paths_from_log(log_path: Path) -> dict[str, tuple[int, str]]:
     return found
 
 
-def run_variant(client: Client, api: str, args) -> list[Turn]:
+def run_variant(client: Client, api: str, args, label: str) -> list[Turn]:
     sessions = []
     for index in range(args.sessions):
         rng = random.Random(f"{args.seed}:{api}:{index}")
@@ -297,6 +313,8 @@ def run_variant(client: Client, api: str, args) -> list[Turn]:
             result = f"Tool result {number}:\n" + words(s.rng, s.rng.randint(low, high))
             turn = client.turn(s, result)
             turns.append(turn)
+            with open(Path(args.out) / "turns.jsonl", "a") as raw:  # survives an interrupted run
+                raw.write(json.dumps({"run": label, **asdict(turn)}) + "\n")
             print(f"  {api:9s} session {s.index} turn {number:2d}: prompt {turn.prompt_tokens:6d} "
                   f"cached {turn.cached_tokens:6d} ttft {turn.ttft_s:6.3f}s", file=sys.stderr, flush=True)
     return turns
@@ -375,13 +393,14 @@ def summary(turns: list[Turn]) -> dict:
     }
 
 
-def run_all(args, server_args: list[str], label: str) -> dict:
+def run_all(args, server_args: list[str], label: str, apis: list[str]) -> dict:
     process = log_path = None
     url = args.url
     if args.serve:
         log_path = Path(args.out) / f"server-{label}.log"
         port = args.port
-        process = start_server(args.serve, server_args, port, log_path, args.ready_timeout)
+        process = start_server(shlex.split(args.serve_command), args.serve, server_args, port, log_path,
+                               args.ready_timeout)
         url = f"http://127.0.0.1:{port}"
     try:
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -389,9 +408,9 @@ def run_all(args, server_args: list[str], label: str) -> dict:
         if args.warmup:
             client.turn(Session("chat", -1, "warm-up", [], random.Random(0)), "Say hi.")
         results = {}
-        for api in args.apis:
+        for api in apis:
             print(f"[{label}] {api}: {args.sessions} sessions x {args.turns} turns", file=sys.stderr, flush=True)
-            turns = run_variant(client, api, args)
+            turns = run_variant(client, api, args, label)
             results[api] = turns
         # Last, so these fresh prompts cannot push the sessions' checkpoints out.
         points = calibrate(client, [t for turns in results.values() for t in turns]) if args.calibrate else []
@@ -411,11 +430,14 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--serve", metavar="MODEL", help="start ninfer-serve on this model directory (paths read from its log)")
     where.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8080")
     parser.add_argument("--server-args", default="", help="extra ninfer-serve flags, one string")
+    parser.add_argument("--serve-command", default="ninfer-serve",
+                        help="how to start the server (default ninfer-serve; e.g. 'python3 -m ninfer.cli serve')")
     parser.add_argument("--compare-no-reuse", action="store_true", help="then run again with --no-prefix-reuse (needs --serve)")
     parser.add_argument("--apis", default="chat,responses,messages", help="comma list of chat, responses, messages")
     parser.add_argument("--sessions", type=int, default=2, help="interleaved sessions (default 2)")
     parser.add_argument("--turns", type=int, default=20, help="turns per session (default 20)")
     parser.add_argument("--no-reuse-turns", type=int, help="turns per session in the --no-prefix-reuse run (default: --turns)")
+    parser.add_argument("--no-reuse-apis", help="variants in the --no-prefix-reuse run (default: --apis)")
     parser.add_argument("--prefix-tokens", type=int, default=30000, help="system prompt + tools, about (default 30000)")
     parser.add_argument("--result-tokens", default="1000,4000", help="tool result size range MIN,MAX (default 1000,4000)")
     parser.add_argument("--max-tokens", type=int, default=32, help="answer length per turn (default 32)")
@@ -429,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="folder for agent_loop.json, agent_loop.md and server logs")
     args = parser.parse_args(argv)
     args.apis = [a for a in args.apis.split(",") if a]
-    bad = [a for a in args.apis if a not in ("chat", "responses", "messages")]
+    args.no_reuse_apis = [a for a in (args.no_reuse_apis or "").split(",") if a]
+    bad = [a for a in [*args.apis, *args.no_reuse_apis] if a not in ("chat", "responses", "messages")]
     if bad:
         parser.error(f"--apis: unknown {', '.join(bad)}")
     low, high = (int(x) for x in args.result_tokens.split(","))
@@ -439,11 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or tempfile.mkdtemp(prefix="agent-loop-")
     os.makedirs(args.out, exist_ok=True)
     server_args = shlex.split(args.server_args)
-    report = {"options": {k: v for k, v in vars(args).items()}, "reuse": run_all(args, server_args, "reuse")}
+    report = {"options": dict(vars(args)), "reuse": run_all(args, server_args, "reuse", args.apis)}
     if args.compare_no_reuse:
         turns = args.turns
         args.turns = args.no_reuse_turns or turns
-        report["no_reuse"] = run_all(args, [*server_args, "--no-prefix-reuse"], "no-reuse")
+        apis = args.no_reuse_apis or args.apis
+        report["no_reuse"] = run_all(args, [*server_args, "--no-prefix-reuse"], "no-reuse", apis)
         args.turns = turns
     out = Path(args.out)
     (out / "agent_loop.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -53,6 +53,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly instead of replaying CUDA graphs captured at start-up (default: graphs on, CUDA only)")
     engine.add_argument("--no-decode-overlap", action="store_true", help="read each decode round's tokens before launching the next (default: the next round is launched first, hiding the host's work between rounds)")
     engine.add_argument("--device-state-slots", type=_non_negative_int, help="checkpoint StateImages beyond the active lanes (default: --max-concurrency)")
+    engine.add_argument("--max-long-anchors-per-continuation", type=_non_negative_int, help="checkpoints a long prompt leaves at its latest message starts, so an edit there reuses what precedes it (default 2)")
     engine.add_argument("--host-state-slots", type=_non_negative_int, help="checkpoint StateImages in pinned host memory, where device checkpoints spill instead of being dropped (default 8)")
     engine.add_argument("--in-process-engine", action="store_true", help="run the engine in a thread of the API process instead of its own process")
     gen = parser.add_argument_group("generation")
@@ -113,7 +114,11 @@ def resolve_device(index: int) -> str:
 def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
     """-> (config, kv_capacity_auto)."""
     if args.no_prefix_reuse:
-        capacity_flags = {"--device-state-slots": args.device_state_slots, "--host-state-slots": args.host_state_slots}
+        capacity_flags = {
+            "--device-state-slots": args.device_state_slots,
+            "--host-state-slots": args.host_state_slots,
+            "--max-long-anchors-per-continuation": args.max_long_anchors_per_continuation,
+        }
         given = [flag for flag, value in capacity_flags.items() if value is not None]
         if given:
             raise ConfigValueError(f"--no-prefix-reuse cannot be combined with {', '.join(given)} (a context-cache capacity)")
@@ -147,6 +152,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         default_thinking_budget=args.default_thinking_budget,
         no_thinking=args.no_thinking,
         preserve_thinking=args.preserve_thinking,
+        max_long_anchors=args.max_long_anchors_per_continuation,
         tolerant_tool_calls=args.tolerant_tool_calls,
         greedy=args.greedy,
         log_level=args.log_level,

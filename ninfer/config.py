@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ninfer.contract.sampling import SamplingOverrides
 
 DEFAULT_HOST_STATE_SLOTS = 8
+DEFAULT_LONG_ANCHORS = 2
 
 
 class ConfigValueError(ValueError):
@@ -84,6 +85,7 @@ class ServeConfig:
     default_thinking_budget: int | None = None
     no_thinking: bool = False
     preserve_thinking: bool = False
+    max_long_anchors: int | None = None  # --max-long-anchors-per-continuation; None = 2 (0 without prefix reuse)
     tolerant_tool_calls: bool = False
     greedy: bool = False
     log_level: str = "info"
@@ -109,3 +111,13 @@ class ServeConfig:
         check(self.response_store_max_records >= 0, "--response-store-max-records must be >= 0")
         check(self.response_store_max_mib >= 0, "--response-store-max-mib must be >= 0")
         check(self.dtype in ("auto", "bfloat16", "float16", "float32"), "--dtype must be auto, bfloat16, float16 or float32")
+        check(
+            self.max_long_anchors is None or self.max_long_anchors >= 0,
+            "--max-long-anchors-per-continuation must be >= 0",
+        )
+
+    @property
+    def num_long_anchors(self) -> int:
+        if not self.engine.prefix_reuse:
+            return 0
+        return DEFAULT_LONG_ANCHORS if self.max_long_anchors is None else self.max_long_anchors

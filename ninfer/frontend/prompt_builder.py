@@ -1,9 +1,12 @@
 """PromptBuilder: Conversation -> the artifact's chat template -> token ids + cache hints.
 
-Also computes the turn-closure frontier (context-cache.md, capture point 2): the token
-offset just before the first assistant opener of the open turn, or before the
-generation prologue when closed-turn reasoning is preserved, so the next turn can reuse
-the stable conversation even when its re-render of this turn differs.
+Also computes the capture hints the engine snapshots while prefilling:
+- the turn-closure frontier: the token offset just before the first assistant opener of the
+  open turn, or before the generation prologue when closed-turn reasoning is preserved, so
+  the next turn can reuse the stable conversation even when its re-render of this turn differs;
+- the cache breakpoints the request marks (shared stable prefixes);
+- long anchors in long prompts: message starts late in the prompt, so a request that diverges
+  there (an edited last message, a retried or undone turn) still reuses most of the prefix.
 """
 
 from __future__ import annotations
@@ -17,11 +20,16 @@ from ninfer.contract.request import CaptureHint
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.conversation import Conversation, MediaPart, Message, TextPart
+from ninfer.frontend.prompt_encoder import EncodedPrompt, PromptEncoder
 from ninfer.frontend.template import ChatTemplate, TemplateError
 from ninfer.frontend.tokenizer import Tokenizer
 
 # Private-use characters: a marker no template or tokenizer treats specially.
 _SENTINEL = "\ue000NINFER-CACHE-BREAKPOINT\ue001"
+# Long anchors only in prompts at least this long, each at least ANCHOR_MIN_GAP tokens from
+# every other capture frontier: a snapshot that saves less than that is not worth its slot.
+LONG_PROMPT_TOKENS = 4096
+ANCHOR_MIN_GAP = 1024
 
 
 class PromptError(ValueError):
@@ -46,28 +54,36 @@ class PromptBuilder:
         *,
         default_thinking: bool = True,
         default_preserve_thinking: bool = False,
+        max_long_anchors: int = 2,
     ):
         self.template = template
         self.tokenizer = tokenizer
         self.capabilities = capabilities
         self.default_thinking = default_thinking
         self.default_preserve_thinking = default_preserve_thinking
+        self.max_long_anchors = max_long_anchors
+        self.encoder = PromptEncoder(tokenizer)
+        self.message_start_id = self._message_start_id()
 
     # ---- public ----------------------------------------------------------------------
     def build(self, conversation: Conversation, with_capture_hints: bool = True) -> PreparedPrompt:
         kwargs = self.template_kwargs(conversation)
         messages = conversation.messages
         text = self._render(messages, conversation, kwargs, add_generation_prompt=not conversation.continue_final_message)
-        token_ids = self.tokenizer.encode(text)
+        prompt = self.encoder.encode(text)
+        token_ids = prompt.token_ids
         thinking = not conversation.continue_final_message and self._opens_thinking(text)
         hints: list[CaptureHint] = []
         if with_capture_hints:
-            for frontier in self._breakpoint_frontiers(conversation, kwargs, text, token_ids):
+            for frontier in self._breakpoint_frontiers(conversation, kwargs, prompt):
                 hints.append(CaptureHint(frontier, ReusePath.SHARED_STABLE_PREFIX))
         if with_capture_hints and not conversation.continue_final_message:
-            frontier = self._turn_closure_frontier(conversation, kwargs, token_ids)
+            frontier = self._turn_closure_frontier(conversation, kwargs, prompt)
             if frontier is not None and all(h.frontier != frontier for h in hints):
                 hints.append(CaptureHint(frontier, ReusePath.PRIVATE_TURN_CLOSURE))
+        if with_capture_hints:
+            taken = [h.frontier for h in hints]
+            hints += [CaptureHint(f, ReusePath.PRIVATE_LONG_ANCHOR) for f in self._long_anchors(token_ids, taken)]
         return PreparedPrompt(
             token_ids=token_ids,
             thinking=thinking,
@@ -187,13 +203,24 @@ class PromptBuilder:
         tail = text.rstrip()
         return tail.endswith(caps.think_open)
 
-    def _breakpoint_frontiers(
-        self, conversation: Conversation, kwargs: dict[str, Any], text: str, token_ids: list[int]
-    ) -> list[int]:
+    def _prefix_frontier(self, prompt: EncodedPrompt, prefix: str) -> int | None:
+        """The token count of `prefix` inside the prompt, when the prompt's first tokens are exactly
+        its tokens. Prefixes ending where a special token starts (message boundaries) are read
+        off the prompt's own encoding; any other prefix is encoded and compared."""
+        token_ids = prompt.token_ids
+        if not prompt.text.startswith(prefix):
+            return None
+        frontier = prompt.split_points.get(len(prefix))
+        if frontier is None:
+            prefix_ids = self.tokenizer.encode(prefix)
+            frontier = len(prefix_ids) if token_ids[: len(prefix_ids)] == prefix_ids else None
+        return frontier if frontier is not None and 0 < frontier < len(token_ids) else None
+
+    def _breakpoint_frontiers(self, conversation: Conversation, kwargs: dict[str, Any], prompt: EncodedPrompt) -> list[int]:
         """Exact token frontiers of the requested cache breakpoints; unrepresentable ones are skipped.
 
         Each is found by rendering with a sentinel at the breakpoint: the text before it must be a
-        prefix of the real prompt and must tokenize to a prefix of its token ids.
+        prefix of the real prompt and must tokenize to a prefix of its token ids (_prefix_frontier).
         """
         targets: list[tuple[str, int, int]] = []
         for i, message in enumerate(conversation.messages):
@@ -223,17 +250,51 @@ class PromptBuilder:
             except PromptError:
                 continue
             offset = rendered.find(_SENTINEL)
-            if offset < 0 or rendered.count(_SENTINEL) != 1 or not text.startswith(rendered[:offset]):
+            if offset < 0 or rendered.count(_SENTINEL) != 1:
                 continue
-            prefix_ids = self.tokenizer.encode(rendered[:offset])
-            frontier = len(prefix_ids)
-            if 0 < frontier < len(token_ids) and token_ids[:frontier] == prefix_ids and frontier not in frontiers:
+            frontier = self._prefix_frontier(prompt, rendered[:offset])
+            if frontier is not None and frontier not in frontiers:
                 frontiers.append(frontier)
         return sorted(frontiers)
 
-    def _turn_closure_frontier(
-        self, conversation: Conversation, kwargs: dict[str, Any], token_ids: list[int]
-    ) -> int | None:
+    def _message_start_id(self) -> int | None:
+        """The special token that opens every message (ChatML's <|im_start|>, Llama 3's
+        <|start_header_id|>): the first token an appended assistant message adds."""
+        one = [{"role": "user", "content": "x"}]
+        two = [*one, {"role": "assistant", "content": "y"}]
+        try:
+            short = self.template.render(one, add_generation_prompt=False)
+            longer = self.template.render(two, add_generation_prompt=False)
+        except TemplateError:
+            return None
+        if not longer.startswith(short):
+            return None
+        short_ids, longer_ids = self.tokenizer.encode(short), self.tokenizer.encode(longer)
+        if longer_ids[: len(short_ids)] != short_ids or len(longer_ids) == len(short_ids):
+            return None
+        opener = longer_ids[len(short_ids)]
+        return opener if opener in self.tokenizer.special_token_ids else None
+
+    def _long_anchors(self, token_ids: list[int], taken: list[int]) -> list[int]:
+        """Up to max_long_anchors message starts, latest first, before the prompt's last one (the
+        generation opener). A request diverging inside the message after an anchor resumes from
+        the nearest frontier before its divergence, so an anchor must sit ANCHOR_MIN_GAP past
+        every earlier hint and apart from the other anchors. A special token always starts a
+        token of its own: a later prompt with the same text up to there has exactly these tokens."""
+        if self.message_start_id is None or self.max_long_anchors <= 0 or len(token_ids) < LONG_PROMPT_TOKENS:
+            return []
+        start_id = self.message_start_id
+        starts = [i for i, token in enumerate(token_ids) if token == start_id and i > 0]
+        anchors: list[int] = []
+        for start in reversed(starts[:-1]):
+            if len(anchors) == self.max_long_anchors:
+                break
+            earlier = max((f for f in taken if f <= start), default=0)
+            if start - earlier >= ANCHOR_MIN_GAP and all(a - start >= ANCHOR_MIN_GAP for a in anchors):
+                anchors.append(start)
+        return sorted(anchors)
+
+    def _turn_closure_frontier(self, conversation: Conversation, kwargs: dict[str, Any], prompt: EncodedPrompt) -> int | None:
         """Token count of the stable conversation before the open turn's first assistant opener."""
         messages = conversation.messages
         last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
@@ -247,8 +308,4 @@ class PromptBuilder:
             prefix = self._render(messages[:cut], conversation, kwargs, add_generation_prompt=False)
         except PromptError:
             return None
-        prefix_ids = self.tokenizer.encode(prefix)
-        frontier = len(prefix_ids)
-        if 0 < frontier < len(token_ids) and token_ids[:frontier] == prefix_ids:
-            return frontier
-        return None
+        return self._prefix_frontier(prompt, prefix)

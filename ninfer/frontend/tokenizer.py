@@ -36,11 +36,11 @@ class Tokenizer:
         self.bos_token_id = self.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = self.token_to_id(eos_token) if eos_token else None
         self.pad_token_id = self.token_to_id(pad_token) if pad_token else None
-        self.special_token_ids = frozenset(
-            t.id if hasattr(t, "id") else i
-            for i, t in backend.get_added_tokens_decoder().items()
-            if t.special
-        )
+        added = backend.get_added_tokens_decoder()
+        self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
+        # Special tokens that take no whitespace before them: the text before one encodes to
+        # exactly the ids before it, since added tokens are split out before the rest is encoded.
+        self.clean_split_ids = frozenset(i for i, t in added.items() if t.special and not t.lstrip and not t.normalized)
 
     @classmethod
     def from_files(cls, tokenizer_json: Path, tokenizer_config: dict[str, Any] | None = None) -> Tokenizer:
@@ -85,6 +85,15 @@ class Tokenizer:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_with_split_points(self, text: str) -> tuple[list[int], dict[int, int]]:
+        """encode(text), and for each clean-splitting special token in it, char offset -> token
+        index: text[:offset] encodes to exactly ids[:index], with no second encode."""
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        clean = self.clean_split_ids
+        offsets = encoding.offsets
+        return ids, {offsets[i][0]: i for i, token in enumerate(ids) if token in clean}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

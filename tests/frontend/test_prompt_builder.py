@@ -131,3 +131,32 @@ def test_effort_tiers_reach_the_template(tokenizer):
     low = tokenizer.decode(b.build(Conversation([user("hi")], reasoning_effort="low")).token_ids)
     default = tokenizer.decode(b.build(Conversation([user("hi")])).token_ids)
     assert "Reasoning effort is set to low" in low and "Reasoning effort is set to xhigh" in default
+
+
+def _long_text(label: str, approx_tokens: int) -> str:
+    return " ".join(f"{label} item {i} says something" for i in range(approx_tokens // 6))
+
+
+def test_long_prompts_get_anchors_at_late_message_starts(tokenizer):
+    b = builder(tokenizer)
+    start = tokenizer.token_to_id("<|im_start|>")
+    assert b.message_start_id == start
+    messages = [Message("system", [TextPart(_long_text("system", 1500))])]
+    for turn in range(3):
+        messages += [user(_long_text(f"question {turn}", 1500)), Message("assistant", [TextPart("short answer")])]
+    messages.append(user(_long_text("last question", 1500)))
+    prepared = b.build(Conversation(messages))
+    anchors = [h.frontier for h in prepared.capture_hints if h.path == ReusePath.PRIVATE_LONG_ANCHOR]
+    assert len(prepared.token_ids) > 4096 and len(anchors) == 2
+    assert all(prepared.token_ids[f] == start for f in anchors)  # each sits on a message start
+    # The latest is the last user message's start: an edit of that message still reuses everything before it.
+    edited = b.build(Conversation([*messages[:-1], user(_long_text("edited question", 1500))]))
+    last_anchor = max(anchors)
+    assert edited.token_ids[:last_anchor] == prepared.token_ids[:last_anchor]
+    assert edited.token_ids[last_anchor + 3] != prepared.token_ids[last_anchor + 3]
+    assert anchors[1] - anchors[0] >= 1024
+    # Short prompts, and a builder configured without anchors, get none.
+    short = b.build(Conversation([user("hi")]))
+    assert not [h for h in short.capture_hints if h.path == ReusePath.PRIVATE_LONG_ANCHOR]
+    none = builder(tokenizer, max_long_anchors=0).build(Conversation(messages))
+    assert not [h for h in none.capture_hints if h.path == ReusePath.PRIVATE_LONG_ANCHOR]

@@ -107,3 +107,30 @@ def test_messages_extension(server, thinking, caplog):
     assert second.content[-1].text == ANSWER
     first_prompt = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
     assert_extension_reused(first_prompt, second.usage.cache_read_input_tokens, caplog)
+
+
+def test_an_edited_last_message_resumes_from_a_long_anchor(tiny_qwen, caplog):
+    # A long conversation whose last user message is edited and resent (a retry): the turn
+    # closure lies after the edit, so the long anchor at that message's start is what reuses.
+    server = scripted_server(tiny_qwen, ANSWER, default_max_tokens=16, max_context=16384, prefill_chunk=512)
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        history = [{"role": "system", "content": LONG_NOTE * 4}]
+        for turn in range(3):
+            history += [{"role": "user", "content": f"Turn {turn}. " + LONG_NOTE * 3},
+                        {"role": "assistant", "content": ANSWER}]
+        caplog.set_level(logging.INFO, logger="ninfer")
+        options = {"enable_thinking": False}
+        first = client.chat.completions.create(
+            model=server.serving.model_id, messages=[*history, {"role": "user", "content": "Question " + LONG_NOTE}],
+            extra_body=options)
+        edited = client.chat.completions.create(
+            model=server.serving.model_id, messages=[*history, {"role": "user", "content": "Edited " + LONG_NOTE}],
+            extra_body=options)
+        assert first.usage.prompt_tokens > 4096
+        cached = edited.usage.prompt_tokens_details.cached_tokens
+        last_message = first.usage.prompt_tokens - cached  # what was recomputed: the edited message onwards
+        assert 0 < last_message < 700, (first.usage.prompt_tokens, cached)  # the last message is ~600 tokens
+        assert reuse_paths(caplog)[-1] == "private long anchor"
+    finally:
+        server.stop()

@@ -76,6 +76,7 @@ def parse(*argv: str):
         (["--default-thinking-budget", "0"], "--default-thinking-budget"),
         (["--no-prefix-reuse", "--device-state-slots", "0"], "--no-prefix-reuse cannot be combined with --device"),
         (["--no-prefix-reuse", "--host-state-slots", "0"], "--no-prefix-reuse cannot be combined with --host-state"),
+        (["--no-prefix-reuse", "--max-long-anchors-per-continuation", "0"], "with --max-long-anchors"),
         (["--port", "0"], "--port"),
         (["--prefill-chunk", "0"], "--prefill-chunk"),
     ],
@@ -94,6 +95,8 @@ def test_options_reach_the_config():
     assert config.engine.num_host_state_slots == 8  # the default pinned host tier
     assert parse("--host-state-slots", "0")[0].engine.num_host_state_slots == 0
     assert parse("--no-prefix-reuse")[0].engine.num_host_state_slots == 0
+    assert parse()[0].num_long_anchors == 2 and parse("--no-prefix-reuse")[0].num_long_anchors == 0
+    assert parse("--max-long-anchors-per-continuation", "1")[0].num_long_anchors == 1
     assert config.sampling.seed == -7
     default, _ = parse()
     assert default.engine.max_context == 8192 and default.engine.kv_tokens == 8192
