@@ -53,6 +53,8 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly instead of replaying CUDA graphs captured at start-up (default: graphs on, CUDA only)")
     engine.add_argument("--no-decode-overlap", action="store_true", help="read each decode round's tokens before launching the next (default: the next round is launched first, hiding the host's work between rounds)")
     engine.add_argument("--device-state-slots", type=_non_negative_int, help="checkpoint StateImages beyond the active lanes (default: --max-concurrency)")
+    engine.add_argument("--max-private-continuations", type=_non_negative_int, help="conversations that keep private checkpoints; beyond it the least recently used conversation's are dropped (default 2 x --max-concurrency)")
+    engine.add_argument("--max-shared-prefixes", type=_non_negative_int, help="shared stable-prefix checkpoints (cache breakpoints) kept engine-wide (default max(--max-concurrency, 4))")
     engine.add_argument("--max-long-anchors-per-continuation", type=_non_negative_int, help="checkpoints a long prompt leaves at its latest message starts, so an edit there reuses what precedes it (default 2)")
     engine.add_argument("--host-state-slots", type=_non_negative_int, help="checkpoint StateImages in pinned host memory, where device checkpoints spill instead of being dropped (default 8)")
     engine.add_argument("--in-process-engine", action="store_true", help="run the engine in a thread of the API process instead of its own process")
@@ -117,6 +119,8 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         capacity_flags = {
             "--device-state-slots": args.device_state_slots,
             "--host-state-slots": args.host_state_slots,
+            "--max-private-continuations": args.max_private_continuations,
+            "--max-shared-prefixes": args.max_shared_prefixes,
             "--max-long-anchors-per-continuation": args.max_long_anchors_per_continuation,
         }
         given = [flag for flag, value in capacity_flags.items() if value is not None]
@@ -132,6 +136,9 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         kv_capacity=None if kv_auto else args.kv_capacity,
         device_state_slots=args.device_state_slots,
         host_state_slots=args.host_state_slots,
+        max_private_continuations=args.max_private_continuations,
+        max_shared_prefixes=args.max_shared_prefixes,
+        max_long_anchors=args.max_long_anchors_per_continuation,
         prefix_reuse=not args.no_prefix_reuse,
         cuda_graphs=not args.no_cuda_graph,
         decode_overlap=False if args.no_decode_overlap else None,
@@ -152,7 +159,6 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         default_thinking_budget=args.default_thinking_budget,
         no_thinking=args.no_thinking,
         preserve_thinking=args.preserve_thinking,
-        max_long_anchors=args.max_long_anchors_per_continuation,
         tolerant_tool_calls=args.tolerant_tool_calls,
         greedy=args.greedy,
         log_level=args.log_level,

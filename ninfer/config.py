@@ -25,6 +25,9 @@ class EngineConfig:
     page_size: int = 16
     device_state_slots: int | None = None  # checkpoint slots beyond the active lanes; None = max_concurrency
     host_state_slots: int | None = None  # pinned host checkpoint StateImages; None = 8 (0 without prefix reuse)
+    max_private_continuations: int | None = None  # conversations with private checkpoints; None = 2 * max_concurrency
+    max_shared_prefixes: int | None = None  # shared stable-prefix checkpoints; None = max(max_concurrency, 4)
+    max_long_anchors: int | None = None  # long-anchor checkpoints per continuation; None = 2
     prefix_reuse: bool = True
     cuda_graphs: bool = True  # capture decode graphs at start-up (CUDA only); --no-cuda-graph turns it off
     # Launch decode round N+1 before reading round N. None: where the device runs
@@ -48,6 +51,12 @@ class EngineConfig:
         check(self.page_size >= 1, "page size must be >= 1")
         check(self.device_state_slots is None or self.device_state_slots >= 0, "--device-state-slots must be >= 0")
         check(self.host_state_slots is None or self.host_state_slots >= 0, "--host-state-slots must be >= 0")
+        for flag, value in (
+            ("--max-private-continuations", self.max_private_continuations),
+            ("--max-shared-prefixes", self.max_shared_prefixes),
+            ("--max-long-anchors-per-continuation", self.max_long_anchors),
+        ):
+            check(value is None or value >= 0, f"{flag} must be >= 0")
         check(self.log_stats_interval_ms >= 0, "--log-stats-interval-ms must be >= 0")
 
     @property
@@ -69,6 +78,25 @@ class EngineConfig:
             return 0
         return DEFAULT_HOST_STATE_SLOTS if self.host_state_slots is None else self.host_state_slots
 
+    @property
+    def num_private_continuations(self) -> int:
+        if not self.prefix_reuse:
+            return 0
+        value = self.max_private_continuations
+        return 2 * self.max_concurrency if value is None else value
+
+    @property
+    def num_shared_prefixes(self) -> int:
+        if not self.prefix_reuse:
+            return 0
+        return max(self.max_concurrency, 4) if self.max_shared_prefixes is None else self.max_shared_prefixes
+
+    @property
+    def num_long_anchors(self) -> int:
+        if not self.prefix_reuse:
+            return 0
+        return DEFAULT_LONG_ANCHORS if self.max_long_anchors is None else self.max_long_anchors
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -85,7 +113,6 @@ class ServeConfig:
     default_thinking_budget: int | None = None
     no_thinking: bool = False
     preserve_thinking: bool = False
-    max_long_anchors: int | None = None  # --max-long-anchors-per-continuation; None = 2 (0 without prefix reuse)
     tolerant_tool_calls: bool = False
     greedy: bool = False
     log_level: str = "info"
@@ -111,13 +138,4 @@ class ServeConfig:
         check(self.response_store_max_records >= 0, "--response-store-max-records must be >= 0")
         check(self.response_store_max_mib >= 0, "--response-store-max-mib must be >= 0")
         check(self.dtype in ("auto", "bfloat16", "float16", "float32"), "--dtype must be auto, bfloat16, float16 or float32")
-        check(
-            self.max_long_anchors is None or self.max_long_anchors >= 0,
-            "--max-long-anchors-per-continuation must be >= 0",
-        )
 
-    @property
-    def num_long_anchors(self) -> int:
-        if not self.engine.prefix_reuse:
-            return 0
-        return DEFAULT_LONG_ANCHORS if self.max_long_anchors is None else self.max_long_anchors

@@ -114,6 +114,13 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         host.num_slots,
         host.num_slots * host.bytes_per_slot / (1 << 20),
     )
+    if engine.prefix_reuse:
+        log.info(
+            "context cache limits: %d private continuations · %d shared prefixes · %d long anchors per continuation",
+            engine.num_private_continuations,
+            engine.num_shared_prefixes,
+            engine.num_long_anchors,
+        )
     return core
 
 

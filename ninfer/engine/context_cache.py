@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from ninfer.common_prefix import common_prefix_len
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.state_pool import StatePool
@@ -28,6 +29,11 @@ class Checkpoint:
     session_key: str | None
     last_used: int = 0
     host_slot: int | None = None  # pinned host slot of the StateImage once spilled
+    continuation: str = ""  # the conversation a private checkpoint belongs to
+
+    @property
+    def shared(self) -> bool:
+        return self.path is ReusePath.SHARED_STABLE_PREFIX
 
     @property
     def on_host(self) -> bool:
@@ -49,16 +55,14 @@ class CacheHit:
         return self.num_reused_tokens == self.checkpoint.frontier
 
 
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Longest common prefix by binary search over C-speed slice compares."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+@dataclass(frozen=True)
+class CacheLimits:
+    """Descriptor limits (None: unbounded). A continuation is one conversation: a request that
+    resumes from a private checkpoint continues its conversation, any other starts a new one."""
+
+    max_private_continuations: int | None = None  # conversations holding private checkpoints
+    max_shared_prefixes: int | None = None  # shared stable-prefix checkpoints, engine-wide
+    max_long_anchors: int | None = None  # long-anchor checkpoints per continuation
 
 
 @dataclass
@@ -68,6 +72,7 @@ class ContextCache:
     exact_frontier_only: bool  # True for models with recurrent state
     enabled: bool = True
     host_pool: StatePool = field(default_factory=lambda: StatePool(0))  # pinned host StateImages
+    limits: CacheLimits = field(default_factory=CacheLimits)
     checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=itertools.count)
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -89,7 +94,7 @@ class ContextCache:
                     continue
                 reused = frontier
             else:
-                common = _common_prefix_len(ck.token_ids, prompt)
+                common = common_prefix_len(ck.token_ids, prompt)
                 # Logits are kept only at the frontier: a full-prompt hit elsewhere recomputes one token.
                 reused = common if common == frontier or common < len(prompt) else common - 1
                 if reused <= 0:
@@ -108,14 +113,60 @@ class ContextCache:
                 return ck
         return None
 
+    def accepts(self, path: ReusePath) -> bool:
+        """Whether a checkpoint of this kind may be kept at all (a limit of zero says no)."""
+        limits = self.limits
+        if path is ReusePath.SHARED_STABLE_PREFIX:
+            return limits.max_shared_prefixes != 0
+        if path is ReusePath.PRIVATE_LONG_ANCHOR and limits.max_long_anchors == 0:
+            return False
+        return limits.max_private_continuations != 0
+
     def insert(
-        self, token_ids: list[int], pages: list[int], state_slot: int, path: ReusePath, session_key: str | None
+        self,
+        token_ids: list[int],
+        pages: list[int],
+        state_slot: int,
+        path: ReusePath,
+        session_key: str | None,
+        continuation: str = "",
     ) -> Checkpoint:
-        """Register a checkpoint; it takes over one reference to each page and the slot."""
+        """Register a checkpoint; it takes over one reference to each page and the slot. Older
+        checkpoints beyond the descriptor limits are dropped (never the new one)."""
         ck = Checkpoint(next(self._ids), list(token_ids), list(pages), state_slot, path, session_key)
+        ck.continuation = continuation
         self.touch(ck)
         self.checkpoints[ck.checkpoint_id] = ck
+        self._enforce_limits(ck)
         return ck
+
+    def _enforce_limits(self, new: Checkpoint) -> None:
+        limits = self.limits
+        others = [c for c in self.checkpoints.values() if c is not new]
+        if new.shared:
+            self._drop_oldest([c for c in others if c.shared], limits.max_shared_prefixes)
+            return
+        if new.path is ReusePath.PRIVATE_LONG_ANCHOR:
+            same = [c for c in others if c.path is new.path and c.continuation == new.continuation]
+            self._drop_oldest(same, limits.max_long_anchors)
+        if limits.max_private_continuations is None:
+            return
+        last_use: dict[str, int] = {}
+        for c in others:
+            if not c.shared and c.continuation != new.continuation:
+                last_use[c.continuation] = max(last_use.get(c.continuation, 0), c.last_used)
+        excess = len(last_use) + 1 - limits.max_private_continuations
+        for continuation in sorted(last_use, key=last_use.__getitem__)[: max(0, excess)]:
+            for c in others:
+                if not c.shared and c.continuation == continuation:
+                    self.remove(c)
+
+    def _drop_oldest(self, group: list[Checkpoint], limit: int | None) -> None:
+        """Keep room for one more in `group` under `limit`: drop its least recently used."""
+        if limit is None:
+            return
+        for c in sorted(group, key=lambda c: c.last_used)[: max(0, len(group) + 1 - limit)]:
+            self.remove(c)
 
     def remove(self, checkpoint: Checkpoint, release_resources: bool = True) -> None:
         """Drop a checkpoint; with release_resources False the caller adopts its pages and slot."""

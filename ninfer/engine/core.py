@@ -18,7 +18,7 @@ from collections.abc import Callable
 from ninfer.config import EngineConfig
 from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason
 from ninfer.contract.request import EngineRequest
-from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.context_cache import CacheLimits, ContextCache
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.runner import ModelRunner
@@ -49,6 +49,11 @@ class EngineCore:
             exact_frontier_only=model.config.is_hybrid,
             enabled=config.prefix_reuse,
             host_pool=StatePool(config.num_host_state_slots),
+            limits=CacheLimits(
+                max_private_continuations=config.num_private_continuations,
+                max_shared_prefixes=config.num_shared_prefixes,
+                max_long_anchors=config.num_long_anchors,
+            ),
         )
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_concurrency, config.max_context, config.prefill_chunk, config.prefix_reuse),

@@ -35,6 +35,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     reuse_path: ReusePath = ReusePath.ROOT
+    continuation: str = ""  # the conversation its private checkpoints belong to (set at admission)
     pages: list[int] = field(default_factory=list)
     state_slot: int | None = None
     capture_frontiers: list[tuple[int, str]] = field(default_factory=list)  # ascending, still to capture

@@ -15,6 +15,7 @@ import collections
 import threading
 from dataclasses import dataclass
 
+from ninfer.common_prefix import common_prefix_len
 from ninfer.frontend.tokenizer import Tokenizer
 
 # Recent prompts kept: a few agent sessions at once.
@@ -26,18 +27,6 @@ class EncodedPrompt:
     text: str
     token_ids: list[int]
     split_points: dict[int, int]  # char offset -> token index where text[:offset] encodes to token_ids[:index]
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    """Longest common prefix by binary search over C-speed slice compares."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class PromptEncoder:
@@ -71,7 +60,7 @@ class PromptEncoder:
             candidates = list(self._recent)
         best, best_cut = None, 0
         for entry in candidates:
-            common = _common_prefix_len(entry.text, text)
+            common = common_prefix_len(entry.text, text)
             if common <= best_cut:
                 continue
             offsets = sorted(entry.split_points)

@@ -67,7 +67,7 @@ class Serving:
             capabilities,
             default_thinking=not config.no_thinking,
             default_preserve_thinking=config.preserve_thinking,
-            max_long_anchors=config.num_long_anchors,
+            max_long_anchors=config.engine.num_long_anchors,
         )
         think_end = tokenizer.token_to_id(capabilities.think_close) if capabilities.think_close else None
         close_ids: list[int] = []

@@ -77,6 +77,8 @@ def parse(*argv: str):
         (["--no-prefix-reuse", "--device-state-slots", "0"], "--no-prefix-reuse cannot be combined with --device"),
         (["--no-prefix-reuse", "--host-state-slots", "0"], "--no-prefix-reuse cannot be combined with --host-state"),
         (["--no-prefix-reuse", "--max-long-anchors-per-continuation", "0"], "with --max-long-anchors"),
+        (["--no-prefix-reuse", "--max-private-continuations", "0"], "with --max-private-continuations"),
+        (["--no-prefix-reuse", "--max-shared-prefixes", "4"], "with --max-shared-prefixes"),
         (["--port", "0"], "--port"),
         (["--prefill-chunk", "0"], "--prefill-chunk"),
     ],
@@ -95,8 +97,15 @@ def test_options_reach_the_config():
     assert config.engine.num_host_state_slots == 8  # the default pinned host tier
     assert parse("--host-state-slots", "0")[0].engine.num_host_state_slots == 0
     assert parse("--no-prefix-reuse")[0].engine.num_host_state_slots == 0
-    assert parse()[0].num_long_anchors == 2 and parse("--no-prefix-reuse")[0].num_long_anchors == 0
-    assert parse("--max-long-anchors-per-continuation", "1")[0].num_long_anchors == 1
+    engine = parse()[0].engine
+    assert (engine.num_long_anchors, engine.num_private_continuations, engine.num_shared_prefixes) == (2, 2, 4)
+    engine = parse("--max-concurrency", "6")[0].engine
+    assert (engine.num_private_continuations, engine.num_shared_prefixes) == (12, 6)
+    engine = parse("--no-prefix-reuse")[0].engine
+    assert (engine.num_long_anchors, engine.num_private_continuations, engine.num_shared_prefixes) == (0, 0, 0)
+    engine = parse("--max-long-anchors-per-continuation", "1", "--max-private-continuations", "3",
+                   "--max-shared-prefixes", "0")[0].engine
+    assert (engine.num_long_anchors, engine.num_private_continuations, engine.num_shared_prefixes) == (1, 3, 0)
     assert config.sampling.seed == -7
     default, _ = parse()
     assert default.engine.max_context == 8192 and default.engine.kv_tokens == 8192

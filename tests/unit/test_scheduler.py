@@ -21,7 +21,7 @@ import pytest
 from ninfer.contract.output import EngineOutput, ErrorCode, FinishReason
 from ninfer.contract.request import CaptureHint, EngineRequest, ThinkingBudget
 from ninfer.contract.sampling import SamplingParams
-from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.context_cache import CacheLimits, ContextCache
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler import (
     PENDING_TOKEN,
@@ -130,6 +130,7 @@ class Harness:
         hybrid: bool = True,
         prefix_reuse: bool = True,
         host_slots: int = 0,
+        limits: CacheLimits | None = None,
     ):
         self.now = 0.0
         num_pages = kv_tokens // page_size
@@ -138,7 +139,8 @@ class Harness:
         self.state_pool = StatePool(num_slots)
         self.host_pool = StatePool(host_slots)
         self.cache = ContextCache(
-            self.kv_pool, self.state_pool, exact_frontier_only=hybrid, enabled=prefix_reuse, host_pool=self.host_pool
+            self.kv_pool, self.state_pool, exact_frontier_only=hybrid, enabled=prefix_reuse, host_pool=self.host_pool,
+            limits=limits or CacheLimits(),
         )
         self.scheduler = Scheduler(
             SchedulerLimits(max_concurrency, max_context, prefill_chunk, prefix_reuse),
@@ -695,6 +697,64 @@ def test_a_full_host_tier_drops_its_least_recently_used(byte_tokenizer):
     assert h.final("n").cached_tokens > 0
     assert h.final("o").cached_tokens == 0
     assert h.tokens("n") == expected_continuation(newest, 2) and h.tokens("o") == expected_continuation(oldest, 2)
+    h.assert_empty()
+
+
+def _conversation(label: str) -> list[int]:
+    return [ord(c) for c in f"conversation {label} says hello " * 2]
+
+
+def _next_turn(h: Harness, request_id: str, prompt: list[int]) -> list[int]:
+    return prompt + h.tokens(request_id) + [ord("!")]
+
+
+def test_private_continuations_beyond_the_limit_drop_the_least_recently_used_conversation(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=4, limits=CacheLimits(max_private_continuations=2))
+    a1, b1 = _conversation("a"), _conversation("b")
+    h.add(req("a1", a1, max_new=3))
+    h.run()
+    h.add(req("b1", b1, max_new=3))
+    h.run()
+    a2 = _next_turn(h, "a1", a1)
+    h.add(req("a2", a2, max_new=3))  # continues conversation a: a is now the most recent
+    h.run()
+    assert h.final("a2").cached_tokens > 0
+    assert len({ck.continuation for ck in h.cache.checkpoints.values()}) == 2
+    h.add(req("c1", _conversation("c"), max_new=3))  # a third conversation: b goes, a stays
+    h.run()
+    assert len({ck.continuation for ck in h.cache.checkpoints.values()}) == 2
+    h.assert_balanced()
+    b2, a3 = _next_turn(h, "b1", b1), _next_turn(h, "a2", a2)
+    h.add(req("a3", a3, max_new=2))
+    h.add(req("b2", b2, max_new=2))  # after a3: as a new conversation it pushes out c, the oldest now
+    h.run()
+    assert h.final("b2").cached_tokens == 0 and h.final("a3").cached_tokens > 0
+    assert h.tokens("b2") == expected_continuation(b2, 2) and h.tokens("a3") == expected_continuation(a3, 2)
+    h.assert_empty()
+
+
+def test_shared_prefix_and_long_anchor_limits(byte_tokenizer):
+    limits = CacheLimits(max_shared_prefixes=1, max_long_anchors=1)
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=6, limits=limits)
+    first, second = PROMPT, [ord(c) for c in "A different system prompt, then a question."]
+    h.add(req("s1", first, max_new=2, capture_hints=[CaptureHint(20, "shared_stable_prefix")]))
+    h.run()
+    h.add(req("s2", second, max_new=2, capture_hints=[CaptureHint(25, "shared_stable_prefix")]))
+    h.run()
+    shared = [ck for ck in h.cache.checkpoints.values() if ck.path == "shared_stable_prefix"]
+    assert [ck.frontier for ck in shared] == [25]  # the newer one replaced the older
+    anchors = [CaptureHint(10, "private_long_anchor"), CaptureHint(30, "private_long_anchor")]
+    h.add(req("l1", PROMPT[::-1], max_new=2, capture_hints=anchors))
+    h.run()
+    kept = [ck.frontier for ck in h.cache.checkpoints.values() if ck.path == "private_long_anchor"]
+    assert kept == [30]  # one per continuation: the later capture replaced the earlier
+    h.assert_balanced()
+    # A zero limit keeps none of that kind.
+    h0 = Harness(byte_tokenizer, limits=CacheLimits(max_shared_prefixes=0, max_private_continuations=0))
+    h0.add(req("z", PROMPT, max_new=2, capture_hints=[CaptureHint(20, "shared_stable_prefix")]))
+    h0.run()
+    assert len(h0.cache) == 0 and h0.tokens("z") == expected_continuation(PROMPT, 2)
+    h0.assert_empty()
     h.assert_empty()
 
 

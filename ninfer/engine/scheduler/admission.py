@@ -11,6 +11,7 @@ is short (placement.py); later requests wait behind it. A waiting request past i
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,6 +73,7 @@ class Admission:
         self.clock = clock
         self.actions = actions
         self.waiting: collections.deque[Sequence] = collections.deque()
+        self._continuations = itertools.count()
 
     def add(self, request: EngineRequest) -> EngineOutput | None:
         """Validate and queue a request; returns a terminal error output if it can never run."""
@@ -237,6 +239,10 @@ class Admission:
             else:
                 self.actions.append(ResetSlot(seq.state_slot))
         seq.reuse_path = ck.path if ck is not None else ReusePath.ROOT
+        if ck is not None and not ck.shared:
+            seq.continuation = ck.continuation  # resuming a private checkpoint continues its conversation
+        else:
+            seq.continuation = f"c{next(self._continuations)}"
         seq.num_computed_tokens = seq.num_cached_tokens = reused
         if hit is not None and hit.is_exact_frontier:
             seq.logits_frontier = reused

@@ -8,6 +8,7 @@ the cache instead of releasing them (no copy).
 
 from __future__ import annotations
 
+from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.placement import Placement
@@ -42,6 +43,8 @@ class Checkpoints:
                 self._capture_copy(seq, frontier, path)
 
     def _capture_copy(self, seq: Sequence, frontier: int, path) -> None:
+        if not self.cache.accepts(ReusePath(path)):
+            return
         tokens = seq.token_ids[:frontier]
         existing = self.cache.find_identical(tokens)
         if existing is not None:
@@ -52,7 +55,7 @@ class Checkpoints:
         slot = self.state_pool.allocate()
         pages = seq.pages[: self.kv_pool.pages_for(frontier)]
         self.kv_pool.share(pages)
-        self.cache.insert(tokens, pages, slot, path, seq.request.session_key)
+        self.cache.insert(tokens, pages, slot, ReusePath(path), seq.request.session_key, seq.continuation)
         # Runs before the next forward, so it still sees the state right after this frontier.
         self.actions.append(CopySlot(seq.state_slot, slot))
 
@@ -62,6 +65,7 @@ class Checkpoints:
         frontier = seq.num_computed_tokens
         keep = (
             self.prefix_reuse
+            and self.cache.accepts(ReusePath(seq.request.endpoint_path))
             and frontier > 0
             and seq.logits_frontier == frontier
             and self.cache.find_identical(seq.token_ids[:frontier]) is None
@@ -75,6 +79,7 @@ class Checkpoints:
                 seq.state_slot,
                 seq.request.endpoint_path,
                 seq.request.session_key,
+                seq.continuation,
             )
         else:
             self.kv_pool.release(seq.pages)
