@@ -12,6 +12,7 @@ import sys
 
 from ninfer.config import ConfigValueError, EngineConfig, ServeConfig
 from ninfer.contract.sampling import SamplingOverrides
+from ninfer.engine.context_costs import ContextCostError, read_presets
 from ninfer.log import LEVELS
 
 
@@ -56,6 +57,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-private-continuations", type=_non_negative_int, help="conversations that keep private checkpoints; beyond it the least recently used conversation's are dropped (default 2 x --max-concurrency)")
     engine.add_argument("--max-shared-prefixes", type=_non_negative_int, help="shared stable-prefix checkpoints (cache breakpoints) kept engine-wide (default max(--max-concurrency, 4))")
     engine.add_argument("--max-long-anchors-per-continuation", type=_non_negative_int, help="checkpoints a long prompt leaves at its latest message starts, so an edit there reuses what precedes it (default 2)")
+    engine.add_argument("--context-cost-presets", metavar="FILE", help="JSON with prefill_seconds_per_token and/or host_transfer_bytes_per_second for the cache planner (default: measured rates for known shapes, else generic)")
     engine.add_argument("--host-state-slots", type=_non_negative_int, help="checkpoint StateImages in pinned host memory, where device checkpoints spill instead of being dropped (default 8)")
     engine.add_argument("--in-process-engine", action="store_true", help="run the engine in a thread of the API process instead of its own process")
     gen = parser.add_argument_group("generation")
@@ -122,10 +124,16 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
             "--max-private-continuations": args.max_private_continuations,
             "--max-shared-prefixes": args.max_shared_prefixes,
             "--max-long-anchors-per-continuation": args.max_long_anchors_per_continuation,
+            "--context-cost-presets": args.context_cost_presets,
         }
         given = [flag for flag, value in capacity_flags.items() if value is not None]
         if given:
             raise ConfigValueError(f"--no-prefix-reuse cannot be combined with {', '.join(given)} (a context-cache capacity)")
+    if args.context_cost_presets is not None:
+        try:
+            read_presets(args.context_cost_presets)  # a malformed file stops start-up here, named
+        except ContextCostError as error:
+            raise ConfigValueError(str(error)) from error
     kv_auto = args.kv_capacity == "auto"
     engine = EngineConfig(
         max_concurrency=args.max_concurrency,
@@ -139,6 +147,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         max_private_continuations=args.max_private_continuations,
         max_shared_prefixes=args.max_shared_prefixes,
         max_long_anchors=args.max_long_anchors_per_continuation,
+        context_cost_presets=args.context_cost_presets,
         prefix_reuse=not args.no_prefix_reuse,
         cuda_graphs=not args.no_cuda_graph,
         decode_overlap=False if args.no_decode_overlap else None,

@@ -28,6 +28,7 @@ class EngineConfig:
     max_private_continuations: int | None = None  # conversations with private checkpoints; None = 2 * max_concurrency
     max_shared_prefixes: int | None = None  # shared stable-prefix checkpoints; None = max(max_concurrency, 4)
     max_long_anchors: int | None = None  # long-anchor checkpoints per continuation; None = 2
+    context_cost_presets: str | None = None  # JSON file overriding the cache planner's rates
     prefix_reuse: bool = True
     cuda_graphs: bool = True  # capture decode graphs at start-up (CUDA only); --no-cuda-graph turns it off
     # Launch decode round N+1 before reading round N. None: where the device runs

@@ -115,6 +115,13 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         host.num_slots * host.bytes_per_slot / (1 << 20),
     )
     if engine.prefix_reuse:
+        costs = core.context_costs
+        log.info(
+            "context costs: %s (prefill %.3g s/token, host transfer %.1f GB/s)",
+            costs.source,
+            costs.prefill_seconds_per_token,
+            costs.host_transfer_bytes_per_second / 1e9,
+        )
         log.info(
             "context cache limits: %d private continuations · %d shared prefixes · %d long anchors per continuation",
             engine.num_private_continuations,

@@ -178,10 +178,6 @@ class ContextCache:
             if checkpoint.host_slot is not None:
                 self.host_pool.release(checkpoint.host_slot)
 
-    def victims(self, keep: Checkpoint | None = None) -> list[Checkpoint]:
-        """Eviction order: least recently used first, never `keep`."""
-        return sorted((c for c in self.checkpoints.values() if c is not keep), key=lambda c: c.last_used)
-
     def move_to_host(self, checkpoint: Checkpoint, host_slot: int) -> int:
         """Record a spill: the checkpoint's StateImage now lives in host_slot; returns the freed device slot."""
         device_slot = checkpoint.state_slot

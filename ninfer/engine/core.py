@@ -19,6 +19,7 @@ from ninfer.config import EngineConfig
 from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason
 from ninfer.contract.request import EngineRequest
 from ninfer.engine.context_cache import CacheLimits, ContextCache
+from ninfer.engine.context_costs import resolve_context_costs
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.runner import ModelRunner
@@ -29,6 +30,15 @@ from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.causal_lm import CausalLM
 
 log = logging.getLogger("ninfer.engine")
+
+
+def state_image_bytes(model: CausalLM) -> int:
+    """One checkpoint StateImage: every linear-attention layer's conv and fp32 recurrent state,
+    plus the fp32 logits stored with it."""
+    spec = model.cache_spec()
+    element = next(model.parameters()).element_size()
+    per_layer = spec.conv_dim * (spec.conv_kernel - 1) * element + spec.num_v_heads * spec.k_head_dim * spec.v_head_dim * 4
+    return spec.num_linear_layers * per_layer + model.config.vocab_size * 4
 
 class EngineCore:
     def __init__(
@@ -55,6 +65,8 @@ class EngineCore:
                 max_long_anchors=config.num_long_anchors,
             ),
         )
+        device_type = next(model.parameters()).device.type
+        self.context_costs = resolve_context_costs(model.config, device_type, config.context_cost_presets)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_concurrency, config.max_context, config.prefill_chunk, config.prefix_reuse),
             self.kv_pool,
@@ -62,6 +74,8 @@ class EngineCore:
             self.cache,
             make_stop_checker=lambda r: StopChecker(tokenizer, r.stop_token_ids, r.stop_strings),
             clock=clock,
+            costs=self.context_costs,
+            state_image_bytes=state_image_bytes(model),
         )
         self.runner = ModelRunner(
             model,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +18,12 @@ from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow  # two server starts and ~50 requests: ~30 s on 2 cores
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def load_benchmark():
@@ -34,7 +41,7 @@ def test_two_interleaved_sessions_reuse_their_conversations(tmp_path_factory):
     benchmark = load_benchmark()
     argv = ["--serve", str(artifact), "--server-args", "--log-stats-interval-ms 0", "--prefix-tokens", "400",
             "--result-tokens", "30,90", "--turns", "4", "--max-tokens", "6", "--out", str(out),
-            "--compare-no-reuse", "--no-reuse-turns", "2", "--port", "8231"]
+            "--compare-no-reuse", "--no-reuse-turns", "2", "--port", str(free_port())]
     assert benchmark.main(argv) == 0
     report = json.loads((out / "agent_loop.json").read_text())
     for api in ("chat", "responses", "messages"):

@@ -79,6 +79,7 @@ def parse(*argv: str):
         (["--no-prefix-reuse", "--max-long-anchors-per-continuation", "0"], "with --max-long-anchors"),
         (["--no-prefix-reuse", "--max-private-continuations", "0"], "with --max-private-continuations"),
         (["--no-prefix-reuse", "--max-shared-prefixes", "4"], "with --max-shared-prefixes"),
+        (["--context-cost-presets", "/nonexistent/costs.json"], "--context-cost-presets /nonexistent/costs.json: cannot read"),
         (["--port", "0"], "--port"),
         (["--prefill-chunk", "0"], "--prefill-chunk"),
     ],

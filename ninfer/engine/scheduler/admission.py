@@ -3,9 +3,9 @@
 A request reserves its full prompt plus effective-output pages and one state slot until it
 completes; nothing admitted is preempted. The head of the queue is admitted with the best
 legal plan (resume from a cache hit by copying its state, or restoring it from the host
-tier; adopt a device hit itself; or start from root), evicting least-recently-used
-checkpoints when that makes room for pages and spilling one to the host when a device slot
-is short (placement.py); later requests wait behind it. A waiting request past its deadline ends with request_queue_timeout.
+tier; adopt a device hit itself; or start from root), evicting the checkpoints whose loss
+costs least (planner.py) when that makes room for pages, and freeing a device slot through
+placement.py when one is short; later requests wait behind it. A waiting request past its deadline ends with request_queue_timeout.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class Admission:
         cow_src = partial if partial is not None and not own_partial else None
         num_private = total_pages - num_full - (1 if own_partial else 0)
         slots_needed = 0 if adopt else 1
-        victims = self.cache.victims(keep=ck)
+        victims = self.placement.planner.drop_order(keep=ck)
         page_gains = [0, *self.cache.pages_freed_by_evicting(victims)]
         for num_evict in range(len(victims) + 1):
             if self.kv_pool.num_free + page_gains[num_evict] < num_private:

@@ -25,11 +25,13 @@ from ninfer.contract.output import EngineOutput, FinishReason, PromptProgress
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.context_costs import ContextCosts, generic_costs
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.admission import Admission, SchedulerLimits
 from ninfer.engine.scheduler.checkpoints import Checkpoints
 from ninfer.engine.scheduler.outputs import delta_output, final_output
 from ninfer.engine.scheduler.placement import Placement
+from ninfer.engine.scheduler.planner import CachePlanner
 from ninfer.engine.scheduler.step import PENDING_TOKEN, ScheduledChunk, SchedulerStep, SlotAction, StepKind
 from ninfer.engine.sequence import Sequence, SequenceStatus
 from ninfer.engine.state_pool import StatePool
@@ -64,7 +66,10 @@ class Scheduler:
         cache: ContextCache,
         make_stop_checker: Callable[[EngineRequest], StopChecker],
         clock: Callable[[], float] = time.monotonic,
+        costs: ContextCosts | None = None,
+        state_image_bytes: int = 0,
     ):
+        """costs, state_image_bytes: what the cache planner weighs (generic CPU rates when absent)."""
         self.limits = limits
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -72,7 +77,9 @@ class Scheduler:
         self.clock = clock
         # Slot and page actions for the next step, appended by admission and capture too.
         self._pending_actions: list[SlotAction] = []
-        placement = Placement(cache, self._pending_actions)
+        self.planner = CachePlanner(cache, costs or generic_costs(), state_image_bytes)
+        placement = Placement(cache, self.planner, self._pending_actions)
+        self.placement = placement
         self.admission = Admission(
             limits, kv_pool, state_pool, cache, placement, make_stop_checker, clock, self._pending_actions
         )
