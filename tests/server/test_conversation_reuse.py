@@ -32,12 +32,16 @@ def reuse_paths(caplog) -> list[str]:
     return [m.group(1) for r in caplog.records if (m := re.search(r"\(cache \d+, \d+%, ([a-z ]+)\)", r.getMessage()))]
 
 
-@pytest.fixture(params=[True, False], ids=["thinking", "no-thinking"])
+# The fast loop runs one combination per API; the whole suite runs them all (a server each).
+SLOW = pytest.mark.slow
+
+
+@pytest.fixture(params=[True, pytest.param(False, marks=SLOW)], ids=["thinking", "no-thinking"])
 def thinking(request) -> bool:
     return request.param
 
 
-@pytest.fixture(params=[False, True], ids=["drop-reasoning", "preserve-thinking"])
+@pytest.fixture(params=[False, pytest.param(True, marks=SLOW)], ids=["drop-reasoning", "preserve-thinking"])
 def preserve(request) -> bool:
     return request.param
 
@@ -109,6 +113,7 @@ def test_messages_extension(server, thinking, caplog):
     assert_extension_reused(first_prompt, second.usage.cache_read_input_tokens, caplog)
 
 
+@SLOW
 def test_an_edited_last_message_resumes_from_a_long_anchor(tiny_qwen, caplog):
     # A long conversation whose last user message is edited and resent (a retry): the turn
     # closure lies after the edit, so the long anchor at that message's start is what reuses.
