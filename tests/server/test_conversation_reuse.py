@@ -32,7 +32,7 @@ def reuse_paths(caplog) -> list[str]:
     return [m.group(1) for r in caplog.records if (m := re.search(r"\(cache \d+, \d+%, ([a-z ]+)\)", r.getMessage()))]
 
 
-# The fast loop runs one combination per API; the whole suite runs them all (a server each).
+# The fast loop runs the Chat case with thinking on; the whole suite runs them all (a server each).
 SLOW = pytest.mark.slow
 
 
@@ -82,6 +82,7 @@ def test_chat_extension(server, thinking, preserve, caplog):
     assert server.core.pool_accounting()["running"] == 0
 
 
+@SLOW
 def test_responses_chain_extension(server, thinking, caplog):
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     effort = {} if thinking else {"reasoning": {"effort": "none"}}  # the server thinks by default
@@ -95,6 +96,7 @@ def test_responses_chain_extension(server, thinking, caplog):
     assert_extension_reused(root.usage.input_tokens, child.usage.input_tokens_details.cached_tokens, caplog)
 
 
+@SLOW
 def test_messages_extension(server, thinking, caplog):
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
     mode = {"thinking": {"type": "enabled", "budget_tokens": 1024} if thinking else {"type": "disabled"}}
