@@ -162,10 +162,19 @@ def test_prefix_reuse_equals_recompute(arch, tmp_root):
     assert final.cached_tokens == len(follow) and again == toks
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])  # hybrids: reuse only at frontiers
-def test_turn_closure_restored_from_the_host_tier_equals_recompute(arch, tmp_root):
-    # One lane and the default checkpoint slots: the turn-closure checkpoint is pushed out of the
-    # device by the prompt-end capture and spills to pinned host memory; the next turn restores it.
+@pytest.mark.parametrize(
+    "arch, path",
+    [
+        ("qwen3_5", ReusePath.PRIVATE_TURN_CLOSURE),
+        ("qwen3_next", ReusePath.PRIVATE_TURN_CLOSURE),
+        ("qwen3_5", ReusePath.PRIVATE_LONG_ANCHOR),
+        ("qwen3_5", ReusePath.SHARED_STABLE_PREFIX),
+    ],
+)  # hybrids: reuse only at frontiers
+def test_a_checkpoint_restored_from_the_host_tier_equals_recompute(arch, path, tmp_root):
+    # One lane and the default checkpoint slots: the checkpoint inside the prompt is pushed out
+    # of the device by the prompt-end capture and spills to pinned host memory; the next turn,
+    # which diverges after it, restores it. Every capture path takes the same route.
     hf, ours = _models(arch, tmp_root)
     core = EngineCore(ours, make_byte_tokenizer(), EngineConfig(max_concurrency=1, prefill_chunk=16, max_context=256))
     baseline = core.pool_accounting()
@@ -173,13 +182,13 @@ def test_turn_closure_restored_from_the_host_tier_equals_recompute(arch, tmp_roo
     frontier = len(PROMPTS[1])
     turn1 = EngineRequest(
         "t1", PROMPTS[1] + opener + [ord(c) for c in "<think>"], SamplingParams(temperature=0.0),
-        max_new_tokens=6, capture_hints=[CaptureHint(frontier, ReusePath.PRIVATE_TURN_CLOSURE)],
+        max_new_tokens=6, capture_hints=[CaptureHint(frontier, path)],
     )
     run_engine(core, {0: [turn1]})
     assert core.pool_accounting()["host_state_slots_free"] == baseline["host_state_slots_free"] - 1
     follow = PROMPTS[1] + opener + [ord(c) for c in "the answer</assistant> and then?"]
     toks, final = run_engine(core, {0: [greedy("t2", follow, 10)]})["t2"]
-    assert final.cached_tokens == frontier and final.reuse_path == "private_turn_closure"
+    assert final.cached_tokens == frontier and final.reuse_path == path
     assert toks == hf_greedy(hf, follow, 10)
     core.cache.clear()
     assert core.pool_accounting() == baseline
