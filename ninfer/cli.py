@@ -181,7 +181,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
 
 def _run_serve(args: argparse.Namespace, prog: str) -> int:
     from ninfer.artifact import ArtifactError
-    from ninfer.server.server import serve
+    from ninfer.server.server import ListenError, serve
 
     try:
         config, kv_auto = serve_config(args)
@@ -189,6 +189,9 @@ def _run_serve(args: argparse.Namespace, prog: str) -> int:
     except (ConfigValueError, ArtifactError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
+    except ListenError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

@@ -6,8 +6,12 @@ contract/messages.py; a start-up failure is reported as Failed before the proces
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing
 import os
+import signal
+import sys
 from collections.abc import Callable
 
 from ninfer.contract.messages import Failed, Ready, ToEngine, decode_to_engine, encode
@@ -22,6 +26,10 @@ def engine_process_main(
     import zmq
 
     from ninfer.engine.loop import EngineLoop
+
+    _die_with_parent()
+    # The terminal's Ctrl-C reaches the whole process group; the API process decides the shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ninfer.log import setup_logging
 
     # A spawned process starts with bare logging; the API process configured its own.
@@ -55,3 +63,16 @@ def engine_process_main(
     push.close(linger=1000)
     pull.close(linger=0)
     context.term()
+
+
+def _die_with_parent() -> None:
+    """On Linux the kernel sends this process SIGTERM when the API process exits, however it
+    exits (a crash or SIGKILL included), so the engine never outlives it holding the GPU."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)  # the API process is already gone: the signal was set too late to fire
+

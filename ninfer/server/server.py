@@ -1,12 +1,19 @@
-"""Run the HTTP server: open the artifact, start the engine, serve with uvicorn."""
+"""Run the HTTP server: bind the port, open the artifact, start the engine, serve with uvicorn.
+
+Shutdown: SIGTERM or SIGINT stops accepting, lets in-flight requests finish for up to
+SHUTDOWN_GRACE_S, then stops the engine process and exits 0; a second SIGINT cuts the wait.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import signal
 import socket
 import sys
+import threading
 import time
 
 import uvicorn
@@ -27,6 +34,28 @@ TCP_USER_TIMEOUT_MS = 15_000
 TCP_KEEPALIVE_IDLE_S = 5
 TCP_KEEPALIVE_INTERVAL_S = 5
 TCP_KEEPALIVE_PROBES = 2
+SHUTDOWN_GRACE_S = 30  # how long a stop signal lets in-flight requests finish
+
+
+class ListenError(RuntimeError):
+    """The port cannot be bound; raised before the model loads."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a stop signal ends serve() normally: uvicorn re-raises the
+    signal after its shutdown, which would kill this process before it stops the engine process."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -72,6 +101,18 @@ def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Servin
 def serve(config: ServeConfig, kv_capacity_auto: bool = False) -> None:
     setup_logging(config.log_level)
     started = time.perf_counter()
+    try:
+        # Before the model loads: a busy port fails in a moment, not after minutes of loading.
+        sock = listen_socket(config.host, config.port)
+    except OSError as error:
+        raise ListenError(f"cannot listen on {config.host}:{config.port}: {error.strerror or error}") from error
+    try:
+        _serve_on(sock, config, kv_capacity_auto, started)
+    finally:
+        sock.close()
+
+
+def _serve_on(sock: socket.socket, config: ServeConfig, kv_capacity_auto: bool, started: float) -> None:
     serving = build_serving(config, kv_capacity_auto)
     caps = serving.capabilities
     log.info(
@@ -82,14 +123,20 @@ def serve(config: ServeConfig, kv_capacity_auto: bool = False) -> None:
         " · preserve_thinking" if caps.supports_preserve_thinking else "",
     )
     log.info("sampling defaults: %s", serving.sampling_defaults.describe())
-    asyncio.run(_run(serving, config, started))
+    asyncio.run(_run(serving, config, started, sock))
 
 
-async def _run(serving: Serving, config: ServeConfig, started: float) -> None:
+async def _run(serving: Serving, config: ServeConfig, started: float, sock: socket.socket) -> None:
     await serving.engine.start()
-    sock = listen_socket(config.host, config.port)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(serving), log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30)
+    server = _Server(
+        uvicorn.Config(
+            create_app(serving),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
     )
     host = f"[{config.host}]" if ":" in config.host else config.host
     log.info("ready in %.1fs: http://%s:%d/v1 (max context %d, concurrency %d)", time.perf_counter() - started,
@@ -99,4 +146,4 @@ async def _run(serving: Serving, config: ServeConfig, started: float) -> None:
     finally:
         log.info("shutting down")
         await serving.engine.shutdown()
-        sock.close()
+    log.info("stopped")

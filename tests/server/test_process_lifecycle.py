@@ -1,0 +1,110 @@
+"""ninfer-serve as a process: a stop signal stops both processes and exits 0, the engine process
+never outlives the API process however that one dies, and a busy port fails before the model
+loads with one clear line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,  # each case starts a server process
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+    pytest.mark.skipif(shutil.which("ninfer-serve") is None, reason="ninfer-serve is not installed"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def engine_process_of(pid: int) -> int:
+    """The engine process the API process spawned (multiprocessing's spawn_main child)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = open(f"/proc/{entry}/status").read()
+            command = open(f"/proc/{entry}/cmdline").read()
+        except OSError:
+            continue
+        if f"PPid:\t{pid}\n" in status and "spawn_main" in command:
+            return int(entry)
+    raise AssertionError(f"process {pid} has no engine process")
+
+
+def running(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in open(f"/proc/{pid}/status").read()
+    except OSError:
+        return False
+
+
+def start(artifact: str) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    process = subprocess.Popen(["ninfer-serve", artifact, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process, port
+        except httpx.HTTPError:
+            pass
+        assert process.poll() is None, process.stderr.read()
+        time.sleep(0.3)
+    process.kill()
+    raise AssertionError("ninfer-serve was not ready in 120 s")
+
+
+def wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not running(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_stops_both_processes(tiny_qwen, stop):
+    process, _ = start(tiny_qwen)
+    engine = engine_process_of(process.pid)
+    process.send_signal(stop)
+    assert process.wait(timeout=60) == 0
+    assert wait_gone(engine, 5), "the engine process outlived the server"
+    log = process.stderr.read()
+    assert "shutting down" in log and "stopped" in log and "Traceback" not in log
+
+
+def test_the_engine_process_dies_with_a_killed_server(tiny_qwen):
+    process, _ = start(tiny_qwen)
+    engine = engine_process_of(process.pid)
+    process.kill()  # SIGKILL: no handler runs in the API process
+    process.wait(timeout=30)
+    assert wait_gone(engine, 10), "the engine process outlived a killed server"
+
+
+def test_a_busy_port_fails_before_the_model_loads(tiny_qwen):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        result = subprocess.run(["ninfer-serve", tiny_qwen, "--port", str(port)], capture_output=True, text=True,
+                                timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"ninfer-serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert "Traceback" not in result.stderr and "model loaded" not in result.stderr
+    assert time.monotonic() - started < 60
