@@ -272,13 +272,14 @@ def start_server(
 
 
 def stop_server(process: subprocess.Popen) -> None:
-    """Stop the server and every process of its group; wait until they are gone (GPU memory freed)."""
+    """Stop the server (it stops its engine process), then anything left in its process group;
+    wait until they are gone (GPU memory freed)."""
     group = os.getpgid(process.pid)
-    os.killpg(group, signal.SIGTERM)
+    process.terminate()
     try:
         process.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        pass
+        os.killpg(group, signal.SIGTERM)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

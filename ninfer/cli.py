@@ -58,6 +58,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-shared-prefixes", type=_non_negative_int, help="shared stable-prefix checkpoints (cache breakpoints) kept engine-wide (default max(--max-concurrency, 4))")
     engine.add_argument("--max-long-anchors-per-continuation", type=_non_negative_int, help="checkpoints a long prompt leaves at its latest message starts, so an edit there reuses what precedes it (default 2)")
     engine.add_argument("--context-cost-presets", metavar="FILE", help="JSON with prefill_seconds_per_token and/or host_transfer_bytes_per_second for the cache planner (default: measured rates for known shapes, else generic)")
+    engine.add_argument("--host-kv-mib", type=_non_negative_int, help="pinned host memory for the KV pages of checkpoints spilled under KV pressure, in MiB (default 8192)")
     engine.add_argument("--host-state-slots", type=_non_negative_int, help="checkpoint StateImages in pinned host memory, where device checkpoints spill instead of being dropped (default 8)")
     engine.add_argument("--in-process-engine", action="store_true", help="run the engine in a thread of the API process instead of its own process")
     gen = parser.add_argument_group("generation")
@@ -121,6 +122,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         capacity_flags = {
             "--device-state-slots": args.device_state_slots,
             "--host-state-slots": args.host_state_slots,
+            "--host-kv-mib": args.host_kv_mib,
             "--max-private-continuations": args.max_private_continuations,
             "--max-shared-prefixes": args.max_shared_prefixes,
             "--max-long-anchors-per-continuation": args.max_long_anchors_per_continuation,
@@ -144,6 +146,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         kv_capacity=None if kv_auto else args.kv_capacity,
         device_state_slots=args.device_state_slots,
         host_state_slots=args.host_state_slots,
+        host_kv_mib=args.host_kv_mib,
         max_private_continuations=args.max_private_continuations,
         max_shared_prefixes=args.max_shared_prefixes,
         max_long_anchors=args.max_long_anchors_per_continuation,

@@ -8,6 +8,7 @@ from ninfer.contract.sampling import SamplingOverrides
 
 DEFAULT_HOST_STATE_SLOTS = 8
 DEFAULT_LONG_ANCHORS = 2
+DEFAULT_HOST_KV_MIB = 8192
 
 
 class ConfigValueError(ValueError):
@@ -25,6 +26,7 @@ class EngineConfig:
     page_size: int = 16
     device_state_slots: int | None = None  # checkpoint slots beyond the active lanes; None = max_concurrency
     host_state_slots: int | None = None  # pinned host checkpoint StateImages; None = 8 (0 without prefix reuse)
+    host_kv_mib: int | None = None  # pinned host KV for spilled checkpoints, MiB; None = 8192 (0 without prefix reuse)
     max_private_continuations: int | None = None  # conversations with private checkpoints; None = 2 * max_concurrency
     max_shared_prefixes: int | None = None  # shared stable-prefix checkpoints; None = max(max_concurrency, 4)
     max_long_anchors: int | None = None  # long-anchor checkpoints per continuation; None = 2
@@ -53,6 +55,7 @@ class EngineConfig:
         check(self.device_state_slots is None or self.device_state_slots >= 0, "--device-state-slots must be >= 0")
         check(self.host_state_slots is None or self.host_state_slots >= 0, "--host-state-slots must be >= 0")
         for flag, value in (
+            ("--host-kv-mib", self.host_kv_mib),
             ("--max-private-continuations", self.max_private_continuations),
             ("--max-shared-prefixes", self.max_shared_prefixes),
             ("--max-long-anchors-per-continuation", self.max_long_anchors),
@@ -78,6 +81,12 @@ class EngineConfig:
         if not self.prefix_reuse:
             return 0
         return DEFAULT_HOST_STATE_SLOTS if self.host_state_slots is None else self.host_state_slots
+
+    @property
+    def host_kv_bytes(self) -> int:
+        if not self.prefix_reuse:
+            return 0
+        return (DEFAULT_HOST_KV_MIB if self.host_kv_mib is None else self.host_kv_mib) << 20
 
     @property
     def num_private_continuations(self) -> int:

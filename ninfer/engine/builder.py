@@ -13,6 +13,7 @@ import torch
 
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
+from ninfer.engine.host_kv import HostKV
 from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.half_weights import store_half_weights_
 
@@ -104,7 +105,7 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     host = core.runner.host_states
     log.info(
         "KV pool: %d tokens in %d pages (%.1f MiB) · state slots: %d (%d active + %d checkpoint)"
-        " · host state slots: %d (%.1f MiB pinned)",
+        " · host state slots: %d (%.1f MiB pinned) · host KV: %d pages (%.1f MiB pinned)",
         engine.num_kv_pages * engine.page_size,
         engine.num_kv_pages,
         kv.k.numel() * kv.k.element_size() * 2 / (1 << 20),
@@ -113,6 +114,8 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         engine.num_state_slots - engine.max_concurrency,
         host.num_slots,
         host.num_slots * host.bytes_per_slot / (1 << 20),
+        core.runner.host_kv.num_pages,
+        core.runner.host_kv.num_pages * HostKV.page_bytes(kv) / (1 << 20),
     )
     if engine.prefix_reuse:
         costs = core.context_costs

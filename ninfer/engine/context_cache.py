@@ -30,6 +30,11 @@ class Checkpoint:
     last_used: int = 0
     host_slot: int | None = None  # pinned host slot of the StateImage once spilled
     continuation: str = ""  # the conversation a private checkpoint belongs to
+    host_pages: list[int] | None = None  # host KV pages holding [0, F) once spilled (pages is then empty)
+
+    @property
+    def kv_on_host(self) -> bool:
+        return self.host_pages is not None
 
     @property
     def shared(self) -> bool:
@@ -73,6 +78,7 @@ class ContextCache:
     enabled: bool = True
     host_pool: StatePool = field(default_factory=lambda: StatePool(0))  # pinned host StateImages
     limits: CacheLimits = field(default_factory=CacheLimits)
+    host_kv_pool: KVPool | None = None  # pinned host KV pages (None: no host KV tier)
     checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=itertools.count)
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -173,10 +179,31 @@ class ContextCache:
         del self.checkpoints[checkpoint.checkpoint_id]
         if release_resources:
             self.kv_pool.release(checkpoint.pages)
+            if checkpoint.host_pages is not None:
+                self.host_kv_pool.release(checkpoint.host_pages)
             if checkpoint.state_slot is not None:
                 self.state_pool.release(checkpoint.state_slot)
             if checkpoint.host_slot is not None:
                 self.host_pool.release(checkpoint.host_slot)
+
+    def move_kv_to_host(self, checkpoint: Checkpoint, host_pages: list[int]) -> list[int]:
+        """Record a KV spill: [0, F) now lives in host_pages; returns the device pages it gave up
+        (released: a page another owner shares stays allocated to them)."""
+        if checkpoint.host_pages is not None or len(host_pages) != len(checkpoint.pages):
+            raise ValueError(f"checkpoint {checkpoint.checkpoint_id}: cannot move its KV to the host")
+        device_pages = checkpoint.pages
+        self.kv_pool.release(device_pages)
+        checkpoint.pages, checkpoint.host_pages = [], list(host_pages)
+        return device_pages
+
+    def move_kv_to_device(self, checkpoint: Checkpoint, device_pages: list[int]) -> list[int]:
+        """Record a KV restore into freshly allocated device pages; returns the host pages it freed."""
+        host_pages = checkpoint.host_pages
+        if host_pages is None or len(device_pages) != len(host_pages):
+            raise ValueError(f"checkpoint {checkpoint.checkpoint_id}: cannot move its KV to the device")
+        self.host_kv_pool.release(host_pages)
+        checkpoint.pages, checkpoint.host_pages = list(device_pages), None
+        return host_pages
 
     def move_to_host(self, checkpoint: Checkpoint, host_slot: int) -> int:
         """Record a spill: the checkpoint's StateImage now lives in host_slot; returns the freed device slot."""

@@ -32,6 +32,13 @@ from ninfer.models.causal_lm import CausalLM
 log = logging.getLogger("ninfer.engine")
 
 
+def kv_page_bytes(model: CausalLM, page_size: int) -> int:
+    """One KV page of every attention layer, keys and values, in the model's dtype."""
+    spec = model.cache_spec()
+    element = next(model.parameters()).element_size()
+    return 2 * spec.num_attention_layers * page_size * spec.num_kv_heads * spec.head_dim * element
+
+
 def state_image_bytes(model: CausalLM) -> int:
     """One checkpoint StateImage: every linear-attention layer's conv and fp32 recurrent state,
     plus the fp32 logits stored with it."""
@@ -53,12 +60,20 @@ class EngineCore:
         self.clock = clock
         self.kv_pool = KVPool(config.num_kv_pages, config.page_size)
         self.state_pool = StatePool(config.num_state_slots)
+        page_bytes = kv_page_bytes(model, config.page_size)
+        # Every checkpoint holds a StateImage slot, so checkpoints can never hold more pages than
+        # this; a larger host tier would only be empty bookkeeping.
+        max_checkpoint_pages = (config.num_state_slots + config.num_host_state_slots) * (
+            -(-config.max_context // config.page_size)
+        )
+        num_host_kv_pages = min(config.host_kv_bytes // page_bytes, max_checkpoint_pages)
         self.cache = ContextCache(
             self.kv_pool,
             self.state_pool,
             exact_frontier_only=model.config.is_hybrid,
             enabled=config.prefix_reuse,
             host_pool=StatePool(config.num_host_state_slots),
+            host_kv_pool=KVPool(num_host_kv_pages, config.page_size) if num_host_kv_pages else None,
             limits=CacheLimits(
                 max_private_continuations=config.num_private_continuations,
                 max_shared_prefixes=config.num_shared_prefixes,
@@ -76,6 +91,7 @@ class EngineCore:
             clock=clock,
             costs=self.context_costs,
             state_image_bytes=state_image_bytes(model),
+            kv_page_bytes=page_bytes,
         )
         self.runner = ModelRunner(
             model,
@@ -86,6 +102,7 @@ class EngineCore:
             cuda_graph_batch_sizes=range(1, config.max_concurrency + 1) if config.cuda_graphs else (),
             max_context=config.max_context,
             num_host_state_slots=config.num_host_state_slots,
+            num_host_kv_pages=num_host_kv_pages,
         )
         self.failed: str | None = None
         overlap = config.decode_overlap
@@ -187,6 +204,7 @@ class EngineCore:
             "kv_pages_used": self.kv_pool.num_used,
             "state_slots_free": self.state_pool.num_free,
             "host_state_slots_free": self.cache.host_pool.num_free,
+            "host_kv_pages_free": self.cache.host_kv_pool.num_free if self.cache.host_kv_pool else 0,
             "checkpoints": len(self.cache),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

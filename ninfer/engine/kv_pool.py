@@ -14,8 +14,8 @@ class KVPoolError(RuntimeError):
 
 class KVPool:
     def __init__(self, num_pages: int, page_size: int):
-        if num_pages <= 0 or page_size <= 0:
-            raise ValueError("KV pool needs positive num_pages and page_size")
+        if num_pages < 0 or page_size <= 0:
+            raise ValueError("KV pool needs num_pages >= 0 and a positive page_size")
         self.num_pages = num_pages
         self.page_size = page_size
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first

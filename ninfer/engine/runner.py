@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ninfer.engine.cuda_graphs import DecodeGraphs, graph_blocker
+from ninfer.engine.host_kv import HostKV
 from ninfer.engine.host_states import HostStates
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.sampler import Sampler, SamplingBatch
@@ -29,9 +30,11 @@ from ninfer.engine.scheduler import (
     CopyPage,
     CopySlot,
     ResetSlot,
+    RestorePages,
     RestoreSlot,
     ScheduledChunk,
     SchedulerStep,
+    SpillPages,
     SpillSlot,
 )
 from ninfer.models.causal_lm import CausalLM
@@ -56,6 +59,7 @@ class ModelRunner:
         cuda_graph_batch_sizes: Sequence[int] = (),
         max_context: int | None = None,
         num_host_state_slots: int = 0,
+        num_host_kv_pages: int = 0,
     ):
         """cuda_graph_batch_sizes: decode batch sizes to capture a CUDA graph for (on CUDA,
         when the model allows it; other sizes decode eagerly); max_context bounds the
@@ -67,6 +71,7 @@ class ModelRunner:
         vocab = model.config.vocab_size
         self.slot_logits = torch.zeros(num_state_slots, vocab, dtype=torch.float32, device=self.device)
         self.host_states = HostStates(self.state_cache, self.slot_logits, num_host_state_slots)
+        self.host_kv = HostKV(self.kv_cache, num_host_kv_pages)
         # Embedding rows past the tokenizer's ids are padding: never sample them.
         self.num_valid_tokens = min(num_valid_tokens or vocab, vocab)
         self.mrope = model.config.mrope_section is not None
@@ -191,6 +196,10 @@ class ModelRunner:
                 self.host_states.spill(action.device_slot, action.host_slot)
             elif isinstance(action, RestoreSlot):
                 self.host_states.restore(action.host_slot, action.device_slot)
+            elif isinstance(action, SpillPages):
+                self.host_kv.spill(action.device_pages, action.host_pages)
+            elif isinstance(action, RestorePages):
+                self.host_kv.restore(action.host_pages, action.device_pages)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> None:
         max_pages = max(len(c.page_ids) for c in chunks)

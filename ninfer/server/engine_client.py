@@ -121,7 +121,8 @@ class EngineClient:
         finally:
             self._streams.pop(request.request_id, None)
             if not finished and self.failure is None:
-                self._send(Abort(request.request_id))
+                with contextlib.suppress(EngineUnavailable):
+                    self._send(Abort(request.request_id))
 
     def _dispatch(self, message: FromEngine) -> None:
         """Runs on the event loop thread."""
@@ -259,8 +260,14 @@ class ProcessEngineClient(EngineClient):
             self._dispatch(decode_from_engine(data))
 
     def _send(self, message: ToEngine) -> None:
-        # PUSH over ipc to a live peer does not block for these small messages.
-        self._push.send(encode(message))
+        """Never blocks the event loop: a PUSH socket whose peer is gone (the engine process died
+        or was killed) would wait forever for one to connect."""
+        import zmq
+
+        try:
+            self._push.send(encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again as error:
+            raise EngineUnavailable("the engine process is not receiving requests") from error
 
     async def shutdown(self) -> None:
         if self._process is None:

@@ -195,6 +195,25 @@ def test_a_checkpoint_restored_from_the_host_tier_equals_recompute(arch, path, t
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_kv_spilled_to_the_host_and_restored_equals_recompute(arch, tmp_root):
+    # A KV pool for little more than one conversation: the second pushes the first's KV pages to
+    # the pinned host tier; the first's next turn restores them into fresh pages.
+    hf, ours = _models(arch, tmp_root)
+    config = EngineConfig(max_concurrency=1, prefill_chunk=16, max_context=256, kv_capacity=160)
+    core = EngineCore(ours, make_byte_tokenizer(), config)
+    baseline = core.pool_accounting()
+    first = run_engine(core, {0: [greedy("a1", PROMPTS[1], 6)]})["a1"][0]
+    run_engine(core, {0: [greedy("b1", PROMPTS[0] * 2, 6)]})
+    assert any(ck.kv_on_host for ck in core.cache.checkpoints.values())
+    follow = PROMPTS[1] + first + [ord(c) for c in " next"]
+    toks, final = run_engine(core, {0: [greedy("a2", follow, 8)]})["a2"]
+    assert final.cached_tokens >= len(PROMPTS[1])
+    assert toks == hf_greedy(hf, follow, 8)
+    core.cache.clear()
+    assert core.pool_accounting() == baseline
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
 def test_decode_overlap_stop_then_reuse_equals_recompute(arch, tmp_root):
     # A stop token ends the request while the next round, launched ahead, computes it: with
     # overlap the endpoint includes that token, and resuming from it equals recomputing.

@@ -94,6 +94,22 @@ def test_the_engine_process_dies_with_a_killed_server(tiny_qwen):
     assert wait_gone(engine, 10), "the engine process outlived a killed server"
 
 
+def test_a_dead_engine_process_fails_requests_instead_of_hanging_and_the_server_still_stops(tiny_qwen):
+    process, port = start(tiny_qwen)
+    os.kill(engine_process_of(process.pid), signal.SIGKILL)
+    base = f"http://127.0.0.1:{port}"
+    model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    deadline = time.monotonic() + 30
+    while True:  # the engine's death is noticed within about a second
+        response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
+        if response.status_code == 503 or time.monotonic() > deadline:
+            break
+    assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+
+
 def test_a_busy_port_fails_before_the_model_loads(tiny_qwen):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -79,6 +79,7 @@ def parse(*argv: str):
         (["--no-prefix-reuse", "--max-long-anchors-per-continuation", "0"], "with --max-long-anchors"),
         (["--no-prefix-reuse", "--max-private-continuations", "0"], "with --max-private-continuations"),
         (["--no-prefix-reuse", "--max-shared-prefixes", "4"], "with --max-shared-prefixes"),
+        (["--no-prefix-reuse", "--host-kv-mib", "0"], "with --host-kv-mib"),
         (["--context-cost-presets", "/nonexistent/costs.json"], "--context-cost-presets /nonexistent/costs.json: cannot read"),
         (["--port", "0"], "--port"),
         (["--prefill-chunk", "0"], "--prefill-chunk"),
@@ -102,7 +103,10 @@ def test_options_reach_the_config():
     assert (engine.num_long_anchors, engine.num_private_continuations, engine.num_shared_prefixes) == (2, 2, 4)
     engine = parse("--max-concurrency", "6")[0].engine
     assert (engine.num_private_continuations, engine.num_shared_prefixes) == (12, 6)
+    assert parse()[0].engine.host_kv_bytes == 8192 << 20
+    assert parse("--host-kv-mib", "64")[0].engine.host_kv_bytes == 64 << 20
     engine = parse("--no-prefix-reuse")[0].engine
+    assert engine.host_kv_bytes == 0
     assert (engine.num_long_anchors, engine.num_private_continuations, engine.num_shared_prefixes) == (0, 0, 0)
     engine = parse("--max-long-anchors-per-continuation", "1", "--max-private-continuations", "3",
                    "--max-shared-prefixes", "0")[0].engine

@@ -22,16 +22,19 @@ from ninfer.contract.output import EngineOutput, ErrorCode, FinishReason
 from ninfer.contract.request import CaptureHint, EngineRequest, ThinkingBudget
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.context_cache import CacheLimits, ContextCache
+from ninfer.engine.context_costs import ContextCosts
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler import (
     PENDING_TOKEN,
     CopyPage,
     CopySlot,
     ResetSlot,
+    RestorePages,
     RestoreSlot,
     Scheduler,
     SchedulerLimits,
     SchedulerStep,
+    SpillPages,
     SpillSlot,
     StepKind,
 )
@@ -57,6 +60,7 @@ class FakeRunner:
         self.host: dict[int, tuple[list[int] | None, list[int] | None]] = {
             s: (None, None) for s in range(num_host_slots)
         }
+        self.host_pages: dict[int, dict[int, int]] = {}  # host KV page -> its positions' tokens
         self.sampled_by_row: dict[int, int] = {}  # the last step's sampled ids, for chained rows
 
     def execute(self, step: SchedulerStep, histories: dict[str, list[int]]) -> dict[str, int]:
@@ -78,6 +82,12 @@ class FakeRunner:
                 state, logits = self.host[action.host_slot]
                 self.slots[action.device_slot] = list(state)
                 self.slot_logits[action.device_slot] = logits
+            elif isinstance(action, SpillPages):
+                for device_page, host_page in zip(action.device_pages, action.host_pages, strict=True):
+                    self.host_pages[host_page] = dict(self.pages[device_page])
+            elif isinstance(action, RestorePages):
+                for host_page, device_page in zip(action.host_pages, action.device_pages, strict=True):
+                    self.pages[device_page] = dict(self.host_pages[host_page])
         sampled_by_row = {}
         for row, chunk in enumerate(step.chunks):
             full = histories[chunk.request_id]
@@ -131,6 +141,8 @@ class Harness:
         prefix_reuse: bool = True,
         host_slots: int = 0,
         limits: CacheLimits | None = None,
+        host_kv_pages: int = 0,
+        planner_rates: tuple[ContextCosts, int, int] | None = None,  # costs, state bytes, KV page bytes
     ):
         self.now = 0.0
         num_pages = kv_tokens // page_size
@@ -138,10 +150,13 @@ class Harness:
         self.kv_pool = KVPool(num_pages, page_size)
         self.state_pool = StatePool(num_slots)
         self.host_pool = StatePool(host_slots)
+        self.host_kv_pool = KVPool(host_kv_pages, page_size) if host_kv_pages else None
         self.cache = ContextCache(
             self.kv_pool, self.state_pool, exact_frontier_only=hybrid, enabled=prefix_reuse, host_pool=self.host_pool,
             limits=limits or CacheLimits(),
+            host_kv_pool=self.host_kv_pool,
         )
+        costs, state_bytes, page_bytes = planner_rates or (None, 0, 0)
         self.scheduler = Scheduler(
             SchedulerLimits(max_concurrency, max_context, prefill_chunk, prefix_reuse),
             self.kv_pool,
@@ -149,6 +164,9 @@ class Harness:
             self.cache,
             make_stop_checker=lambda r: StopChecker(byte_tokenizer, r.stop_token_ids, r.stop_strings),
             clock=lambda: self.now,
+            costs=costs,
+            state_image_bytes=state_bytes,
+            kv_page_bytes=page_bytes,
         )
         self.runner = FakeRunner(num_pages, page_size, num_slots, recurrent=hybrid, num_host_slots=host_slots)
         self.outputs: dict[str, list[EngineOutput]] = {}
@@ -216,6 +234,10 @@ class Harness:
         self.kv_pool.check_balanced()
         self.state_pool.check_balanced()
         self.host_pool.check_balanced()
+        if self.host_kv_pool is not None:
+            self.host_kv_pool.check_balanced()
+            held = [p for ck in self.cache.checkpoints.values() for p in ck.host_pages or []]
+            assert len(held) == len(set(held)) == self.host_kv_pool.num_used  # each host page has one owner
         expected_refs: dict[int, int] = {}
         owners = [*self.scheduler.running, *self.scheduler.draining]
         for seq in owners:
@@ -243,6 +265,7 @@ class Harness:
         assert self.kv_pool.num_free == self.kv_pool.num_pages
         assert self.state_pool.num_free == self.state_pool.num_slots
         assert self.host_pool.num_free == self.host_pool.num_slots
+        assert self.host_kv_pool is None or self.host_kv_pool.num_free == self.host_kv_pool.num_pages
 
 
 def req(request_id: str, prompt: list[int], max_new: int = 8, **kw) -> EngineRequest:
@@ -755,6 +778,56 @@ def test_shared_prefix_and_long_anchor_limits(byte_tokenizer):
     h0.run()
     assert len(h0.cache) == 0 and h0.tokens("z") == expected_continuation(PROMPT, 2)
     h0.assert_empty()
+    h.assert_empty()
+
+
+def test_kv_pressure_spills_a_checkpoints_pages_to_the_host_and_a_hit_restores_them(byte_tokenizer):
+    # A KV pool for about one conversation: the second pushes the first's checkpoints out of
+    # the device KV; with a host KV tier they keep their pages there and the first resumes.
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=3, kv_tokens=96, page_size=8, host_kv_pages=24)
+    first, second = _conversation("first") + PROMPT[:8], _conversation("other")
+    h.add(req("a1", first, max_new=3))
+    h.run()
+    h.add(req("b1", second, max_new=3))
+    h.run()
+    assert any(isinstance(a, SpillPages) for s in h.steps for a in s.before)
+    assert any(ck.kv_on_host for ck in h.cache.checkpoints.values())
+    h.assert_balanced()
+    a2 = _next_turn(h, "a1", first)
+    h.add(req("a2", a2, max_new=4))
+    h.run()
+    assert h.final("a2").cached_tokens > len(first)
+    assert any(isinstance(a, RestorePages) for s in h.steps for a in s.before)
+    assert h.tokens("a2") == expected_continuation(a2, 4)  # the FakeRunner checked every restored position
+    h.assert_balanced()
+    h.assert_empty()
+
+
+def test_without_a_host_kv_tier_kv_pressure_drops(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=3, kv_tokens=96, page_size=8)
+    first = _conversation("first") + PROMPT[:8]
+    h.add(req("a1", first, max_new=3))
+    h.run()
+    h.add(req("b1", _conversation("other"), max_new=3))
+    h.run()
+    a2 = _next_turn(h, "a1", first)
+    h.add(req("a2", a2, max_new=4))
+    h.run()
+    assert h.final("a2").cached_tokens == 0 and h.tokens("a2") == expected_continuation(a2, 4)
+    h.assert_empty()
+
+
+def test_cheap_checkpoints_are_dropped_rather_than_spilled(byte_tokenizer):
+    # Restoring a page costs more than recomputing the few tokens any checkpoint here saves.
+    slow_link = (ContextCosts(1e-6, 1e3, "test"), 0, 1000)
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=3, kv_tokens=96, page_size=8, host_kv_pages=24,
+                planner_rates=slow_link)
+    h.add(req("a1", _conversation("first") + PROMPT[:8], max_new=3))
+    h.run()
+    h.add(req("b1", _conversation("other"), max_new=3))
+    h.run()
+    assert not any(isinstance(a, SpillPages) for s in h.steps for a in s.before)
+    assert h.host_kv_pool.num_used == 0
     h.assert_empty()
 
 

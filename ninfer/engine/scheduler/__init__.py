@@ -7,10 +7,12 @@ from ninfer.engine.scheduler.step import (
     CopyPage,
     CopySlot,
     ResetSlot,
+    RestorePages,
     RestoreSlot,
     ScheduledChunk,
     SchedulerStep,
     SlotAction,
+    SpillPages,
     SpillSlot,
     StepKind,
 )
@@ -20,6 +22,7 @@ __all__ = [
     "CopyPage",
     "CopySlot",
     "ResetSlot",
+    "RestorePages",
     "RestoreSlot",
     "ScheduledChunk",
     "Scheduler",
@@ -27,6 +30,7 @@ __all__ = [
     "SchedulerStats",
     "SchedulerStep",
     "SlotAction",
+    "SpillPages",
     "SpillSlot",
     "StepKind",
 ]

@@ -25,7 +25,15 @@ from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.sampler import fresh_seed
 from ninfer.engine.scheduler.outputs import error_output
 from ninfer.engine.scheduler.placement import Placement
-from ninfer.engine.scheduler.step import CopyPage, CopySlot, ResetSlot, RestoreSlot, SlotAction
+from ninfer.engine.scheduler.step import (
+    CopyPage,
+    CopySlot,
+    ResetSlot,
+    RestorePages,
+    RestoreSlot,
+    SlotAction,
+    SpillPages,
+)
 from ninfer.engine.sequence import Sequence, SequenceStatus
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
@@ -45,9 +53,10 @@ class AdmissionPlan:
     adopt: bool  # take over the checkpoint's slot and pages instead of copying its state
     num_full_pages: int  # fully reused pages, shared (or, when adopting, taken over)
     own_partial: bool  # the adopted checkpoint's partial last page is written in place
-    cow_src: int | None  # partial page to copy into the first private page
+    cow: bool  # the hit's partial last page is copied into the first private page
     num_private_pages: int
-    evict: list[Checkpoint]
+    evict: list[Checkpoint]  # give up their device KV pages: dropped, or spilled when in spill_kv
+    spill_kv: list[Checkpoint]
     free_device_slot: bool  # spill (or drop) one more device checkpoint for the request's slot
 
 
@@ -185,25 +194,44 @@ class Admission:
         ck = hit.checkpoint if hit else None
         reused = hit.num_reused_tokens if hit else 0
         num_full = reused // page_size
-        partial = ck.pages[num_full] if ck is not None and reused % page_size else None
+        # A hit whose KV was spilled comes back into fresh device pages, its own alone.
+        restore = len(ck.host_pages) if ck is not None and ck.kv_on_host else 0
+        has_partial = ck is not None and reused % page_size != 0
         # A partial last page is copied unless an adopted checkpoint is its only owner: other
         # owners may write past our frontier in it.
-        own_partial = adopt and partial is not None and self.kv_pool.refcount(partial) == 1
-        cow_src = partial if partial is not None and not own_partial else None
+        own_partial = adopt and has_partial and (restore > 0 or self.kv_pool.refcount(ck.pages[num_full]) == 1)
+        cow = has_partial and not own_partial
         num_private = total_pages - num_full - (1 if own_partial else 0)
+        pages_needed = num_private + restore
         slots_needed = 0 if adopt else 1
         victims = self.placement.planner.drop_order(keep=ck)
         page_gains = [0, *self.cache.pages_freed_by_evicting(victims)]
         for num_evict in range(len(victims) + 1):
-            if self.kv_pool.num_free + page_gains[num_evict] < num_private:
+            if self.kv_pool.num_free + page_gains[num_evict] < pages_needed:
                 continue
             evict = victims[:num_evict]
-            free_slots = self.state_pool.num_free + sum(c.state_slot is not None for c in evict)
+            spill_kv = self._kv_to_spill(evict)
+            dropped = [c for c in evict if c not in spill_kv]
+            free_slots = self.state_pool.num_free + sum(c.state_slot is not None for c in dropped)
             if free_slots >= slots_needed:
-                return AdmissionPlan(hit, adopt, num_full, own_partial, cow_src, num_private, evict, False)
-            if self.placement.can_free_device_slot(ck, evict):
-                return AdmissionPlan(hit, adopt, num_full, own_partial, cow_src, num_private, evict, True)
+                return AdmissionPlan(hit, adopt, num_full, own_partial, cow, num_private, evict, spill_kv, False)
+            if self.placement.can_free_device_slot(ck, dropped):
+                return AdmissionPlan(hit, adopt, num_full, own_partial, cow, num_private, evict, spill_kv, True)
         return None
+
+    def _kv_to_spill(self, evict: list[Checkpoint]) -> list[Checkpoint]:
+        """Of the checkpoints giving up their device pages, those whose KV goes to the host tier:
+        while it has room, each worth more than restoring its pages would cost."""
+        host = self.cache.host_kv_pool
+        if host is None:
+            return []
+        room = host.num_free
+        spill = []
+        for c in evict:
+            if c.pages and len(c.pages) <= room and self.placement.planner.worth_spilling_kv(c, len(c.pages)):
+                spill.append(c)
+                room -= len(c.pages)
+        return spill
 
     def _commit(self, seq: Sequence, plan: AdmissionPlan) -> None:
         hit = plan.hit
@@ -213,17 +241,31 @@ class Admission:
         if ck is not None and not plan.adopt:
             self.kv_pool.share(shared)  # hold the prefix before evicting anything that might release it
         for victim in plan.evict:
-            self.cache.remove(victim)
+            if victim in plan.spill_kv:
+                host_pages = self.cache.host_kv_pool.allocate(len(victim.pages))
+                device_pages = self.cache.move_kv_to_host(victim, host_pages)
+                self.actions.append(SpillPages(tuple(device_pages), tuple(host_pages)))
+            else:
+                self.cache.remove(victim)
         if plan.free_device_slot and not self.placement.free_device_slot(keep=ck):
             raise AssertionError("admission planned a device slot that placement cannot free")
+        if ck is not None and ck.kv_on_host:
+            # After the spills above in the action order: a page they gave up may be reused here.
+            device_pages = self.kv_pool.allocate(len(ck.host_pages))
+            host_pages = self.cache.move_kv_to_device(ck, device_pages)
+            self.actions.append(RestorePages(tuple(host_pages), tuple(device_pages)))
+            shared = ck.pages[: plan.num_full_pages]
+            if not plan.adopt:
+                self.kv_pool.share(shared)
+        cow_src = ck.pages[plan.num_full_pages] if plan.cow else None
         private = self.kv_pool.allocate(plan.num_private_pages)
-        if plan.cow_src is not None:
+        if cow_src is not None:
             # Runs before any forward writes, so the source still holds the prefix's tokens.
-            self.actions.append(CopyPage(plan.cow_src, private[0]))
+            self.actions.append(CopyPage(cow_src, private[0]))
         if plan.adopt:
             self.cache.remove(ck, release_resources=False)  # its page references and slot become ours
-            if plan.cow_src is not None:
-                self.kv_pool.release([plan.cow_src])
+            if cow_src is not None:
+                self.kv_pool.release([cow_src])
             kept = ck.pages[: plan.num_full_pages + (1 if plan.own_partial else 0)]
             seq.pages = kept + private
             seq.state_slot = ck.state_slot

@@ -18,10 +18,11 @@ MAX_CANDIDATES = 64  # the search is bounded; past it, the least recently used a
 
 
 class CachePlanner:
-    def __init__(self, cache: ContextCache, costs: ContextCosts, state_image_bytes: int):
+    def __init__(self, cache: ContextCache, costs: ContextCosts, state_image_bytes: int, kv_page_bytes: int = 0):
         self.cache = cache
         self.costs = costs
         self.state_image_bytes = state_image_bytes
+        self.kv_page_bytes = kv_page_bytes
 
     def loss_seconds(self) -> dict[int, float]:
         """checkpoint_id -> expected seconds of recompute if it were dropped now."""
@@ -57,3 +58,8 @@ class CachePlanner:
         """Restoring from the host (later) costs less than recomputing what dropping it loses."""
         loss = loss if loss is not None else self.loss_seconds()
         return self.costs.transfer_seconds(self.state_image_bytes) < loss[checkpoint.checkpoint_id]
+
+    def worth_spilling_kv(self, checkpoint: Checkpoint, num_pages: int) -> bool:
+        """Restoring num_pages of KV from the host costs less than recomputing what dropping it loses."""
+        loss = self.loss_seconds()[checkpoint.checkpoint_id]
+        return self.costs.transfer_seconds(num_pages * self.kv_page_bytes) < loss

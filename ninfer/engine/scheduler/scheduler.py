@@ -68,8 +68,10 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         costs: ContextCosts | None = None,
         state_image_bytes: int = 0,
+        kv_page_bytes: int = 0,
     ):
-        """costs, state_image_bytes: what the cache planner weighs (generic CPU rates when absent)."""
+        """costs, state_image_bytes, kv_page_bytes: what the cache planner weighs (generic CPU
+        rates when absent)."""
         self.limits = limits
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -77,7 +79,7 @@ class Scheduler:
         self.clock = clock
         # Slot and page actions for the next step, appended by admission and capture too.
         self._pending_actions: list[SlotAction] = []
-        self.planner = CachePlanner(cache, costs or generic_costs(), state_image_bytes)
+        self.planner = CachePlanner(cache, costs or generic_costs(), state_image_bytes, kv_page_bytes)
         placement = Placement(cache, self.planner, self._pending_actions)
         self.placement = placement
         self.admission = Admission(

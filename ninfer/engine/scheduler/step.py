@@ -53,7 +53,23 @@ class RestoreSlot:
     device_slot: int
 
 
-SlotAction = ResetSlot | CopySlot | CopyPage | SpillSlot | RestoreSlot
+@dataclass(frozen=True)
+class SpillPages:
+    """Copy device KV pages to pinned host pages (pairwise); the device pages are then free."""
+
+    device_pages: tuple[int, ...]
+    host_pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RestorePages:
+    """Copy host KV pages back into device pages (pairwise), before the forward that reads them."""
+
+    host_pages: tuple[int, ...]
+    device_pages: tuple[int, ...]
+
+
+SlotAction = ResetSlot | CopySlot | CopyPage | SpillSlot | RestoreSlot | SpillPages | RestorePages
 
 
 # The token of a chained chunk: sampled by the previous step, not yet known on the host.
