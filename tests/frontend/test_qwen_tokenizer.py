@@ -256,6 +256,7 @@ def test_written_files(written_dir: Path) -> None:
     assert qt.qwen3_5_tokenizer_config("{{ x }}")["chat_template"] == "{{ x }}"
 
 
+@pytest.mark.slow
 def test_transformers_autotokenizer_encodes_identically(hf_tokenizer, backend: tokenizers.Tokenizer) -> None:
     assert len(hf_tokenizer) == 248_077
     assert hf_tokenizer.eos_token == "<|im_end|>" and hf_tokenizer.eos_token_id == 248_046

@@ -166,6 +166,7 @@ def _hf_render(hf: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
 # ---- parity with transformers ----------------------------------------------------------------
 
 
+@pytest.mark.slow  # loading transformers' tokenizers: ~8 s
 @pytest.mark.parametrize("template_name", ["qwen3_5", "qwen3_8"])
 @pytest.mark.parametrize("case", list(CONVERSATIONS))
 def test_matches_transformers(setups, template_name: str, case: str) -> None:

@@ -52,6 +52,7 @@ def _load_hf(path: Path, vision: bool) -> tuple[torch.nn.Module, dict[str, Any]]
     return cls.from_pretrained(path, output_loading_info=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_loads_in_transformers_with_every_weight_and_finite_logits(artifacts: dict[str, Path], name: str) -> None:
     path, vision = artifacts[name], VARIANTS[name].get("vision", False)

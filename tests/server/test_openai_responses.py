@@ -461,6 +461,7 @@ def test_overloaded_server_answers_429(tiny_qwen):
         server.stop()
 
 
+@pytest.mark.slow
 def test_effort_tiers_follow_the_template(tiny_qwen38):
     server = start_server(serve_config(tiny_qwen38, default_max_tokens=2))
     try:
