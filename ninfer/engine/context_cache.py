@@ -80,6 +80,7 @@ class ContextCache:
     limits: CacheLimits = field(default_factory=CacheLimits)
     host_kv_pool: KVPool | None = None  # pinned host KV pages (None: no host KV tier)
     checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
+    version: int = 0  # changes whenever a checkpoint is added, removed or used (planner caches by it)
     _ids: itertools.count = field(default_factory=itertools.count)
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -112,6 +113,7 @@ class ContextCache:
 
     def touch(self, checkpoint: Checkpoint) -> None:
         checkpoint.last_used = next(self._clock)
+        self.version += 1
 
     def find_identical(self, token_ids: list[int]) -> Checkpoint | None:
         for ck in self.checkpoints.values():
@@ -177,6 +179,7 @@ class ContextCache:
     def remove(self, checkpoint: Checkpoint, release_resources: bool = True) -> None:
         """Drop a checkpoint; with release_resources False the caller adopts its pages and slot."""
         del self.checkpoints[checkpoint.checkpoint_id]
+        self.version += 1
         if release_resources:
             self.kv_pool.release(checkpoint.pages)
             if checkpoint.host_pages is not None:

@@ -49,6 +49,10 @@ def test_losses_count_only_what_a_shorter_checkpoint_does_not_cover():
     order = planner.drop_order()
     assert order[0] is closure and order[-1] is other
     assert planner.drop_order(keep=closure)[0] is prompt_end
+    cache.touch(closure)  # used again, newer than its extension: no longer superseded
+    assert planner.loss_seconds()[closure.checkpoint_id] == pytest.approx(60e-3)
+    cache.remove(prompt_end)
+    assert prompt_end.checkpoint_id not in planner.loss_seconds()
     cache.clear()
 
 

@@ -204,6 +204,9 @@ class Admission:
         num_private = total_pages - num_full - (1 if own_partial else 0)
         pages_needed = num_private + restore
         slots_needed = 0 if adopt else 1
+        if self.kv_pool.num_free >= pages_needed and self.state_pool.num_free >= slots_needed:
+            # No pressure: the common case needs no ranking of the checkpoints.
+            return AdmissionPlan(hit, adopt, num_full, own_partial, cow, num_private, [], [], False)
         victims = self.placement.planner.drop_order(keep=ck)
         page_gains = [0, *self.cache.pages_freed_by_evicting(victims)]
         for num_evict in range(len(victims) + 1):
@@ -228,7 +231,7 @@ class Admission:
         room = host.num_free
         spill = []
         for c in evict:
-            if c.pages and len(c.pages) <= room and self.placement.planner.worth_spilling_kv(c, len(c.pages)):
+            if c.pages and len(c.pages) <= room and self.placement.planner.worth_spilling_kv(c):
                 spill.append(c)
                 room -= len(c.pages)
         return spill

@@ -23,9 +23,29 @@ class CachePlanner:
         self.costs = costs
         self.state_image_bytes = state_image_bytes
         self.kv_page_bytes = kv_page_bytes
+        self._loss: tuple[int, dict[int, float]] | None = None  # (cache version, losses)
+        # (shorter id, longer id) -> whether the shorter's tokens start the longer's: token ids never change.
+        self._is_prefix: dict[tuple[int, int], bool] = {}
 
     def loss_seconds(self) -> dict[int, float]:
         """checkpoint_id -> expected seconds of recompute if it were dropped now."""
+        if self._loss is None or self._loss[0] != self.cache.version:
+            self._loss = (self.cache.version, self._compute_losses())
+        return self._loss[1]
+
+    def _prefix_of(self, shorter: Checkpoint, longer: Checkpoint) -> bool:
+        key = (shorter.checkpoint_id, longer.checkpoint_id)
+        known = self._is_prefix.get(key)
+        if known is None:
+            f = shorter.frontier
+            known = f < longer.frontier and longer.token_ids[f - 1] == shorter.token_ids[-1]
+            known = known and longer.token_ids[:f] == shorter.token_ids
+            if len(self._is_prefix) > 4096:  # forget pairs of long-gone checkpoints
+                self._is_prefix.clear()
+            self._is_prefix[key] = known
+        return known
+
+    def _compute_losses(self) -> dict[int, float]:
         checkpoints = sorted(self.cache.checkpoints.values(), key=lambda c: c.last_used, reverse=True)
         ranked, rest = checkpoints[:MAX_CANDIDATES], checkpoints[MAX_CANDIDATES:]
         by_frontier = sorted(ranked, key=lambda c: c.frontier)
@@ -33,12 +53,10 @@ class CachePlanner:
         superseded: set[int] = set()
         for i, longer in enumerate(by_frontier):
             for shorter in by_frontier[:i]:
-                f = shorter.frontier
-                if f < longer.frontier and longer.token_ids[f - 1] == shorter.token_ids[-1]:
-                    if longer.token_ids[:f] == shorter.token_ids:
-                        covered[longer.checkpoint_id] = max(covered[longer.checkpoint_id], f)
-                        if longer.last_used > shorter.last_used:
-                            superseded.add(shorter.checkpoint_id)
+                if self._prefix_of(shorter, longer):
+                    covered[longer.checkpoint_id] = max(covered[longer.checkpoint_id], shorter.frontier)
+                    if longer.last_used > shorter.last_used:
+                        superseded.add(shorter.checkpoint_id)
         loss = {}
         for c in ranked:
             weight = SUPERSEDED_WEIGHT if c.checkpoint_id in superseded else 1.0
@@ -59,7 +77,7 @@ class CachePlanner:
         loss = loss if loss is not None else self.loss_seconds()
         return self.costs.transfer_seconds(self.state_image_bytes) < loss[checkpoint.checkpoint_id]
 
-    def worth_spilling_kv(self, checkpoint: Checkpoint, num_pages: int) -> bool:
-        """Restoring num_pages of KV from the host costs less than recomputing what dropping it loses."""
+    def worth_spilling_kv(self, checkpoint: Checkpoint) -> bool:
+        """Restoring its KV pages from the host costs less than recomputing what dropping it loses."""
         loss = self.loss_seconds()[checkpoint.checkpoint_id]
-        return self.costs.transfer_seconds(num_pages * self.kv_page_bytes) < loss
+        return self.costs.transfer_seconds(len(checkpoint.pages) * self.kv_page_bytes) < loss
