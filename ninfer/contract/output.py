@@ -22,7 +22,8 @@ class ErrorCode(str, enum.Enum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     THINKING_BUDGET_CAPACITY = "thinking_budget_capacity_insufficient"
     INVALID_REQUEST = "invalid_request"
-    ENGINE_FAILURE = "engine_failure"
+    ENGINE_FAILURE = "engine_failure"  # the engine can no longer serve (the API process restarts it)
+    STEP_FAILED = "engine_step_failed"  # one step failed; only its requests end, the engine goes on
 
 
 class EngineError(msgspec.Struct, frozen=True):

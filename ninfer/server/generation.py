@@ -77,6 +77,9 @@ def engine_error_to_api(output: EngineOutput) -> APIError:
         return APIError(429, error.message, code=error.code.value)
     if error.code is ErrorCode.INVALID_REQUEST:
         return APIError(400, error.message, code="invalid_prompt")
+    if error.code is ErrorCode.ENGINE_FAILURE:
+        # The engine process is being restarted: retrying shortly succeeds.
+        return APIError(503, error.message, code="engine_unavailable")
     return APIError(500, error.message, code=error.code.value, type="server_error")
 
 
