@@ -10,7 +10,13 @@ import argparse
 import asyncio
 import sys
 
-from ninfer.config import ConfigValueError, EngineConfig, ServeConfig
+from ninfer.config import (
+    DEFAULT_MIXED_PREFILL_CHUNK,
+    DEFAULT_PREFILL_CHUNK,
+    ConfigValueError,
+    EngineConfig,
+    ServeConfig,
+)
 from ninfer.contract.sampling import SamplingOverrides
 from ninfer.engine.context_costs import ContextCostError, read_presets
 from ninfer.log import LEVELS
@@ -47,7 +53,8 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-concurrency", type=int, default=1, help="maximum admitted requests, 1..8 (default 1)")
     engine.add_argument("--max-pending-requests", type=_non_negative_int, default=16, help="additional requests allowed to wait for admission (default 16)")
     engine.add_argument("--pending-timeout-ms", type=int, default=30000, help="maximum preparation-plus-admission wait (default 30000)")
-    engine.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per prefill step (default 1024)")
+    engine.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help=f"prompt tokens a step computes while no request decodes (default {DEFAULT_PREFILL_CHUNK})")
+    engine.add_argument("--mixed-prefill-chunk", type=int, default=DEFAULT_MIXED_PREFILL_CHUNK, help=f"prompt tokens a step computes beside the decoding requests' rows: larger admits a burst sooner, smaller keeps their inter-token time closer to idle (default {DEFAULT_MIXED_PREFILL_CHUNK})")
     engine.add_argument("--device", type=int, default=0, help="CUDA device index (default 0; CPU when no GPU is present)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="weight dtype (default auto: the artifact's on GPU; on CPU float32 activations with float16 Linear weights where the CPU has AVX2)")
     engine.add_argument("--no-prefix-reuse", action="store_true", help="disable compatible-prefix caching (default: reuse on)")
@@ -142,6 +149,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         max_pending_requests=args.max_pending_requests,
         pending_timeout_ms=args.pending_timeout_ms,
         prefill_chunk=args.prefill_chunk,
+        mixed_prefill_chunk=args.mixed_prefill_chunk,
         max_context=args.max_context,
         kv_capacity=None if kv_auto else args.kv_capacity,
         device_state_slots=args.device_state_slots,
@@ -288,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--batches", default="1,2,4,8", help="decode batch sizes (default 1,2,4,8)")
     bench.add_argument("--contexts", default="4096,131072", help="decode context lengths (default 4096,131072)")
     bench.add_argument("--prefill", default="8192,65536", help="prefill prompt lengths (default 8192,65536)")
-    bench.add_argument("--prefill-chunk", type=int, default=8192, help="prefill chunk (default 8192)")
+    bench.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help=f"prefill chunk (default {DEFAULT_PREFILL_CHUNK}, as ninfer-serve)")
     bench.add_argument("--decode-rounds", type=int, default=20, help="timed decode rounds per case (default 20)")
     bench.add_argument("--peer", default="hf", choices=["hf", "none"], help="run HF transformers on the same weights (default hf)")
     bench.add_argument("--no-cuda-graph", action="store_true", help="eager decode")

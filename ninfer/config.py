@@ -9,6 +9,11 @@ from ninfer.contract.sampling import SamplingOverrides
 DEFAULT_HOST_STATE_SLOTS = 8
 DEFAULT_LONG_ANCHORS = 2
 DEFAULT_HOST_KV_MIB = 8192
+# Step token budgets, measured on an H200 (docs/performance.md, "Serving under load"): a step
+# with no decode rows takes a whole 8K chunk (half the prompt rate at 1K); beside decode rows
+# prompt work is capped so the running requests' inter-token time stays within ~2x of idle.
+DEFAULT_PREFILL_CHUNK = 8192
+DEFAULT_MIXED_PREFILL_CHUNK = 256
 
 
 class ConfigValueError(ValueError):
@@ -20,7 +25,8 @@ class EngineConfig:
     max_concurrency: int = 1  # active lanes, 1..8
     max_pending_requests: int = 16  # extra requests allowed to wait (incl. in preparation)
     pending_timeout_ms: int = 30000  # preparation + admission deadline
-    prefill_chunk: int = 1024
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens of a step with no decode rows
+    mixed_prefill_chunk: int = DEFAULT_MIXED_PREFILL_CHUNK  # prompt tokens of a step beside decode rows
     max_context: int = 8192  # per-sequence logical ceiling
     kv_capacity: int | None = None  # Main KV tokens; None follows max_context
     page_size: int = 16
@@ -49,6 +55,7 @@ class EngineConfig:
         check(self.max_pending_requests >= 0, "--max-pending-requests must be >= 0")
         check(self.pending_timeout_ms > 0, "--pending-timeout-ms must be > 0")
         check(self.prefill_chunk >= 1, "--prefill-chunk must be >= 1")
+        check(self.mixed_prefill_chunk >= 1, "--mixed-prefill-chunk must be >= 1")
         check(self.max_context >= 2, "--max-context must be >= 2")
         check(self.kv_capacity is None or self.kv_capacity >= 1, "--kv-capacity must be >= 1")
         check(self.page_size >= 1, "page size must be >= 1")

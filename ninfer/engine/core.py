@@ -15,6 +15,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from ninfer.config import EngineConfig
 from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason
 from ninfer.contract.request import EngineRequest
@@ -23,13 +25,16 @@ from ninfer.engine.context_costs import resolve_context_costs
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.runner import ModelRunner
-from ninfer.engine.scheduler import Scheduler, SchedulerLimits
+from ninfer.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.causal_lm import CausalLM
 
 log = logging.getLogger("ninfer.engine")
+
+# Steps failing one after another mean the engine itself is broken, not one request's step.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 def kv_page_bytes(model: CausalLM, page_size: int) -> int:
@@ -83,7 +88,13 @@ class EngineCore:
         device_type = next(model.parameters()).device.type
         self.context_costs = resolve_context_costs(model.config, device_type, config.context_cost_presets)
         self.scheduler = Scheduler(
-            SchedulerLimits(config.max_concurrency, config.max_context, config.prefill_chunk, config.prefix_reuse),
+            SchedulerLimits(
+                config.max_concurrency,
+                config.max_context,
+                config.prefill_chunk,
+                config.prefix_reuse,
+                mixed_prefill_chunk=config.mixed_prefill_chunk,
+            ),
             self.kv_pool,
             self.state_pool,
             self.cache,
@@ -108,6 +119,7 @@ class EngineCore:
         overlap = config.decode_overlap
         self.decode_overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._inflight: PendingStep | None = None  # launched, not yet committed
+        self._consecutive_failures = 0
         self._last_stats_at = clock()
         self._host_active_s = 0.0
 
@@ -126,30 +138,67 @@ class EngineCore:
         return [out] if out is not None else []
 
     def step(self) -> list[EngineOutput]:
-        """Run one step; on an engine-wide failure every request ends with an error."""
+        """Run one step. A failing step ends only its own requests (STEP_FAILED) and the engine
+        goes on; when the device cannot go on, every request ends and `failed` is set."""
         if self.failed is not None:
             return []
         started = time.perf_counter()
+        launched: list[SchedulerStep] = []  # the steps whose requests a failure takes down
         try:
             current = self._inflight
             if current is None:
                 step = self.scheduler.schedule()
                 if step is None:
                     return self.scheduler.take_pending_outputs()
+                launched.append(step)
                 current = self.runner.launch(step)
+            else:
+                launched.append(current.step)
             self._inflight = None
             if self.decode_overlap:
                 ahead = self.scheduler.schedule_ahead(current.step)
                 if ahead is not None:
+                    launched.append(ahead)
                     self._inflight = self.runner.launch(ahead)
             outputs = self.scheduler.update(current.step, current.result())
-        except Exception as exc:  # noqa: BLE001 - an engine bug must not hang clients
+        except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
             log.exception("engine step failed")
-            return self._fail(f"{type(exc).__name__}: {exc}")
+            return self._contain(launched, exc)
         finally:
             self._host_active_s += time.perf_counter() - started
+        self._consecutive_failures = 0
         self._maybe_log_stats()
         return outputs
+
+    def _contain(self, launched: list[SchedulerStep], exc: Exception) -> list[EngineOutput]:
+        """End the failed steps' requests and go on, unless the device is unusable or steps keep
+        failing: then fail engine-wide (the API process restarts the engine)."""
+        message = f"{type(exc).__name__}: {exc}"
+        self._inflight = None
+        self.runner.abandon_launched()
+        self._consecutive_failures += 1
+        if not self._device_usable():
+            return self._fail(f"the device is unusable after a failed step ({message})")
+        if self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            return self._fail(f"{self._consecutive_failures} steps failed in a row; the last: {message}")
+        if isinstance(exc, torch.OutOfMemoryError):
+            torch.cuda.empty_cache()  # the failed step's activations: return them to the pool's free list
+        names = ", ".join(sorted({c.request_id for step in launched for c in step.chunks})) or "none"
+        log.error("step failed (%s); ending its requests (%s), the engine goes on", message, names)
+        return self.scheduler.fail_steps(
+            launched, f"the engine failed while computing this request ({message}); the server goes on: retry"
+        )
+
+    def _device_usable(self) -> bool:
+        """A CUDA error poisons the context: the next synchronize raises it again."""
+        if self.runner.device.type != "cuda":
+            return True
+        try:
+            torch.cuda.synchronize(self.runner.device)
+        except Exception:  # noqa: BLE001 - any error here means the context is gone
+            log.exception("the device does not synchronize after the failed step")
+            return False
+        return True
 
     def _fail(self, message: str) -> list[EngineOutput]:
         self.failed = message
@@ -167,7 +216,7 @@ class EngineCore:
             request_id=request_id,
             finish_reason=FinishReason.ERROR,
             prompt_tokens=len(request.prompt_token_ids),
-            error=EngineError(ErrorCode.ENGINE_FAILURE, "the engine failed; see the server log"),
+            error=EngineError(ErrorCode.ENGINE_FAILURE, "the engine failed and is being restarted; retry the request"),
         )
 
     def _maybe_log_stats(self) -> None:

@@ -153,6 +153,13 @@ class ModelRunner:
     def _read_one(self) -> None:
         self._num_unread -= 1
 
+    def abandon_launched(self) -> None:
+        """A step failed: its launched steps will never be read, and no later step may chain to
+        ids they sampled."""
+        self._num_unread = 0
+        self._last_ids = None
+        self._last_sampled_rows = frozenset()
+
     def _run_eagerly(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, list[int]]:
         """-> (sampled ids by chunk row on the device, the rows that sample)."""
         computed = [c for c in chunks if c.token_ids]

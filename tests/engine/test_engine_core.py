@@ -1,8 +1,7 @@
-"""EngineCore behaviour around the loop: engine-wide failure and the throughput record."""
+"""EngineCore behaviour around the loop: failed steps, engine-wide failure and the throughput record."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
@@ -12,7 +11,6 @@ from ninfer.contract.output import ErrorCode, FinishReason
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
-from ninfer.server.engine_client import EngineUnavailable, InProcessEngineClient
 from tests.engine.test_engine_generation import PROMPTS, _models
 from tests.unit.conftest import make_byte_tokenizer
 
@@ -26,45 +24,94 @@ def greedy(request_id: str, max_new: int = 50) -> EngineRequest:
     return EngineRequest(request_id, PROMPTS[0], SamplingParams(temperature=0.0), max_new_tokens=max_new)
 
 
-def test_engine_failure_ends_every_request_and_marks_unhealthy(llama):
-    config = EngineConfig(max_concurrency=2, max_context=256, log_stats_interval_ms=0)
-    core = EngineCore(llama, make_byte_tokenizer(), config)
-    client = InProcessEngineClient(config, lambda: core)
+def run_to_end(core: EngineCore, max_steps: int = 2000) -> dict[str, list]:
+    """Step until idle: request id -> its outputs."""
+    outputs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not core.has_work:
+            return outputs
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    raise AssertionError("the engine did not go idle")
+
+
+def tokens_of(outs) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def fail_launch(core: EngineCore, at_calls: set[int]) -> None:
+    """Make runner.launch raise on the given calls (1-based), as a device fault would."""
     original = core.runner.launch
     calls = {"n": 0}
 
     def flaky(step):
         calls["n"] += 1
-        if calls["n"] == 4:
+        if calls["n"] in at_calls:
             raise RuntimeError("simulated device fault")
         return original(step)
 
     core.runner.launch = flaky
 
-    async def scenario():
-        await client.start()
-        try:
-            streams = [client.generate(greedy("a")), client.generate(greedy("b"))]
 
-            async def drain(stream):
-                return [o async for o in stream]
+def alone(llama, request: EngineRequest) -> list[int]:
+    core = EngineCore(llama, make_byte_tokenizer(), EngineConfig(max_concurrency=1, max_context=256))
+    core.add_request(request)
+    return tokens_of(run_to_end(core)[request.request_id])
 
-            results = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 30)
-            for outs in results:
-                assert outs[-1].finish_reason is FinishReason.ERROR
-                assert outs[-1].error.code is ErrorCode.ENGINE_FAILURE
-            for _ in range(100):
-                if not client.healthy:
-                    break
-                await asyncio.sleep(0.01)
-            assert not client.healthy
-            with pytest.raises(EngineUnavailable):
-                async for _ in client.generate(greedy("c")):
-                    pass
-        finally:
-            await client.shutdown()
 
-    asyncio.run(scenario())
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failed_step_ends_only_its_requests_and_the_engine_goes_on(llama, overlap):
+    config = EngineConfig(max_concurrency=2, max_context=256, kv_capacity=1024, log_stats_interval_ms=0,
+                          decode_overlap=overlap)
+    core = EngineCore(llama, make_byte_tokenizer(), config)
+    baseline = core.pool_accounting()
+    fail_launch(core, {4})  # a and b are both decoding by then
+    for request in (greedy("a"), greedy("b"), greedy("c")):
+        core.add_request(request)  # c waits for a lane: it is in no step when the fault hits
+    outs = run_to_end(core)
+    for rid in "ab":
+        final = outs[rid][-1]
+        assert final.finish_reason is FinishReason.ERROR and final.error.code is ErrorCode.STEP_FAILED
+        assert "simulated device fault" in final.error.message
+    assert core.failed is None
+    assert outs["c"][-1].finish_reason is FinishReason.LENGTH
+    assert tokens_of(outs["c"]) == alone(llama, greedy("c"))  # untouched by the failure
+    core.add_request(greedy("d"))  # and later requests are served as before
+    after = run_to_end(core)
+    assert tokens_of(after["d"]) == alone(llama, greedy("d"))
+    core.scheduler.cache.clear()
+    assert core.pool_accounting() == baseline  # nothing leaked
+
+
+def test_a_failed_prefill_leaves_the_decoding_request_alone_when_it_is_not_in_the_step(llama):
+    # One lane: a decodes to the end; b's prompt step fails afterwards; c still completes.
+    config = EngineConfig(max_concurrency=1, max_context=256, log_stats_interval_ms=0)
+    core = EngineCore(llama, make_byte_tokenizer(), config)
+    baseline = core.pool_accounting()
+    core.add_request(greedy("a", max_new=5))
+    core.add_request(EngineRequest("b", PROMPTS[1], SamplingParams(temperature=0.0), max_new_tokens=5))
+    core.add_request(greedy("c", max_new=5))
+    fail_launch(core, {6})  # a: 1 prompt step + 4 decode steps; the 6th launch is b's prompt
+    outs = run_to_end(core)
+    assert tokens_of(outs["a"]) == alone(llama, greedy("a", max_new=5))
+    assert outs["b"][-1].error.code is ErrorCode.STEP_FAILED
+    assert tokens_of(outs["c"]) == alone(llama, greedy("c", max_new=5))
+    core.scheduler.cache.clear()
+    assert core.pool_accounting() == baseline
+
+
+def test_steps_failing_in_a_row_fail_the_engine(llama):
+    config = EngineConfig(max_concurrency=2, max_context=256, log_stats_interval_ms=0)
+    core = EngineCore(llama, make_byte_tokenizer(), config)
+    fail_launch(core, set(range(1, 100)))
+    for rid in "abcdef":
+        core.add_request(greedy(rid))
+    outs = run_to_end(core)
+    codes = [outs[rid][-1].error.code for rid in "abcdef"]
+    assert codes[:4] == [ErrorCode.STEP_FAILED] * 4  # two lanes' worth, twice: contained...
+    assert core.failed is not None and "in a row" in core.failed
+    assert codes[4:] == [ErrorCode.ENGINE_FAILURE] * 2  # ...the third failure in a row fails the engine
+    assert core.add_request(greedy("g"))[0].error.code is ErrorCode.ENGINE_FAILURE
 
 
 def test_throughput_record_reports_interval_counters(llama, caplog):

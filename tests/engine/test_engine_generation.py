@@ -20,6 +20,7 @@ from ninfer.contract.request import CaptureHint, EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
+from ninfer.engine.scheduler import StepKind
 from ninfer.server.engine_client import InProcessEngineClient
 from tests.models.helpers import load_ours, normal_init, randomize_, save_hf, uniform_init
 from tests.unit.conftest import make_byte_tokenizer
@@ -145,6 +146,24 @@ def test_greedy_matches_transformers_alone_and_batched(arch, tmp_root):
         assert final.finish_reason is FinishReason.LENGTH and final.completion_tokens == 12
     acc = batched.pool_accounting()
     assert acc["kv_pages_used"] == 0 and acc["running"] == 0
+
+    # A burst: several prompts' chunks in one forward, then prompt chunks beside decode rows.
+    burst = EngineCore(
+        ours, tokenizer,
+        EngineConfig(
+            max_concurrency=3, prefill_chunk=80, mixed_prefill_chunk=5, max_context=256, kv_capacity=512,
+            prefix_reuse=False,
+        ),
+    )
+    launched = []
+    launch = burst.runner.launch
+    burst.runner.launch = lambda step: launched.append(step) or launch(step)
+    got = run_engine(burst, {0: [greedy(rid, p, 12) for rid, p in zip("abc", PROMPTS)]})
+    for rid, want in zip("abc", expected):
+        assert got[rid][0] == want, f"{arch} burst {rid}"
+    assert [len(c.token_ids) for c in launched[0].chunks] == [63, 17]  # a's whole prompt and b's first 17
+    assert any(s.kind is StepKind.MIXED for s in launched)
+    assert burst.pool_accounting()["kv_pages_used"] == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_next"])

@@ -77,19 +77,21 @@ def tmp_root(tmp_path_factory):
 def _requests() -> dict[int, list[EngineRequest]]:
     """Arrivals by step: greedy and sampled rows, penalties, a forced thinking close
     (a multi-token decode row, which must stay eager), different lengths so rows finish
-    at different steps and later requests land on other graph rows."""
+    at different steps and later requests land on other graph rows. Prompt chunks ride with
+    decode rows (eager), so "sampled" outlives the prompts to reach graph rounds and "late"
+    outlives "sampled" to reach all-greedy ones."""
     text = lambda s: [ord(c) for c in s]  # noqa: E731
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=12, min_p=0.02, seed=1234)
     penalised = SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, seed=99)
     budget = ThinkingBudget(max_thinking_tokens=3, close_token_ids=text("</t>"), think_end_token_id=256)
     return {
         0: [EngineRequest("greedy", text("The quick brown fox jumps. " * 2), SamplingParams(temperature=0.0), max_new_tokens=14)],
-        1: [EngineRequest("sampled", text("Another prompt"), sampled, max_new_tokens=9)],
+        1: [EngineRequest("sampled", text("Another prompt"), sampled, max_new_tokens=25)],
         4: [
             EngineRequest("penalties", text("abcabcabc"), penalised, max_new_tokens=11),
             EngineRequest("thinking", text("<think>hm"), SamplingParams(temperature=0.0), max_new_tokens=10, thinking_budget=budget),
         ],
-        12: [EngineRequest("late", text("late arrival, long enough to chunk"), SamplingParams(temperature=0.0), max_new_tokens=6)],
+        12: [EngineRequest("late", text("late arrival, long enough to chunk"), SamplingParams(temperature=0.0), max_new_tokens=40)],
     }
 
 

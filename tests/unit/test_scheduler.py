@@ -136,6 +136,7 @@ class Harness:
         page_size: int = 8,
         extra_slots: int = 2,
         prefill_chunk: int = 16,
+        mixed_prefill_chunk: int = 8,
         max_context: int = 256,
         hybrid: bool = True,
         prefix_reuse: bool = True,
@@ -158,7 +159,7 @@ class Harness:
         )
         costs, state_bytes, page_bytes = planner_rates or (None, 0, 0)
         self.scheduler = Scheduler(
-            SchedulerLimits(max_concurrency, max_context, prefill_chunk, prefix_reuse),
+            SchedulerLimits(max_concurrency, max_context, prefill_chunk, prefix_reuse, mixed_prefill_chunk),
             self.kv_pool,
             self.state_pool,
             self.cache,
@@ -310,21 +311,61 @@ def test_progress_events_monotonic_and_complete(byte_tokenizer):
     assert first_token_out.progress is not None and first_token_out.progress.processed == len(PROMPT)
 
 
-def test_decode_interleaves_with_long_prefill(byte_tokenizer):
-    h = Harness(byte_tokenizer, prefill_chunk=8, max_concurrency=2)
+def test_decode_rows_ride_with_every_prompt_chunk(byte_tokenizer):
+    h = Harness(byte_tokenizer, prefill_chunk=32, mixed_prefill_chunk=8, max_concurrency=2)
     h.add(req("a", PROMPT[:10], max_new=30))
     for _ in range(3):
         h.step()  # a is decoding now
     h.add(req("b", PROMPT * 2, max_new=3))
     h.run()
-    kinds = [s.kind for s in h.steps]
     first_b = next(i for i, s in enumerate(h.steps) if any(c.request_id == "b" for c in s.chunks))
-    window = kinds[first_b : first_b + 10]
-    assert window == [StepKind.PREFILL, StepKind.DECODE] * 5  # a never starves behind b's prefill
+    b_prompt_steps = [s for s in h.steps[first_b:] if s.kind is StepKind.MIXED]
+    b_chunk_sizes = []
+    for step in b_prompt_steps:
+        rows = {c.request_id: c for c in step.chunks}
+        assert len(rows["a"].token_ids) == 1 and rows["a"].sample  # a decodes in every step of b's prompt
+        b_chunk_sizes.append(len(rows["b"].token_ids))
+    # b's whole uncached prompt, in chunks of the mixed budget
+    assert sum(b_chunk_sizes) == len(PROMPT * 2) - h.final("b").cached_tokens
+    assert max(b_chunk_sizes) == 8 and len(b_chunk_sizes) == -(-sum(b_chunk_sizes) // 8)
     assert h.tokens("a") == expected_continuation(PROMPT[:10], 30)
     assert h.tokens("b") == expected_continuation(PROMPT * 2, 3)
     decode_with_both = [s for s in h.steps if s.kind is StepKind.DECODE and len(s.chunks) == 2]
     assert decode_with_both, "b joins a's decode batch after its prefill"
+    h.assert_empty()
+
+
+def test_step_budgets_and_fifo_order_of_prompt_work(byte_tokenizer):
+    """A burst: prompt work goes to the earliest admitted request first, several requests' chunks
+    share a step up to the budget, and once one decodes every step carries its row."""
+    h = Harness(byte_tokenizer, prefill_chunk=40, mixed_prefill_chunk=12, max_concurrency=3, kv_tokens=1024)
+    prompts = {"a": PROMPT[:30], "b": PROMPT[:50], "c": PROMPT[:45]}
+    for rid, prompt in prompts.items():
+        h.add(req(rid, prompt, max_new=6))
+    h.run()
+    computed = {rid: 0 for rid in prompts}
+    sampled = {rid: 0 for rid in prompts}
+    for step in h.steps:
+        prompt_rows = [c for c in step.chunks if c.num_computed_tokens < len(prompts[c.request_id])]
+        decode_rows = [c for c in step.chunks if c not in prompt_rows]
+        num_prompt_tokens = sum(len(c.token_ids) for c in prompt_rows)
+        decoding = {rid for rid in prompts if computed[rid] == len(prompts[rid]) and sampled[rid] < 6}
+        assert {c.request_id for c in decode_rows} == decoding, "every decoding request has a row"
+        assert num_prompt_tokens <= (12 if decode_rows else 40)
+        # FIFO: a later request gets prompt tokens only when every earlier one finishes its prompt here.
+        for chunk in prompt_rows[:-1]:
+            assert chunk.num_computed_tokens + len(chunk.token_ids) == len(prompts[chunk.request_id])
+        order = [c.request_id for c in prompt_rows]
+        assert order == sorted(order)
+        for chunk in prompt_rows:
+            computed[chunk.request_id] += len(chunk.token_ids)
+        for chunk in step.chunks:
+            sampled[chunk.request_id] += chunk.sample
+    assert [s.kind for s in h.steps[:2]] == [StepKind.PREFILL, StepKind.MIXED]
+    assert [c.request_id for c in h.steps[0].chunks] == ["a", "b"]  # 30 + 10 tokens in one forward
+    for rid, prompt in prompts.items():
+        assert h.tokens(rid) == expected_continuation(prompt, 6)  # as if each ran alone
+    h.assert_balanced()
     h.assert_empty()
 
 
@@ -401,16 +442,18 @@ def test_overlap_runs_steady_decode_ahead(byte_tokenizer, decode_overlap):
     assert h.tokens("a") == expected_continuation(PROMPT[:20], 12)
     assert h.tokens("b") == expected_continuation(PROMPT[:30], 9)
     chained = [any(c.previous_row is not None for c in s.chunks) for s in h.steps]
-    # a's prefill, a alone while b waits or prefills, then a and b decode: a round is planned
-    # ahead from the second one on, without b once b's next token is its last (9 outputs).
+    # a's first chunk; a's last chunk with b's first (a samples); a decoding beside b's prompt
+    # until b samples; then a and b decode: a round is planned ahead from the second one on.
     kinds_and_rows = [(s.kind, [c.request_id for c in s.chunks]) for s in h.steps]
+    assert [kind for kind, _ in kinds_and_rows[:5]] == [StepKind.PREFILL] * 2 + [StepKind.MIXED] * 3
+    assert [s.num_tokens for s in h.steps[:5]] == [16, 4 + 12, 1 + 8, 1 + 8, 1 + 2]
     both = kinds_and_rows.index((StepKind.DECODE, ["a", "b"]))
-    assert both == 6 and all(kind is StepKind.DECODE for kind, _ in kinds_and_rows[both:])
+    assert both == 5 and all(kind is StepKind.DECODE for kind, _ in kinds_and_rows[both:])
     assert chained == [False] * (both + 1) + [True] * (len(h.steps) - both - 1) if decode_overlap else not any(chained)
     if decode_overlap:
         for step in h.steps[both + 1 :]:
             assert all(c.token_ids == [PENDING_TOKEN] and c.previous_row == row for row, c in enumerate(step.chunks))
-        assert [len(s.chunks) for s in h.steps[both:]] == [2] * 8 + [1]  # b: 1 + 8 tokens, a: 3 + 8 + 1
+        assert [len(s.chunks) for s in h.steps[both:]] == [2] * 8  # b: 1 + 8 tokens, a: 4 + 8
     h.assert_empty()
 
 
@@ -501,9 +544,8 @@ def test_schedule_ahead_only_in_steady_decode(byte_tokenizer, blocker):
     if blocker == "prefilling":
         h.scheduler.update(inflight, sampled)
         h.add(req("c", PROMPT, max_new=2))
-        assert h.scheduler.schedule().kind is StepKind.PREFILL  # c admitted, its first chunk
-        inflight = h.scheduler.schedule()
-        assert inflight.kind is StepKind.DECODE and h.scheduler.running[-1].is_prefilling
+        inflight = h.scheduler.schedule()  # c admitted: its first chunk rides with a's and b's rows
+        assert inflight.kind is StepKind.MIXED and [c.request_id for c in inflight.chunks] == ["a", "b", "c"]
     ahead = h.scheduler.schedule_ahead(inflight)
     if blocker not in ("none", "waiting_behind_full_lanes"):
         assert ahead is None

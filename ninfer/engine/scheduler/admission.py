@@ -43,8 +43,9 @@ from ninfer.engine.stop_checker import StopChecker
 class SchedulerLimits:
     max_concurrency: int
     max_context: int
-    prefill_chunk: int
+    prefill_chunk: int  # prompt tokens of a step with no decode rows
     prefix_reuse: bool = True
+    mixed_prefill_chunk: int = 256  # prompt tokens of a step beside decode rows
 
 
 @dataclass(frozen=True)

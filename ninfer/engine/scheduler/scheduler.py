@@ -5,8 +5,11 @@ sampled token ids back and returns the EngineOutputs to stream. Admission (admis
 decides which waiting requests run and from which checkpoint; checkpoints.py decides what
 an active request leaves behind.
 
-Policy: a step is either one prefill chunk of one request or one decode round of every
-decode-ready request, alternating while both kinds of work exist.
+Policy: every step carries one row for each decode-ready request (decode is never starved)
+and prompt chunks of prefilling requests in admission order (FIFO) under a token budget:
+limits.prefill_chunk tokens when nothing decodes, limits.mixed_prefill_chunk beside decode
+rows, so a burst's prompts proceed while the running requests keep streaming at a bounded
+slowdown. One forward computes it all (a varlen batch).
 
 Steady decode runs one round ahead: schedule_ahead(N) plans round N+1 before round N's
 tokens are known (each row computes, on the device, the token N sampled for it), so the
@@ -21,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ninfer.contract.output import EngineOutput, FinishReason, PromptProgress
+from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason, PromptProgress
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.context_cache import ContextCache
@@ -32,7 +35,18 @@ from ninfer.engine.scheduler.checkpoints import Checkpoints
 from ninfer.engine.scheduler.outputs import delta_output, final_output
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import CachePlanner
-from ninfer.engine.scheduler.step import PENDING_TOKEN, ScheduledChunk, SchedulerStep, SlotAction, StepKind
+from ninfer.engine.scheduler.step import (
+    PENDING_TOKEN,
+    CopyPage,
+    CopySlot,
+    ResetSlot,
+    RestorePages,
+    RestoreSlot,
+    ScheduledChunk,
+    SchedulerStep,
+    SlotAction,
+    StepKind,
+)
 from ninfer.engine.sequence import Sequence, SequenceStatus
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
@@ -91,7 +105,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
         self._outbox: list[EngineOutput] = []  # outputs ready to send (admission progress, finals, errors)
-        self._last_step_kind: StepKind | None = None
         # Finished requests whose next token a launched step is still computing (by request id).
         self._draining: dict[str, Sequence] = {}
 
@@ -127,6 +140,47 @@ class Scheduler:
         """The engine failed with a step in flight: forget requests waiting for it to land."""
         self._draining.clear()
 
+    def fail_steps(self, steps: list[SchedulerStep], message: str) -> list[EngineOutput]:
+        """Launched steps failed on the device: end their requests, and every request their slot
+        and page actions prepared, with STEP_FAILED, keeping nothing those wrote; the others go on.
+
+        Which actions ran is unknown, so every checkpoint is dropped too (a capture or spill
+        may be half-written); requests outside the steps keep their own slots and pages."""
+        failed_ids = {c.request_id for step in steps for c in step.chunks}
+        touched_slots: set[int] = set()
+        touched_pages: set[int] = set()
+        for step in steps:
+            for action in step.before:
+                if isinstance(action, (ResetSlot, RestoreSlot)):
+                    touched_slots.add(action.slot if isinstance(action, ResetSlot) else action.device_slot)
+                elif isinstance(action, CopySlot):
+                    touched_slots.add(action.dst)
+                elif isinstance(action, CopyPage):
+                    touched_pages.add(action.dst)
+                elif isinstance(action, RestorePages):
+                    touched_pages.update(action.device_pages)
+        for seq in self.running:
+            if seq.state_slot in touched_slots or touched_pages.intersection(seq.pages):
+                failed_ids.add(seq.request_id)
+        self._pending_actions.clear()
+        for seq in [*self.running, *self._draining.values()]:
+            if seq.request_id not in failed_ids:
+                continue
+            if not seq.is_finished:
+                seq.status = SequenceStatus.FINISHED
+                self.running.remove(seq)
+                out = final_output(seq, FinishReason.ERROR)
+                out.error = EngineError(ErrorCode.STEP_FAILED, message)
+                self._outbox.append(out)
+            seq.num_steps_in_flight = 0
+            self.kv_pool.release(seq.pages)
+            if seq.state_slot is not None:
+                self.state_pool.release(seq.state_slot)
+            seq.pages, seq.state_slot = [], None
+        self._draining.clear()
+        self.cache.clear()
+        return self._collect_outputs()
+
     @property
     def num_active(self) -> int:
         return len(self.running)
@@ -137,17 +191,27 @@ class Scheduler:
         for seq in self.admission.admit(len(self.running)):
             self.running.append(seq)
             self._outbox.append(delta_output(seq))
-        prefilling = [s for s in self.running if s.is_prefilling]
         decode_ready = [s for s in self.running if not s.is_prefilling]
-        if prefilling and (not decode_ready or self._last_step_kind is StepKind.DECODE):
-            step = self._prefill_step(prefilling[0])
-        elif decode_ready:
-            step = self._decode_step(decode_ready)
-        else:
-            step = None
-        if step is None and self._pending_actions:
-            step = SchedulerStep(StepKind.DECODE, [], before=self._take_actions())
-        return step
+        chunks = [
+            self._chunk(s, s.token_ids[s.num_computed_tokens :], compute_logits=True, sample=True)
+            for s in decode_ready
+        ]
+        budget = self.limits.mixed_prefill_chunk if decode_ready else self.limits.prefill_chunk
+        for seq in self.running:  # admission order
+            if budget <= 0:
+                break
+            if seq.is_prefilling:
+                chunk = self._prefill_chunk(seq, budget)
+                budget -= len(chunk.token_ids)
+                chunks.append(chunk)
+        if chunks:
+            kind = StepKind.DECODE if len(chunks) == len(decode_ready) else (
+                StepKind.MIXED if decode_ready else StepKind.PREFILL
+            )
+            return self._step(kind, chunks)
+        if self._pending_actions:
+            return SchedulerStep(StepKind.DECODE, [], before=self._take_actions())
+        return None
 
     def schedule_ahead(self, inflight: SchedulerStep) -> SchedulerStep | None:
         """The decode round after `inflight` (launched, not yet updated), planned before its
@@ -204,20 +268,13 @@ class Scheduler:
         budget = seq.request.thinking_budget
         return budget is not None and seq.thinking_open and seq.num_thinking_tokens + 1 >= budget.max_thinking_tokens
 
-    def _prefill_step(self, seq: Sequence) -> SchedulerStep:
-        num_tokens = seq.next_prefill_chunk(self.limits.prefill_chunk)
+    def _prefill_chunk(self, seq: Sequence, max_tokens: int) -> ScheduledChunk:
+        num_tokens = seq.next_prefill_chunk(max_tokens)
         start = seq.num_computed_tokens
         end = start + num_tokens
         last = end == seq.prompt_len
         captures_here = any(f == end for f, _ in seq.capture_frontiers)
-        chunk = self._chunk(seq, seq.token_ids[start:end], compute_logits=last or captures_here, sample=last)
-        return self._step(StepKind.PREFILL, [chunk])
-
-    def _decode_step(self, seqs: list[Sequence]) -> SchedulerStep:
-        chunks = [
-            self._chunk(s, s.token_ids[s.num_computed_tokens :], compute_logits=True, sample=True) for s in seqs
-        ]
-        return self._step(StepKind.DECODE, chunks)
+        return self._chunk(seq, seq.token_ids[start:end], compute_logits=last or captures_here, sample=last)
 
     def _chunk(self, seq: Sequence, token_ids: list[int], compute_logits: bool, sample: bool) -> ScheduledChunk:
         sample = sample and seq.num_output_tokens < seq.max_new_tokens
@@ -239,9 +296,7 @@ class Scheduler:
         by_id = {s.request_id: s for s in self.running}
         for chunk in chunks:
             by_id[chunk.request_id].num_steps_in_flight += 1
-        step = SchedulerStep(kind, chunks, before=self._take_actions())
-        self._last_step_kind = kind
-        return step
+        return SchedulerStep(kind, chunks, before=self._take_actions())
 
     def _take_actions(self) -> list[SlotAction]:
         actions = list(self._pending_actions)
@@ -253,6 +308,7 @@ class Scheduler:
         """Apply the runner's sampled tokens (request id -> token) for a finished step."""
         now = self.clock()
         by_id = {s.request_id: s for s in self.running}
+        num_decode_rows = 0
         for chunk in step.chunks:
             seq = by_id.get(chunk.request_id) or self._draining.get(chunk.request_id)
             if seq is not None:
@@ -266,7 +322,7 @@ class Scheduler:
             seq.num_computed_tokens += len(chunk.token_ids)
             if chunk.compute_logits:
                 seq.logits_frontier = seq.num_computed_tokens
-            if step.kind is StepKind.PREFILL:
+            if was_prefilling:
                 self.stats.prefill_tokens += len(chunk.token_ids)
                 self.checkpoints.capture_prompt_frontiers(seq)
             if was_prefilling and not seq.is_prefilling:
@@ -276,15 +332,18 @@ class Scheduler:
                 seq.unsent_progress = PromptProgress(
                     seq.prompt_len, seq.num_cached_tokens, min(seq.num_computed_tokens, seq.prompt_len), elapsed_ms
                 )
+            # A decode row computes the last committed token; a row with nothing to compute
+            # samples a full-prompt hit's stored logits: its first token, like a prefill's.
+            decode_row = not was_prefilling and bool(chunk.token_ids)
+            num_decode_rows += decode_row
             if chunk.sample:
-                if step.kind is StepKind.DECODE:
-                    self.stats.decode_tokens += 1
+                self.stats.decode_tokens += decode_row
                 self._commit(seq, sampled[chunk.request_id], now)
             elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
                 self._finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
-        if step.kind is StepKind.DECODE and step.chunks:
+        if num_decode_rows:
             self.stats.decode_rounds += 1
-            self.stats.decode_rows += len(step.chunks)
+            self.stats.decode_rows += num_decode_rows
         return self._collect_outputs()
 
     def _commit(self, seq: Sequence, token_id: int, now: float) -> None:

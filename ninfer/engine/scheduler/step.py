@@ -13,8 +13,9 @@ from ninfer.contract.sampling import SamplingParams
 
 
 class StepKind(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
+    PREFILL = "prefill"  # prompt chunks only
+    DECODE = "decode"  # one row per decode-ready request only (CUDA graphs replay these)
+    MIXED = "mixed"  # decode rows and prompt chunks in one forward
 
 
 @dataclass(frozen=True)
