@@ -1,0 +1,82 @@
+"""The load benchmark on a tiny artifact on the CPU: a burst and two closed-loop concurrency levels
+against one ninfer-serve, every request streamed with its tokens, TTFT and inter-token gaps
+recorded and summarized. Assertions are on what is recorded, never on speed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
+
+ROOT = Path(__file__).resolve().parents[2]
+OUTPUT_TOKENS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("load_benchmark", ROOT / "benchmarks" / "load.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_percentile_interpolates_between_closest_ranks():
+    percentile = load_benchmark().percentile
+    assert percentile([], 50) is None
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0  # unsorted input
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert percentile([1.0, 2.0, 3.0], 0) == 1.0 and percentile([1.0, 2.0, 3.0], 100) == 3.0
+
+
+@pytest.mark.slow  # one server start and ~10 short requests: ~20 s on 2 cores
+def test_burst_and_concurrency_record_every_request(tmp_path_factory):
+    artifact = make_tiny_qwen3_5(tmp_path_factory.getbasetemp() / "artifacts")
+    out = tmp_path_factory.mktemp("load")
+    argv = ["--serve", str(artifact), "--serve-command", f"{sys.executable} -m ninfer.cli serve",
+            "--server-args", "--max-concurrency 3 --log-stats-interval-ms 0",
+            "--scenario", "burst", "--scenario", "concurrency", "--burst-requests", "3", "--prompt-tokens", "200",
+            "--output-tokens", str(OUTPUT_TOKENS), "--concurrency-levels", "1,2", "--requests-per-client", "2",
+            "--port", str(free_port()), "--out", str(out)]
+    assert load_benchmark().main(argv) == 0
+    lines = [json.loads(line) for line in (out / "load.jsonl").read_text().splitlines()]
+    requests = [r for r in lines if r["record"] == "request"]
+    summaries = {(s["scenario"], s["group"]): s for s in lines if s["record"] == "summary"}
+    assert sum(1 for r in requests if r["scenario"] == "burst") == 3
+    assert sum(1 for r in requests if r["group"] == "c=1") == 1 * 2
+    assert sum(1 for r in requests if r["group"] == "c=2") == 2 * 2
+    for r in requests:
+        assert r["status"] == 200 and r["error"] is None, r
+        assert 150 <= r["prompt_tokens"] <= 250 and r["cached_tokens"] == 0  # distinct prompts: nothing reused
+        # Random weights rarely stop early; if one did, the record must say so, not hide it.
+        assert (r["finish_reason"], r["completion_tokens"]) == ("length", OUTPUT_TOKENS) or (
+            r["finish_reason"] == "stop" and r["completion_tokens"] < OUTPUT_TOKENS), r
+        assert sum(r["chunk_tokens"]) <= r["completion_tokens"]
+        assert r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"]
+        assert len(r["itl_s"]) == len(r["chunk_tokens"]) - 1 >= 1 and all(gap >= 0 for gap in r["itl_s"])
+    assert set(summaries) == {("burst", "burst"), ("concurrency", "c=1"), ("concurrency", "c=2")}
+    for (scenario, group), s in summaries.items():
+        group_requests = [r for r in requests if r["group"] == group]
+        assert s["succeeded"] == s["requests"] == len(group_requests) and s["errors_by_status"] == {}
+        assert s["completion_tokens_total"] == sum(r["completion_tokens"] for r in group_requests)
+        assert s["requests_not_at_asked_length"] == sum(r["completion_tokens"] != OUTPUT_TOKENS for r in group_requests)
+        for name in ("ttft", "itl", "e2e"):
+            assert s[f"{name}_p50_s"] > 0 and s[f"{name}_p99_s"] >= s[f"{name}_p50_s"]
+        assert s["ttft_samples"] == s["e2e_samples"] == len(group_requests)
+        assert s["itl_samples"] == sum(len(r["itl_s"]) for r in group_requests)
+        assert s["output_tok_per_s"] > 0 and s["prompt_tok_per_s"] > 0 and s["makespan_s"] > 0
+    assert "| burst |" in (out / "load.md").read_text()
