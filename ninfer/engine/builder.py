@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -11,9 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer.assets.qwen_tokenizer import cache_dir
 from ninfer.config import EngineConfig
-from ninfer.engine.core import EngineCore
+from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.host_kv import HostKV
+from ninfer.engine.warm_up import run_warm_up
+from ninfer.kernels.backend import persist_compile_caches
 from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.half_weights import store_half_weights_
 
@@ -80,6 +84,8 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     on_cpu = not device.startswith("cuda")
     if on_cpu:
         torch.set_num_threads(cpu_threads())
+    else:
+        persist_compile_caches(str(cache_dir()))
     log.info(
         "loading %s (%s, %s) on %s%s",
         artifact.model_id,
@@ -99,7 +105,7 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         log.info("Linear weights stored in float16 for decode: %d layers", store_half_weights_(model))
     engine = spec.engine
     if spec.kv_capacity_auto:
-        engine = dataclasses.replace(engine, kv_capacity=_auto_kv_tokens(model, engine))
+        engine = dataclasses.replace(engine, kv_capacity=_auto_kv_tokens(model, artifact.tokenizer, engine))
     core = EngineCore(model, artifact.tokenizer, engine)
     kv = core.runner.kv_cache
     host = core.runner.host_states
@@ -131,21 +137,51 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
             engine.num_shared_prefixes,
             engine.num_long_anchors,
         )
+    if not on_cpu:
+        run_warm_up(core)  # compiles and autotunes every step shape before /health turns ready
     return core
 
 
-def _auto_kv_tokens(model, engine: EngineConfig) -> int:
-    """Free device memory minus headroom, divided by KV bytes per token; CPU follows --max-context."""
+def _auto_kv_tokens(model, tokenizer, engine: EngineConfig) -> int:
+    """The KV pool that leaves room for everything else the runtime needs at its worst, measured:
+    a probe engine with a small pool captures the decode graphs and runs the warm-up (whose
+    largest step is a whole --prefill-chunk); its peak beyond its own pools is set aside with
+    the state slots and 1 GiB of headroom. CPU follows --max-context."""
     if not engine.device.startswith("cuda"):
         return engine.max_context
-    spec = model.cache_spec()
-    element = next(model.parameters()).element_size()
-    bytes_per_token = 2 * spec.num_attention_layers * spec.num_kv_heads * spec.head_dim * element
-    state_bytes = 0
-    if spec.num_linear_layers:
-        conv = spec.num_linear_layers * spec.conv_dim * (spec.conv_kernel - 1) * element
-        recurrent = spec.num_linear_layers * spec.num_v_heads * spec.k_head_dim * spec.v_head_dim * 4
-        state_bytes = engine.num_state_slots * (conv + recurrent)
-    free, _ = torch.cuda.mem_get_info(torch.device(engine.device))
-    budget = free - KV_HEADROOM_BYTES - state_bytes
-    return max(engine.page_size, budget // max(bytes_per_token, 1))
+    device = torch.device(engine.device)
+    page_bytes = kv_page_bytes(model, engine.page_size)
+    slot_bytes = state_image_bytes(model)  # a StateImage slot with its stored logits
+    probe_config = dataclasses.replace(
+        engine,
+        kv_capacity=engine.prefill_chunk + engine.mixed_prefill_chunk + 4 * engine.max_concurrency * engine.page_size,
+        host_state_slots=0,
+        host_kv_mib=0,
+        log_stats_interval_ms=0,
+    )
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_reserved(device)
+    probe = EngineCore(model, tokenizer, probe_config)
+    probe_pools = probe_config.num_kv_pages * page_bytes + probe_config.num_state_slots * slot_bytes
+    graphs = max(0, torch.cuda.memory_reserved(device) - base - probe_pools)
+    torch.cuda.reset_peak_memory_stats(device)
+    report = run_warm_up(probe)
+    worst_step = max(0, torch.cuda.max_memory_reserved(device) - base - probe_pools - graphs)
+    del probe
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    states = engine.num_state_slots * slot_bytes
+    budget = free - KV_HEADROOM_BYTES - worst_step - graphs - states
+    tokens = max(engine.page_size, budget // page_bytes * engine.page_size)
+    # Running requests and device checkpoints each hold a state slot and at most max_context tokens.
+    usable = engine.num_state_slots * engine.max_context
+    gib = 1 << 30
+    log.info(
+        "KV sizing (--kv-capacity auto): %.2f GiB free after the weights − worst step (%d tokens) %.2f GiB"
+        " − decode graphs %.2f GiB − %d state slots %.2f GiB − headroom %.2f GiB = %.2f GiB: %d KV tokens%s",
+        free / gib, report.worst_step_tokens, worst_step / gib, graphs / gib, engine.num_state_slots,
+        states / gib, KV_HEADROOM_BYTES / gib, max(0, budget) / gib, min(tokens, usable),
+        f" (all that {engine.num_state_slots} slots x --max-context can use)" if usable < tokens else "",
+    )
+    return min(tokens, usable)

@@ -15,6 +15,15 @@ from types import ModuleType
 import torch
 
 
+def persist_compile_caches(cache_root) -> None:
+    """Keep Triton's compiled kernels and its autotuning results under cache_root across restarts
+    (autotuning results are not kept by default, so every start re-benchmarked each config).
+    Call before the first fast op: Triton's autotuners read the setting when their module loads.
+    Variables the user set win."""
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_root, "triton"))
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+
+
 def _force_ref() -> bool:
     return os.environ.get("NINFER_KERNELS", "auto") == "ref"
 

@@ -1,0 +1,119 @@
+"""Warm-up: before the server reports ready, run through the engine the step shapes its
+configuration can produce, so the first request finds every kernel compiled and autotuned.
+
+Triton compiles a kernel per specialization (a size divisible by 16, equal to 1, or neither)
+and autotunes per key, at first use: without this the first request after start-up waited
+tens of seconds. The phases:
+  worst  prompt chunks of several requests filling one step's whole budget (the step with the
+         most activations: its peak is what --kv-capacity auto sets aside), then their decode
+  mixed  requests decoding while another's prompt runs beside them in mixed-budget chunks and
+         an odd-sized tail over cached context, greedy and sampled rows
+Requests are synthetic token ids; nothing they leave in the context cache survives, and every
+pool is back to where it started (checked).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from ninfer.contract.request import EngineRequest
+from ninfer.contract.sampling import SamplingParams
+
+log = logging.getLogger("ninfer.engine")
+
+GREEDY = SamplingParams(temperature=0.0, seed=0)
+SAMPLED = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=1)
+MAX_WARM_UP_STEPS = 10_000
+
+
+@dataclass(frozen=True)
+class WarmUpReport:
+    seconds: float
+    num_steps: int
+    worst_step_tokens: int
+
+
+def _prompt(length: int, salt: int, vocab_size: int) -> list[int]:
+    """Distinct ids per request (no prefix is shared, so nothing is reused between them)."""
+    base = 1000 + 7919 * salt
+    return [(base + 31 * i) % vocab_size for i in range(length)]
+
+
+def worst_step_requests(config, vocab_size: int) -> list[EngineRequest]:
+    """Requests whose prompts fill one step's whole budget: at most max_concurrency of them,
+    each within max_context, all of them (with their outputs) within the KV pool."""
+    num_output = 2
+    free_pages = config.num_kv_pages
+    remaining = config.prefill_chunk
+    requests: list[EngineRequest] = []
+    while remaining > 0 and len(requests) < config.max_concurrency:
+        length = min(remaining, config.max_context - num_output, free_pages * config.page_size - num_output)
+        if length < 1:
+            break
+        prompt = _prompt(length, len(requests), vocab_size)
+        requests.append(EngineRequest(f"warm-worst-{len(requests)}", prompt, GREEDY, max_new_tokens=num_output))
+        free_pages -= -(-(length + num_output) // config.page_size)
+        remaining -= length
+    return requests
+
+
+def mixed_step_requests(config, vocab_size: int) -> tuple[list[EngineRequest], EngineRequest]:
+    """(requests that decode, one whose prompt runs beside them in mixed chunks then a tail)."""
+    num_decoding = max(1, config.max_concurrency - 1)
+    prompt_len = min(config.mixed_prefill_chunk + 13, config.max_context - 4)
+    decoding = [
+        EngineRequest(f"warm-decode-{i}", _prompt(5 + i, 100 + i, vocab_size), GREEDY if i % 2 == 0 else SAMPLED,
+                      max_new_tokens=-(-prompt_len // config.mixed_prefill_chunk) + 4)
+        for i in range(num_decoding)
+    ]
+    joining = EngineRequest("warm-joining", _prompt(prompt_len, 200, vocab_size), GREEDY, max_new_tokens=2)
+    return decoding, joining
+
+
+def run_warm_up(core) -> WarmUpReport:
+    """Run every phase to the end on `core` (an idle EngineCore); restores its pools."""
+    config = core.config
+    vocab_size = core.tokenizer.vocab_size
+    baseline = core.pool_accounting()
+    started = time.perf_counter()
+    worst = worst_step_requests(config, vocab_size)
+    worst_tokens = sum(len(r.prompt_token_ids) for r in worst)
+    log.info(
+        "warming up: compiling and autotuning kernels for %d-token steps, mixed steps and decode batches up to %d",
+        worst_tokens, config.max_concurrency,
+    )
+    num_steps = _run(core, [(0, worst)])
+    decoding, joining = mixed_step_requests(config, vocab_size)
+    if len(decoding) + 1 <= config.max_concurrency:
+        num_steps += _run(core, [(0, decoding), (2, [joining])])  # joins once the others decode
+    else:
+        num_steps += _run(core, [(0, decoding)])
+    core.scheduler.cache.clear()
+    after = core.pool_accounting()
+    if after != baseline:
+        raise RuntimeError(f"warm-up left the pools changed: {baseline} -> {after}")
+    report = WarmUpReport(time.perf_counter() - started, num_steps, worst_tokens)
+    log.info("warm-up done in %.1fs (%d steps)", report.seconds, report.num_steps)
+    return report
+
+
+def _run(core, arrivals: list[tuple[int, list[EngineRequest]]]) -> int:
+    """Add each group after the given number of steps, step until idle; -> steps taken."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    for step in range(MAX_WARM_UP_STEPS):
+        while pending and pending[0][0] <= step:
+            for request in pending.pop(0)[1]:
+                for out in core.add_request(request):
+                    if out.error is not None:
+                        raise RuntimeError(f"warm-up request {request.request_id} refused: {out.error.message}")
+        if not pending and not core.has_work:
+            return step
+        for out in core.step():
+            if out.error is not None:
+                raise RuntimeError(
+                    f"warm-up request {out.request_id} failed: {out.error.message} (when the device ran out of"
+                    " memory, the configuration does not fit: lower --kv-capacity, --prefill-chunk or --max-concurrency)"
+                )
+    raise RuntimeError(f"warm-up did not finish in {MAX_WARM_UP_STEPS} steps")

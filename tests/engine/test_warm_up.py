@@ -1,0 +1,61 @@
+"""Warm-up runs every step shape of a configuration and leaves the engine as it found it."""
+
+from __future__ import annotations
+
+import pytest
+
+from ninfer.config import EngineConfig
+from ninfer.contract.request import EngineRequest
+from ninfer.contract.sampling import SamplingParams
+from ninfer.engine.core import EngineCore
+from ninfer.engine.scheduler import StepKind
+from ninfer.engine.warm_up import run_warm_up, worst_step_requests
+from tests.engine.test_engine_core import alone, run_to_end, tokens_of
+from tests.engine.test_engine_generation import PROMPTS, _models
+from tests.unit.conftest import make_byte_tokenizer
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def model(request, tmp_path_factory):
+    return _models(request.param, str(tmp_path_factory.mktemp("warm-up-models")))[1]
+
+
+def test_warm_up_covers_the_worst_step_mixed_steps_and_decode_then_restores_the_pools(model):
+    config = EngineConfig(max_concurrency=3, prefill_chunk=40, mixed_prefill_chunk=8, max_context=30,
+                          kv_capacity=256, log_stats_interval_ms=0)
+    core = EngineCore(model, make_byte_tokenizer(), config)
+    baseline = core.pool_accounting()
+    steps = []
+    launch = core.runner.launch
+    core.runner.launch = lambda step: steps.append(step) or launch(step)
+    report = run_warm_up(core)
+    # max_context 30 < the 40-token budget: two requests' prompts fill the first step.
+    assert steps[0].kind is StepKind.PREFILL and steps[0].num_tokens == 40 == report.worst_step_tokens
+    assert len(steps[0].chunks) == 2
+    mixed = [s for s in steps if s.kind is StepKind.MIXED]
+    assert mixed and max(s.num_tokens - sum(1 for c in s.chunks if len(c.token_ids) == 1) for s in mixed) == 8
+    assert {len(s.chunks) for s in steps if s.kind is StepKind.DECODE} >= {2, 3}  # decode batches
+    assert any(not c.sampling.temperature == 0.0 for s in steps for c in s.chunks)  # a sampled row
+    assert core.pool_accounting() == baseline and len(core.scheduler.cache) == 0
+    core.runner.launch = launch
+    short = EngineRequest("a", PROMPTS[2], SamplingParams(temperature=0.0), max_new_tokens=8)
+    assert core.add_request(short) == []  # and the engine serves as if nothing ran before
+    assert tokens_of(run_to_end(core)["a"]) == alone(model, short)
+
+
+@pytest.mark.parametrize(
+    ("prefill_chunk", "max_context", "kv_capacity", "max_concurrency", "lengths"),
+    [
+        (8192, 8192, 8192, 1, [8190]),  # the default shape: one request, limited by its context
+        (100, 1000, 1000, 4, [100]),  # the budget alone
+        (100, 40, 1000, 4, [38, 38, 24]),  # several requests within their context
+        (100, 40, 1000, 2, [38, 38]),  # ... and the lanes
+        (100, 1000, 64, 4, [62]),  # the KV pool: prompt + 2 outputs in 4 pages of 16
+    ],
+)
+def test_worst_step_requests_respect_every_limit(prefill_chunk, max_context, kv_capacity, max_concurrency, lengths):
+    config = EngineConfig(max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=max_context,
+                          kv_capacity=kv_capacity)
+    requests = worst_step_requests(config, vocab_size=257)
+    assert [len(r.prompt_token_ids) for r in requests] == lengths
+    assert len({tuple(r.prompt_token_ids[:4]) for r in requests}) == len(requests)  # nothing shared
