@@ -12,13 +12,20 @@ sampled ids. A chunk with a previous_row computes the id the previously launched
 sampled in that row, read on the device, so the engine can launch decode round N+1 before
 round N's ids reach the host (at most two launched steps unread). execute() is launch()
 then result().
+
+An eager step packs its host-side metadata (page table, positions, lengths, slots, input ids,
+sampling rows) into a pinned staging buffer and moves it with one non-blocking copy before
+the forward and one before sampling: a copy from pageable memory would make the host wait
+for the GPU's queue to drain, so no step could be enqueued ahead.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from itertools import chain
 
+import numpy as np
 import torch
 
 from ninfer.engine.cuda_graphs import DecodeGraphs, graph_blocker
@@ -38,7 +45,7 @@ from ninfer.engine.scheduler import (
     SpillSlot,
 )
 from ninfer.models.causal_lm import CausalLM
-from ninfer.models.forward_batch import ForwardBatch
+from ninfer.models.forward_batch import ForwardBatch, HostStaging
 
 log = logging.getLogger("ninfer.engine")
 
@@ -83,6 +90,9 @@ class ModelRunner:
         ]
         # Recorded after each launch's copy; re-recorded only once that launch has been read.
         self._ready = [torch.cuda.Event() for _ in range(MAX_UNREAD_STEPS)] if pin else None
+        # Eager steps' metadata, one buffer per unread step: a pinned buffer is refilled only after
+        # the copies out of it have completed (the step that used it was read; else next_step waits).
+        self._staging = HostStaging(self.device, num_turns=MAX_UNREAD_STEPS)
         self._num_launches = 0
         self._num_unread = 0
         # The last launched step's sampled ids by chunk row (on the device), and its sampling rows.
@@ -162,27 +172,31 @@ class ModelRunner:
 
     def _run_eagerly(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, list[int]]:
         """-> (sampled ids by chunk row on the device, the rows that sample)."""
+        staging = self._staging
+        staging.next_step()
         computed = [c for c in chunks if c.token_ids]
         if computed:
-            self._forward(computed)
+            self._forward(computed, staging)
         sampled_rows = [row for row, c in enumerate(chunks) if c.sample]
         if not sampled_rows:
             return None, []
         to_sample = [chunks[row] for row in sampled_rows]
-        slots = torch.tensor([c.state_slot for c in to_sample], device=self.device)
-        logits = self.slot_logits.index_select(0, slots)
+        slots = staging.add(np.array([c.state_slot for c in to_sample], dtype=np.int64))
+        # Where each sampled id goes in the step's by-row ids (None: every row samples).
+        rows = None if len(sampled_rows) == len(chunks) else staging.add(np.array(sampled_rows, dtype=np.int64))
         batch = SamplingBatch.build(
             [c.sampling for c in to_sample],
             [c.output_token_ids for c in to_sample],
             device=self.device,
             num_generated=[c.num_generated for c in to_sample],
+            staging=staging,
         )
-        token_ids = self.sampler.sample(logits, batch)
-        if len(sampled_rows) == len(chunks):
+        staging.flush()
+        token_ids = self.sampler.sample(self.slot_logits.index_select(0, slots), batch)
+        if rows is None:
             return token_ids, sampled_rows
         by_row = torch.zeros(len(chunks), dtype=token_ids.dtype, device=self.device)
-        by_row[sampled_rows] = token_ids
-        return by_row, sampled_rows
+        return by_row.index_copy_(0, rows, token_ids), sampled_rows
 
     def _apply_actions(self, step: SchedulerStep) -> None:
         states = self.state_cache
@@ -208,11 +222,7 @@ class ModelRunner:
             elif isinstance(action, RestorePages):
                 self.host_kv.restore(action.host_pages, action.device_pages)
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> None:
-        max_pages = max(len(c.page_ids) for c in chunks)
-        page_table = torch.zeros((len(chunks), max_pages), dtype=torch.int32)
-        for row, chunk in enumerate(chunks):
-            page_table[row, : len(chunk.page_ids)] = torch.tensor(chunk.page_ids, dtype=torch.int32)
+    def _forward(self, chunks: list[ScheduledChunk], staging: HostStaging) -> None:
         query_lens = [len(c.token_ids) for c in chunks]
         logits_rows: list[int] = []
         logits_slots: list[int] = []
@@ -227,25 +237,29 @@ class ModelRunner:
             if chunk.compute_logits:
                 logits_rows.append(offset - 1)
                 logits_slots.append(chunk.state_slot)
-        batch = ForwardBatch.build(
+        batch = ForwardBatch.stage(
             query_lens=query_lens,
             num_computed_tokens=[c.num_computed_tokens for c in chunks],
-            page_table=page_table,
+            page_ids=[c.page_ids for c in chunks],
             state_slots=[c.state_slot for c in chunks],
             kv_cache=self.kv_cache,
             state_cache=self.state_cache,
             logits_indices=logits_rows,
+            staging=staging,
             mrope=self.mrope,
-            device=self.device,
         )
-        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
-        if chained_offsets:
+        tokens = chain.from_iterable(c.token_ids for c in chunks)
+        input_ids = staging.add(np.fromiter(tokens, dtype=np.int64, count=batch.num_tokens))
+        logits_slots_device = staging.add(np.array(logits_slots, dtype=np.int64))
+        chained = staging.add(np.array([chained_offsets, chained_rows], dtype=np.int64)) if chained_offsets else None
+        staging.flush()
+        if chained is not None:
             # The ids the previous step sampled, still on the device (these chunks hold a placeholder).
-            input_ids[chained_offsets] = self._last_ids[chained_rows]
+            input_ids.index_copy_(0, chained[0], self._last_ids.index_select(0, chained[1]))
         hidden = self.model(input_ids, batch)
         if not logits_rows:
             return
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).float()
         if self.num_valid_tokens < logits.shape[-1]:
             logits[:, self.num_valid_tokens :] = float("-inf")
-        self.slot_logits.index_copy_(0, torch.tensor(logits_slots, device=self.device), logits)
+        self.slot_logits.index_copy_(0, logits_slots_device, logits)

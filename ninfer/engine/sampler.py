@@ -1,7 +1,7 @@
 """Sampler: one decode round's logits [B, V] -> next token ids [B], on the logits' device.
 
-Per-request parameters are packed on the host once per step into a `SamplingBatch` (a few
-small tensors copied without blocking); `Sampler.sample` then runs without host syncs
+Per-request parameters are packed on the host once per step into a `SamplingBatch` (small
+tensors moved in one copy without blocking); `Sampler.sample` then runs without host syncs
 (no .item()/.tolist(), no Python branching on tensor values), so it can sit inside a
 decode round or a CUDA graph.
 
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ninfer.contract.sampling import TOP_K_CAP, SamplingParams
+from ninfer.models.forward_batch import HostStaging
 
 # Domain tag so the sampler's noise stream never coincides with another use of the seed.
 _NOISE_DOMAIN = b"ninfer.sampler.v1"
@@ -58,15 +59,6 @@ def exponential_noise(seed: int, num_generated: int) -> np.ndarray:
     return -np.log(uniform)
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy without blocking the host: pinned source + non_blocking on CUDA."""
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
 @dataclass(frozen=True)
 class SamplingBatch:
     """One step's per-row sampling inputs, already on the logits' device."""
@@ -89,13 +81,16 @@ class SamplingBatch:
         output_token_ids: Sequence[Sequence[int]],
         device: torch.device | str = "cpu",
         num_generated: Sequence[int] | None = None,
+        staging: HostStaging | None = None,
     ) -> SamplingBatch:
         """Pack rows. `output_token_ids[i]`: row i's output tokens so far (for penalties; an
         array('q') or numpy array avoids a per-step list conversion). `num_generated[i]`:
         the row's RNG position, default len(output_token_ids[i]) (speculative verification
         passes len + offset per drafted position). Sampled rows need a seed: the engine
-        assigns `fresh_seed()` at admission when the request has none."""
-        device = torch.device(device)
+        assigns `fresh_seed()` at admission when the request has none.
+
+        staging: the caller's step staging on `device` (the tensors travel with the rest of
+        its step; the caller flushes it before sampling); default a private one, flushed here."""
         num_rows = len(params)
         if len(output_token_ids) != num_rows:
             raise ValueError(f"{num_rows} rows of params but {len(output_token_ids)} token histories")
@@ -126,26 +121,29 @@ class SamplingBatch:
                 rows.append(np.full(history.shape, row, dtype=np.int64))
 
         has_penalties = bool(rows)
+        private = staging is None
+        if private:
+            # Used once: PyTorch's pinned allocator keeps its buffer until the copy out of it is done.
+            staging = HostStaging(device)
+            staging.next_step()
         penalty_rows = penalty_tokens = None
         if has_penalties:
-            flat = torch.from_numpy(np.stack([np.concatenate(rows), np.concatenate(tokens)]))
-            flat = _to_device(flat, device)
-            penalty_rows, penalty_tokens = flat[0], flat[1]
-        # Floats and noise travel together: one copy instead of two.
-        packed = _to_device(torch.from_numpy(np.concatenate([floats, noise], axis=1)), device)
-        ints = _to_device(torch.from_numpy(np.stack([top_ks, greedy.astype(np.int64)])), device)
-        return cls(
+            penalty_rows, penalty_tokens = staging.add(np.stack([np.concatenate(rows), np.concatenate(tokens)]))
+        batch = cls(
             num_rows=num_rows,
-            row_floats=packed[:, :_NUM_FLOAT_PARAMS],
-            top_ks=ints[0],
-            is_greedy=ints[1].bool(),
-            noise=packed[:, _NUM_FLOAT_PARAMS:],
+            row_floats=staging.add(floats),
+            top_ks=staging.add(top_ks),
+            is_greedy=staging.add(greedy),
+            noise=staging.add(noise),
             penalty_rows=penalty_rows,
             penalty_token_ids=penalty_tokens,
             all_greedy=bool(greedy.all()),
             any_greedy=bool(greedy.any()),
             has_penalties=has_penalties,
         )
+        if private:
+            staging.flush()
+        return batch
 
 
 class Sampler:

@@ -4,16 +4,103 @@ A step is a flat varlen batch of new tokens from several requests (prefill chunk
 decode rows and, later, speculative verification rows are all the same call) plus
 where each request's cache lives: KV pages for attention layers and a state slot for
 Gated DeltaNet layers. Request b owns flat rows [query_start_loc[b], query_start_loc[b+1]).
+
+The runner builds its steps with `ForwardBatch.stage` into a `HostStaging`: one host buffer
+(pinned on CUDA) per step and one non-blocking copy per flush. `ForwardBatch.build` is the
+plain version (a synchronous copy per tensor from pageable memory) for tests and tools.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ninfer.models.kv_cache import KVCache
 from ninfer.models.state_cache import StateCache
+
+# Every staged array starts on this byte boundary: dtype views of the byte buffer need their
+# element size, and Triton specializes its kernels on 16-byte aligned pointers.
+_STAGING_ALIGN = 16
+_MIN_STAGING_BYTES = 16 << 10
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.bool_): torch.bool,
+}
+
+
+class HostStaging:
+    """Moves a step's host-side metadata to the device without blocking the host.
+
+    add() packs a host array into this step's host buffer and returns the device view it will
+    occupy; flush() copies everything added since the last flush in one transfer (pinned
+    memory, non_blocking on CUDA). A view holds its values once flushed: flush before any
+    kernel reads it. On the CPU the views are the host buffer itself and flush() does nothing.
+    """
+
+    def __init__(self, device: torch.device | str, num_turns: int = 1):
+        """num_turns: steps whose buffers stay untouched while a newer step is packed."""
+        self.device = torch.device(device)
+        self._pinned = self.device.type == "cuda"
+        self._host: list[torch.Tensor | None] = [None] * num_turns  # uint8, grown on demand
+        self._host_bytes: list[np.ndarray | None] = [None] * num_turns  # numpy views of _host
+        self._device: list[torch.Tensor | None] = [None] * num_turns  # the same tensor on the CPU
+        self._copied = [torch.cuda.Event() for _ in range(num_turns)] if self._pinned else None
+        self._turn = -1
+        self._used = 0  # bytes of the current buffer taken this step
+        self._flushed = 0  # of which already copied
+
+    def next_step(self) -> None:
+        """Start packing a new step into the next turn's buffers."""
+        self._turn = (self._turn + 1) % len(self._host)
+        self._used = self._flushed = 0
+        if self._copied is not None:
+            # Rewrite a pinned buffer only once the copies out of it have finished (the step
+            # that used it was num_turns steps ago: normally long done, so this does not wait).
+            self._copied[self._turn].synchronize()
+        else:
+            # On the CPU the step's tensors are views of the buffer: a fresh one keeps them intact.
+            self._host[self._turn] = self._host_bytes[self._turn] = self._device[self._turn] = None
+
+    def add(self, array: np.ndarray) -> torch.Tensor:
+        """Stage a host array; -> its device tensor (same dtype and shape), valid after flush()."""
+        if self._turn < 0:
+            raise RuntimeError("HostStaging.next_step() must start each step")
+        array = np.ascontiguousarray(array)
+        start, end = self._used, self._used + array.nbytes
+        host = self._host_bytes[self._turn]
+        if host is None or end > len(host):
+            self._grow(array.nbytes)
+            host, start, end = self._host_bytes[self._turn], 0, array.nbytes
+        host[start:end] = array.reshape(-1).view(np.uint8)
+        self._used = -(-end // _STAGING_ALIGN) * _STAGING_ALIGN
+        return self._device[self._turn][start:end].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
+
+    def flush(self) -> None:
+        """Copy what was added since the last flush to the device (one transfer, queued on CUDA)."""
+        if self._pinned and self._used > self._flushed:
+            span = slice(self._flushed, self._used)
+            self._device[self._turn][span].copy_(self._host[self._turn][span], non_blocking=True)
+            self._copied[self._turn].record(torch.cuda.current_stream(self.device))
+        self._flushed = self._used
+
+    def _grow(self, nbytes: int) -> None:
+        """New, larger buffers for this turn. Views handed out earlier this step keep the old
+        device buffer alive, so its pending range is copied first; the old pinned buffer returns
+        to PyTorch's host allocator, which reuses it only after that copy has completed."""
+        self.flush()
+        old = self._host[self._turn]
+        capacity = max(_MIN_STAGING_BYTES, 2 * (old.numel() if old is not None else 0))
+        while capacity < nbytes:
+            capacity *= 2
+        host = torch.empty(capacity, dtype=torch.uint8, pin_memory=self._pinned)
+        self._host[self._turn], self._host_bytes[self._turn] = host, host.numpy()
+        self._device[self._turn] = torch.empty(capacity, dtype=torch.uint8, device=self.device) if self._pinned else host
+        self._used = self._flushed = 0
 
 
 @dataclass
@@ -105,4 +192,51 @@ class ForwardBatch:
             state_cache=state_cache,
             query_lens_cpu=tuple(query_lens),
             seq_lens_cpu=tuple(seq_lens),
+        )
+
+    @classmethod
+    def stage(
+        cls,
+        query_lens: Sequence[int],
+        num_computed_tokens: Sequence[int],
+        page_ids: Sequence[Sequence[int]],
+        state_slots: Sequence[int],
+        kv_cache: KVCache | None,
+        state_cache: StateCache | None,
+        logits_indices: Sequence[int],
+        staging: HostStaging,
+        mrope: bool = False,
+    ) -> ForwardBatch:
+        """build() with text positions and the page table given as each request's page ids
+        (rows padded with page 0), packed into `staging`: the tensors hold their values on
+        staging.device once the caller has flushed it."""
+        num_requests = len(query_lens)
+        new_tokens = np.asarray(query_lens, dtype=np.int64)
+        computed = np.asarray(num_computed_tokens, dtype=np.int64)
+        starts = np.zeros(num_requests + 1, dtype=np.int64)
+        np.cumsum(new_tokens, out=starts[1:])
+        # Token t of request b sits at position computed[b] + (t - starts[b]).
+        positions = np.arange(starts[-1]) + np.repeat(computed - starts[:-1], new_tokens)
+        seq_lens = computed + new_tokens
+        table = np.zeros((num_requests, max(map(len, page_ids), default=0)), dtype=np.int32)
+        for row, pages in enumerate(page_ids):
+            table[row, : len(pages)] = pages
+        slot_mapping = None
+        if kv_cache is not None:
+            page_size = kv_cache.page_size
+            rows = np.repeat(np.arange(num_requests), new_tokens)
+            pages = table[rows, positions // page_size].astype(np.int64)
+            slot_mapping = staging.add(pages * page_size + positions % page_size)
+        return cls(
+            positions=staging.add(np.broadcast_to(positions, (3, len(positions))) if mrope else positions),
+            query_start_loc=staging.add(starts.astype(np.int32)),
+            seq_lens=staging.add(seq_lens.astype(np.int32)),
+            page_table=staging.add(table),
+            state_slots=staging.add(np.asarray(state_slots, dtype=np.int64)),
+            logits_indices=staging.add(np.asarray(logits_indices, dtype=np.int64)),
+            slot_mapping=slot_mapping,
+            kv_cache=kv_cache,
+            state_cache=state_cache,
+            query_lens_cpu=tuple(query_lens),
+            seq_lens_cpu=tuple(seq_lens.tolist()),
         )
