@@ -12,6 +12,9 @@ What is measured (and stated in the report):
 - peak GPU memory per case; roofline from bytes streamed per round against the copy bandwidth
   measured in the same run (prefill: FLOPs against the measured bf16 matrix rate);
 - HF transformers: the same shape and the same random weights (filled by name), greedy generate;
+- the runner is configured as ninfer-serve's engine: KV pages of EngineConfig's page size and,
+  unless --prefill-chunk says otherwise, its prefill chunk (both read from EngineConfig, so the
+  figures follow the server's defaults);
 - the median SM clock over each case's timed part and over the matrix-rate measurement
   (NVML, clocks.py): a power-capped GPU moves it by a third, and prefill follows it.
 """
@@ -41,6 +44,7 @@ from ninfer.bench.roofline import (
     prefill_roofline_tokens_per_s,
 )
 from ninfer.bench.shapes import shape_config
+from ninfer.config import EngineConfig
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import PENDING_TOKEN, ScheduledChunk, SchedulerStep, StepKind
@@ -48,6 +52,8 @@ from ninfer.models.loader import build_model
 
 log = logging.getLogger("ninfer.bench")
 GREEDY = SamplingParams(temperature=0.0, seed=0)
+# The server's defaults, so a figure measured here is what ninfer-serve runs.
+SERVER_DEFAULTS = EngineConfig()
 
 
 @dataclass
@@ -57,9 +63,8 @@ class BenchOptions:
     batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     contexts: list[int] = field(default_factory=lambda: [4096, 131072])
     prefill_lengths: list[int] = field(default_factory=lambda: [8192, 65536])
-    prefill_chunk: int = 8192
+    prefill_chunk: int = SERVER_DEFAULTS.prefill_chunk
     decode_rounds: int = 20
-    page_size: int = 64
     peer: str = "hf"  # "hf" or "none"
     peer_new_tokens: int = 16
     peer_prompt: int = 4096
@@ -139,6 +144,7 @@ class Suite:
             "device": self.ceilings.name,
             "ceilings": asdict(self.ceilings),
             "options": asdict(self.options),
+            "page_size": SERVER_DEFAULTS.page_size,
             "torch": torch.__version__,
             "results": [asdict(r) for r in self.results],
         }
@@ -162,10 +168,11 @@ class Suite:
         options = self.options
         max_batch = max(options.batches)
         max_tokens = max([max(options.contexts) + 1, *options.prefill_lengths])
-        num_pages = max_batch * (-(-max(options.contexts) // options.page_size) + 1)
-        num_pages = max(num_pages, -(-max_tokens // options.page_size) + 1)
+        page_size = SERVER_DEFAULTS.page_size
+        num_pages = max_batch * (-(-max(options.contexts) // page_size) + 1)
+        num_pages = max(num_pages, -(-max_tokens // page_size) + 1)
         started = time.perf_counter()
-        runner = ModelRunner(model, num_pages, options.page_size, num_state_slots=max_batch + 1,
+        runner = ModelRunner(model, num_pages, page_size, num_state_slots=max_batch + 1,
                              cuda_graph_batch_sizes=options.batches if options.cuda_graphs else (),
                              max_context=max(options.contexts) + 1)
         log.info("[%s %s] KV pool %d pages; CUDA graphs %s (%.1fs)", shape, weights, num_pages,
@@ -184,7 +191,7 @@ class Suite:
             self._prefill_case(shape, weights, config, runner, prompt, weight_bytes)
 
     def _decode_case(self, shape, weights, config, runner, batch, context, weight_bytes) -> None:
-        pages_per_seq = -(-(context + 1) // self.options.page_size)
+        pages_per_seq = -(-(context + 1) // SERVER_DEFAULTS.page_size)
         chunks = [
             ScheduledChunk(
                 request_id=f"r{b}", token_ids=[1000 + b], num_computed_tokens=context,
@@ -240,7 +247,7 @@ class Suite:
         generator = torch.Generator().manual_seed(prompt)
         tokens = torch.randint(0, min(200_000, config.vocab_size), (prompt,), generator=generator).tolist()
         chunk = self.options.prefill_chunk
-        pages = list(range(-(-prompt // self.options.page_size) + 1))
+        pages = list(range(-(-prompt // SERVER_DEFAULTS.page_size) + 1))
 
         def prefill() -> None:
             for start in range(0, prompt, chunk):
