@@ -20,6 +20,7 @@ import json
 import logging
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +52,28 @@ def timed(fn, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def profile_step(fn, path: Path, label: str) -> None:
+    """Kernel and host-op tables of 3 runs of fn, plus wall time against summed kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / 3
+    events = prof.key_averages()
+    kernel_s = sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / 1e6 / 3
+    text = [f"step {label}: wall {wall * 1e3:.2f} ms per step, kernels {kernel_s * 1e3:.2f} ms per step",
+            events.table(sort_by="device_time_total", row_limit=30),
+            events.table(sort_by="self_cpu_time_total", row_limit=30)]
+    path.write_text("\n\n".join(text))
+    log.info("%s", text[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="27b")
@@ -59,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed", default="0,64,128,256,384,512,1024", help="prompt tokens beside decode rows")
     parser.add_argument("--context", type=int, default=4096, help="tokens in each decode row's cache")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--profile", metavar="B,P", help="also profile one step of B decode rows + P prompt tokens: "
+                        "the top kernels and host ops go to OUT's directory as step-profile.txt")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -125,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
                      row["factor_over_idle"] or 0.0, row["prompt_tok_per_s"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.profile:
+        batch, tokens = ints(args.profile)
+        chunks = decode_rows(batch) + ([prompt_chunk(tokens)] if tokens else [])
+        step = SchedulerStep(StepKind.MIXED if tokens else StepKind.DECODE, chunks)
+        profile_step(lambda: runner.execute(step), Path(args.out).parent / "step-profile.txt", f"{batch}+{tokens}")
     return 0
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.runner import ModelRunner
-from ninfer.engine.scheduler import ScheduledChunk, SchedulerStep, StepKind
+from ninfer.engine.scheduler import ResetSlot, ScheduledChunk, SchedulerStep, StepKind
 from tests.gpu.test_cuda_graphs import ARCHITECTURES, _model, needs_cuda
 
 pytestmark = [pytest.mark.gpu, needs_cuda]
@@ -39,8 +39,9 @@ def test_a_mixed_step_equals_its_rows_computed_one_by_one(arch, tmp_root):
     runners = [ModelRunner(model, 6 * PAGES_PER_REQUEST, PAGE_SIZE, num_state_slots=6) for _ in range(2)]
     histories = {i: tokens(i, 30 + 17 * i) for i in range(4)}  # requests 0..3 hold a cache; 4, 5 start
     for runner in runners:
+        fresh = [ResetSlot(slot) for slot in range(6)]  # as admission does: slots start from zero state
         for i, prompt in histories.items():
-            runner.execute(SchedulerStep(StepKind.PREFILL, [chunk(i, prompt, 0)]))
+            runner.execute(SchedulerStep(StepKind.PREFILL, [chunk(i, prompt, 0)], before=fresh if i == 0 else []))
     mixed_rows = [
         chunk(0, [7], len(histories[0])),  # decode rows at different contexts
         chunk(1, [8], len(histories[1])),
