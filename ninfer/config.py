@@ -9,11 +9,12 @@ from ninfer.contract.sampling import SamplingOverrides
 DEFAULT_HOST_STATE_SLOTS = 8
 DEFAULT_LONG_ANCHORS = 2
 DEFAULT_HOST_KV_MIB = 8192
-# Step token budgets, measured on an H200 (docs/performance.md, "Serving under load"): a step
-# with no decode rows takes a whole 8K chunk (half the prompt rate at 1K); beside decode rows
-# prompt work is capped so the running requests' inter-token time stays within ~2x of idle.
+# Step token budgets, measured on an H200 with the 27B (docs/performance.md, "Serving under
+# load"): a prompt step runs at 11.6K tok/s from 2K tokens up but costs ~90 ms of host work at
+# any size below that, so a step beside decode rows takes 1024 prompt tokens (10K tok/s, decode
+# rows wait ~100 ms) rather than fewer for nothing, and a step with no decode rows a whole 8K.
 DEFAULT_PREFILL_CHUNK = 8192
-DEFAULT_MIXED_PREFILL_CHUNK = 256
+DEFAULT_MIXED_PREFILL_CHUNK = 1024
 
 
 class ConfigValueError(ValueError):

@@ -55,7 +55,10 @@ def test_a_mixed_step_equals_its_rows_computed_one_by_one(arch, tmp_root):
     alone_ids = {}
     for row in mixed_rows:
         alone_ids.update(alone.execute(SchedulerStep(StepKind.PREFILL, [row])))
-    torch.testing.assert_close(together.slot_logits, alone.slot_logits, rtol=2e-2, atol=2e-2)
+    diffs = {row.request_id: (together.slot_logits[row.state_slot] - alone.slot_logits[row.state_slot]).abs().max().item()
+             for row in mixed_rows}
+    scale = alone.slot_logits.abs().max().item()
+    assert all(d <= 2e-2 * max(1.0, scale) for d in diffs.values()), f"max |diff| by row {diffs} (scale {scale:.3g})"
     for row in mixed_rows:  # same greedy pick, up to a near-tie within bf16 noise
         logits = alone.slot_logits[row.state_slot]
         assert logits[mixed_ids[row.request_id]] >= logits.max() - 2e-2, row.request_id

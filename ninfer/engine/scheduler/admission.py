@@ -45,7 +45,7 @@ class SchedulerLimits:
     max_context: int
     prefill_chunk: int  # prompt tokens of a step with no decode rows
     prefix_reuse: bool = True
-    mixed_prefill_chunk: int = 256  # prompt tokens of a step beside decode rows
+    mixed_prefill_chunk: int = 1024  # prompt tokens of a step beside decode rows
 
 
 @dataclass(frozen=True)
