@@ -6,6 +6,7 @@ and autotunes per key, at first use: without this the first request after start-
 tens of seconds. The phases:
   worst  prompt chunks of several requests filling one step's whole budget (the step with the
          most activations: its peak is what --kv-capacity auto sets aside), then their decode
+  ladder single prompts from just under that budget down to 17 tokens by halves
   mixed  requests decoding while another's prompt runs beside them in mixed-budget chunks and
          an odd-sized tail over cached context, greedy and sampled rows
 Requests are synthetic token ids; nothing they leave in the context cache survives, and every
@@ -59,6 +60,17 @@ def worst_step_requests(config, vocab_size: int) -> list[EngineRequest]:
     return requests
 
 
+def prompt_ladder(config) -> list[int]:
+    """Single-prompt step sizes from just under the budget down to 17 by halves, none a multiple
+    of 16: kernels pick block sizes by how many tokens a step has, and Triton specializes on it."""
+    lengths = []
+    length = min(config.prefill_chunk, config.max_context - 1, config.num_kv_pages * config.page_size - 1) - 3
+    while length >= 17:
+        lengths.append(length if length % 16 else length - 1)
+        length //= 2
+    return lengths
+
+
 def mixed_step_requests(config, vocab_size: int) -> tuple[list[EngineRequest], EngineRequest]:
     """(requests that decode, one whose prompt runs beside them in mixed chunks then a tail)."""
     num_decoding = max(1, config.max_concurrency - 1)
@@ -85,6 +97,9 @@ def run_warm_up(core) -> WarmUpReport:
         worst_tokens, config.max_concurrency,
     )
     num_steps = _run(core, [(0, worst)])
+    for length in prompt_ladder(config):
+        num_steps += _run(core, [(0, [EngineRequest(f"warm-prompt-{length}", _prompt(length, 300 + length, vocab_size),
+                                                      GREEDY, max_new_tokens=1)])])
     decoding, joining = mixed_step_requests(config, vocab_size)
     if len(decoding) + 1 <= config.max_concurrency:
         num_steps += _run(core, [(0, decoding), (2, [joining])])  # joins once the others decode

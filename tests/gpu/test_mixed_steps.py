@@ -58,7 +58,11 @@ def test_a_mixed_step_equals_its_rows_computed_one_by_one(arch, tmp_root):
     diffs = {row.request_id: (together.slot_logits[row.state_slot] - alone.slot_logits[row.state_slot]).abs().max().item()
              for row in mixed_rows}
     scale = alone.slot_logits.abs().max().item()
-    assert all(d <= 2e-2 * max(1.0, scale) for d in diffs.values()), f"max |diff| by row {diffs} (scale {scale:.3g})"
+    for row in mixed_rows:
+        if len(row.token_ids) > 1:  # the same kernels either way: the batch's other rows change nothing
+            assert diffs[row.request_id] == 0.0, f"max |diff| by row {diffs}"
+        else:  # alone, a 1-token row takes the decode kernels (fused conv GEMV, recurrent step): bf16 apart
+            assert diffs[row.request_id] <= 0.05 * scale, f"max |diff| by row {diffs} (scale {scale:.3g})"
     for row in mixed_rows:  # same greedy pick, up to a near-tie within bf16 noise
         logits = alone.slot_logits[row.state_slot]
         assert logits[mixed_ids[row.request_id]] >= logits.max() - 2e-2, row.request_id
