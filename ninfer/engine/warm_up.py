@@ -8,7 +8,7 @@ tens of seconds. The phases:
          most activations: its peak is what --kv-capacity auto sets aside), then their decode
   ladder single prompts from just under that budget down to 17 tokens by halves
   mixed  requests decoding while another's prompt runs beside them in mixed-budget chunks and
-         an odd-sized tail over cached context, greedy and sampled rows
+         an odd-sized tail over cached context; penalized, greedy and sampled rows throughout
 Requests are synthetic token ids; nothing they leave in the context cache survives, and every
 pool is back to where it started (checked).
 """
@@ -26,6 +26,9 @@ log = logging.getLogger("ninfer.engine")
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=1)
+# Qwen's presets carry a presence penalty: its sampling path must be compiled too.
+PENALIZED = SamplingParams(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, frequency_penalty=0.5, seed=2)
+ROTATION = (PENALIZED, SAMPLED, GREEDY)  # greedy rows also come from the worst-step phase
 MAX_WARM_UP_STEPS = 10_000
 
 
@@ -76,7 +79,7 @@ def mixed_step_requests(config, vocab_size: int) -> tuple[list[EngineRequest], E
     num_decoding = max(1, config.max_concurrency - 1)
     prompt_len = min(config.mixed_prefill_chunk + 13, config.max_context - 4)
     decoding = [
-        EngineRequest(f"warm-decode-{i}", _prompt(5 + i, 100 + i, vocab_size), GREEDY if i % 2 == 0 else SAMPLED,
+        EngineRequest(f"warm-decode-{i}", _prompt(5 + i, 100 + i, vocab_size), ROTATION[i % len(ROTATION)],
                       max_new_tokens=-(-prompt_len // config.mixed_prefill_chunk) + 4)
         for i in range(num_decoding)
     ]
@@ -97,9 +100,10 @@ def run_warm_up(core) -> WarmUpReport:
         worst_tokens, config.max_concurrency,
     )
     num_steps = _run(core, [(0, worst)])
-    for length in prompt_ladder(config):
-        num_steps += _run(core, [(0, [EngineRequest(f"warm-prompt-{length}", _prompt(length, 300 + length, vocab_size),
-                                                      GREEDY, max_new_tokens=1)])])
+    for i, length in enumerate(prompt_ladder(config)):
+        prompt = _prompt(length, 300 + length, vocab_size)
+        request = EngineRequest(f"warm-prompt-{length}", prompt, ROTATION[i % len(ROTATION)], max_new_tokens=1)
+        num_steps += _run(core, [(0, [request])])
     decoding, joining = mixed_step_requests(config, vocab_size)
     if len(decoding) + 1 <= config.max_concurrency:
         num_steps += _run(core, [(0, decoding), (2, [joining])])  # joins once the others decode

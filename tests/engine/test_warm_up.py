@@ -35,7 +35,9 @@ def test_warm_up_covers_the_worst_step_mixed_steps_and_decode_then_restores_the_
     mixed = [s for s in steps if s.kind is StepKind.MIXED]
     assert mixed and max(s.num_tokens - sum(1 for c in s.chunks if len(c.token_ids) == 1) for s in mixed) == 8
     assert {len(s.chunks) for s in steps if s.kind is StepKind.DECODE} >= {2, 3}  # decode batches
-    assert any(not c.sampling.temperature == 0.0 for s in steps for c in s.chunks)  # a sampled row
+    rows = [c for s in steps for c in s.chunks if c.sample]
+    assert any(c.sampling.temperature > 0 and c.sampling.presence_penalty == 0 for c in rows)  # sampled
+    assert any(c.sampling.presence_penalty > 0 and len(c.token_ids) == 1 for c in rows)  # penalized decode
     assert core.pool_accounting() == baseline and len(core.scheduler.cache) == 0
     core.runner.launch = launch
     short = EngineRequest("a", PROMPTS[2], SamplingParams(temperature=0.0), max_new_tokens=8)
