@@ -45,7 +45,7 @@ def create_app(serving: Serving):
     async def health() -> Response:
         if serving.engine.healthy:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "unavailable", "reason": serving.engine.failure}, status_code=503)
 
     def model_card() -> dict:
         return {

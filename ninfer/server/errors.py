@@ -37,6 +37,7 @@ class APIError(Exception):
         code: str | None = None,
         param: str | None = None,
         type: str | None = None,
+        retry_after_s: int | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -44,6 +45,7 @@ class APIError(Exception):
         self.code = code
         self.param = param
         self.type = type or _default_type(status)
+        self.retry_after_s = retry_after_s  # None: RETRY_AFTER_SECONDS
 
     def openai_body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -58,7 +60,9 @@ class APIError(Exception):
         return body
 
     def headers(self) -> dict[str, str]:
-        return {"retry-after": str(RETRY_AFTER_SECONDS)} if self.status in _RETRYABLE else {}
+        if self.status not in _RETRYABLE:
+            return {}
+        return {"retry-after": str(self.retry_after_s or RETRY_AFTER_SECONDS)}
 
 
 def is_anthropic(path: str) -> bool:

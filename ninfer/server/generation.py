@@ -146,7 +146,9 @@ class Generation:
             self._stream = self.serving.engine.generate(self.engine_request)
             first = await self._stream.__anext__()
         except EngineUnavailable as exc:
-            raise APIError(503, "the engine is unavailable", code="engine_unavailable") from exc
+            # While the engine restarts, Retry-After says when it should be back: a client that
+            # retried every second would spend its retries long before a large model has loaded.
+            raise APIError(503, str(exc), code="engine_unavailable", retry_after_s=exc.retry_after_s) from exc
         if first.error is not None:
             await self.close()
             raise engine_error_to_api(first)
