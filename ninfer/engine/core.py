@@ -219,6 +219,12 @@ class EngineCore:
             error=EngineError(ErrorCode.ENGINE_FAILURE, "the engine failed and is being restarted; retry the request"),
         )
 
+    def reset_stats(self) -> None:
+        """Start the throughput record afresh (the warm-up's synthetic work is not the server's)."""
+        self.scheduler.stats.reset()
+        self._host_active_s = 0.0
+        self._last_stats_at = self.clock()
+
     def _maybe_log_stats(self) -> None:
         interval = self.config.log_stats_interval_ms / 1000.0
         now = self.clock()

@@ -6,7 +6,8 @@ and autotunes per key, at first use: without this the first request after start-
 tens of seconds. The phases:
   worst  prompt chunks of several requests filling one step's whole budget (the step with the
          most activations: its peak is what --kv-capacity auto sets aside), then their decode
-  ladder single prompts from just under that budget down to 17 tokens by halves
+  ladder single prompts from just under that budget down to 17 tokens by halves, each split by
+         a checkpoint a third of the way in (with prefix reuse), so its rest runs over cached context
   mixed  requests decoding while another's prompt runs beside them in mixed-budget chunks and
          an odd-sized tail over cached context; penalized, greedy and sampled rows throughout
 Requests are synthetic token ids; nothing they leave in the context cache survives, and every
@@ -19,7 +20,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ninfer.contract.request import EngineRequest
+from ninfer.contract.request import CaptureHint, EngineRequest
+from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingParams
 
 log = logging.getLogger("ninfer.engine")
@@ -102,7 +104,11 @@ def run_warm_up(core) -> WarmUpReport:
     num_steps = _run(core, [(0, worst)])
     for i, length in enumerate(prompt_ladder(config)):
         prompt = _prompt(length, 300 + length, vocab_size)
-        request = EngineRequest(f"warm-prompt-{length}", prompt, ROTATION[i % len(ROTATION)], max_new_tokens=1)
+        # A checkpoint a third of the way in splits the prompt: its second chunk runs over cached
+        # context, as a conversation's does after its long anchor or turn-closure frontier.
+        hints = [CaptureHint(length // 3, ReusePath.PRIVATE_LONG_ANCHOR)] if config.prefix_reuse else []
+        request = EngineRequest(f"warm-prompt-{length}", prompt, ROTATION[i % len(ROTATION)], max_new_tokens=1,
+                                capture_hints=hints)
         num_steps += _run(core, [(0, [request])])
     decoding, joining = mixed_step_requests(config, vocab_size)
     if len(decoding) + 1 <= config.max_concurrency:
@@ -110,6 +116,7 @@ def run_warm_up(core) -> WarmUpReport:
     else:
         num_steps += _run(core, [(0, decoding)])
     core.scheduler.cache.clear()
+    core.reset_stats()
     after = core.pool_accounting()
     if after != baseline:
         raise RuntimeError(f"warm-up left the pools changed: {baseline} -> {after}")

@@ -35,10 +35,13 @@ def test_warm_up_covers_the_worst_step_mixed_steps_and_decode_then_restores_the_
     mixed = [s for s in steps if s.kind is StepKind.MIXED]
     assert mixed and max(s.num_tokens - sum(1 for c in s.chunks if len(c.token_ids) == 1) for s in mixed) == 8
     assert {len(s.chunks) for s in steps if s.kind is StepKind.DECODE} >= {2, 3}  # decode batches
+    continuations = [c for s in steps if s.kind is StepKind.PREFILL for c in s.chunks if c.num_computed_tokens > 0]
+    assert continuations, "a prompt chunk over cached context in a prompt-only step"
     rows = [c for s in steps for c in s.chunks if c.sample]
     assert any(c.sampling.temperature > 0 and c.sampling.presence_penalty == 0 for c in rows)  # sampled
     assert any(c.sampling.presence_penalty > 0 and len(c.token_ids) == 1 for c in rows)  # penalized decode
     assert core.pool_accounting() == baseline and len(core.scheduler.cache) == 0
+    assert core.scheduler.stats.prefill_tokens == 0  # the throughput record starts after it
     core.runner.launch = launch
     short = EngineRequest("a", PROMPTS[2], SamplingParams(temperature=0.0), max_new_tokens=8)
     assert core.add_request(short) == []  # and the engine serves as if nothing ran before
