@@ -20,6 +20,7 @@ from ninfer.frontend.sampling_defaults import SamplingDefaults
 from ninfer.frontend.template import ChatTemplate
 from ninfer.server.engine_client import EngineClient
 from ninfer.server.openai_responses.store import ResponseStore
+from ninfer.server.request_events import RequestEvents
 from ninfer.server.request_context import RequestContext
 
 log = logging.getLogger("ninfer.server")
@@ -51,6 +52,7 @@ class Serving:
     think_end_token_id: int | None
     thinking_close_ids: list[int] = field(default_factory=list)
     response_store: ResponseStore = field(default_factory=ResponseStore)  # stored Responses (LRU)
+    events: RequestEvents = field(default_factory=RequestEvents)  # measurement events (request log, metrics)
 
     @classmethod
     def create(cls, config: ServeConfig, artifact: Artifact, engine: EngineClient) -> Serving:
