@@ -1,4 +1,4 @@
-"""The HTTP application: the three protocols' routes, health and models, middleware, error rendering."""
+"""The HTTP application: the three protocols' routes, health, models and metrics, middleware, error rendering."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from ninfer.server.anthropic_messages import routes as messages_routes
 from ninfer.server.errors import APIError
 from ninfer.server.generation import ClientDisconnected
 from ninfer.server.http import error_response, request_id_of
+from ninfer.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ninfer.server.metrics import install_metrics
 from ninfer.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from ninfer.server.openai_chat import routes as chat_routes
 from ninfer.server.openai_responses import routes as responses_routes
@@ -46,6 +48,12 @@ def create_app(serving: Serving):
         if serving.engine.healthy:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "reason": serving.engine.failure}, status_code=503)
+
+    metrics = install_metrics(serving)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     def model_card() -> dict:
         return {
