@@ -46,6 +46,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--api-key", help="require this value as a Bearer token or x-api-key header (default: unset)")
     net.add_argument("--model-id", help="public OpenAI model alias (default: the artifact's model_id)")
     net.add_argument("--cors", action="store_true", help="add permissive browser CORS headers (default off)")
+    net.add_argument("--request-log-jsonl", metavar="FILE", help="append one JSON object per server/request/throughput event to FILE (its directory must exist; default: off)")
     net.add_argument("--max-request-mib", type=int, default=384, help="request body limit before JSON parsing (default 384)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-context", type=int, default=8192, help="logical context ceiling of each sequence (default 8192)")
@@ -186,6 +187,8 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         engine_process=not args.in_process_engine,
         response_store_max_records=args.response_store_max_records,
         response_store_max_mib=args.response_store_max_mib,
+        request_log_jsonl=args.request_log_jsonl,
+        argv=tuple(sys.argv),
     )
     return config, kv_auto
 

@@ -138,6 +138,8 @@ class ServeConfig:
     engine_process: bool = True  # False: the engine runs in a thread of the API process
     response_store_max_records: int = 1024
     response_store_max_mib: int = 256
+    request_log_jsonl: str | None = None  # the measurement log (JSONL), appended to
+    argv: tuple[str, ...] = ()  # the command line, for the server_start record (the API key redacted there)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:

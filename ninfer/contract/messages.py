@@ -28,6 +28,12 @@ class Ready(msgspec.Struct, tag=True):
     info: dict[str, object]
 
 
+class Stats(msgspec.Struct, tag=True):
+    """One throughput record of the engine (its JSONL `throughput` event fields)."""
+
+    record: dict[str, object]
+
+
 class Failed(msgspec.Struct, tag=True):
     """The engine can no longer serve: /health reports 503."""
 
@@ -35,7 +41,7 @@ class Failed(msgspec.Struct, tag=True):
 
 
 ToEngine = AddRequest | Abort | Shutdown
-FromEngine = Outputs | Ready | Failed
+FromEngine = Outputs | Ready | Failed | Stats
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

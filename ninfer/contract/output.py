@@ -50,6 +50,43 @@ class Timings(msgspec.Struct):
     last_token: float | None = None
 
 
+class HostExposure(msgspec.Struct):
+    """Host-active seconds of the engine worker by phase; mutually exclusive, total is their sum.
+    engine_boundary: receiving and applying messages; program_submit: planning and launching
+    steps; program_post: reading sampled ids back; engine_commit_output: committing tokens and
+    building outputs; engine_maintenance: throughput records and bookkeeping."""
+
+    engine_boundary: float = 0.0
+    program_submit: float = 0.0
+    program_post: float = 0.0
+    engine_commit_output: float = 0.0
+    engine_maintenance: float = 0.0
+    total: float = 0.0
+
+
+class DecodeTiming(msgspec.Struct):
+    host_exposed_seconds: float = 0.0
+    device_wait_seconds: float = 0.0
+    rounds: int = 0
+
+
+class StepUnits(msgspec.Struct):
+    prefill: int = 0  # steps that computed a prompt chunk of this request
+    control: int = 0  # steps that only moved state (restores, captures) for it
+
+
+class EngineTiming(msgspec.Struct):
+    """Where a request's time in the engine went. A step's time counts for every request in it
+    (each waited for all of it), so these explain one request's latency and must not be summed
+    across concurrent requests."""
+
+    queue_wait_seconds: float = 0.0  # arrival in the engine to admission (FIFO wait)
+    device_wait_exposed_seconds: float = 0.0  # the host blocked reading the device's results
+    host_exposed_seconds: HostExposure = msgspec.field(default_factory=HostExposure)
+    decode: DecodeTiming = msgspec.field(default_factory=DecodeTiming)
+    units: StepUnits = msgspec.field(default_factory=StepUnits)
+
+
 class EngineOutput(msgspec.Struct):
     """One step's delta for one request; the last one has finish_reason set."""
 
@@ -66,6 +103,7 @@ class EngineOutput(msgspec.Struct):
     progress: PromptProgress | None = None
     timings: Timings | None = None
     error: EngineError | None = None
+    engine_timing: EngineTiming | None = None  # on the final output only
 
     @property
     def finished(self) -> bool:

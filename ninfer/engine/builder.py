@@ -24,6 +24,7 @@ from ninfer.models.quant.half_weights import store_half_weights_
 log = logging.getLogger("ninfer.engine")
 
 KV_HEADROOM_BYTES = 1 << 30  # --kv-capacity auto leaves this much device memory free
+_AUTO_LEDGER: dict[str, int] = {}  # the last auto sizing's terms, for the server_start record
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,11 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         engine = dataclasses.replace(engine, kv_capacity=_auto_kv_tokens(model, artifact.tokenizer, engine))
     core = EngineCore(model, artifact.tokenizer, engine)
     kv = core.runner.kv_cache
+    core.memory_ledger.update(_AUTO_LEDGER if spec.kv_capacity_auto else {})
+    core.memory_ledger.update(
+        kv_pool=kv.k.numel() * kv.k.element_size() * 2,
+        state_slots=engine.num_state_slots * state_image_bytes(model),
+    )
     host = core.runner.host_states
     log.info(
         "KV pool: %d tokens in %d pages (%.1f MiB) · state slots: %d (%d active + %d checkpoint)"
@@ -184,4 +190,6 @@ def _auto_kv_tokens(model, tokenizer, engine: EngineConfig) -> int:
         states / gib, KV_HEADROOM_BYTES / gib, max(0, budget) / gib, min(tokens, usable),
         f" (all that {engine.num_state_slots} slots x --max-context can use)" if usable < tokens else "",
     )
+    _AUTO_LEDGER.update(free_after_weights=free, worst_step=worst_step, decode_graphs=graphs, state_slots=states,
+                        headroom=KV_HEADROOM_BYTES, kv_budget=max(0, budget))
     return min(tokens, usable)

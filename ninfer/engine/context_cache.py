@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ninfer.common_prefix import common_prefix_len
 from ninfer.contract.reuse_path import ReusePath
+from ninfer.engine.cache_counters import CacheCounters
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.state_pool import StatePool
 
@@ -81,6 +82,7 @@ class ContextCache:
     host_kv_pool: KVPool | None = None  # pinned host KV pages (None: no host KV tier)
     checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
     version: int = 0  # changes whenever a checkpoint is added, removed or used (planner caches by it)
+    counters: CacheCounters = field(default_factory=CacheCounters)
     _ids: itertools.count = field(default_factory=itertools.count)
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -145,6 +147,7 @@ class ContextCache:
         ck.continuation = continuation
         self.touch(ck)
         self.checkpoints[ck.checkpoint_id] = ck
+        self.counters.captures[ReusePath(path).value] += 1
         self._enforce_limits(ck)
         return ck
 
@@ -181,6 +184,10 @@ class ContextCache:
         del self.checkpoints[checkpoint.checkpoint_id]
         self.version += 1
         if release_resources:
+            self.counters.drops += 1
+        else:
+            self.counters.adoptions += 1
+        if release_resources:
             self.kv_pool.release(checkpoint.pages)
             if checkpoint.host_pages is not None:
                 self.host_kv_pool.release(checkpoint.host_pages)
@@ -197,6 +204,7 @@ class ContextCache:
         device_pages = checkpoint.pages
         self.kv_pool.release(device_pages)
         checkpoint.pages, checkpoint.host_pages = [], list(host_pages)
+        self.counters.kv_spills += 1
         return device_pages
 
     def move_kv_to_device(self, checkpoint: Checkpoint, device_pages: list[int]) -> list[int]:
@@ -206,6 +214,7 @@ class ContextCache:
             raise ValueError(f"checkpoint {checkpoint.checkpoint_id}: cannot move its KV to the device")
         self.host_kv_pool.release(host_pages)
         checkpoint.pages, checkpoint.host_pages = list(device_pages), None
+        self.counters.kv_restores += 1
         return host_pages
 
     def move_to_host(self, checkpoint: Checkpoint, host_slot: int) -> int:
@@ -215,6 +224,7 @@ class ContextCache:
             raise ValueError(f"checkpoint {checkpoint.checkpoint_id} is not on the device")
         self.state_pool.release(device_slot)
         checkpoint.state_slot, checkpoint.host_slot = None, host_slot
+        self.counters.state_spills += 1
         return device_slot
 
     def pages_freed_by_evicting(self, victims: list[Checkpoint]) -> list[int]:

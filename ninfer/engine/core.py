@@ -22,16 +22,25 @@ from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishR
 from ninfer.contract.request import EngineRequest
 from ninfer.engine.context_cache import CacheLimits, ContextCache
 from ninfer.engine.context_costs import resolve_context_costs
+from ninfer.engine.host_work import HostWork
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.runner import ModelRunner
-from ninfer.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep
+from ninfer.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep, StepKind
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.causal_lm import CausalLM
 
 log = logging.getLogger("ninfer.engine")
+
+def _work_class(step: SchedulerStep) -> str:
+    """host_work's class of a step: decode rounds, steps that compute prompt tokens, and the
+    rest (slot moves only)."""
+    if not step.chunks:
+        return "control"
+    return "decode" if step.kind is StepKind.DECODE else "prefill"
+
 
 # Steps failing one after another mean the engine itself is broken, not one request's step.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -120,6 +129,11 @@ class EngineCore:
         self.decode_overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._inflight: PendingStep | None = None  # launched, not yet committed
         self._consecutive_failures = 0
+        self._work = HostWork()  # this interval's host and device-wait seconds by phase and class
+        # Device memory by use in bytes (KV pool, state slots, and with --kv-capacity auto the
+        # measured worst step, graphs and headroom); the builder fills it.
+        self.memory_ledger: dict[str, int] = {}
+        self.stats_records: list[dict] = []  # throughput records not yet published
         self._last_stats_at = clock()
         self._host_active_s = 0.0
 
@@ -130,11 +144,15 @@ class EngineCore:
     def add_request(self, request: EngineRequest) -> list[EngineOutput]:
         if self.failed is not None:
             return [self._failure_output(request.request_id, request)]
+        started = time.perf_counter()
         error = self.scheduler.add(request)
+        self._work.add("control", "engine_boundary", time.perf_counter() - started)
         return [error] if error is not None else []
 
     def abort(self, request_id: str) -> list[EngineOutput]:
+        started = time.perf_counter()
         out = self.scheduler.abort(request_id)
+        self._work.add("control", "engine_boundary", time.perf_counter() - started)
         return [out] if out is not None else []
 
     def step(self) -> list[EngineOutput]:
@@ -149,7 +167,9 @@ class EngineCore:
             if current is None:
                 step = self.scheduler.schedule()
                 if step is None:
-                    return self.scheduler.take_pending_outputs()
+                    outputs = self.scheduler.take_pending_outputs()
+                    self._work.add("control", "engine_maintenance", time.perf_counter() - started)
+                    return outputs
                 launched.append(step)
                 current = self.runner.launch(step)
             else:
@@ -160,14 +180,26 @@ class EngineCore:
                 if ahead is not None:
                     launched.append(ahead)
                     self._inflight = self.runner.launch(ahead)
-            outputs = self.scheduler.update(current.step, current.result())
+            submitted = time.perf_counter()
+            sampled = current.result()
+            read = time.perf_counter()
+            work_class = _work_class(current.step)
+            self.scheduler.charge(current.step, "program_submit", submitted - started, device_wait=read - submitted)
+            outputs = self.scheduler.update(current.step, sampled)
+            committed = time.perf_counter()
+            self.scheduler.charge(current.step, "engine_commit_output", committed - read)
+            self._work.add(work_class, "program_submit", submitted - started)
+            self._work.add(work_class, "device_wait", read - submitted)
+            self._work.add(work_class, "engine_commit_output", committed - read)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
             log.exception("engine step failed")
             return self._contain(launched, exc)
         finally:
             self._host_active_s += time.perf_counter() - started
         self._consecutive_failures = 0
+        maintenance_started = time.perf_counter()
         self._maybe_log_stats()
+        self._work.add(work_class, "engine_maintenance", time.perf_counter() - maintenance_started)
         return outputs
 
     def _contain(self, launched: list[SchedulerStep], exc: Exception) -> list[EngineOutput]:
@@ -222,7 +254,10 @@ class EngineCore:
     def reset_stats(self) -> None:
         """Start the throughput record afresh (the warm-up's synthetic work is not the server's)."""
         self.scheduler.stats.reset()
+        self.cache.counters.take(len(self.cache))
         self._host_active_s = 0.0
+        self._work = HostWork()
+        self.stats_records.clear()
         self._last_stats_at = self.clock()
 
     def _maybe_log_stats(self) -> None:
@@ -232,26 +267,107 @@ class EngineCore:
             return
         elapsed = now - self._last_stats_at
         stats = self.scheduler.stats.reset()
-        host = self._host_active_s
+        active = self._host_active_s
         self._host_active_s = 0.0
         self._last_stats_at = now
+        work = self._work
+        self._work = HostWork()
         if not (stats.prefill_tokens or stats.decode_tokens):
             return
+        # Rates over the time the engine worked: an interval that began with an idle gap would
+        # otherwise read as slow.
+        busy = max(min(active, elapsed), 1e-9)
         running = self.scheduler.running
         prefilling = sum(1 for s in running if s.is_prefilling)
         avg_batch = stats.decode_rows / stats.decode_rounds if stats.decode_rounds else 0.0
         parts = []
         if stats.prefill_tokens:
-            parts.append(f"prefill {stats.prefill_tokens / elapsed:,.0f} tok/s ({stats.prefill_tokens} tok)")
+            parts.append(f"prefill {stats.prefill_tokens / busy:,.0f} tok/s ({stats.prefill_tokens} tok)")
         if stats.decode_tokens:
-            parts.append(f"decode {stats.decode_tokens / elapsed:,.1f} tok/s ({stats.decode_tokens} tok)")
+            parts.append(f"decode {stats.decode_tokens / busy:,.1f} tok/s ({stats.decode_tokens} tok)")
         parts.append(f"running {len(running)} (prefill {prefilling}, decode {len(running) - prefilling})")
         if self.scheduler.waiting:
             parts.append(f"waiting {len(self.scheduler.waiting)}")
         if stats.decode_rounds:
             parts.append(f"batch {avg_batch:.1f}")
+        host = work.host_total
         parts.append(f"host {host:.2f}s ({100 * host / elapsed:.0f}%)")
         log.info("throughput: %s", " · ".join(parts))
+        self.stats_records.append({
+            "interval_seconds": elapsed,
+            "active_seconds": busy,
+            "prefill_tokens": stats.prefill_tokens,
+            "decode_tokens": stats.decode_tokens,
+            "decode_rounds": stats.decode_rounds,
+            "decode_row_rounds": stats.decode_rows,
+            "average_size": avg_batch if stats.decode_rounds else None,
+            "running": len(running),
+            "prefilling": prefilling,
+            "decode_ready": len(running) - prefilling,
+            "waiting": len(self.scheduler.waiting),
+            "materializing": 0,
+            "capture_pending": 0,
+            "terminal_pending": len(self.scheduler.draining),
+            **self._resource_gauges(),
+            "host_work": work.to_record(stats.decode_rounds, stats.decode_rows),
+            "context_cache": self.cache.counters.take(len(self.cache)),
+        })
+
+    def take_stats_records(self) -> list[dict]:
+        """Throughput records since the last call (the loop publishes them to the API process)."""
+        records, self.stats_records = self.stats_records, []
+        return records
+
+    def _resource_gauges(self) -> dict[str, int]:
+        host_kv = self.cache.host_kv_pool
+        return {
+            "kv_pages_used": self.kv_pool.num_used,
+            "kv_pages_total": self.kv_pool.num_pages,
+            "state_slots_used": self.state_pool.num_slots - self.state_pool.num_free,
+            "state_slots_total": self.state_pool.num_slots,
+            "host_state_slots_used": self.cache.host_pool.num_slots - self.cache.host_pool.num_free,
+            "host_state_slots_total": self.cache.host_pool.num_slots,
+            "host_kv_pages_used": host_kv.num_used if host_kv else 0,
+            "host_kv_pages_total": host_kv.num_pages if host_kv else 0,
+            "checkpoints": len(self.cache),
+        }
+
+    def describe(self) -> dict:
+        """The engine's resolved capacities and device, for the server_start record."""
+        import torch
+
+        config = self.config
+        device = self.runner.device
+        return {
+            "capacities": {
+                "max_concurrency": config.max_concurrency,
+                "max_context": config.max_context,
+                "kv_tokens": config.num_kv_pages * config.page_size,
+                "kv_pages": config.num_kv_pages,
+                "page_size": config.page_size,
+                "prefill_chunk": config.prefill_chunk,
+                "mixed_prefill_chunk": config.mixed_prefill_chunk,
+                "device_state_slots": config.num_state_slots,
+                "host_state_slots": config.num_host_state_slots,
+                "host_kv_pages": self.cache.host_kv_pool.num_pages if self.cache.host_kv_pool else 0,
+                "max_private_continuations": config.num_private_continuations,
+                "max_shared_prefixes": config.num_shared_prefixes,
+                "max_long_anchors_per_continuation": config.num_long_anchors,
+                "prefix_reuse": config.prefix_reuse,
+            },
+            "cuda_graph_batch_sizes": sorted(self.runner.graphs.batch_sizes) if self.runner.graphs else [],
+            "decode_overlap": self.decode_overlap,
+            "memory": dict(self.memory_ledger),
+            "context_costs": {"source": self.context_costs.source,
+                              "prefill_seconds_per_token": self.context_costs.prefill_seconds_per_token,
+                              "host_transfer_bytes_per_second": self.context_costs.host_transfer_bytes_per_second},
+            "device": {
+                "type": device.type,
+                "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "torch": str(torch.__version__),
+                "cuda": torch.version.cuda,
+            },
+        }
 
     def pool_accounting(self) -> dict[str, int]:
         """Resource usage for tests and /health diagnostics."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ninfer.contract.messages import Abort, AddRequest, Failed, FromEngine, Outputs, Shutdown, ToEngine
+from ninfer.contract.messages import Abort, AddRequest, Failed, FromEngine, Outputs, Shutdown, Stats, ToEngine
 from ninfer.engine.core import EngineCore
 
 log = logging.getLogger("ninfer.engine")
@@ -45,6 +45,8 @@ class EngineLoop:
                 outputs.extend(self.core.step())
             if outputs:
                 self.publish(Outputs(outputs))
+            for record in self.core.take_stats_records():
+                self.publish(Stats(record))
             if self.core.failed is not None and not reported_failure:
                 reported_failure = True
                 self.publish(Failed(self.core.failed))

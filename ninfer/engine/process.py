@@ -45,7 +45,7 @@ def engine_process_main(
         log.exception("engine start-up failed")
         push.send(encode(Failed(f"start-up failed: {type(exc).__name__}: {exc}")))
         return
-    push.send(encode(Ready({"pid": os.getpid()})))
+    push.send(encode(Ready({"pid": os.getpid(), **core.describe()})))
 
     def receive(timeout: float | None) -> ToEngine | None:
         if timeout is None:

@@ -25,6 +25,7 @@ from ninfer.server.engine_client import Overloaded
 from ninfer.server.errors import APIError
 from ninfer.server.generation import FinishEvent, Generation, GenerationOptions, ProgressEvent, race_disconnect
 from ninfer.server.http import read_json, request_id_of
+from ninfer.server.request_record import RequestRecord
 from ninfer.server.serving import Serving
 from ninfer.server.sse import with_keepalive
 
@@ -68,6 +69,7 @@ class Wire(abc.ABC):
 
 
 class Protocol(abc.ABC):
+    name = "protocol"  # its label in the request log (openai_chat, openai_responses, anthropic_messages)
     prompt_param = "messages"  # the field a prompt-rendering error names
 
     @abc.abstractmethod
@@ -114,19 +116,38 @@ async def generate(request: Request, serving: Serving, protocol: Protocol) -> Re
     """POST of a generation endpoint: the whole lifecycle (module docstring)."""
     try:
         parsed = await _parse(request, protocol.parse, serving)
-        ticket = reserve(serving)
     except APIError as error:
         raise protocol.map_error(error) from None
     request_id = request_id_of(request)
+    record = RequestRecord(serving.events, request_id, protocol.name, parsed)
+    ticket = None
     try:
+        ticket = reserve(serving)
         prepared: PreparedPrompt = await prepare_prompt(serving, parsed.conversation, protocol.prompt_param)
-        generation = Generation(serving, request_id, prepared, parsed.options, ticket)
+        generation = Generation(serving, request_id, prepared, parsed.options, ticket, record)
+        generation.check_fits()
+    except APIError as error:
+        mapped = protocol.map_error(error)
+        record.rejected(mapped)
+        if ticket is not None:
+            ticket.release()
+        raise mapped from None
+    except BaseException:
+        record.error("cancelled", message="the client went away during preparation")
+        if ticket is not None:
+            ticket.release()
+        raise
+    record.start(generation)
+    try:
         await race_disconnect(request.receive, generation.start())
         wire = protocol.wire(parsed, generation, request_id)
     except APIError as error:
+        mapped = protocol.map_error(error)
+        record.error("admission", mapped)
         ticket.release()
-        raise protocol.map_error(error) from None
-    except BaseException:
+        raise mapped from None
+    except BaseException as error:
+        record.error("cancelled", message=f"{type(error).__name__} before admission")
         ticket.release()
         raise
     if parsed.stream:
@@ -138,7 +159,12 @@ async def generate(request: Request, serving: Serving, protocol: Protocol) -> Re
     try:
         payload = await race_disconnect(request.receive, _aggregate(wire, generation))
     except APIError as error:
-        raise protocol.map_error(error) from None
+        mapped = protocol.map_error(error)
+        record.error("generation", mapped)
+        raise mapped from None
+    except BaseException as error:
+        record.error("cancelled", message=f"{type(error).__name__} during generation")
+        raise
     finally:
         ticket.release()
     return JSONResponse(payload)
@@ -178,11 +204,17 @@ async def _stream(protocol: Protocol, wire: Wire, generation: Generation, ticket
             for frame in frames:
                 yield frame
     except APIError as error:
-        for frame in wire.error(protocol.map_error(error)):
+        mapped = protocol.map_error(error)
+        generation.record.error("generation", mapped)
+        for frame in wire.error(mapped):
             yield frame
     except Exception:
         log.exception("request %s: the stream failed", request_id)
-        for frame in wire.error(APIError(500, "internal server error", code="internal_error")):
+        error = APIError(500, "internal server error", code="internal_error")
+        generation.record.error("generation", error)
+        for frame in wire.error(error):
             yield frame
     finally:
+        # A stream left early (the client went away) ends here without an outcome.
+        generation.record.error("cancelled", message="the stream was closed before the generation finished")
         ticket.release()

@@ -40,6 +40,7 @@ from ninfer.contract.messages import (
     Outputs,
     Ready,
     Shutdown,
+    Stats,
     ToEngine,
     decode_from_engine,
     encode,
@@ -108,6 +109,8 @@ class EngineClient:
         self._outstanding = 0
         self._lock = threading.Lock()
         self.failure: str | None = None  # why the engine is not serving (restarting or failed for good)
+        self.engine_info: dict = {}  # what the engine reported when it became ready (capacities, device)
+        self.on_stats: Callable[[dict], None] | None = None  # throughput records, on the event loop thread
         self._ready: asyncio.Future[None] | None = None  # set while an engine starts; done at Ready or failure
         self._start_error: Exception | None = None  # why the start in progress failed
         self._engine_ready = False  # the current engine reached Ready, so it can be stopped gracefully
@@ -183,10 +186,13 @@ class EngineClient:
                 if stream is not None:
                     stream.put_nowait(self._with_failure_notice(out))
         elif isinstance(message, Ready):
+            self.engine_info = dict(message.info)
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(None)
         elif isinstance(message, Failed):
             self._engine_down(message.message)
+        elif isinstance(message, Stats) and self.on_stats is not None:
+            self.on_stats(message.record)
 
     def _with_failure_notice(self, out: EngineOutput) -> EngineOutput:
         """The engine ends its own requests on an engine-wide failure just before it reports
@@ -381,7 +387,8 @@ class InProcessEngineClient(EngineClient):
     def _on_built(self, generation: int, core: object) -> None:
         if generation == self._generation:
             self.core = core
-            self._dispatch(Ready({}))
+            describe = getattr(core, "describe", None)
+            self._dispatch(Ready(describe() if describe is not None else {}))
 
     def _send(self, message: ToEngine) -> None:
         self._inbox.put(message)

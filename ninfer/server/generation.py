@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ninfer.contract.output import EngineOutput, ErrorCode, FinishReason, PromptProgress
 from ninfer.contract.request import CaptureHint, EngineRequest
@@ -23,6 +25,9 @@ from ninfer.frontend.tool_call_parser import FallbackReason
 from ninfer.server.engine_client import EngineUnavailable, Ticket
 from ninfer.server.errors import APIError
 from ninfer.server.serving import Serving
+
+if TYPE_CHECKING:
+    from ninfer.server.request_record import RequestRecord
 from ninfer.server.timings import Timings, compute_timings
 
 log = logging.getLogger("ninfer.server")
@@ -91,8 +96,13 @@ class Generation:
         prepared: PreparedPrompt,
         options: GenerationOptions,
         ticket: Ticket,
+        record: RequestRecord | None = None,
     ):
         self.serving = serving
+        self.record = record  # its measurement events (request_done is emitted here)
+        self.forced_tokens = 0  # committed without sampling (a thinking budget's close)
+        self._inter_token_seconds: list[float] = []
+        self._last_token_at: float | None = None
         self.request_id = request_id
         self.prepared = prepared
         self.options = options
@@ -133,8 +143,8 @@ class Generation:
     def new_id(prefix: str) -> str:
         return f"{prefix}{uuid.uuid4().hex}"
 
-    async def start(self) -> None:
-        """Send the request and wait for admission; engine preparation errors raise APIError."""
+    def check_fits(self) -> None:
+        """Part of preparation: a prompt beyond the context ceiling never reaches the engine."""
         if self.prompt_tokens > self.serving.max_model_len:
             raise APIError(
                 400,
@@ -142,6 +152,10 @@ class Generation:
                 code="context_length_exceeded",
                 param="messages",
             )
+
+    async def start(self) -> None:
+        """Send the request and wait for admission; engine preparation errors raise APIError."""
+        self.check_fits()
         try:
             self._stream = self.serving.engine.generate(self.engine_request)
             first = await self._stream.__anext__()
@@ -184,6 +198,8 @@ class Generation:
                     for event in self.decoder.finish():
                         yield event
                     self._log_done(out)
+                    if self.record is not None:
+                        self.record.done(self, out, self._inter_token_seconds)
                     yield FinishEvent(out.finish_reason, out.stop_reason)
                     return
         finally:
@@ -195,6 +211,12 @@ class Generation:
             await stream.aclose()  # aborts the request in the engine if it is still running
 
     def _absorb(self, out: EngineOutput) -> None:
+        if out.new_token_ids:
+            now = time.monotonic()
+            if self._last_token_at is not None:
+                self._inter_token_seconds.append(now - self._last_token_at)
+            self._last_token_at = now
+        self.forced_tokens += out.forced_token_count
         self.last = out
         self.cached_tokens = out.cached_tokens
         self.completion_tokens = out.completion_tokens

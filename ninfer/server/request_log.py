@@ -17,13 +17,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ninfer.config import ConfigValueError
+
 log = logging.getLogger("ninfer.server")
 
 QUEUE_EVENTS = 65536
 _STOP = object()
 
 
-class RequestLogError(ValueError):
+class RequestLogError(ConfigValueError):
     """The log file cannot be used; the message names the option and the reason."""
 
 

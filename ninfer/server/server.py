@@ -25,6 +25,7 @@ from ninfer.engine.builder import EngineSpec, build_engine_core
 from ninfer.log import setup_logging
 from ninfer.server.app import create_app
 from ninfer.server.engine_client import EngineClient, InProcessEngineClient, ProcessEngineClient
+from ninfer.server.request_log import open_request_log
 from ninfer.server.serving import Serving
 
 log = logging.getLogger("ninfer.server")
@@ -95,7 +96,14 @@ def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Servin
         client = ProcessEngineClient(config.engine, build, log_level=config.log_level)
     else:
         client = InProcessEngineClient(config.engine, build)
-    return Serving.create(config, artifact, client)
+    observers = []
+    if config.request_log_jsonl is not None:
+        # Before the model loads: a bad path fails start-up at once.
+        observers.append(open_request_log(config.request_log_jsonl, artifact_path))
+    serving = Serving.create(config, artifact, client)
+    serving.events.observers.extend(observers)
+    client.on_stats = lambda record: serving.events.emit("throughput", record)
+    return serving
 
 
 def serve(config: ServeConfig, kv_capacity_auto: bool = False) -> None:
@@ -127,7 +135,12 @@ def _serve_on(sock: socket.socket, config: ServeConfig, kv_capacity_auto: bool, 
 
 
 async def _run(serving: Serving, config: ServeConfig, started: float, sock: socket.socket) -> None:
-    await serving.engine.start()
+    try:
+        await serving.engine.start()
+    except BaseException:
+        serving.events.close()
+        raise
+    serving.record_server_start()
     server = _Server(
         uvicorn.Config(
             create_app(serving),
@@ -146,4 +159,5 @@ async def _run(serving: Serving, config: ServeConfig, started: float, sock: sock
     finally:
         log.info("shutting down")
         await serving.engine.shutdown()
+        serving.events.close()
     log.info("stopped")

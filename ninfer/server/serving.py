@@ -7,6 +7,7 @@ Endpoints read it; nothing in it changes while serving.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -20,8 +21,8 @@ from ninfer.frontend.sampling_defaults import SamplingDefaults
 from ninfer.frontend.template import ChatTemplate
 from ninfer.server.engine_client import EngineClient
 from ninfer.server.openai_responses.store import ResponseStore
-from ninfer.server.request_events import RequestEvents
 from ninfer.server.request_context import RequestContext
+from ninfer.server.request_events import RequestEvents
 
 log = logging.getLogger("ninfer.server")
 
@@ -91,6 +92,35 @@ class Serving:
             response_store=ResponseStore(config.response_store_max_records, config.response_store_max_mib << 20),
         )
 
+    def record_server_start(self) -> None:
+        """The server_start event: identity, capacities, sampler and thinking defaults, memory, device."""
+        config = self.config
+        info = dict(self.engine.engine_info)
+        info.pop("pid", None)
+        artifact_config = self.artifact.config
+        self.events.emit("server_start", {
+            "identity": {
+                "model_id": self.model_id,
+                "artifact": config.artifact,
+                "model_type": artifact_config.model_type,
+                "dtype": config.dtype,
+            },
+            "sampler_defaults": self.sampling_defaults.describe(),
+            "sampler_overrides": {k: v for k, v in dataclasses.asdict(config.sampling).items() if v is not None},
+            "thinking": {
+                "default_enabled": not config.no_thinking and self.capabilities.thinking_default,
+                "supported": self.capabilities.supports_thinking,
+                "preserve_thinking": config.preserve_thinking,
+                "default_thinking_budget": config.default_thinking_budget,
+            },
+            "default_max_tokens": config.default_max_tokens,
+            "max_pending_requests": config.engine.max_pending_requests,
+            "pending_timeout_ms": config.engine.pending_timeout_ms,
+            **info,
+            "vision_workspace": None,
+            "argv": redacted_argv(config.argv, config.api_key),
+        })
+
     @property
     def request_context(self) -> RequestContext:
         return RequestContext(self.model_id, self.capabilities, self.config.default_max_tokens)
@@ -105,6 +135,26 @@ class Serving:
         if not thinking or budget is None or self.think_end_token_id is None:
             return None
         return ThinkingBudget(budget, self.thinking_close_ids, self.think_end_token_id)
+
+
+def redacted_argv(argv: tuple[str, ...], api_key: str | None) -> list[str]:
+    """The command line with the API key's value replaced (as its own word or after '=')."""
+    out = []
+    hide_next = False
+    for word in argv:
+        if hide_next:
+            out.append("<redacted>")
+            hide_next = False
+        elif word == "--api-key":
+            out.append(word)
+            hide_next = True
+        elif word.startswith("--api-key="):
+            out.append("--api-key=<redacted>")
+        elif api_key and api_key in word:
+            out.append(word.replace(api_key, "<redacted>"))
+        else:
+            out.append(word)
+    return out
 
 
 def _stop_token_ids(artifact: Artifact) -> list[int]:

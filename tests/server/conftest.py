@@ -50,6 +50,7 @@ class RunningServer:
     async def _main(self) -> None:
         try:
             await self.serving.engine.start()
+            self.serving.record_server_start()
             config = uvicorn.Config(create_app(self.serving), log_config=None, access_log=False, lifespan="off")
             self._server = uvicorn.Server(config)
         except BaseException as exc:  # noqa: BLE001 - surfaced to the test

@@ -266,6 +266,7 @@ class Admission:
         if cow_src is not None:
             # Runs before any forward writes, so the source still holds the prefix's tokens.
             self.actions.append(CopyPage(cow_src, private[0]))
+            self.cache.counters.cow_pages += 1
         if plan.adopt:
             self.cache.remove(ck, release_resources=False)  # its page references and slot become ours
             if cow_src is not None:
@@ -279,12 +280,18 @@ class Admission:
             if hit is not None and hit.is_exact_frontier:
                 if ck.on_host:
                     self.actions.append(RestoreSlot(ck.host_slot, seq.state_slot))
+                    self.cache.counters.state_restores += 1
                 else:
                     self.actions.append(CopySlot(ck.state_slot, seq.state_slot))
                 self.cache.touch(ck)
             else:
                 self.actions.append(ResetSlot(seq.state_slot))
         seq.reuse_path = ck.path if ck is not None else ReusePath.ROOT
+        if ck is not None:
+            self.cache.counters.hits[ReusePath(ck.path).value] += 1
+            self.cache.counters.hit_tokens += reused
+        else:
+            self.cache.counters.misses += 1
         if ck is not None and not ck.shared:
             seq.continuation = ck.continuation  # resuming a private checkpoint continues its conversation
         else:

@@ -30,6 +30,13 @@ def final_output(seq: Sequence, reason: FinishReason, stop_reason: int | str | N
     out = delta_output(seq)
     out.finish_reason = reason
     out.stop_reason = stop_reason
+    timing = seq.engine_timing
+    if seq.timings.admitted is not None:
+        timing.queue_wait_seconds = seq.timings.admitted - seq.timings.arrived
+    host = timing.host_exposed_seconds
+    host.total = (host.engine_boundary + host.program_submit + host.program_post + host.engine_commit_output
+                  + host.engine_maintenance)
+    out.engine_timing = timing
     return out
 
 

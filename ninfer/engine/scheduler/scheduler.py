@@ -303,6 +303,28 @@ class Scheduler:
         self._pending_actions.clear()  # the list is shared with admission and capture
         return actions
 
+    # ---- accounting ----------------------------------------------------------------
+    def charge(self, step: SchedulerStep, phase: str, seconds: float, device_wait: float = 0.0) -> None:
+        """Add a step's host time in `phase` (a HostExposure field) and its device wait to every
+        request in it: each of them waited for the whole step."""
+        by_id = {s.request_id: s for s in self.running}
+        for chunk in step.chunks:
+            seq = by_id.get(chunk.request_id) or self._draining.get(chunk.request_id)
+            if seq is None:
+                continue
+            timing = seq.engine_timing
+            host = timing.host_exposed_seconds
+            setattr(host, phase, getattr(host, phase) + seconds)
+            timing.device_wait_exposed_seconds += device_wait
+            if seq.is_prefilling or not chunk.token_ids:
+                if phase == "program_submit":
+                    timing.units.prefill += 1
+            else:
+                timing.decode.host_exposed_seconds += seconds
+                timing.decode.device_wait_seconds += device_wait
+                if phase == "program_submit":
+                    timing.decode.rounds += 1
+
     # ---- commit --------------------------------------------------------------------
     def update(self, step: SchedulerStep, sampled: dict[str, int]) -> list[EngineOutput]:
         """Apply the runner's sampled tokens (request id -> token) for a finished step."""

@@ -29,6 +29,7 @@ TIMEOUT = 504
 
 
 class MessagesProtocol(Protocol):
+    name = "anthropic_messages"
     prompt_param = "messages"
 
     def parse(self, body: object, serving: Serving) -> MessagesRequest:

@@ -14,6 +14,7 @@ from ninfer.server.serving import Serving
 
 
 class ChatProtocol(Protocol):
+    name = "openai_chat"
     prompt_param = "messages"
 
     def parse(self, body: object, serving: Serving) -> ChatRequest:

@@ -54,6 +54,7 @@ class ResponsesCreate(ParsedRequest):
 
 
 class ResponsesProtocol(Protocol):
+    name = "openai_responses"
     prompt_param = "input"
 
     def parse(self, body: object, serving: Serving) -> ResponsesCreate:
