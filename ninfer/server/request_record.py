@@ -9,6 +9,7 @@ sampler settings and timings — never prompt or output text, tool arguments or 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,8 @@ from ninfer.server.request_events import RequestEvents
 if TYPE_CHECKING:
     from ninfer.server.endpoint import ParsedRequest
     from ninfer.server.generation import Generation
+
+log = logging.getLogger("ninfer.server")
 
 SPECULATIVE_OFF = {
     "backend": None,
@@ -53,6 +56,9 @@ class RequestRecord:
         if self.finished:
             return
         self.finished = True
+        # Status and code only: a client's message may quote its own input.
+        log.info("request %s rejected (%s): %d %s%s · %.2fs", self.request_id, self.protocol, error.status,
+                 error.code or error.type, f" ({error.param})" if error.param else "", time.monotonic() - self.started)
         self._emit("request_rejected", {
             "phase": "prepare",
             **self.shape,
@@ -140,7 +146,13 @@ class RequestRecord:
         if self.finished:
             return
         self.finished = True
-        fields: dict[str, Any] = {"phase": phase, "elapsed_seconds": time.monotonic() - self.started}
+        elapsed = time.monotonic() - self.started
+        if phase == "cancelled":
+            log.info("request %s cancelled (%s): the client went away · %.2fs", self.request_id, self.protocol, elapsed)
+        else:
+            status = f"{error.status} {error.code or error.type}" if error is not None else "no status"
+            log.warning("request %s failed in %s (%s): %s · %.2fs", self.request_id, phase, self.protocol, status, elapsed)
+        fields: dict[str, Any] = {"phase": phase, "elapsed_seconds": elapsed}
         fields.update(_error_fields(error) if error is not None else
                       {"status": None, "type": None, "code": None, "param": None, "message": message})
         self._emit("request_error", fields)

@@ -129,3 +129,18 @@ def test_throughput_record_reports_interval_counters(llama, caplog):
     assert any("prefill" in r and "tok/s" in r for r in records)
     assert any("decode" in r and "batch" in r for r in records)
     assert all("\x1b[" not in r for r in records)
+
+
+def test_debug_records_show_every_planning_decision(llama, caplog):
+    config = EngineConfig(max_concurrency=1, max_context=256, log_stats_interval_ms=0)
+    core = EngineCore(llama, make_byte_tokenizer(), config)
+    with caplog.at_level(logging.DEBUG, logger="ninfer.engine"):
+        core.add_request(greedy("a", max_new=3))
+        run_to_end(core)
+        again = EngineRequest("b", PROMPTS[0], SamplingParams(temperature=0.0), max_new_tokens=3)
+        core.add_request(again)
+        run_to_end(core)
+    records = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(r.startswith("admit a: prompt") and "from root" in r for r in records), records
+    assert any(r.startswith("admit b: prompt") and "from checkpoint" in r for r in records), records
+    assert any("captures checkpoint" in r for r in records), records

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ from ninfer.engine.scheduler.step import (
 from ninfer.engine.sequence import Sequence, SequenceStatus
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
+
+log = logging.getLogger("ninfer.engine")
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,15 @@ class Admission:
             else:
                 self.actions.append(ResetSlot(seq.state_slot))
         seq.reuse_path = ck.path if ck is not None else ReusePath.ROOT
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "admit %s: prompt %d, reuse %d from %s%s · %d private pages%s%s",
+                seq.request_id, seq.prompt_len, reused,
+                f"checkpoint {ck.checkpoint_id} ({ReusePath(ck.path).value})" if ck is not None else "root",
+                " (adopted)" if plan.adopt else "", plan.num_private_pages,
+                f" · evicts {len(plan.evict)} ({len(plan.spill_kv)} KV to host)" if plan.evict else "",
+                " · copy-on-write" if plan.cow else "",
+            )
         if ck is not None:
             self.cache.counters.hits[ReusePath(ck.path).value] += 1
             self.cache.counters.hit_tokens += reused

@@ -8,6 +8,8 @@ the cache instead of releasing them (no copy).
 
 from __future__ import annotations
 
+import logging
+
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.kv_pool import KVPool
@@ -15,6 +17,8 @@ from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.step import CopySlot, SlotAction
 from ninfer.engine.sequence import Sequence
 from ninfer.engine.state_pool import StatePool
+
+log = logging.getLogger("ninfer.engine")
 
 
 class Checkpoints:
@@ -55,7 +59,9 @@ class Checkpoints:
         slot = self.state_pool.allocate()
         pages = seq.pages[: self.kv_pool.pages_for(frontier)]
         self.kv_pool.share(pages)
-        self.cache.insert(tokens, pages, slot, ReusePath(path), seq.request.session_key, seq.continuation)
+        ck = self.cache.insert(tokens, pages, slot, ReusePath(path), seq.request.session_key, seq.continuation)
+        log.debug("cache: %s captures checkpoint %d at %d tokens (%s)", seq.request_id, ck.checkpoint_id, frontier,
+                  ReusePath(path).value)
         # Runs before the next forward, so it still sees the state right after this frontier.
         self.actions.append(CopySlot(seq.state_slot, slot))
 

@@ -11,9 +11,13 @@ SpillSlot action, ordered before any later action or forward that reuses the dev
 
 from __future__ import annotations
 
+import logging
+
 from ninfer.engine.context_cache import Checkpoint, ContextCache
 from ninfer.engine.scheduler.planner import CachePlanner
 from ninfer.engine.scheduler.step import SlotAction, SpillSlot
+
+log = logging.getLogger("ninfer.engine")
 
 
 class Placement:
@@ -51,8 +55,12 @@ class Placement:
         device_slot = self.cache.move_to_host(victim, host_slot)
         self.actions.append(SpillSlot(device_slot, host_slot))
         self.num_spills += 1
+        log.debug("cache: checkpoint %d (%d tokens, %s) spills its state to host slot %d (loss if dropped %.3fs)",
+                  victim.checkpoint_id, victim.frontier, victim.path, host_slot, loss[victim.checkpoint_id])
         return True
 
     def _drop(self, checkpoint: Checkpoint) -> None:
+        log.debug("cache: checkpoint %d (%d tokens, %s) dropped to free a device slot", checkpoint.checkpoint_id,
+                  checkpoint.frontier, checkpoint.path)
         self.cache.remove(checkpoint)
         self.num_drops += 1
