@@ -15,6 +15,7 @@ import torch
 from ninfer.assets.qwen_tokenizer import cache_dir
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
+from ninfer.engine.faults import install_faults
 from ninfer.engine.host_kv import HostKV
 from ninfer.engine.warm_up import run_warm_up
 from ninfer.kernels.backend import persist_compile_caches
@@ -145,6 +146,7 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         )
     if not on_cpu:
         run_warm_up(core)  # compiles and autotunes every step shape before /health turns ready
+    install_faults(core.runner)  # tests only: nothing unless NINFER_TEST_FAULTS is set
     return core
 
 
