@@ -313,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     write.add_argument("--device", help="where to build the weights (default: cuda when present, else cpu)")
     write.add_argument("--log-level", default="info", choices=list(LEVELS))
+    report = sub.add_parser("report", help="summary tables and plots of a --request-log-jsonl file")
+    report.add_argument("log", help="the JSONL file the server wrote (one or more server runs)")
+    report.add_argument("--out", help="output folder for report.md and the PNG plots (default: <log stem>-report next to the log)")
     args = parser.parse_args(argv)
     if args.command == "write-checkpoint":
         return _run_write_checkpoint(args)
@@ -320,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         return _run_serve(args, "ninfer serve")
     if args.command == "bench":
         return _run_bench(args)
+    if args.command == "report":
+        from ninfer.report import run_report
+
+        return run_report(args.log, args.out)
     return _run_chat(args)
 
 

@@ -1,0 +1,131 @@
+"""The request-log events as the report reads them: typed views of the fields it uses.
+
+Each line is converted into one of these; a line whose fields do not fit (a missing key, a
+string where a number belongs) is skipped with msgspec's message naming the field. Fields the
+report does not read are ignored, so the views stay valid as the schema adds fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class Envelope(msgspec.Struct):
+    schema: str
+    schema_version: int
+    event: str
+    timestamp_unix_ms: int
+    server_instance_id: str
+
+
+class Identity(msgspec.Struct):
+    model_id: str
+    model_type: str
+    dtype: str
+
+
+class Device(msgspec.Struct):
+    type: str
+    name: str
+
+
+class ServerStart(msgspec.Struct):
+    timestamp_unix_ms: int
+    identity: Identity
+    capacities: dict[str, Any]
+    device: Device
+
+
+class RequestStart(msgspec.Struct):
+    timestamp_unix_ms: int
+    request_id: str
+    request_seq: int
+    prompt_tokens: int
+
+
+class RequestRejected(msgspec.Struct):
+    timestamp_unix_ms: int
+    status: int | None
+    code: str | None
+
+
+class RequestTimings(msgspec.Struct):
+    ttft: float | None
+    decode: float | None
+    total: float
+
+
+class RequestDone(msgspec.Struct):
+    timestamp_unix_ms: int
+    request_id: str
+    request_seq: int
+    prompt_tokens: int
+    completion_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_reuse_path: str
+    timings_seconds: RequestTimings
+    inter_token_seconds: list[float]
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first over first-to-last token time; None without two tokens and a
+        decode time."""
+        decode = self.timings_seconds.decode
+        if self.completion_tokens < 2 or not decode:
+            return None
+        return (self.completion_tokens - 1) / decode
+
+    @property
+    def prefix_hit_fraction(self) -> float | None:
+        return self.prefix_cache_hit_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+class RequestError(msgspec.Struct):
+    timestamp_unix_ms: int
+    request_id: str
+    phase: str
+    status: int | None
+    code: str | None
+
+
+class HostElapsed(msgspec.Struct):
+    """Host-active seconds by phase; `total` is their sum."""
+
+    engine_boundary: float
+    program_submit: float
+    program_post: float
+    engine_commit_output: float
+    engine_maintenance: float
+    total: float
+
+
+HOST_PHASES = tuple(name for name in HostElapsed.__struct_fields__ if name != "total")
+
+
+class HostWork(msgspec.Struct):
+    elapsed_seconds: HostElapsed
+    device_wait_seconds: float
+
+
+class Throughput(msgspec.Struct):
+    timestamp_unix_ms: int
+    interval_seconds: float
+    active_seconds: float
+    prefill_tokens: int
+    decode_tokens: int
+    decode_rounds: int
+    decode_row_rounds: int
+    average_size: float | None
+    host_work: HostWork
+
+
+EVENT_TYPES: dict[str, type[msgspec.Struct]] = {
+    "server_start": ServerStart,
+    "request_start": RequestStart,
+    "request_rejected": RequestRejected,
+    "request_done": RequestDone,
+    "request_error": RequestError,
+    "throughput": Throughput,
+}
