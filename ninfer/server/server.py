@@ -25,6 +25,7 @@ from ninfer.engine.builder import EngineSpec, build_engine_core
 from ninfer.log import setup_logging
 from ninfer.server.app import create_app
 from ninfer.server.engine_client import EngineClient, InProcessEngineClient, ProcessEngineClient
+from ninfer.server.http_protocol import GuardedHttpProtocol
 from ninfer.server.request_log import open_request_log
 from ninfer.server.serving import Serving
 
@@ -36,6 +37,7 @@ TCP_KEEPALIVE_IDLE_S = 5
 TCP_KEEPALIVE_INTERVAL_S = 5
 TCP_KEEPALIVE_PROBES = 2
 SHUTDOWN_GRACE_S = 30  # how long a stop signal lets in-flight requests finish
+KEEP_ALIVE_S = 30  # an idle kept-alive connection is closed after this long
 
 
 class ListenError(RuntimeError):
@@ -134,6 +136,14 @@ def _serve_on(sock: socket.socket, config: ServeConfig, kv_capacity_auto: bool, 
     asyncio.run(_run(serving, config, started, sock))
 
 
+def uvicorn_config(app, **overrides) -> uvicorn.Config:
+    """The HTTP server's settings: our header guards on uvicorn's HTTP/1.1 protocol, idle
+    keep-alive connections closed after 30 s, no logging or lifespan of uvicorn's own."""
+    settings = dict(log_config=None, access_log=False, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
+                    http=GuardedHttpProtocol)
+    return uvicorn.Config(app, **{**settings, **overrides})
+
+
 async def _run(serving: Serving, config: ServeConfig, started: float, sock: socket.socket) -> None:
     try:
         await serving.engine.start()
@@ -142,14 +152,7 @@ async def _run(serving: Serving, config: ServeConfig, started: float, sock: sock
         raise
     serving.record_server_start()
     server = _Server(
-        uvicorn.Config(
-            create_app(serving),
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_keep_alive=30,
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        )
+        uvicorn_config(create_app(serving), timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     )
     host = f"[{config.host}]" if ":" in config.host else config.host
     log.info("ready in %.1fs: http://%s:%d/v1 (max context %d, concurrency %d)", time.perf_counter() - started,

@@ -22,7 +22,7 @@ from ninfer.config import EngineConfig, ServeConfig
 from ninfer.engine.core import EngineCore
 from ninfer.server.app import create_app
 from ninfer.server.engine_client import InProcessEngineClient
-from ninfer.server.server import build_serving, listen_socket
+from ninfer.server.server import build_serving, listen_socket, uvicorn_config
 from ninfer.server.serving import Serving
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.scripted_model import ScriptedLM
@@ -51,7 +51,7 @@ class RunningServer:
         try:
             await self.serving.engine.start()
             self.serving.record_server_start()
-            config = uvicorn.Config(create_app(self.serving), log_config=None, access_log=False, lifespan="off")
+            config = uvicorn_config(create_app(self.serving))
             self._server = uvicorn.Server(config)
         except BaseException as exc:  # noqa: BLE001 - surfaced to the test
             self._error = exc
