@@ -8,7 +8,7 @@ runner the server uses. Two tables:
            chunk beside them: step time and its factor over the idle batch-1 decode step (what
            --mixed-prefill-chunk does to the running requests' inter-token time), and the
            prompt rate it gives
-Timed with CUDA events after warm-up, median of --repeats.
+Timed with CUDA events after two warm-up runs, median of --repeats.
 
   python3 benchmarks/step_shapes.py --shape 27b --out results/step-shapes-27b.json
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ninfer.bench.random_weights import fill_random_, stored_parameters
+from ninfer.bench.roofline import median_ms
 from ninfer.bench.shapes import shape_config
 from ninfer.config import EngineConfig
 from ninfer.contract.sampling import SamplingParams
@@ -35,21 +35,6 @@ from ninfer.models.loader import build_model
 
 log = logging.getLogger("step_shapes")
 GREEDY = SamplingParams(temperature=0.0, seed=0)
-
-
-def timed(fn, repeats: int, warmup: int = 2) -> float:
-    """Median seconds of fn() by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000.0)
-    return statistics.median(times)
 
 
 def profile_step(fn, path: Path, label: str) -> None:
@@ -128,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        seconds = timed(lambda: runner.execute(step), args.repeats)
+        seconds = median_ms(lambda: runner.execute(step), args.repeats, warmup=2) / 1e3
         peak = torch.cuda.max_memory_allocated() - base
         row = {"tokens": tokens, "ms": seconds * 1e3, "tok_per_s": tokens / seconds, "peak_gib": peak / 2**30}
         results["prefill"].append(row)
@@ -139,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in mixed:
             chunks = decode_rows(batch) + ([prompt_chunk(tokens)] if tokens else [])
             step = SchedulerStep(StepKind.MIXED if tokens else StepKind.DECODE, chunks)
-            seconds = timed(lambda: runner.execute(step), args.repeats)
+            seconds = median_ms(lambda: runner.execute(step), args.repeats, warmup=2) / 1e3
             if batch == 1 and tokens == 0:
                 idle = seconds
             row = {"decode_rows": batch, "prompt_tokens": tokens, "ms": seconds * 1e3,

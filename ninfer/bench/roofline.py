@@ -19,7 +19,7 @@ class DeviceCeilings:
     matmul_sm_clock_mhz: float | None = None  # median SM clock while the matrix rate was measured
 
 
-def _median_ms(fn, repeats: int = 10, warmup: int = 3) -> float:
+def median_ms(fn, repeats: int = 10, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -39,7 +39,7 @@ def _copy_bytes_per_s(device: torch.device) -> float:
     num_elements = 1 << 31
     src = torch.randn(num_elements, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src))
+    ms = median_ms(lambda: dst.copy_(src))
     return 2 * num_elements * 2 / (ms / 1000.0)
 
 
@@ -47,7 +47,7 @@ def _bf16_flops_per_s(device: torch.device) -> float:
     size = 8192
     a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
-    ms = _median_ms(lambda: a @ b)
+    ms = median_ms(lambda: a @ b)
     return 2 * size**3 / (ms / 1000.0)
 
 

@@ -4,41 +4,29 @@ run under --no-prefix-reuse reuses nothing. Assertions are on reuse, never on sp
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import socket
-import sys
 from pathlib import Path
 
 import pytest
 
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
+from tests.net import free_port, load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow  # two server starts and ~50 requests: ~30 s on 2 cores
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("agent_loop", ROOT / "benchmarks" / "agent_loop.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.skipif(shutil.which("ninfer-serve") is None, reason="ninfer-serve is not installed")
 def test_two_interleaved_sessions_reuse_their_conversations(tmp_path_factory):
     artifact = make_tiny_qwen3_5(tmp_path_factory.getbasetemp() / "artifacts")
     out = tmp_path_factory.mktemp("agent-loop")
-    benchmark = load_benchmark()
+    benchmark = load_script("benchmarks/agent_loop.py", "agent_loop")
     argv = ["--serve", str(artifact), "--server-args", "--log-stats-interval-ms 0", "--prefix-tokens", "400",
             "--result-tokens", "30,90", "--turns", "4", "--max-tokens", "6", "--out", str(out),
             "--compare-no-reuse", "--no-reuse-turns", "2", "--port", str(free_port())]

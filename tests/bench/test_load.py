@@ -4,36 +4,25 @@ recorded and summarized. Assertions are on what is recorded, never on speed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
+from tests.net import free_port, load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTPUT_TOKENS = 8
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("load_benchmark", ROOT / "benchmarks" / "load.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_percentile_interpolates_between_closest_ranks():
-    percentile = load_benchmark().percentile
+    percentile = load_script("benchmarks/load.py", "load_benchmark").percentile
     assert percentile([], 50) is None
     assert percentile([7.0], 99) == 7.0
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0  # unsorted input
@@ -52,7 +41,7 @@ def test_burst_and_concurrency_record_every_request(tmp_path_factory):
             "--scenario", "burst", "--scenario", "concurrency", "--burst-requests", "3", "--prompt-tokens", "200",
             "--output-tokens", str(OUTPUT_TOKENS), "--concurrency-levels", "1,2", "--requests-per-client", "2",
             "--port", str(free_port()), "--out", str(out)]
-    assert load_benchmark().main(argv) == 0
+    assert load_script("benchmarks/load.py", "load_benchmark").main(argv) == 0
     lines = [json.loads(line) for line in (out / "load.jsonl").read_text().splitlines()]
     requests = [r for r in lines if r["record"] == "request"]
     summaries = {(s["scenario"], s["group"]): s for s in lines if s["record"] == "summary"}

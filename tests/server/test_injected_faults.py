@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from ninfer.engine.faults import parse_faults
-from tests.server.test_process_lifecycle import free_port
+from tests.net import free_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /dev/full and /proc")
 

@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from tests.net import free_port
+
 pytestmark = [
     pytest.mark.slow,  # each case starts a server process
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
@@ -22,10 +24,6 @@ pytestmark = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def engine_process_of(pid: int) -> int:

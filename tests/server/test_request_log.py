@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import openai
 import pytest
 
 from ninfer.server.request_log import open_request_log
+from tests.net import free_port
 from tests.server.conftest import serve_config, start_server, wait_until
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "docs" / "request-log.schema.json").read_text())
@@ -153,7 +153,7 @@ def test_no_prompt_or_output_text_reaches_the_log(campaign):
 
 
 def test_a_log_path_that_cannot_be_used_stops_start_up(tiny_qwen, tmp_path):
-    base = [sys.executable, "-m", "ninfer.cli", "serve", tiny_qwen, "--port", str(_free_port())]
+    base = [sys.executable, "-m", "ninfer.cli", "serve", tiny_qwen, "--port", str(free_port())]
     for path, reason in [(tmp_path / "missing" / "log.jsonl", "does not exist"),
                          (Path(tiny_qwen) / "log.jsonl", "inside the model artifact")]:
         result = subprocess.run([*base, "--request-log-jsonl", str(path)], capture_output=True, text=True, timeout=120,
@@ -165,7 +165,7 @@ def test_a_log_path_that_cannot_be_used_stops_start_up(tiny_qwen, tmp_path):
 @pytest.mark.slow
 def test_the_real_server_writes_server_start_with_the_key_redacted(tiny_qwen, tmp_path):
     log_path = tmp_path / "serve.jsonl"
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "ninfer.cli", "serve", tiny_qwen, "--port", str(port), "--api-key", "sekrit-value",
          "--request-log-jsonl", str(log_path), "--log-stats-interval-ms", "100"],
@@ -189,10 +189,6 @@ def test_the_real_server_writes_server_start_with_the_key_redacted(tiny_qwen, tm
     assert [e["event"] for e in events if e["event"].startswith("request")] == ["request_start", "request_done"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _healthy(port: int) -> bool:
