@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.net import free_port, load_script
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow  # two server starts and ~50 requests: ~30 s on 2 cores
 

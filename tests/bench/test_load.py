@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.net import free_port, load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 OUTPUT_TOKENS = 8
 
 
