@@ -7,7 +7,9 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from ninfer.server.anthropic_messages import routes as messages_routes
 from ninfer.server.errors import APIError
@@ -18,6 +20,7 @@ from ninfer.server.metrics import install_metrics
 from ninfer.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from ninfer.server.openai_chat import routes as chat_routes
 from ninfer.server.openai_responses import routes as responses_routes
+from ninfer.server.openapi import openapi_document
 from ninfer.server.serving import Serving
 
 log = logging.getLogger("ninfer.server")
@@ -32,9 +35,17 @@ def create_app(serving: Serving):
     async def _api_error(request: Request, error: APIError) -> Response:
         return error_response(request, error)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request: Request, error: StarletteHTTPException) -> Response:
+        # No route or method: the protocol's envelope too, not FastAPI's {"detail": ...}.
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        return error_response(request, APIError(error.status_code, f"{request.method} {request.url.path}: "
+                                                f"{error.detail}", code=code))
+
+    @app.exception_handler(ClientDisconnect)  # gone while its body was being read
     @app.exception_handler(ClientDisconnected)
-    async def _client_gone(request: Request, error: ClientDisconnected) -> Response:
-        # Nobody reads this response; the request was already cancelled in the engine.
+    async def _client_gone(request: Request, error: Exception) -> Response:
+        # Nobody reads this response; the request was cancelled in the engine or never started.
         log.info("request %s: client disconnected", request_id_of(request))
         return Response(status_code=499)
 
@@ -48,6 +59,12 @@ def create_app(serving: Serving):
         if serving.engine.healthy:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "reason": serving.engine.failure}, status_code=503)
+
+    openapi = openapi_document()
+
+    @app.get("/openapi.json")
+    async def openapi_json() -> Response:
+        return JSONResponse(openapi)
 
     metrics = install_metrics(serving)
 

@@ -167,6 +167,7 @@ def _max_tokens(body: dict, default: int) -> int:
         return default
     if not is_int(value):
         raise wrong_type("max_tokens", "an integer", value)
+    value = int(value)
     if value == 0:
         raise cannot_provide("max_tokens", "max_tokens 0 (a completed zero-output cache-prewarm lifecycle)")
     if value < 0:
@@ -179,6 +180,7 @@ def _sampling(body: dict) -> SamplingOverrides:
     if top_k is not None:
         if not is_int(top_k):
             raise wrong_type("top_k", "an integer", top_k)
+        top_k = int(top_k)
         if top_k < 0:
             raise invalid("top_k", f"top_k must be a non-negative integer, got {top_k}")
         if top_k > TOP_K_CAP:
@@ -238,6 +240,7 @@ def _budget(raw: dict, max_tokens: int | None) -> int:
         )
     if not is_int(budget):
         raise wrong_type("thinking.budget_tokens", "an integer", budget)
+    budget = int(budget)
     if budget < MIN_THINKING_BUDGET:
         raise invalid(
             "thinking.budget_tokens", f"thinking.budget_tokens must be >= {MIN_THINKING_BUDGET}, got {budget}"

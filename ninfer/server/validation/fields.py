@@ -38,7 +38,9 @@ def is_number(value: Any) -> bool:
 
 
 def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer, or a number with no fractional part: JSON does not tell 2 from 2.0, and JSON Schema's
+    integer (the OpenAPI document) takes both. Callers read the value with int()."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
 
 
 def optional_bool(obj: dict, key: str, path: str) -> bool | None:
@@ -86,6 +88,7 @@ def optional_int(obj: dict, key: str, low: int, high: int | None = None) -> int 
         return None
     if not is_int(value):
         raise wrong_type(key, "an integer", value)
+    value = int(value)
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise invalid(key, f"{key} must be an integer {bound}, got {value}")

@@ -1,0 +1,1123 @@
+"""The OpenAPI 3.1 document served at GET /openapi.json: every route, its request body and responses.
+
+Request validation is hand-written (openai_chat/request.py, openai_responses/request.py and
+items.py, anthropic_messages/request.py and lowering.py, validation/*), so this document is
+written beside it from the same constants and tested against it (tests/server/test_openapi.py):
+bodies generated from a request schema are accepted by its validator, and the bodies the
+validator accepts in the tests validate against the schema. A schema describes what is
+*accepted*: options that are only ever refused (n > 1, JSON modes, media while vision is off)
+appear as their one neutral value, with the refusal in the description.
+
+What JSON Schema cannot say (cross-field rules, JSON text inside strings, state such as stored
+Responses, the loaded template's capabilities) is listed in ninfer/testing/openapi_cases.py.
+The document is the same for every server: the model id is `ModelId`, any non-empty string
+here, which must equal the id GET /v1/models lists.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+from ninfer.contract.sampling import TOP_K_CAP
+from ninfer.frontend.capabilities import EFFORT_TIERS
+from ninfer.server.anthropic_messages import lowering as messages_lowering
+from ninfer.server.anthropic_messages import request as messages_request
+from ninfer.server.openai_chat import request as chat_request
+from ninfer.server.openai_responses import items as responses_items
+from ninfer.server.openai_responses import request as responses_request
+from ninfer.server.validation.cache_markers import CACHE_TTLS, PROMPT_CACHE_RETENTIONS
+from ninfer.server.validation.sampling import SEED_MAX, SEED_MIN
+from ninfer.server.validation.tools import HOSTED_TOOL_TYPES
+
+Schema = dict[str, Any]
+
+NULL: Schema = {"type": "null"}
+STRING: Schema = {"type": "string"}
+NON_EMPTY_STRING: Schema = {"type": "string", "minLength": 1}
+BOOLEAN: Schema = {"type": "boolean"}
+OBJECT: Schema = {"type": "object"}
+# A recognised option that is served only while it asks for nothing: null, [] or {}.
+EMPTY: Schema = {"anyOf": [NULL, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}]}
+
+
+def ref(name: str) -> Schema:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def nullable(schema: Schema) -> Schema:
+    """Explicit null means "not given" in every validator."""
+    return {"anyOf": [schema, NULL]}
+
+
+def const(value: Any, description: str | None = None) -> Schema:
+    schema: Schema = {"enum": [value]}
+    if description:
+        schema["description"] = description
+    return schema
+
+
+def enum(values: tuple | list, description: str | None = None) -> Schema:
+    schema: Schema = {"type": "string", "enum": list(values)}
+    if description:
+        schema["description"] = description
+    return schema
+
+
+def number(low: float, high: float) -> Schema:
+    return {"type": "number", "minimum": low, "maximum": high}
+
+
+def integer(low: int, high: int | None = None) -> Schema:
+    schema: Schema = {"type": "integer", "minimum": low}
+    if high is not None:
+        schema["maximum"] = high
+    return schema
+
+
+def obj(properties: dict[str, Schema], required: tuple[str, ...] = (), *, closed: bool = False, **extra) -> Schema:
+    """An object; optional members accept null (validators read null as absent) unless already typed so."""
+    schema: Schema = {
+        "type": "object",
+        "properties": {
+            key: value if key in required or _admits_null(value) else nullable(value) for key, value in properties.items()
+        },
+    }
+    if required:
+        schema["required"] = list(required)
+    if closed:
+        schema["additionalProperties"] = False
+    schema.update(extra)
+    return schema
+
+
+def _admits_null(schema: Schema) -> bool:
+    if schema.get("type") == "null" or None in schema.get("enum", ()):
+        return True
+    return any(_admits_null(option) for option in schema.get("anyOf", ()))
+
+
+def unprovidable(neutral: Schema, refusal: str) -> Schema:
+    """An option whose only accepted value is its neutral one; anything else is unsupported_parameter."""
+    return {**neutral, "description": f"{refusal} (400 unsupported_parameter otherwise)"}
+
+
+# ---- shared pieces --------------------------------------------------------------------------------
+
+SHARED: dict[str, Schema] = {
+    "ModelId": {
+        "type": "string",
+        "minLength": 1,
+        "description": "The served model's public id, as GET /v1/models lists it (404 model_not_found otherwise).",
+    },
+    "JsonObjectText": {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"type": "object"},
+        "description": "A JSON object as text (tool-call arguments); NaN and Infinity are refused.",
+    },
+    "FunctionFlags": {
+        "description": "Tool-definition flags every protocol refuses when they ask for something.",
+        "type": "object",
+        "properties": {
+            "strict": unprovidable(nullable(const(False)), "strict schemas need constrained decoding"),
+            "output_schema": unprovidable(NULL, "function output schemas"),
+            "async": unprovidable(nullable(const(False)), "asynchronous function calls"),
+            "allowed_callers": nullable(
+                {"type": "array", "contains": const("direct"), "description": "must include direct"}
+            ),
+        },
+    },
+    "Error": {
+        "description": "OpenAI error envelope; `param` names the offending field where one exists.",
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "properties": {
+                    "message": STRING,
+                    "type": STRING,
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+            }
+        },
+    },
+    "AnthropicError": {
+        "description": "Anthropic error envelope; the message starts with the offending field where one exists.",
+        "type": "object",
+        "required": ["type", "error"],
+        "properties": {
+            "type": const("error"),
+            "error": {
+                "type": "object",
+                "required": ["type", "message"],
+                "properties": {"type": STRING, "message": STRING},
+            },
+            "request_id": STRING,
+        },
+    },
+}
+
+# ---- OpenAI Chat Completions ----------------------------------------------------------------------
+
+OPENAI_CACHE_BREAKPOINT = obj({"mode": const("explicit"), "ttl": enum(CACHE_TTLS)}, ("mode",))
+PROMPT_CACHE_OPTIONS = obj(
+    {"mode": enum(("implicit", "explicit")), "ttl": enum(CACHE_TTLS), "comparison_response_id": STRING}
+)
+
+CHAT: dict[str, Schema] = {
+    "ChatTextPart": obj(
+        {"type": const("text"), "text": STRING, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT}, ("type", "text")
+    ),
+    "ChatRefusalPart": obj(
+        {"type": const("refusal"), "refusal": STRING, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
+        ("type", "refusal"),
+    ),
+    "ChatContent": {
+        "description": "A string or text parts (image_url/video_url parts are 400 vision_disabled: no vision input).",
+        "anyOf": [STRING, {"type": "array", "items": ref("ChatTextPart")}],
+    },
+    "ChatToolCall": obj(
+        {
+            "id": STRING,
+            "type": const("function"),
+            "function": obj({"name": NON_EMPTY_STRING, "arguments": ref("JsonObjectText")}, ("name", "arguments")),
+        },
+        ("function",),
+    ),
+    "ChatInstructionMessage": obj(
+        {
+            "role": enum(("system", "developer", "user")),
+            "content": ref("ChatContent"),
+            "name": unprovidable(const(""), "participant names"),
+            **{key: NULL for key in ("reasoning_content", "reasoning", "function_call", "refusal", "audio")},
+            "tool_calls": {"type": "array", "maxItems": 0},
+        },
+        ("role", "content"),
+    ),
+    "ChatToolMessage": obj(
+        {
+            "role": const("tool"),
+            "content": ref("ChatContent"),
+            "tool_call_id": NON_EMPTY_STRING,
+            "name": {"type": "string", "description": "mirrors the function name; ignored"},
+            **{key: NULL for key in ("reasoning_content", "reasoning", "function_call", "refusal", "audio")},
+            "tool_calls": {"type": "array", "maxItems": 0},
+        },
+        ("role", "content", "tool_call_id"),
+    ),
+    "ChatFunctionMessage": obj(
+        {
+            "role": const("function"),
+            "name": NON_EMPTY_STRING,
+            "content": STRING,
+            **{key: NULL for key in ("reasoning_content", "reasoning", "function_call", "refusal", "audio")},
+            "tool_calls": {"type": "array", "maxItems": 0},
+        },
+        ("role", "name"),
+        description="Legacy function result: follows an assistant function_call with the same name.",
+    ),
+    "ChatAssistantMessage": obj(
+        {
+            "role": const("assistant"),
+            "content": {"anyOf": [STRING, {"type": "array", "items": {"anyOf": [ref("ChatTextPart"),
+                                                                                ref("ChatRefusalPart")]}}]},
+            "refusal": STRING,
+            "reasoning_content": STRING,
+            "reasoning": {"type": "string", "description": "alias of reasoning_content; equal when both are given"},
+            "tool_calls": {"type": "array", "items": ref("ChatToolCall")},
+            "function_call": obj(
+                {"name": NON_EMPTY_STRING, "arguments": ref("JsonObjectText")},
+                ("name", "arguments"),
+                description="legacy; not together with tool_calls",
+            ),
+            "name": unprovidable(const(""), "participant names"),
+            "audio": unprovidable(NULL, "audio output history"),
+        },
+        ("role",),
+    ),
+    "ChatMessage": {
+        "anyOf": [
+            ref("ChatInstructionMessage"),
+            ref("ChatAssistantMessage"),
+            ref("ChatToolMessage"),
+            ref("ChatFunctionMessage"),
+        ]
+    },
+    "ChatTool": obj(
+        {
+            "type": const("function"),
+            "function": {
+                "allOf": [
+                    ref("FunctionFlags"),
+                    obj(
+                        {
+                            "name": NON_EMPTY_STRING,
+                            "description": STRING,
+                            "parameters": OBJECT,
+                            "defer_loading": unprovidable(nullable(const(False)), "deferred tool loading"),
+                        },
+                        ("name",),
+                    ),
+                ]
+            },
+        },
+        ("type", "function"),
+        description="A function tool; names are unique within the request.",
+    ),
+    "ChatToolChoice": {
+        "anyOf": [
+            enum(("auto", "none"), "required and named choices are unsupported_parameter"),
+            obj(
+                {
+                    "type": const("allowed_tools"),
+                    "allowed_tools": obj(
+                        {
+                            "mode": const("auto"),
+                            "tools": {
+                                "type": "array",
+                                "items": obj(
+                                    {"type": const("function"), "function": obj({"name": STRING}, ("name",))},
+                                    ("type", "function"),
+                                ),
+                                "description": "each names a declared tool",
+                            },
+                        },
+                        ("mode", "tools"),
+                    ),
+                },
+                ("type", "allowed_tools"),
+            ),
+        ]
+    },
+    "ChatCompletionRequest": obj(
+        {
+            "model": ref("ModelId"),
+            "messages": {"type": "array", "minItems": 1, "items": ref("ChatMessage")},
+            "max_completion_tokens": integer(0),
+            "max_tokens": {**integer(0), "description": "legacy spelling; equal to max_completion_tokens when both"},
+            "temperature": number(0, 2),
+            "top_p": number(0, 1),
+            "top_k": integer(0, TOP_K_CAP),
+            "min_p": number(0, 1),
+            "presence_penalty": number(-2, 2),
+            "frequency_penalty": number(-2, 2),
+            "seed": integer(SEED_MIN, SEED_MAX),
+            "stop": {
+                "anyOf": [
+                    NON_EMPTY_STRING,
+                    {"type": "array", "maxItems": chat_request.MAX_STOP_STRINGS, "items": NON_EMPTY_STRING},
+                ]
+            },
+            "stream": BOOLEAN,
+            "stream_options": obj({"include_usage": BOOLEAN, "include_obfuscation": BOOLEAN}),
+            "timings_per_token": BOOLEAN,
+            "return_progress": BOOLEAN,
+            "tools": {"type": "array", "items": ref("ChatTool")},
+            "tool_choice": ref("ChatToolChoice"),
+            "parallel_tool_calls": {"type": "boolean", "description": "false while tools are callable is unsupported"},
+            "reasoning_effort": enum(EFFORT_TIERS, "must be a tier the loaded template exposes (or none)"),
+            "enable_thinking": BOOLEAN,
+            "preserve_thinking": BOOLEAN,
+            "chat_template_kwargs": obj(
+                {"enable_thinking": BOOLEAN, "preserve_thinking": BOOLEAN},
+                additionalProperties=unprovidable(NULL, "arbitrary chat template variables"),
+            ),
+            "n": unprovidable(const(1), "more than one choice"),
+            "response_format": obj({"type": unprovidable(const("text"), "JSON modes")}, ("type",)),
+            "modalities": {"type": "array", "minItems": 1, "items": unprovidable(const("text"), "audio output")},
+            "audio": unprovidable(NULL, "audio output"),
+            "logit_bias": {
+                "type": "object",
+                "additionalProperties": unprovidable({"type": "number", "enum": [0]}, "non-zero logit biases"),
+            },
+            "logprobs": unprovidable(const(False), "log probabilities"),
+            "top_logprobs": unprovidable({"type": "integer", "enum": [0]}, "log probabilities"),
+            "web_search_options": unprovidable(NULL, "web search"),
+            "moderation": unprovidable(NULL, "moderation"),
+            "verbosity": unprovidable(const("medium"), "low/high verbosity"),
+            "store": unprovidable(const(False), "stored Chat Completions"),
+            "functions": unprovidable({"type": "array", "maxItems": 0}, "legacy function definitions (use tools)"),
+            "function_call": enum(("none", "auto"), "legacy; forcing a function is unsupported"),
+            **{alias: unprovidable(NULL, "constrained decoding") for alias in chat_request.CONSTRAINED_DECODING_ALIASES},
+            "repetition_penalty": unprovidable({"type": "number", "enum": [1]}, "repetition penalties other than 1"),
+            "mm_processor_kwargs": {"type": "object", "additionalProperties": NULL},
+            "user": STRING,
+            "safety_identifier": STRING,
+            "service_tier": STRING,
+            "prompt_cache_key": STRING,
+            "prompt_cache_retention": enum(PROMPT_CACHE_RETENTIONS),
+            "prompt_cache_options": PROMPT_CACHE_OPTIONS,
+            "metadata": {"type": "object", "additionalProperties": STRING},
+            "prediction": obj(
+                {"type": const("content"), "content": {"anyOf": [STRING, {"type": "array"}]}}, ("type", "content")
+            ),
+        },
+        ("messages",),
+        description="Unknown top-level fields are ignored.",
+    ),
+    "ChatCompletion": {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage", "timings"],
+        "properties": {
+            "id": STRING,
+            "object": const("chat.completion"),
+            "created": {"type": "integer"},
+            "model": STRING,
+            "choices": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["index", "message", "finish_reason"],
+                    "properties": {
+                        "index": const(0),
+                        "finish_reason": enum(("stop", "length", "tool_calls")),
+                        "message": {
+                            "type": "object",
+                            "required": ["role", "content"],
+                            "properties": {
+                                "role": const("assistant"),
+                                "content": {"type": ["string", "null"]},
+                                "reasoning_content": STRING,
+                                "tool_calls": {"type": "array", "items": ref("ChatToolCall")},
+                                "refusal": NULL,
+                            },
+                        },
+                    },
+                },
+            },
+            "usage": ref("ChatUsage"),
+            "timings": {"type": "object", "description": "llama.cpp's timings: cache_n, prompt_n, rates"},
+        },
+    },
+    "ChatUsage": {
+        "type": "object",
+        "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+        "properties": {
+            "prompt_tokens": integer(0),
+            "completion_tokens": integer(0),
+            "total_tokens": integer(0),
+            "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": integer(0)}},
+            "completion_tokens_details": {"type": "object", "properties": {"reasoning_tokens": integer(0)}},
+        },
+    },
+}
+
+# ---- OpenAI Responses -----------------------------------------------------------------------------
+
+ITEM_STATUS = enum(responses_items.ITEM_STATUSES)
+COMPLETED_TOOL_ITEM = {
+    "status": unprovidable(const("completed"), "in_progress or incomplete tool Items"),
+    "caller": obj({"type": unprovidable(const("direct"), "programmatic tool callers")}, ("type",)),
+    "async": unprovidable(const(False), "asynchronous function calls"),
+}
+ITEM_ID = {**NON_EMPTY_STRING, "description": "kept when given (unique within input), generated otherwise"}
+INPUT_TEXT = obj(
+    {"type": const("input_text"), "text": STRING, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
+    ("type", "text"),
+)
+
+RESPONSES: dict[str, Schema] = {
+    "InputTextPart": INPUT_TEXT,
+    "OutputTextPart": obj(
+        {"type": const("output_text"), "text": STRING, "annotations": {"type": "array"}}, ("type", "text")
+    ),
+    "RefusalPart": obj({"type": const("refusal"), "refusal": STRING}, ("type", "refusal")),
+    "InstructionMessageItem": obj(
+        {
+            "type": const("message"),
+            "id": ITEM_ID,
+            "role": enum(("user", "system", "developer")),
+            "content": {"anyOf": [STRING, {"type": "array", "items": ref("InputTextPart")}]},
+            "status": ITEM_STATUS,
+            "phase": STRING,
+        },
+        ("role", "content"),
+        description="input_image/input_video parts are 400 vision_disabled (no vision input).",
+    ),
+    "AssistantMessageItem": obj(
+        {
+            "type": const("message"),
+            "id": ITEM_ID,
+            "role": const("assistant"),
+            "content": {
+                "anyOf": [
+                    STRING,
+                    {
+                        "type": "array",
+                        "items": {"anyOf": [ref("OutputTextPart"), ref("InputTextPart"), ref("RefusalPart")]},
+                    },
+                ]
+            },
+            "status": ITEM_STATUS,
+            "phase": STRING,
+        },
+        ("role", "content"),
+    ),
+    "ReasoningItem": obj(
+        {
+            "type": const("reasoning"),
+            "id": ITEM_ID,
+            "content": {
+                "type": "array",
+                "items": obj({"type": const("reasoning_text"), "text": STRING}, ("type", "text")),
+            },
+            "encrypted_content": {
+                "type": "string",
+                "description": "NInfer's envelope of the reasoning text (include reasoning.encrypted_content)",
+            },
+            "summary": {
+                "type": "array",
+                "items": obj({"type": const("summary_text"), "text": STRING}, ("type", "text")),
+            },
+            "status": ITEM_STATUS,
+        },
+        ("type",),
+        anyOf=[
+            {"required": ["content"], "properties": {"content": {"type": "array", "minItems": 1}}},
+            {"required": ["encrypted_content"], "properties": {"encrypted_content": STRING}},
+        ],
+        description="Raw reasoning text, or NInfer's envelope of it; summaries alone cannot be replayed.",
+    ),
+    "FunctionCallItem": obj(
+        {
+            "type": const("function_call"),
+            "id": ITEM_ID,
+            "call_id": NON_EMPTY_STRING,
+            "name": NON_EMPTY_STRING,
+            "namespace": STRING,
+            "arguments": ref("JsonObjectText"),
+            **COMPLETED_TOOL_ITEM,
+        },
+        ("type", "call_id", "name", "arguments"),
+    ),
+    "FunctionCallOutputItem": obj(
+        {
+            "type": const("function_call_output"),
+            "id": ITEM_ID,
+            "call_id": NON_EMPTY_STRING,
+            "output": {"anyOf": [STRING, {"type": "array", "minItems": 1, "items": ref("InputTextPart")}]},
+            "name": STRING,
+            "namespace": STRING,
+            **COMPLETED_TOOL_ITEM,
+        },
+        ("type", "call_id", "output"),
+        description="Answers a call of the preceding assistant turn, in declaration order.",
+    ),
+    "InputItem": {
+        "anyOf": [
+            ref("InstructionMessageItem"),
+            ref("AssistantMessageItem"),
+            ref("ReasoningItem"),
+            ref("FunctionCallItem"),
+            ref("FunctionCallOutputItem"),
+        ]
+    },
+    "ResponsesFunctionTool": {
+        "allOf": [
+            ref("FunctionFlags"),
+            obj(
+                {
+                    "type": const("function"),
+                    "name": NON_EMPTY_STRING,
+                    "description": STRING,
+                    "parameters": OBJECT,
+                    "defer_loading": unprovidable(const(False), "deferred tool loading"),
+                },
+                ("type", "name"),
+            ),
+        ]
+    },
+    "ResponsesTool": {
+        "anyOf": [
+            ref("ResponsesFunctionTool"),
+            obj(
+                {
+                    "type": const("namespace"),
+                    "name": NON_EMPTY_STRING,
+                    "description": STRING,
+                    "tools": {"type": "array", "minItems": 1, "items": ref("ResponsesFunctionTool")},
+                },
+                ("type", "name", "tools"),
+            ),
+            ref("HostedTool"),
+        ],
+        "description": "Function identities (namespace and name) are unique within the request.",
+    },
+    "HostedTool": obj(
+        {"type": enum(sorted(HOSTED_TOOL_TYPES))},
+        ("type",),
+        description="Hosted tool: left out of the prompt and echoed back (forcing it is unsupported).",
+    ),
+    "ResponsesToolChoice": {
+        "anyOf": [
+            enum(("auto", "none"), "required and forced choices are unsupported_parameter"),
+            obj(
+                {
+                    "type": const("allowed_tools"),
+                    "mode": const("auto"),
+                    "tools": {
+                        "type": "array",
+                        "items": obj(
+                            {"type": const("function"), "name": STRING, "namespace": STRING}, ("type", "name")
+                        ),
+                        "description": "each names a declared function",
+                    },
+                },
+                ("type", "mode", "tools"),
+            ),
+        ]
+    },
+    "ResponsesReasoning": obj(
+        {
+            "effort": enum(EFFORT_TIERS, "must be a tier the loaded template exposes (or none)"),
+            "summary": unprovidable(const("auto"), "concise or detailed summaries"),
+            "generate_summary": unprovidable(const("auto"), "concise or detailed summaries"),
+            "context": unprovidable(const("auto"), "reasoning-context selection"),
+            "mode": unprovidable(const("standard"), "other reasoning modes"),
+        }
+    ),
+    "ResponsesText": obj(
+        {
+            "format": obj({"type": unprovidable(const("text"), "Structured Outputs / JSON mode")}, ("type",)),
+            "verbosity": enum(("low", "medium", "high"), "a hint, echoed"),
+        }
+    ),
+    "ResponsesTemplateKwargs": obj(
+        {"preserve_thinking": BOOLEAN},
+        additionalProperties=unprovidable(NULL, "arbitrary chat template variables"),
+    ),
+    "Response": {
+        "type": "object",
+        "required": ["id", "object", "created_at", "status", "model", "output"],
+        "properties": {
+            "id": STRING,
+            "object": const("response"),
+            "created_at": {"type": "integer"},
+            "status": enum(("completed", "incomplete", "failed", "in_progress")),
+            "model": STRING,
+            "output": {"type": "array", "items": {"type": "object", "required": ["type"]}},
+            "usage": {"type": ["object", "null"]},
+            "error": {"type": ["object", "null"]},
+        },
+    },
+    "InputItemList": {
+        "type": "object",
+        "required": ["object", "data", "first_id", "last_id", "has_more"],
+        "properties": {
+            "object": const("list"),
+            "data": {"type": "array", "items": {"type": "object"}},
+            "first_id": {"type": ["string", "null"]},
+            "last_id": {"type": ["string", "null"]},
+            "has_more": BOOLEAN,
+        },
+    },
+}
+
+RESPONSES_INPUT = {
+    "anyOf": [STRING, {"type": "array", "items": ref("InputItem")}],
+    "description": "Required (non-empty) unless previous_response_id supplies the conversation.",
+}
+RESPONSES_PROMPT_FIELDS: dict[str, Schema] = {
+    "model": ref("ModelId"),
+    "input": RESPONSES_INPUT,
+    "instructions": STRING,
+    "previous_response_id": {**NON_EMPTY_STRING, "description": "a stored Response (404 response_not_found otherwise)"},
+    "reasoning": ref("ResponsesReasoning"),
+    "tools": {"type": "array", "items": ref("ResponsesTool")},
+    "tool_choice": ref("ResponsesToolChoice"),
+    "parallel_tool_calls": {"type": "boolean", "description": "false while functions are callable is unsupported"},
+    "text": ref("ResponsesText"),
+    "truncation": unprovidable(const("disabled"), "automatic truncation"),
+    "preserve_thinking": BOOLEAN,
+    "chat_template_kwargs": ref("ResponsesTemplateKwargs"),
+}
+INPUT_OR_PREVIOUS = [
+    {"required": ["input"], "properties": {"input": {"anyOf": [NON_EMPTY_STRING, {"type": "array", "minItems": 1}]}}},
+    {"required": ["previous_response_id"], "properties": {"previous_response_id": STRING}},
+]
+
+
+def _responses_create() -> Schema:
+    fields = {
+        **RESPONSES_PROMPT_FIELDS,
+        "max_output_tokens": integer(0),
+        "stream": BOOLEAN,
+        "store": {"type": "boolean", "description": "default true; stored in this process only"},
+        "temperature": number(0, 2),
+        "top_p": number(0, 1),
+        "metadata": {
+            "type": "object",
+            "maxProperties": responses_request.MAX_METADATA_PAIRS,
+            "propertyNames": {"maxLength": responses_request.MAX_METADATA_KEY},
+            "additionalProperties": {"type": "string", "maxLength": responses_request.MAX_METADATA_VALUE},
+        },
+        "client_metadata": OBJECT,
+        "max_tool_calls": integer(0),
+        "top_logprobs": unprovidable({"type": "integer", "enum": [0]}, "log probabilities"),
+        "service_tier": unprovidable(enum(("auto", "default")), "other service tiers"),
+        "background": unprovidable(const(False), "background execution"),
+        "include": {"type": "array", "items": unprovidable(const(responses_request.ENCRYPTED_REASONING), "other data")},
+        "stream_options": obj({"include_obfuscation": BOOLEAN}),
+        "prompt_cache_key": STRING,
+        "prompt_cache_options": PROMPT_CACHE_OPTIONS,
+        "prompt_cache_retention": enum(PROMPT_CACHE_RETENTIONS),
+        "safety_identifier": STRING,
+        "user": STRING,
+        **{key: unprovidable(EMPTY, capability) for key, capability in responses_request.UNPROVIDABLE_FIELDS.items()
+           if key in responses_request.CREATE_FIELDS},
+    }
+    assert set(fields) == responses_request.CREATE_FIELDS, set(fields) ^ responses_request.CREATE_FIELDS
+    return obj(fields, ("model",), closed=True, anyOf=INPUT_OR_PREVIOUS,
+               description="Unknown top-level fields are 400 unknown_parameter.")
+
+
+def _responses_count() -> Schema:
+    fields = {
+        **RESPONSES_PROMPT_FIELDS,
+        **{key: unprovidable(EMPTY, capability) for key, capability in responses_request.UNPROVIDABLE_FIELDS.items()
+           if key in responses_request.COUNT_FIELDS},
+    }
+    assert set(fields) == responses_request.COUNT_FIELDS, set(fields) ^ responses_request.COUNT_FIELDS
+    return obj(fields, closed=True, anyOf=INPUT_OR_PREVIOUS,
+               description="The prompt-shaping subset of a create; model is optional.")
+
+
+RESPONSES["ResponseCreateRequest"] = _responses_create()
+RESPONSES["ResponseInputTokensRequest"] = _responses_count()
+
+# ---- Anthropic Messages ---------------------------------------------------------------------------
+
+CACHE_CONTROL = obj({"type": const("ephemeral"), "ttl": enum(messages_lowering.CACHE_TTLS)}, ("type",))
+NO_TOOLSET = {"toolset_name": unprovidable(NULL, "toolsets")}
+
+MESSAGES: dict[str, Schema] = {
+    "CacheControl": CACHE_CONTROL,
+    "TextBlock": obj(
+        {
+            "type": const("text"),
+            "text": STRING,
+            "cache_control": ref("CacheControl"),
+            "citations": unprovidable({"anyOf": [NULL, {"type": "array", "maxItems": 0}]}, "citations"),
+        },
+        ("type", "text"),
+    ),
+    "ThinkingBlock": obj(
+        {
+            "type": const("thinking"),
+            "thinking": STRING,
+            "signature": STRING,
+            "cache_control": {**NULL, "description": "thinking blocks carry no cache_control"},
+        },
+        ("type", "thinking"),
+    ),
+    "ToolUseBlock": obj(
+        {
+            "type": const("tool_use"),
+            "id": NON_EMPTY_STRING,
+            "name": NON_EMPTY_STRING,
+            "input": OBJECT,
+            "caller": obj({"type": unprovidable(const("direct"), "programmatic tool callers")}, ("type",)),
+            "cache_control": ref("CacheControl"),
+            **NO_TOOLSET,
+        },
+        ("type", "id", "name", "input"),
+    ),
+    "ToolResultBlock": obj(
+        {
+            "type": const("tool_result"),
+            "tool_use_id": STRING,
+            "is_error": BOOLEAN,
+            "content": {
+                "anyOf": [
+                    STRING,
+                    {
+                        "type": "array",
+                        "items": {
+                            "anyOf": [
+                                ref("TextBlock"),
+                                obj({"type": const("tool_reference"), "tool_name": STRING}, ("type", "tool_name")),
+                            ]
+                        },
+                    },
+                ]
+            },
+            "cache_control": ref("CacheControl"),
+            **NO_TOOLSET,
+        },
+        ("type", "tool_use_id"),
+        description="Leads its user turn and answers a tool_use of the preceding assistant turn.",
+    ),
+    "UserMessage": obj(
+        {
+            "role": const("user"),
+            "content": {
+                "anyOf": [STRING, {"type": "array", "items": {"anyOf": [ref("TextBlock"), ref("ToolResultBlock")]}}]
+            },
+        },
+        ("role", "content"),
+        description="image blocks are 400 vision_disabled (no vision input).",
+    ),
+    "AssistantMessage": obj(
+        {
+            "role": const("assistant"),
+            "content": {
+                "anyOf": [
+                    STRING,
+                    {
+                        "type": "array",
+                        "items": {"anyOf": [ref("TextBlock"), ref("ThinkingBlock"), ref("ToolUseBlock")]},
+                    },
+                ]
+            },
+        },
+        ("role", "content"),
+        description="A final text-only assistant turn is a prefill the answer continues.",
+    ),
+    "SystemMessage": obj(
+        {"role": const("system"), "content": {"anyOf": [STRING, {"type": "array", "items": ref("TextBlock")}]}},
+        ("role", "content"),
+    ),
+    "MessagesTool": {
+        "allOf": [
+            ref("FunctionFlags"),
+            obj(
+                {
+                    "type": unprovidable(const("custom"), "Anthropic-provided tools and toolsets"),
+                    "name": {"type": "string", "pattern": messages_lowering.TOOL_NAME.pattern},
+                    "description": STRING,
+                    "input_schema": {"type": "object", "properties": {"type": const("object")}},
+                    "input_examples": {"type": "array", "items": OBJECT},
+                    "defer_loading": BOOLEAN,
+                    "eager_input_streaming": BOOLEAN,
+                    "cache_control": ref("CacheControl"),
+                },
+                ("name", "input_schema"),
+                description="Names are unique; input_examples and input_schema.examples exclude each other.",
+            ),
+        ]
+    },
+    "MessagesThinking": {
+        "anyOf": [
+            obj({"type": const("disabled")}, ("type",)),
+            obj(
+                {
+                    "type": const("enabled"),
+                    "budget_tokens": {
+                        **integer(messages_request.MIN_THINKING_BUDGET),
+                        "description": "less than max_tokens",
+                    },
+                    "display": enum(("summarized", "omitted")),
+                },
+                ("type", "budget_tokens"),
+            ),
+            obj({"type": const("adaptive"), "display": enum(("summarized", "omitted"))}, ("type",)),
+        ]
+    },
+    "MessagesToolChoice": obj(
+        {
+            "type": enum(("auto", "none"), "any and tool (forced choices) are unsupported_parameter"),
+            "disable_parallel_tool_use": {"type": "boolean", "description": "true while tools are declared is unsupported"},
+        },
+        ("type",),
+    ),
+    "Message": {
+        "type": "object",
+        "required": ["id", "type", "role", "content", "model", "stop_reason", "usage"],
+        "properties": {
+            "id": STRING,
+            "type": const("message"),
+            "role": const("assistant"),
+            "content": {"type": "array", "items": {"type": "object", "required": ["type"]}},
+            "model": STRING,
+            "stop_reason": {"type": ["string", "null"]},
+            "stop_sequence": {"type": ["string", "null"]},
+            "usage": {"type": "object", "required": ["input_tokens", "output_tokens"]},
+        },
+    },
+}
+
+
+def _messages_request(count_only: bool) -> Schema:
+    fields: dict[str, Schema] = {
+        "model": {**NON_EMPTY_STRING, "description": "any non-empty label; echoed back, selects nothing"},
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {"anyOf": [ref("UserMessage"), ref("AssistantMessage"), ref("SystemMessage")]},
+        },
+        "system": {"anyOf": [STRING, {"type": "array", "items": ref("TextBlock")}]},
+        "tools": {"type": "array", "items": ref("MessagesTool")},
+        "tool_choice": ref("MessagesToolChoice"),
+        "thinking": ref("MessagesThinking"),
+        "output_config": obj(
+            {
+                "effort": enum(messages_request.EFFORTS, "served as the template's nearest tier"),
+                "format": unprovidable(NULL, "Structured Outputs"),
+            }
+        ),
+        "preserve_thinking": BOOLEAN,
+        "cache_control": ref("CacheControl"),
+        "context_management": obj(
+            {
+                "edits": {
+                    "type": "array",
+                    "items": unprovidable(
+                        obj({"type": const("clear_thinking_20251015"), "keep": const("all")}, ("type", "keep")),
+                        "server-side context editing",
+                    ),
+                }
+            }
+        ),
+        **{key: unprovidable(EMPTY, capability) for key, capability in messages_request.UNSUPPORTED_FIELDS.items()},
+    }
+    if not count_only:
+        fields |= {
+            "max_tokens": {**integer(1), "description": "default --default-max-tokens"},
+            "stop_sequences": {"type": "array", "items": NON_EMPTY_STRING},
+            "stream": BOOLEAN,
+            "temperature": number(0, 1),
+            "top_p": number(0, 1),
+            "top_k": unprovidable(integer(0, TOP_K_CAP), f"top_k above {TOP_K_CAP}"),
+        }
+    return obj(fields, ("model", "messages"), description="Unknown top-level fields are ignored.")
+
+
+MESSAGES["MessagesRequest"] = _messages_request(count_only=False)
+MESSAGES["MessagesCountTokensRequest"] = _messages_request(count_only=True)
+
+# ---- paths ------------------------------------------------------------------------------------------
+
+JSON = "application/json"
+SSE = "text/event-stream"
+CAPACITY = "Retry-After says when to retry"
+
+
+def _json(schema: Schema, description: str) -> Schema:
+    return {"description": description, "content": {JSON: {"schema": schema}}}
+
+
+def _errors(statuses: dict[int, str], anthropic: bool = False) -> dict[str, Schema]:
+    error = ref("AnthropicError" if anthropic else "Error")
+    return {str(status): _json(error, description) for status, description in statuses.items()}
+
+
+def _body(name: str) -> Schema:
+    return {"required": True, "content": {JSON: {"schema": ref(name)}}}
+
+
+CLIENT_ERRORS = {
+    400: "malformed body or field (param names it), or a capability the server cannot provide",
+    401: "missing or invalid API key (with --api-key)",
+    413: "body over --max-request-mib",
+}
+GENERATION_ERRORS = {**CLIENT_ERRORS, 404: "model_not_found", 429: f"server_overloaded; {CAPACITY}",
+                     503: f"request_queue_timeout or engine_unavailable; {CAPACITY}"}
+MESSAGES_ERRORS = {**CLIENT_ERRORS, 504: f"request_queue_timeout; {CAPACITY}", 529: f"server_overloaded; {CAPACITY}",
+                   503: f"engine_unavailable; {CAPACITY}"}
+RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": STRING}
+NOT_FOUND = {404: "response_not_found"}
+
+
+def _generation(summary: str, request: str, aggregate: str, errors: dict[str, Schema]) -> Schema:
+    return {
+        "summary": summary,
+        "requestBody": _body(request),
+        "responses": {
+            "200": {
+                "description": "the aggregate body, or a server-sent event stream when stream is true",
+                "content": {JSON: {"schema": ref(aggregate)}, SSE: {"schema": STRING}},
+            },
+            **errors,
+        },
+    }
+
+
+def _paths() -> dict[str, Schema]:
+    public = {"security": []}
+    return {
+        "/health": {
+            "get": {
+                "summary": "Engine readiness (no API key needed)",
+                **public,
+                "responses": {
+                    "200": _json(obj({"status": const("ok")}, ("status",)), "the engine can take work"),
+                    "503": _json(
+                        obj({"status": const("unavailable"), "reason": STRING}, ("status",)),
+                        "engine failed, restarting, or stopped restarting",
+                    ),
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "This document (no API key needed)",
+                **public,
+                "responses": {"200": _json(OBJECT, "OpenAPI 3.1")},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus text format",
+                "responses": {
+                    "200": {"description": "metrics", "content": {"text/plain": {"schema": STRING}}},
+                    **_errors({401: CLIENT_ERRORS[401]}),
+                },
+            }
+        },
+        "/v1/models": {
+            "get": {
+                "summary": "The served model",
+                "responses": {
+                    "200": _json(
+                        obj({"object": const("list"), "data": {"type": "array", "items": ref("Model")}},
+                            ("object", "data")),
+                        "one model",
+                    ),
+                    **_errors({401: CLIENT_ERRORS[401]}),
+                },
+            }
+        },
+        "/v1/models/{model_id}": {
+            "get": {
+                "summary": "The served model by id",
+                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": STRING}],
+                "responses": {
+                    "200": _json(ref("Model"), "the model"),
+                    **_errors({401: CLIENT_ERRORS[401], 404: "model_not_found"}),
+                },
+            }
+        },
+        "/v1/chat/completions": {
+            "post": _generation("OpenAI Chat Completions", "ChatCompletionRequest", "ChatCompletion",
+                                _errors(GENERATION_ERRORS))
+        },
+        "/v1/responses": {
+            "post": _generation("OpenAI Responses create", "ResponseCreateRequest", "Response",
+                                _errors({**GENERATION_ERRORS, 404: "model_not_found or response_not_found"}))
+        },
+        "/v1/responses/input_tokens": {
+            "post": {
+                "summary": "Prompt tokens a create with the same input would use",
+                "requestBody": _body("ResponseInputTokensRequest"),
+                "responses": {
+                    "200": _json(
+                        obj({"object": const("response.input_tokens"), "input_tokens": integer(0)},
+                            ("object", "input_tokens")),
+                        "the count",
+                    ),
+                    **_errors({**CLIENT_ERRORS, 404: "model_not_found or response_not_found"}),
+                },
+            }
+        },
+        "/v1/responses/compact": {
+            "post": {
+                "summary": "Always refused: no compaction",
+                "responses": _errors({400: "compaction_not_supported", 401: CLIENT_ERRORS[401]}),
+            }
+        },
+        "/v1/responses/{response_id}": {
+            "get": {
+                "summary": "A stored terminal Response",
+                "parameters": [
+                    RESPONSE_ID,
+                    {"name": "stream", "in": "query", "schema": enum(("false", "0")),
+                     "description": "stream recovery is unsupported"},
+                    {"name": "include", "in": "query", "schema": {"type": "array", "items": STRING, "maxItems": 0}},
+                ],
+                "responses": {
+                    "200": _json(ref("Response"), "the Response"),
+                    **_errors({400: "unsupported query option", 401: CLIENT_ERRORS[401], **NOT_FOUND}),
+                },
+            },
+            "delete": {
+                "summary": "Remove a stored Response",
+                "parameters": [RESPONSE_ID],
+                "responses": {
+                    "200": _json(
+                        obj({"id": STRING, "object": const("response.deleted"), "deleted": const(True)},
+                            ("id", "object", "deleted")),
+                        "deleted",
+                    ),
+                    **_errors({401: CLIENT_ERRORS[401], **NOT_FOUND}),
+                },
+            },
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": {
+                "summary": "The normalized input Items of a stored Response",
+                "parameters": [
+                    RESPONSE_ID,
+                    {"name": "limit", "in": "query", "schema": integer(1, 100)},
+                    {"name": "order", "in": "query", "schema": enum(("asc", "desc"))},
+                    {"name": "after", "in": "query", "schema": STRING, "description": "an input Item id"},
+                ],
+                "responses": {
+                    "200": _json(ref("InputItemList"), "a page of Items"),
+                    **_errors({400: "invalid query option", 401: CLIENT_ERRORS[401], **NOT_FOUND}),
+                },
+            }
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "post": {
+                "summary": "Always refused: no background responses",
+                "parameters": [RESPONSE_ID],
+                "responses": _errors({400: "background_not_supported", 401: CLIENT_ERRORS[401], **NOT_FOUND}),
+            }
+        },
+        "/v1/messages": {
+            "post": _generation("Anthropic Messages", "MessagesRequest", "Message",
+                                _errors(MESSAGES_ERRORS, anthropic=True))
+        },
+        "/v1/messages/count_tokens": {
+            "post": {
+                "summary": "Prompt tokens a create with the same input would use",
+                "requestBody": _body("MessagesCountTokensRequest"),
+                "responses": {
+                    "200": _json(obj({"input_tokens": integer(0)}, ("input_tokens",)), "the count"),
+                    **_errors(CLIENT_ERRORS, anthropic=True),
+                },
+            }
+        },
+    }
+
+
+MODEL = obj(
+    {"id": STRING, "object": const("model"), "created": {"type": "integer"}, "owned_by": STRING,
+     "max_model_len": integer(1)},
+    ("id", "object", "created", "owned_by", "max_model_len"),
+)
+
+
+@functools.cache
+def _document() -> Schema:
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "NInfer",
+            "version": "1",
+            "description": "OpenAI Chat Completions, OpenAI Responses and Anthropic Messages for one served model. "
+            "The contract is docs/api.md; what these schemas cannot express is listed in "
+            "ninfer/testing/openapi_cases.py.",
+        },
+        "components": {
+            "schemas": {**SHARED, **CHAT, **RESPONSES, **MESSAGES, "Model": MODEL},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "--api-key"},
+                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key", "description": "--api-key"},
+            },
+        },
+        "security": [{"bearer": []}, {"x-api-key": []}],
+        "paths": _paths(),
+    }
+
+
+def openapi_document() -> Schema:
+    """A fresh copy of the document (callers may narrow it for testing)."""
+    return copy.deepcopy(_document())

@@ -1,0 +1,173 @@
+"""GET /openapi.json against the hand-written validators, in both directions.
+
+- Bodies generated from each request schema (narrowed by ninfer/testing/openapi_cases.py where
+  JSON Schema cannot state a rule) are accepted by the endpoint's validator.
+- The bodies the validators accept in the protocol test modules validate against the schema
+  (recorded by running those modules with tests/server/openapi_recorder.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from jsonschema import Draft202012Validator
+
+from ninfer.server.anthropic_messages.request import parse_messages_request
+from ninfer.server.app import create_app
+from ninfer.server.errors import APIError
+from ninfer.server.openai_chat.request import parse_chat_request
+from ninfer.server.openai_responses.history import build_conversation
+from ninfer.server.openai_responses.request import parse_create, parse_input_tokens
+from ninfer.server.openapi import openapi_document
+from ninfer.server.request_context import RequestContext
+from ninfer.server.validation.tools import check_template_renders_tools
+from ninfer.testing.openapi_cases import accepted_document
+from tests.server.capability_sets import CHATML, QWEN38
+from tests.server.conftest import serve_config, start_server
+
+MODEL = "served-model"
+REPO = Path(__file__).resolve().parents[2]
+# Request schema of each body-taking endpoint.
+REQUEST_SCHEMAS = {
+    "/v1/chat/completions": "ChatCompletionRequest",
+    "/v1/responses": "ResponseCreateRequest",
+    "/v1/responses/input_tokens": "ResponseInputTokensRequest",
+    "/v1/messages": "MessagesRequest",
+    "/v1/messages/count_tokens": "MessagesCountTokensRequest",
+}
+
+
+def _responses(parse):
+    def validate(body, context):
+        parsed = parse(body, context)
+        conversation = build_conversation(parsed, [], None)  # the Item-history rules of routes._conversation
+        check_template_renders_tools(conversation, context.capabilities, "tools" if conversation.tools else "input")
+
+    return validate
+
+
+VALIDATORS = {
+    "/v1/chat/completions": parse_chat_request,
+    "/v1/responses": _responses(parse_create),
+    "/v1/responses/input_tokens": _responses(parse_input_tokens),
+    "/v1/messages": parse_messages_request,
+    "/v1/messages/count_tokens": lambda body, context: parse_messages_request(body, context, count_only=True),
+}
+
+
+def schema_validator(document: dict, name: str) -> Draft202012Validator:
+    return Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": document["components"]})
+
+
+@pytest.fixture(scope="module")
+def served_document() -> dict:
+    return openapi_document()
+
+
+def _routes(app) -> set[tuple[str, str]]:
+    while not isinstance(app, FastAPI):  # under the middleware
+        app = app.app
+    return {
+        (route.path.replace(":path}", "}"), method.lower())
+        for route in app.routes
+        if isinstance(route, APIRoute)
+        for method in route.methods
+    }
+
+
+def test_served_without_the_key_and_covering_every_route(tiny_qwen, served_document):
+    Draft202012Validator.check_schema({"components": served_document["components"]})
+    refs = json.dumps(served_document).split('"$ref": "#/components/schemas/')[1:]
+    assert {ref.split('"')[0] for ref in refs} <= set(served_document["components"]["schemas"])
+    server = start_server(serve_config(tiny_qwen, api_key="secret"))
+    try:
+        response = httpx.get(server.base_url + "/openapi.json")
+        assert response.status_code == 200 and response.json() == served_document
+        assert httpx.get(server.base_url + "/v1/models").status_code == 401
+        documented = {(path, method) for path, item in served_document["paths"].items() for method in item}
+        assert documented == _routes(create_app(server.serving))
+    finally:
+        server.stop()
+
+
+# Bodies per endpoint and template: a quick pass in the fast suite, more in the slow one.
+@pytest.mark.parametrize("examples", [20, pytest.param(300, marks=pytest.mark.slow)], ids=["quick", "thorough"])
+@pytest.mark.parametrize("caps", [QWEN38, pytest.param(CHATML, marks=pytest.mark.slow)], ids=["qwen3.8", "chatml"])
+@pytest.mark.parametrize("path", REQUEST_SCHEMAS)
+def test_generated_bodies_are_accepted(path, caps, examples, served_document):
+    hypothesis = pytest.importorskip("hypothesis")
+    schemathesis = pytest.importorskip("schemathesis")
+
+    operation = schemathesis.openapi.from_dict(accepted_document(caps, MODEL))[path]["POST"]
+    served = schema_validator(served_document, REQUEST_SCHEMAS[path])
+    context = RequestContext(model_id=MODEL, capabilities=caps)
+
+    @hypothesis.settings(max_examples=examples, deadline=None, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(operation.as_strategy(generation_mode=schemathesis.GenerationMode.POSITIVE))
+    def accepted(case):
+        assert not list(served.iter_errors(case.body)), "narrowing must only narrow the served schema"
+        try:
+            VALIDATORS[path](case.body, context)
+        except APIError as error:
+            body = json.dumps(case.body)[:2000]
+            raise AssertionError(f"{error.code} {error.param}: {error.message}\n{body}") from None
+
+    accepted()
+
+
+@pytest.mark.parametrize(
+    "path, body, read",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4.0, "top_k": 5.0},
+         lambda parsed: (parsed.max_tokens, parsed.sampling.top_k)),
+        ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 4.0, "max_tool_calls": 2.0},
+         lambda parsed: (parsed.max_output_tokens, parsed.echo["max_tool_calls"])),
+        ("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4.0,
+                          "top_k": 5.0}, lambda parsed: (parsed.max_tokens, parsed.sampling.top_k)),
+    ],
+)
+def test_whole_numbers_written_with_a_fraction_are_integers(path, body, read):
+    # JSON Schema's integer (the document) takes 4.0, as pydantic-based servers do; it is read as 4.
+    parse = {"/v1/chat/completions": parse_chat_request, "/v1/responses": parse_create,
+             "/v1/messages": parse_messages_request}[path]
+    values = read(parse(body, RequestContext(model_id=MODEL, capabilities=QWEN38)))
+    assert values in ((4, 5), (4, 2)) and all(type(value) is int for value in values)
+    with pytest.raises(APIError) as refused:
+        parse({**body, "top_k": 5.5} if "top_k" in body else {**body, "max_tool_calls": 2.5},
+              RequestContext(model_id=MODEL, capabilities=QWEN38))
+    assert refused.value.code == "invalid_type"
+
+
+# The protocol test modules whose accepted bodies are checked against the schema.
+RECORDED_MODULES = [
+    "tests/server/test_openai_chat_request.py",
+    "tests/server/test_openai_responses_request.py",
+    "tests/server/test_anthropic_messages_request.py",
+]
+
+
+@pytest.mark.slow
+def test_bodies_the_validators_accept_in_the_tests_match_the_schema(tmp_path, served_document):
+    recorded = tmp_path / "accepted.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "tests.server.openapi_recorder", "-p", "no:cacheprovider",
+         *RECORDED_MODULES],
+        cwd=REPO, env={**os.environ, "NINFER_ACCEPTED_BODIES": str(recorded)}, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    accepted = json.loads(recorded.read_text())
+    assert set(accepted) == set(REQUEST_SCHEMAS)
+    for path, bodies in accepted.items():
+        validator = schema_validator(served_document, REQUEST_SCHEMAS[path])
+        for body in bodies:
+            errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message[:300]}" for e in validator.iter_errors(body)]
+            assert not errors, f"{path}: {errors}\n{json.dumps(body)[:2000]}"
