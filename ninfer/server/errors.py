@@ -13,6 +13,8 @@ ANTHROPIC_PREFIX = "/v1/messages"
 # once on a 429 that carries no Retry-After, but retry one that does.
 RETRY_AFTER_SECONDS = 1
 _RETRYABLE = (429, 503, 504, 529)
+# Messages quote the offending value; a 10 MB value must not come back as a 10 MB error (or log line).
+MAX_MESSAGE_CHARS = 1000
 
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
@@ -39,6 +41,8 @@ class APIError(Exception):
         type: str | None = None,
         retry_after_s: int | None = None,
     ):
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + "... (truncated)"
         super().__init__(message)
         self.status = status
         self.message = message
@@ -54,7 +58,9 @@ class APIError(Exception):
         return _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
 
     def anthropic_body(self, request_id: str | None) -> dict:
-        body: dict = {"type": "error", "error": {"type": self.anthropic_type(), "message": self.message}}
+        # Anthropic's envelope has no param, so the message names the field when it does not already.
+        message = self.message if not self.param or self.param in self.message else f"{self.param}: {self.message}"
+        body: dict = {"type": "error", "error": {"type": self.anthropic_type(), "message": message}}
         if request_id:
             body["request_id"] = request_id
         return body

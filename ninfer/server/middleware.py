@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: request ids, the body-size limit and API-key auth.
+"""Pure ASGI middleware: request ids, the body limits (size, and silence mid-body) and API-key auth.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched and
 the body limit applies before anything parses JSON.
@@ -6,10 +6,14 @@ the body limit applies before anything parses JSON.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import uuid
 
 from ninfer.server.errors import APIError, error_body, is_anthropic
+
+# Like nginx's client_body_timeout (60 s): the longest silence allowed between two pieces of a body.
+BODY_IDLE_TIMEOUT_S = 30
 
 
 async def send_error(send, path: str, error: APIError, request_id: str | None) -> None:
@@ -43,23 +47,31 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class BodyRefused(APIError):
+    """The body broke a limit while the app read it. An APIError, so the app renders it in the
+    endpoint's protocol like any other refusal (a plain exception would become a 500)."""
+
+    def headers(self) -> dict[str, str]:
+        # The rest of the body is never read, so the connection cannot carry another request.
+        return {**super().headers(), "connection": "close"}
 
 
 class BodyLimitMiddleware:
-    """--max-request-mib: 413 request_too_large from Content-Length or the bytes actually read."""
+    """--max-request-mib: 413 request_too_large from Content-Length or the bytes actually read; and
+    408 request_timeout when a client stops sending in the middle of a body, which would otherwise
+    hold the request open for as long as the connection lives."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
         self.max_bytes = max_bytes
+        self.idle_timeout_s = BODY_IDLE_TIMEOUT_S
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         request_id = scope.get("state", {}).get("request_id")
-        error = APIError(
+        too_large = BodyRefused(
             413,
             f"the request body exceeds --max-request-mib ({self.max_bytes // (1 << 20)} MiB)",
             code="request_too_large",
@@ -68,19 +80,28 @@ class BodyLimitMiddleware:
             if name == b"content-length":
                 try:
                     if int(value) > self.max_bytes:
-                        return await send_error(send, path, error, request_id)
+                        return await send_error(send, path, too_large, request_id)
                 except ValueError:
                     pass
         received = 0
+        body_complete = False
         started = False
 
         async def limited_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_complete
+            if body_complete:
+                return await receive()  # later reads wait for the disconnect, however long a generation runs
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_timeout_s)
+            except TimeoutError:
+                raise BodyRefused(
+                    408, f"the request body stalled: no bytes for {self.idle_timeout_s:g} s", code="request_timeout"
+                ) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _BodyTooLarge()
+                    raise too_large
+                body_complete = not message.get("more_body", False)
             return message
 
         async def tracking_send(message):
@@ -91,20 +112,24 @@ class BodyLimitMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
+        except BodyRefused as error:  # raised where the app does not render APIErrors itself
             if not started:
                 await send_error(send, path, error, request_id)
 
 
+PUBLIC_PATHS = ("/health", "/openapi.json")
+
+
 class AuthMiddleware:
-    """--api-key as `Authorization: Bearer KEY` or `x-api-key: KEY`; /health and preflights stay open."""
+    """--api-key as `Authorization: Bearer KEY` or `x-api-key: KEY`; /health, /openapi.json and preflights
+    stay open (as in vLLM: the document is the same on every server and holds no model or secret)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.api_key = api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] == "/health" or self._is_preflight(scope):
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or self._is_preflight(scope):
             return await self.app(scope, receive, send)
         presented = b""
         for name, value in scope.get("headers", []):
