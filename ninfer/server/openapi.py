@@ -296,7 +296,8 @@ CHAT: dict[str, Schema] = {
     },
     "ChatCompletionRequest": obj(
         {
-            "model": ref("ModelId"),
+            # Anything but a non-empty string (omitted, "", a number...) means the served model.
+            "model": {"anyOf": [ref("ModelId"), {"not": NON_EMPTY_STRING}]},
             "messages": {"type": "array", "minItems": 1, "items": ref("ChatMessage")},
             "max_completion_tokens": integer(0),
             "max_tokens": {**integer(0), "description": "legacy spelling; equal to max_completion_tokens when both"},

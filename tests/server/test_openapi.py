@@ -99,7 +99,7 @@ def test_served_without_the_key_and_covering_every_route(tiny_qwen, served_docum
 
 
 # Bodies per endpoint and template: a quick pass in the fast suite, more in the slow one.
-@pytest.mark.parametrize("examples", [20, pytest.param(300, marks=pytest.mark.slow)], ids=["quick", "thorough"])
+@pytest.mark.parametrize("examples", [20, pytest.param(150, marks=pytest.mark.slow)], ids=["quick", "thorough"])
 @pytest.mark.parametrize("caps", [QWEN38, pytest.param(CHATML, marks=pytest.mark.slow)], ids=["qwen3.8", "chatml"])
 @pytest.mark.parametrize("path", REQUEST_SCHEMAS)
 def test_generated_bodies_are_accepted(path, caps, examples, served_document):
@@ -166,8 +166,11 @@ def test_bodies_the_validators_accept_in_the_tests_match_the_schema(tmp_path, se
     assert result.returncode == 0, result.stdout[-3000:]
     accepted = json.loads(recorded.read_text())
     assert set(accepted) == set(REQUEST_SCHEMAS)
+    mismatches = []
     for path, bodies in accepted.items():
         validator = schema_validator(served_document, REQUEST_SCHEMAS[path])
         for body in bodies:
-            errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message[:300]}" for e in validator.iter_errors(body)]
-            assert not errors, f"{path}: {errors}\n{json.dumps(body)[:2000]}"
+            errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message[:200]}" for e in validator.iter_errors(body)]
+            if errors:
+                mismatches.append(f"{path}: {errors}\n  {json.dumps(body)[:500]}")
+    assert not mismatches, f"{len(mismatches)} accepted bodies off the schema:\n" + "\n".join(mismatches[:20])
