@@ -18,7 +18,8 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+# fuzz: the OpenAPI property tests and the bounded fuzz run (tests/server/test_openapi.py, test_fuzz.py)
+[ "${1:-}" = "--test" ] && extras="[test,fuzz]"
 "$PY" -m pip install -e ".${extras}"
 
 # The real agent clients (Claude Code, Codex CLI) that the end-to-end tests drive, pinned in
