@@ -32,7 +32,8 @@ def server(tiny_qwen) -> Iterator[RunningServer]:
     # A short silence limit so the stalled-body case takes a second; the limit is read at app creation.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(middleware, "BODY_IDLE_TIMEOUT_S", STALL_TIMEOUT_S)
-        running = start_server(serve_config(tiny_qwen, default_max_tokens=2, max_request_mib=16))
+        # max_context bounds the generation a 10**1000 output limit is clamped to.
+        running = start_server(serve_config(tiny_qwen, default_max_tokens=2, max_request_mib=16, max_context=128))
     yield running
     running.stop()
 
@@ -127,6 +128,7 @@ def test_lone_surrogates_are_refused_naming_the_field(server, path):
     assert post(server, path, paired).status_code == 200
 
 
+@pytest.mark.slow  # tokenizes 10 MB
 def test_ten_megabyte_string_is_refused_as_too_long_and_not_echoed(server):
     path = "/v1/chat/completions"
     huge = "word " * (2 << 20)
@@ -203,6 +205,7 @@ def test_a_body_that_stalls_times_out(server, path):
     assert httpx.get(server.base_url + "/health").status_code == 200
 
 
+@pytest.mark.slow  # uploads 16 MiB
 def test_a_chunked_body_over_the_limit_is_413_not_500(server):
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
     piece = b"x" * (1 << 20)
