@@ -48,7 +48,7 @@ from ninfer.artifact.default_model import open_default_model  # noqa: E402
 from ninfer.frontend.capabilities import TemplateCapabilities  # noqa: E402
 from ninfer.frontend.template import ChatTemplate  # noqa: E402
 from ninfer.server.serving import FALLBACK_TEMPLATE  # noqa: E402
-from ninfer.testing.openapi_cases import PROMPT_LIMIT_CODES, accepted_document  # noqa: E402
+from ninfer.testing.openapi_cases import PROMPT_LIMIT_CODES, accepted_document, integer_literals  # noqa: E402
 
 CAPACITY_STATUSES = {429, 503, 504, 529}
 # Positive cases of these must be served; other operations answer 404 for made-up ids, or always refuse.
@@ -188,6 +188,8 @@ class Campaign:
     def send_case(self, label: str, case) -> None:
         template = case.path
         body = None if isinstance(case.body, NotSet) else case.body
+        if label == "positive":
+            body = integer_literals(body)  # as a client writes them; 4.0 for an integer is a refusal
         headers = {"content-type": case.media_type or "application/json"} if body is not None else {}
         if isinstance(body, bytes):  # negative cases may send a raw body under another media type
             content = body

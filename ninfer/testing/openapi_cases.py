@@ -187,3 +187,15 @@ def accepted_document(caps: TemplateCapabilities, model_id: str, max_output_toke
                                ("MessagesRequest", "max_tokens", 1)):
             schemas[name]["properties"][key] = nullable(integer(low, max_output_tokens))
     return document
+
+
+def integer_literals(value):
+    """The body with every whole float written as an integer. JSON Schema's integer also matches
+    4.0, which the validators refuse as OpenAI and Anthropic do; clients write integer literals."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {key: integer_literals(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [integer_literals(item) for item in value]
+    return value

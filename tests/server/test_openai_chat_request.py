@@ -695,6 +695,7 @@ def test_null_sampling_fields_are_not_given():
         ("top_p", float("inf"), "invalid_value"),
         ("top_k", 21, "invalid_value"),
         ("top_k", -1, "invalid_value"),
+        ("top_k", 5.0, "invalid_type"),
         ("top_k", 5.5, "invalid_type"),
         ("min_p", 1.01, "invalid_value"),
         ("min_p", -0.01, "invalid_value"),

@@ -38,9 +38,8 @@ def is_number(value: Any) -> bool:
 
 
 def is_int(value: Any) -> bool:
-    """An integer, or a number with no fractional part: JSON does not tell 2 from 2.0, and JSON Schema's
-    integer (the OpenAPI document) takes both. Callers read the value with int()."""
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+    """An integer literal: 4.0 is refused, as OpenAI and Anthropic refuse it (invalid_type)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def optional_bool(obj: dict, key: str, path: str) -> bool | None:
@@ -88,7 +87,6 @@ def optional_int(obj: dict, key: str, low: int, high: int | None = None) -> int 
         return None
     if not is_int(value):
         raise wrong_type(key, "an integer", value)
-    value = int(value)
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise invalid(key, f"{key} must be an integer {bound}, got {value}")
