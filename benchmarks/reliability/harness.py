@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -61,7 +62,7 @@ class Server:
     model: str
     max_concurrency: int
     max_pending_requests: int
-    limits: dict  # server_start capacities: cache limits the flush must exceed
+    limits: dict  # server_start capacities: KV pages and context (whole-pool check), cache limits (flush)
     records: list[dict] = field(default_factory=list)  # the request log read so far
     _log_offset: int = 0
 
@@ -102,8 +103,6 @@ def resolve_artifact(name: str, out: Path) -> str | None:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -172,14 +171,12 @@ def rss_mib(pid: int) -> float:
 
 # ---- request bodies and response shapes --------------------------------------------------------------
 def body(api: str, model: str, prompt: str, max_tokens: int, stream: bool, **extra) -> dict:
-    if api == "chat":
-        payload = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
-        if stream:
-            payload["stream_options"] = {"include_usage": True}
-    elif api == "responses":
+    if api == "responses":
         payload = {"model": model, "input": prompt, "max_output_tokens": max_tokens}
     else:
         payload = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    if api == "chat" and stream:
+        payload["stream_options"] = {"include_usage": True}  # the usage chunk the check requires
     return {**payload, "stream": stream, **extra}
 
 
@@ -283,7 +280,7 @@ def check_rejection(api: str, status: int, response: httpx.Response, text: str) 
 
 @dataclass
 class Tally:
-    """Outcomes by API: 'ok', an HTTP refusal status, or what was wrong."""
+    """Outcomes by API ('ok', 'rejected' or 'bad: why') and the HTTP statuses seen."""
 
     outcomes: Counter = field(default_factory=Counter)
     statuses: Counter = field(default_factory=Counter)
