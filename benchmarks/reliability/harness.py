@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import random
 import re
 import socket
@@ -37,6 +36,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # serve_process.py
 from serve_process import stop_server, words  # noqa: E402
+
+from ninfer.testing.processes import engine_process_of, rss_mib
 
 APIS = ("chat", "responses", "messages")
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
@@ -149,24 +150,8 @@ def start(artifact: str | None, server_args: list[str], out: Path, ready_timeout
     return server
 
 
-def engine_process_of(pid: int) -> int:
-    """The engine process the API process spawned (multiprocessing's spawn_main child)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = open(f"/proc/{entry}/status").read()
-            command = open(f"/proc/{entry}/cmdline").read()
-        except OSError:
-            continue
-        if f"PPid:\t{pid}\n" in status and "spawn_main" in command:
-            return int(entry)
-    raise RuntimeError(f"process {pid} has no engine process")
 
 
-def rss_mib(pid: int) -> float:
-    status = open(f"/proc/{pid}/status").read()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
 
 
 # ---- request bodies and response shapes --------------------------------------------------------------

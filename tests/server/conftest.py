@@ -161,3 +161,15 @@ def lane_held(server: RunningServer, path: str, body: dict, headers: dict | None
         release.set()
         thread.join(60)
         wait_until(lambda: server.core.pool_accounting()["running"] == 0, what="the holder's cancellation")
+
+
+def fail_next_launch(server: RunningServer, message: str = "simulated device fault") -> None:
+    """The engine's next step launch raises, as a device fault would; later ones run normally."""
+    runner = server.core.runner
+    launch = runner.launch
+
+    def fail_once(step):
+        runner.launch = launch
+        raise RuntimeError(message)
+
+    runner.launch = fail_once

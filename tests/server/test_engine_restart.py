@@ -26,11 +26,12 @@ from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishR
 from ninfer.engine.core import EngineCore
 from ninfer.server.engine_client import MAX_RESTARTS, EngineUnavailable, InProcessEngineClient
 from ninfer.server.serving import Serving
+from ninfer.testing.processes import engine_process_of
 from tests.engine.test_engine_generation import PROMPTS, _models
 from tests.engine.test_engine_generation import greedy as greedy_request
 from tests.scripted_model import ScriptedLM
 from tests.server.conftest import serve_config, start_server, wait_until
-from tests.server.test_process_lifecycle import engine_process_of, start, wait_gone
+from tests.server.test_process_lifecycle import start, wait_gone
 from tests.unit.conftest import make_byte_tokenizer
 
 CONFIG = EngineConfig(max_concurrency=2, max_context=256, log_stats_interval_ms=0)
@@ -360,7 +361,7 @@ def test_a_stop_signal_during_a_restart_stops_the_server_at_once(tiny_qwen):
         replacement = None  # loading: a restart takes seconds even on a tiny model
         while replacement is None:
             assert time.monotonic() < deadline, "no engine process was started again"
-            with contextlib.suppress(AssertionError):
+            with contextlib.suppress(LookupError):
                 replacement = engine_process_of(process.pid)
         started = time.monotonic()
     finally:

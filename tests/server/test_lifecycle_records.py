@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import serve_config, start_server
+from tests.server.conftest import fail_next_launch, serve_config, start_server
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +29,7 @@ def test_rejected_failed_and_cancelled_requests_each_leave_a_record(server, capl
                                 "max_tokens": 200, "stream": True}) as response:
             for _ in response.iter_lines():
                 break
-        runner = server.core.runner
-        launch = runner.launch
-
-        def fail_once(step):
-            runner.launch = launch
-            raise RuntimeError("simulated device fault")
-
-        runner.launch = fail_once
+        fail_next_launch(server)
         with pytest.raises(openai.InternalServerError):
             chat.chat.completions.create(model=model, messages=[{"role": "user", "content": "pelican"}])
         chat.chat.completions.create(model=model, messages=[{"role": "user", "content": "pelican"}])

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from ninfer.testing.processes import engine_process_of
 from tests.net import free_port
 
 pytestmark = [
@@ -26,19 +27,6 @@ pytestmark = [
 
 
 
-def engine_process_of(pid: int) -> int:
-    """The engine process the API process spawned (multiprocessing's spawn_main child)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = open(f"/proc/{entry}/status").read()
-            command = open(f"/proc/{entry}/cmdline").read()
-        except OSError:
-            continue
-        if f"PPid:\t{pid}\n" in status and "spawn_main" in command:
-            return int(entry)
-    raise AssertionError(f"process {pid} has no engine process")
 
 
 def running(pid: int) -> bool:

@@ -19,7 +19,7 @@ import pytest
 
 from ninfer.server.request_log import open_request_log
 from tests.net import free_port
-from tests.server.conftest import serve_config, start_server, wait_until
+from tests.server.conftest import fail_next_launch, serve_config, start_server, wait_until
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "docs" / "request-log.schema.json").read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)  # checked once, not per event
@@ -66,14 +66,7 @@ def campaign(tiny_qwen, tmp_path_factory):
                           json={"model": model, "messages": messages, "max_tokens": 200, "stream": True}) as response:
             for _ in response.iter_lines():
                 break  # the client goes away mid-stream
-        runner = server.core.runner
-        launch = runner.launch
-
-        def fail_once(step):
-            runner.launch = launch
-            raise RuntimeError("simulated device fault")
-
-        runner.launch = fail_once
+        fail_next_launch(server)
         with pytest.raises(openai.InternalServerError):
             chat.chat.completions.create(model=model, messages=messages, max_tokens=6)
         wait_until(lambda: sum(e["event"] in ("request_done", "request_error") for e in collect.events) >= 6,

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import serve_config, start_server
+from tests.server.conftest import fail_next_launch, serve_config, start_server
 
 
 @pytest.fixture(scope="module")
@@ -14,17 +14,6 @@ def server(tiny_qwen):
     running = start_server(serve_config(tiny_qwen, max_concurrency=2, default_max_tokens=8))
     yield running
     running.stop()
-
-
-def fail_next_launch(server) -> None:
-    runner = server.core.runner
-    original = runner.launch
-
-    def failing_once(step):
-        runner.launch = original
-        raise RuntimeError("CUDA out of memory (simulated)")
-
-    runner.launch = failing_once
 
 
 def ask(client: openai.OpenAI, **extra):
@@ -36,7 +25,7 @@ def ask(client: openai.OpenAI, **extra):
 def test_the_failed_request_gets_a_clear_error_and_the_next_one_is_served(server):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     before = ask(client).choices[0].message.content
-    fail_next_launch(server)
+    fail_next_launch(server, "CUDA out of memory (simulated)")
     with pytest.raises(openai.InternalServerError) as caught:
         ask(client)
     error = caught.value.body
@@ -48,7 +37,7 @@ def test_the_failed_request_gets_a_clear_error_and_the_next_one_is_served(server
 
 def test_a_stream_ends_with_the_protocol_error_event(server):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-    fail_next_launch(server)
+    fail_next_launch(server, "CUDA out of memory (simulated)")
     with pytest.raises(openai.APIError) as caught:
         for _ in ask(client, stream=True):
             pass
