@@ -260,6 +260,18 @@ class EngineCore:
         self.stats_records.clear()
         self._last_stats_at = self.clock()
 
+    def seconds_to_stats_boundary(self) -> float | None:
+        """How long until the current interval's throughput record is due; None when records are
+        off or nothing was counted since the last one (an idle interval is not reported)."""
+        interval = self.config.log_stats_interval_ms / 1000.0
+        stats = self.scheduler.stats
+        if interval <= 0 or not (stats.prefill_tokens or stats.decode_tokens):
+            return None
+        return max(0.0, self._last_stats_at + interval - self.clock())
+
+    def log_stats_if_due(self) -> None:
+        self._maybe_log_stats()
+
     def _maybe_log_stats(self) -> None:
         interval = self.config.log_stats_interval_ms / 1000.0
         now = self.clock()

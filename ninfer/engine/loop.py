@@ -31,7 +31,10 @@ class EngineLoop:
         reported_failure = False
         while True:
             idle = not self.core.has_work
-            message = self.receive(None if idle else 0.0)
+            # Idle, wake at the throughput boundary so the last busy interval is reported on time.
+            message = self.receive(self.core.seconds_to_stats_boundary() if idle else 0.0)
+            if idle:
+                self.core.log_stats_if_due()
             outputs = []
             while message is not None:
                 if isinstance(message, Shutdown):

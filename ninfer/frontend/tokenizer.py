@@ -8,6 +8,8 @@ from typing import Any
 
 import tokenizers
 
+LONG_TEXT_CHARS = 1 << 16  # from here on, encode without holding the GIL
+
 
 def _token_content(value: Any) -> str | None:
     """tokenizer_config stores special tokens as strings or AddedToken dicts."""
@@ -78,9 +80,16 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    def _encode(self, text: str):
+        # The batch call releases the GIL while the Rust side works; the single call may hold it
+        # for the whole encode (seconds for a multi-MB prompt), stalling the API's event loop.
+        if len(text) < LONG_TEXT_CHARS:
+            return self.backend.encode(text, add_special_tokens=False)
+        return self.backend.encode_batch([text], add_special_tokens=False)[0]
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Chat prompts are rendered by the template, which already holds any BOS: no specials by default."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = self._encode(text).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
@@ -89,7 +98,7 @@ class Tokenizer:
     def encode_with_split_points(self, text: str) -> tuple[list[int], dict[int, int]]:
         """encode(text), and for each clean-splitting special token in it, char offset -> token
         index: text[:offset] encodes to exactly ids[:index], with no second encode."""
-        encoding = self.backend.encode(text, add_special_tokens=False)
+        encoding = self._encode(text)
         ids = encoding.ids
         clean = self.clean_split_ids
         offsets = encoding.offsets

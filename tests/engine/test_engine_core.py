@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -11,6 +12,7 @@ from ninfer.contract.output import ErrorCode, FinishReason
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
+from ninfer.server.engine_client import InProcessEngineClient
 from tests.engine.test_engine_generation import PROMPTS, _models
 from tests.unit.conftest import make_byte_tokenizer
 
@@ -144,3 +146,26 @@ def test_debug_records_show_every_planning_decision(llama, caplog):
     assert any(r.startswith("admit a: prompt") and "from root" in r for r in records), records
     assert any(r.startswith("admit b: prompt") and "from checkpoint" in r for r in records), records
     assert any("captures checkpoint" in r for r in records), records
+
+
+def test_the_last_busy_interval_is_reported_at_its_boundary_even_when_the_engine_goes_idle(llama):
+    config = EngineConfig(max_concurrency=1, max_context=256, log_stats_interval_ms=300)
+    records: list[dict] = []
+    client = InProcessEngineClient(config, lambda: EngineCore(llama, make_byte_tokenizer(), config))
+    client.on_stats = records.append
+
+    async def scenario():
+        await client.start()
+        try:
+            outs = [o async for o in client.generate(greedy("a", max_new=4))]
+            assert outs[-1].finished
+            for _ in range(100):  # nothing else arrives: the loop must wake for the record itself
+                if records:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())
+    assert records, "the interval that computed the request was never reported"
+    assert sum(r["decode_tokens"] for r in records) == 3 and sum(r["prefill_tokens"] for r in records) > 0

@@ -3,6 +3,7 @@ that work runs on worker threads, not on the event loop."""
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
@@ -20,9 +21,9 @@ def server(tiny_qwen):
 
 
 def test_health_answers_in_milliseconds_while_a_large_body_is_processed(server):
-    words = "agent build test file function value error result path config server request " * 40_000
+    words = "agent build test file function value error result path config server request " * 80_000
     body = {"model": server.serving.model_id, "messages": [{"role": "user", "content": words}], "max_tokens": 4}
-    assert len(words) > 3_000_000
+    assert len(words) > 6_000_000
     result: dict = {}
 
     def send_large() -> None:
@@ -43,8 +44,9 @@ def test_health_answers_in_milliseconds_while_a_large_body_is_processed(server):
     response = result["response"]
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert result["seconds"] > 0.5, "the large request was too quick to show anything"
-    assert len(health_seconds) >= 3
-    slowest = max(health_seconds)
-    assert slowest < 0.25 and slowest < result["seconds"] / 4, (
-        f"/health waited {slowest:.3f} s while the large request took {result['seconds']:.2f} s"
-    )
+    # With that work on the event loop every probe sent meanwhile waits for all of it.
+    assert len(health_seconds) >= 3, f"only {len(health_seconds)} probes answered in {result['seconds']:.2f} s"
+    typical = statistics.median(health_seconds)
+    assert typical < 0.1, f"/health typically waited {typical:.3f} s (all: {health_seconds})"
+    # Holding the GIL through a tokenizer call stalled one probe for the whole encode (3.8 s at 6 MB).
+    assert max(health_seconds) < 0.5, f"/health waited {max(health_seconds):.3f} s once (all: {health_seconds})"
