@@ -198,7 +198,7 @@ class EngineCore:
             self._host_active_s += time.perf_counter() - started
         self._consecutive_failures = 0
         maintenance_started = time.perf_counter()
-        self._maybe_log_stats()
+        self.log_stats_if_due()
         self._work.add(work_class, "engine_maintenance", time.perf_counter() - maintenance_started)
         return outputs
 
@@ -270,9 +270,6 @@ class EngineCore:
         return max(0.0, self._last_stats_at + interval - self.clock())
 
     def log_stats_if_due(self) -> None:
-        self._maybe_log_stats()
-
-    def _maybe_log_stats(self) -> None:
         interval = self.config.log_stats_interval_ms / 1000.0
         now = self.clock()
         if interval <= 0 or now - self._last_stats_at < interval:
@@ -346,8 +343,6 @@ class EngineCore:
 
     def describe(self) -> dict:
         """The engine's resolved capacities and device, for the server_start record."""
-        import torch
-
         config = self.config
         device = self.runner.device
         return {

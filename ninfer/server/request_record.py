@@ -62,7 +62,6 @@ class RequestRecord:
         self._emit("request_rejected", {
             "phase": "prepare",
             **self.shape,
-            "requested_reasoning_effort": self.shape["requested_reasoning_effort"],
             "resolved_reasoning_effort": None,
             "media_items": 0,
             **_error_fields(error),
