@@ -34,6 +34,13 @@ class Stats(msgspec.Struct, tag=True):
     record: dict[str, object]
 
 
+class Gauges(msgspec.Struct, tag=True):
+    """Pool occupancy when the engine turns idle: no throughput record covers an idle interval,
+    so without it /metrics would show the last busy interval's usage for as long as it idles."""
+
+    record: dict[str, object]
+
+
 class Failed(msgspec.Struct, tag=True):
     """The engine can no longer serve: /health reports 503."""
 
@@ -41,7 +48,7 @@ class Failed(msgspec.Struct, tag=True):
 
 
 ToEngine = AddRequest | Abort | Shutdown
-FromEngine = Outputs | Ready | Failed | Stats
+FromEngine = Outputs | Ready | Failed | Stats | Gauges
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

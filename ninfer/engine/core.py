@@ -136,6 +136,7 @@ class EngineCore:
         self.stats_records: list[dict] = []  # throughput records not yet published
         self._last_stats_at = clock()
         self._host_active_s = 0.0
+        self._gauges_due = False  # a step ran since the last idle gauges
 
     @property
     def has_work(self) -> bool:
@@ -160,6 +161,7 @@ class EngineCore:
         goes on; when the device cannot go on, every request ends and `failed` is set."""
         if self.failed is not None:
             return []
+        self._gauges_due = True
         started = time.perf_counter()
         launched: list[SchedulerStep] = []  # the steps whose requests a failure takes down
         try:
@@ -326,6 +328,13 @@ class EngineCore:
         """Throughput records since the last call (the loop publishes them to the API process)."""
         records, self.stats_records = self.stats_records, []
         return records
+
+    def take_idle_gauges(self) -> dict[str, int] | None:
+        """Pool occupancy once the engine has turned idle after work; None otherwise."""
+        if self.has_work or not self._gauges_due:
+            return None
+        self._gauges_due = False
+        return self._resource_gauges()
 
     def _resource_gauges(self) -> dict[str, int]:
         host_kv = self.cache.host_kv_pool

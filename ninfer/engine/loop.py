@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ninfer.contract.messages import Abort, AddRequest, Failed, FromEngine, Outputs, Shutdown, Stats, ToEngine
+from ninfer.contract.messages import Abort, AddRequest, Failed, FromEngine, Gauges, Outputs, Shutdown, Stats, ToEngine
 from ninfer.engine.core import EngineCore
 
 log = logging.getLogger("ninfer.engine")
@@ -50,6 +50,9 @@ class EngineLoop:
                 self.publish(Outputs(outputs))
             for record in self.core.take_stats_records():
                 self.publish(Stats(record))
+            gauges = self.core.take_idle_gauges()
+            if gauges is not None:
+                self.publish(Gauges(gauges))
             if self.core.failed is not None and not reported_failure:
                 reported_failure = True
                 self.publish(Failed(self.core.failed))

@@ -37,6 +37,7 @@ from ninfer.contract.messages import (
     AddRequest,
     Failed,
     FromEngine,
+    Gauges,
     Outputs,
     Ready,
     Shutdown,
@@ -111,6 +112,7 @@ class EngineClient:
         self.failure: str | None = None  # why the engine is not serving (restarting or failed for good)
         self.engine_info: dict = {}  # what the engine reported when it became ready (capacities, device)
         self.on_stats: Callable[[dict], None] | None = None  # throughput records, on the event loop thread
+        self.on_gauges: Callable[[dict], None] | None = None  # pool occupancy when the engine turns idle, likewise
         self._ready: asyncio.Future[None] | None = None  # set while an engine starts; done at Ready or failure
         self._start_error: Exception | None = None  # why the start in progress failed
         self._engine_ready = False  # the current engine reached Ready, so it can be stopped gracefully
@@ -193,6 +195,8 @@ class EngineClient:
             self._engine_down(message.message)
         elif isinstance(message, Stats) and self.on_stats is not None:
             self.on_stats(message.record)
+        elif isinstance(message, Gauges) and self.on_gauges is not None:
+            self.on_gauges(message.record)
 
     def _with_failure_notice(self, out: EngineOutput) -> EngineOutput:
         """The engine ends its own requests on an engine-wide failure just before it reports

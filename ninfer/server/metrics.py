@@ -211,6 +211,10 @@ class Metrics:
             self._num_running = running
             self._num_waiting = min(event.get("waiting", self._num_waiting), self._in_flight - running)
             self._publish_queue()
+        self.gauges(event)
+
+    def gauges(self, event: dict[str, Any]) -> None:
+        """Pool usage from a throughput record, or from the engine turning idle."""
         for gauge, used_key, total_key in (
             (self.kv_cache_usage, "kv_pages_used", "kv_pages_total"),
             (self.state_slots_usage, "state_slots_used", "state_slots_total"),

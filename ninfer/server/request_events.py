@@ -60,6 +60,18 @@ class RequestEvents:
                 log.exception("request event observer %s failed", type(observer).__name__)
         return record
 
+    def gauges(self, record: dict[str, Any]) -> None:
+        """Pool occupancy outside any throughput record (the engine turned idle): no event, so
+        the request log is unchanged; observers with a `gauges` method (metrics) take it."""
+        for observer in self.observers:
+            take = getattr(observer, "gauges", None)
+            if take is None:
+                continue
+            try:
+                take(record)
+            except Exception:  # noqa: BLE001 - measurement must never fail a request
+                log.exception("request event observer %s failed", type(observer).__name__)
+
     def close(self) -> None:
         for observer in self.observers:
             observer.close()

@@ -105,6 +105,7 @@ def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Servin
     serving = Serving.create(config, artifact, client)
     serving.events.observers.extend(observers)
     client.on_stats = lambda record: serving.events.emit("throughput", record)
+    client.on_gauges = serving.events.gauges
     return serving
 
 

@@ -169,3 +169,41 @@ def test_the_last_busy_interval_is_reported_at_its_boundary_even_when_the_engine
     asyncio.run(scenario())
     assert records, "the interval that computed the request was never reported"
     assert sum(r["decode_tokens"] for r in records) == 3 and sum(r["prefill_tokens"] for r in records) > 0
+
+
+def test_the_engine_publishes_pool_gauges_once_each_time_it_turns_idle(llama):
+    config = EngineConfig(max_concurrency=1, max_context=256, log_stats_interval_ms=0)
+    core = EngineCore(llama, make_byte_tokenizer(), config)
+    assert core.take_idle_gauges() is None  # nothing ran yet
+    core.add_request(greedy("a", max_new=3))
+    core.step()
+    assert core.take_idle_gauges() is None  # still working
+    run_to_end(core)
+    gauges = core.take_idle_gauges()
+    assert gauges is not None and core.take_idle_gauges() is None
+    # The finished request's turn-closure checkpoint still holds its pages and a slot.
+    assert gauges["checkpoints"] == len(core.cache) >= 1
+    assert gauges["kv_pages_used"] == core.kv_pool.num_used > 0
+    assert gauges["state_slots_used"] == core.state_pool.num_slots - core.state_pool.num_free
+
+
+def test_idle_gauges_reach_the_client_without_throughput_records(llama):
+    config = EngineConfig(max_concurrency=1, max_context=256, log_stats_interval_ms=0)
+    seen: list[dict] = []
+    client = InProcessEngineClient(config, lambda: EngineCore(llama, make_byte_tokenizer(), config))
+    client.on_gauges = seen.append
+
+    async def scenario():
+        await client.start()
+        try:
+            outs = [o async for o in client.generate(greedy("a", max_new=4))]
+            assert outs[-1].finished
+            for _ in range(100):
+                if seen and seen[-1]["checkpoints"]:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())
+    assert seen and seen[-1]["checkpoints"] >= 1 and seen[-1]["kv_pages_used"] > 0

@@ -277,3 +277,20 @@ def test_sdk_requests_are_counted(guarded):
     assert delta(text, "ninfer:request_prompt_tokens_sum") == prompt_tokens
     assert value(text, "ninfer:num_requests_running") == 0
     assert value(text, "ninfer:num_requests_waiting") == 0
+
+
+def test_pool_gauges_follow_the_engine_when_it_turns_idle(guarded):
+    """Throughput records are off here (and never cover an idle interval): the engine's idle
+    gauges alone must show what the finished requests' checkpoints still hold."""
+    client = openai.OpenAI(base_url=guarded.base_url + "/v1", api_key=KEY, max_retries=0)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to three"}], max_tokens=4)
+
+    def gauges() -> tuple[float, float, float]:
+        text = get_metrics(guarded, **{"x-api-key": KEY}).text
+        return (value(text, "ninfer:prefix_cache_checkpoints"), value(text, "ninfer:kv_cache_usage_perc"),
+                value(text, "ninfer:state_slots_usage_perc"))
+
+    wait_until(lambda: gauges()[0] > 0, timeout=10, what="the idle engine's checkpoint count in /metrics")
+    checkpoints, kv_usage, slot_usage = gauges()
+    assert 0 < kv_usage < 1
+    assert 0 < slot_usage <= 1
