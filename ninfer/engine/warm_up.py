@@ -8,6 +8,9 @@ tens of seconds. The phases:
          most activations: its peak is what --kv-capacity auto sets aside), then their decode
   ladder single prompts from just under that budget down to 17 tokens by halves, each split by
          a checkpoint a third of the way in (with prefix reuse), so its rest runs over cached context
+  tails  prompts whose last 1 to 16 tokens run as a step of their own over cached context, as a
+         chat's generation prompt does after its turn-closure checkpoint: one per query-block
+         size the attention kernel compiles for short rows (1, 2, 4, 8, 16)
   mixed  requests decoding while another's prompt runs beside them in mixed-budget chunks and
          an odd-sized tail over cached context; penalized, greedy and sampled rows throughout
 Requests are synthetic token ids; nothing they leave in the context cache survives, and every
@@ -32,6 +35,8 @@ SAMPLED = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=
 PENALIZED = SamplingParams(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, frequency_penalty=0.5, seed=2)
 ROTATION = (PENALIZED, SAMPLED, GREEDY)  # greedy rows also come from the worst-step phase
 MAX_WARM_UP_STEPS = 10_000
+# Short-row tails: 1, 2, 3, 5 and 9 tokens round up to the attention kernel's query blocks 1..16.
+TAIL_LENGTHS = (1, 2, 3, 5, 9)
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,15 @@ def mixed_step_requests(config, vocab_size: int) -> tuple[list[EngineRequest], E
     return decoding, joining
 
 
+def tail_request(config, tail: int, vocab_size: int) -> EngineRequest:
+    """A prompt split by a checkpoint `tail` tokens before its end (without one the whole prompt
+    would run as a single chunk), so those tokens are a step's only query rows."""
+    length = min(67 + tail, config.max_context - 2)
+    hints = [CaptureHint(length - tail, ReusePath.PRIVATE_TURN_CLOSURE)]
+    return EngineRequest(f"warm-tail-{tail}", _prompt(length, 400 + tail, vocab_size), GREEDY, max_new_tokens=1,
+                         capture_hints=hints)
+
+
 def run_warm_up(core) -> WarmUpReport:
     """Run every phase to the end on `core` (an idle EngineCore); restores its pools."""
     config = core.config
@@ -110,6 +124,8 @@ def run_warm_up(core) -> WarmUpReport:
         request = EngineRequest(f"warm-prompt-{length}", prompt, ROTATION[i % len(ROTATION)], max_new_tokens=1,
                                 capture_hints=hints)
         num_steps += _run(core, [(0, [request])])
+    for tail in TAIL_LENGTHS if config.prefix_reuse else ():
+        num_steps += _run(core, [(0, [tail_request(config, tail, vocab_size)])])  # alone: its own query block
     decoding, joining = mixed_step_requests(config, vocab_size)
     if len(decoding) + 1 <= config.max_concurrency:
         num_steps += _run(core, [(0, decoding), (2, [joining])])  # joins once the others decode

@@ -9,7 +9,7 @@ from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
 from ninfer.engine.scheduler import StepKind
-from ninfer.engine.warm_up import run_warm_up, worst_step_requests
+from ninfer.engine.warm_up import TAIL_LENGTHS, run_warm_up, worst_step_requests
 from tests.engine.test_engine_core import alone, run_to_end, tokens_of
 from tests.engine.test_engine_generation import PROMPTS, _models
 from tests.unit.conftest import make_byte_tokenizer
@@ -37,6 +37,10 @@ def test_warm_up_covers_the_worst_step_mixed_steps_and_decode_then_restores_the_
     assert {len(s.chunks) for s in steps if s.kind is StepKind.DECODE} >= {2, 3}  # decode batches
     continuations = [c for s in steps if s.kind is StepKind.PREFILL for c in s.chunks if c.num_computed_tokens > 0]
     assert continuations, "a prompt chunk over cached context in a prompt-only step"
+    # A chat's generation prompt after its turn-closure checkpoint: a few query rows alone in a step.
+    tails = {len(s.chunks[0].token_ids) for s in steps
+             if s.kind is StepKind.PREFILL and len(s.chunks) == 1 and s.chunks[0].num_computed_tokens > 0}
+    assert set(TAIL_LENGTHS) <= tails, tails
     rows = [c for s in steps for c in s.chunks if c.sample]
     assert any(c.sampling.temperature > 0 and c.sampling.presence_penalty == 0 for c in rows)  # sampled
     assert any(c.sampling.presence_penalty > 0 and len(c.token_ids) == 1 for c in rows)  # penalized decode
