@@ -120,7 +120,7 @@ def run_warm_up(core) -> WarmUpReport:
         prompt = _prompt(length, 300 + length, vocab_size)
         # A checkpoint a third of the way in splits the prompt: its second chunk runs over cached
         # context, as a conversation's does after its long anchor or turn-closure frontier.
-        hints = [CaptureHint(length // 3, ReusePath.PRIVATE_LONG_ANCHOR)] if config.prefix_reuse else []
+        hints = [CaptureHint(length // 3, ReusePath.PRIVATE_TURN_CLOSURE)] if config.prefix_reuse else []
         request = EngineRequest(f"warm-prompt-{length}", prompt, ROTATION[i % len(ROTATION)], max_new_tokens=1,
                                 capture_hints=hints)
         num_steps += _run(core, [(0, [request])])

@@ -195,17 +195,21 @@ def test_a_checkpoint_restored_from_the_host_tier_equals_recompute(arch, path, t
     # of the device by the prompt-end capture and spills to pinned host memory; the next turn,
     # which diverges after it, restores it. Every capture path takes the same route.
     hf, ours = _models(arch, tmp_root)
-    core = EngineCore(ours, make_byte_tokenizer(), EngineConfig(max_concurrency=1, prefill_chunk=16, max_context=256))
+    core = EngineCore(ours, make_byte_tokenizer(), EngineConfig(max_concurrency=1, prefill_chunk=16, max_context=768))
     baseline = core.pool_accounting()
     opener = [ord(c) for c in "<assistant>"]
-    frontier = len(PROMPTS[1])
+    prefix, rest = PROMPTS[1], [ord(c) for c in "<think>"]
+    if path is ReusePath.PRIVATE_LONG_ANCHOR:
+        # Anchors sit in long prompts, away from the other frontiers (or they are not worth a step).
+        prefix, rest = PROMPTS[1] * 3, rest + [ord(c) for c in " Let me think about that at length." * 9]
+    frontier = len(prefix)
     turn1 = EngineRequest(
-        "t1", PROMPTS[1] + opener + [ord(c) for c in "<think>"], SamplingParams(temperature=0.0),
+        "t1", prefix + opener + rest, SamplingParams(temperature=0.0),
         max_new_tokens=6, capture_hints=[CaptureHint(frontier, path)],
     )
     run_engine(core, {0: [turn1]})
     assert core.pool_accounting()["host_state_slots_free"] == baseline["host_state_slots_free"] - 1
-    follow = PROMPTS[1] + opener + [ord(c) for c in "the answer</assistant> and then?"]
+    follow = prefix + opener + [ord(c) for c in "the answer</assistant> and then?"]
     toks, final = run_engine(core, {0: [greedy("t2", follow, 10)]})["t2"]
     assert final.cached_tokens == frontier and final.reuse_path == path
     assert toks == hf_greedy(hf, follow, 10)

@@ -800,7 +800,8 @@ def test_private_continuations_beyond_the_limit_drop_the_least_recently_used_con
 
 def test_shared_prefix_and_long_anchor_limits(byte_tokenizer):
     limits = CacheLimits(max_shared_prefixes=1, max_long_anchors=1)
-    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=6, limits=limits)
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=6, limits=limits, kv_tokens=4096, max_context=2048,
+                prefill_chunk=256)
     first, second = PROMPT, [ord(c) for c in "A different system prompt, then a question."]
     h.add(req("s1", first, max_new=2, capture_hints=[CaptureHint(20, "shared_stable_prefix")]))
     h.run()
@@ -808,11 +809,13 @@ def test_shared_prefix_and_long_anchor_limits(byte_tokenizer):
     h.run()
     shared = [ck for ck in h.cache.checkpoints.values() if ck.path == "shared_stable_prefix"]
     assert [ck.frontier for ck in shared] == [25]  # the newer one replaced the older
-    anchors = [CaptureHint(10, "private_long_anchor"), CaptureHint(30, "private_long_anchor")]
-    h.add(req("l1", PROMPT[::-1], max_new=2, capture_hints=anchors))
+    # Anchors sit in long prompts, apart from each other and from the prompt's ends (capture_frontiers).
+    long_prompt = (PROMPT[::-1] * 20)[:1200]
+    anchors = [CaptureHint(300, "private_long_anchor"), CaptureHint(800, "private_long_anchor")]
+    h.add(req("l1", long_prompt, max_new=2, capture_hints=anchors))
     h.run()
     kept = [ck.frontier for ck in h.cache.checkpoints.values() if ck.path == "private_long_anchor"]
-    assert kept == [30]  # one per continuation: the later capture replaced the earlier
+    assert kept == [800]  # one per continuation: the later capture replaced the earlier
     h.assert_balanced()
     # A zero limit keeps none of that kind.
     h0 = Harness(byte_tokenizer, limits=CacheLimits(max_shared_prefixes=0, max_private_continuations=0))

@@ -24,6 +24,7 @@ from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.sampler import fresh_seed
+from ninfer.engine.scheduler.checkpoints import capture_frontiers
 from ninfer.engine.scheduler.outputs import error_output
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.step import (
@@ -316,10 +317,8 @@ class Admission:
         if reused == seq.prompt_len:
             seq.timings.prompt_done = seq.timings.admitted
         if self.limits.prefix_reuse and reused < seq.prompt_len:
-            frontiers = {seq.prompt_len: seq.request.endpoint_path}
-            for capture in seq.request.capture_hints:
-                if reused < capture.frontier <= seq.prompt_len:
-                    frontiers[capture.frontier] = capture.path
-            seq.capture_frontiers = sorted(frontiers.items())
+            seq.capture_frontiers = capture_frontiers(
+                seq.request.capture_hints, reused, seq.prompt_len, seq.request.endpoint_path
+            )
         # The first progress event reports the reuse choice: processed == cache.
         seq.unsent_progress = PromptProgress(seq.prompt_len, reused, reused, 0.0)

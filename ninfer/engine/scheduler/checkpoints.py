@@ -9,7 +9,9 @@ the cache instead of releasing them (no copy).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
+from ninfer.contract.request import CaptureHint
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.kv_pool import KVPool
@@ -19,6 +21,45 @@ from ninfer.engine.sequence import Sequence
 from ninfer.engine.state_pool import StatePool
 
 log = logging.getLogger("ninfer.engine")
+
+# Each capture frontier inside a prompt ends a prompt step there, and a prompt step costs at
+# least what ~1K tokens of prefill do on a GPU (its host work). A long anchor (a heuristic) this
+# close to another frontier is not worth its step: a later hit recomputes at most this much.
+ANCHOR_MIN_GAP = 256
+# A turn closure this close after a shared prefix differs from it by template markers only (the
+# end of the last message's text vs. the message's end marker): the next turn resumes there.
+CLOSURE_MIN_GAP = 16
+
+
+def capture_frontiers(
+    hints: Iterable[CaptureHint], reused: int, prompt_len: int, endpoint_path: ReusePath
+) -> list[tuple[int, ReusePath]]:
+    """(frontier, path) where a prompt resumed at `reused` leaves checkpoints, ascending; the
+    prompt end always.
+
+    Frontiers a few tokens apart would each take a prompt step for next to nothing, so a turn
+    closure at most CLOSURE_MIN_GAP tokens after a shared prefix is left out (Chat's implicit
+    cache candidate ends the last message's text two tokens before the closure), and so is a
+    long anchor within ANCHOR_MIN_GAP of the reuse point or of any frontier kept. Shared prefixes
+    (explicit or implicit breakpoints) are always captured.
+    """
+    frontiers: dict[int, ReusePath] = {prompt_len: ReusePath(endpoint_path)}
+    for hint in hints:
+        if reused < hint.frontier <= prompt_len:
+            frontiers[hint.frontier] = ReusePath(hint.path)
+    shared = [f for f, path in frontiers.items() if path is ReusePath.SHARED_STABLE_PREFIX]
+    kept = {
+        f: path for f, path in frontiers.items()
+        if f == prompt_len or path is not ReusePath.PRIVATE_TURN_CLOSURE
+        or not any(0 < f - s <= CLOSURE_MIN_GAP for s in shared)
+    }  # fmt: skip
+    fixed = [f for f, path in kept.items() if path is not ReusePath.PRIVATE_LONG_ANCHOR]
+    for f, path in list(kept.items()):
+        if path is ReusePath.PRIVATE_LONG_ANCHOR and (
+            f - reused <= ANCHOR_MIN_GAP or any(abs(f - other) <= ANCHOR_MIN_GAP for other in fixed)
+        ):
+            del kept[f]
+    return sorted(kept.items())
 
 
 class Checkpoints:
