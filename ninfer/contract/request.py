@@ -13,6 +13,7 @@ class CaptureHint(msgspec.Struct, frozen=True):
 
     frontier: int
     path: ReusePath  # reported when a later request resumes from it
+    implicit: bool = False  # a shared prefix no client asked for (OpenAI's implicit cache candidate)
 
 
 class ThinkingBudget(msgspec.Struct, frozen=True):

@@ -75,8 +75,8 @@ class PromptBuilder:
         thinking = not conversation.continue_final_message and self._opens_thinking(text)
         hints: list[CaptureHint] = []
         if with_capture_hints:
-            for frontier in self._breakpoint_frontiers(conversation, kwargs, prompt):
-                hints.append(CaptureHint(frontier, ReusePath.SHARED_STABLE_PREFIX))
+            for frontier, implicit in self._breakpoint_frontiers(conversation, kwargs, prompt):
+                hints.append(CaptureHint(frontier, ReusePath.SHARED_STABLE_PREFIX, implicit=implicit))
         if with_capture_hints and not conversation.continue_final_message:
             frontier = self._turn_closure_frontier(conversation, kwargs, prompt)
             if frontier is not None and all(h.frontier != frontier for h in hints):
@@ -216,27 +216,30 @@ class PromptBuilder:
             frontier = len(prefix_ids) if token_ids[: len(prefix_ids)] == prefix_ids else None
         return frontier if frontier is not None and 0 < frontier < len(token_ids) else None
 
-    def _breakpoint_frontiers(self, conversation: Conversation, kwargs: dict[str, Any], prompt: EncodedPrompt) -> list[int]:
-        """Exact token frontiers of the requested cache breakpoints; unrepresentable ones are skipped.
+    def _breakpoint_frontiers(
+        self, conversation: Conversation, kwargs: dict[str, Any], prompt: EncodedPrompt
+    ) -> list[tuple[int, bool]]:
+        """(frontier, implicit only) of the requested cache breakpoints, ascending; unrepresentable
+        ones are skipped. The implicit candidate counts as explicit where an explicit one coincides.
 
         Each is found by rendering with a sentinel at the breakpoint: the text before it must be a
         prefix of the real prompt and must tokenize to a prefix of its token ids (_prefix_frontier).
         """
-        targets: list[tuple[str, int, int]] = []
+        targets: list[tuple[str, int, int, bool]] = []
         for i, message in enumerate(conversation.messages):
             for j, part in enumerate(message.content):
                 if part.cache_breakpoint and isinstance(part, TextPart):
-                    targets.append(("part", i, j))
+                    targets.append(("part", i, j, False))
         for t, tool in enumerate(conversation.tools):
             if tool.cache_breakpoint and tool.description:
-                targets.append(("tool", t, 0))
+                targets.append(("tool", t, 0, False))
         if conversation.implicit_cache_breakpoint and conversation.messages:
             last = len(conversation.messages) - 1
             texts = [j for j, p in enumerate(conversation.messages[last].content) if isinstance(p, TextPart)]
             if texts:
-                targets.append(("part", last, texts[-1]))
-        frontiers: list[int] = []
-        for kind, index, part_index in targets:
+                targets.append(("part", last, texts[-1], True))
+        frontiers: dict[int, bool] = {}
+        for kind, index, part_index, implicit in targets:
             marked = copy.deepcopy(conversation)
             if kind == "part":
                 part = marked.messages[index].content[part_index]
@@ -253,9 +256,9 @@ class PromptBuilder:
             if offset < 0 or rendered.count(_SENTINEL) != 1:
                 continue
             frontier = self._prefix_frontier(prompt, rendered[:offset])
-            if frontier is not None and frontier not in frontiers:
-                frontiers.append(frontier)
-        return sorted(frontiers)
+            if frontier is not None:
+                frontiers[frontier] = frontiers.get(frontier, True) and implicit
+        return sorted(frontiers.items())
 
     def _message_start_id(self) -> int | None:
         """The special token that opens every message (ChatML's <|im_start|>, Llama 3's

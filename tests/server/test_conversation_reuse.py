@@ -19,10 +19,8 @@ LONG_NOTE = "Please keep these notes in mind. " + " ".join(f"note {i} is about t
 FOLLOW_UP = "Now summarise them in one line."
 REASONING = "Let me weigh the notes."
 ANSWER = "The notes cover seven topics."
-# The generation prologue and assistant opener the turn closure sits before: a few tokens. Chat and
-# Responses resume two tokens earlier, at the implicit cache candidate (the end of the last message's
-# text, where the engine leaves the checkpoint instead of at the closure just after it): its end marker.
-MAX_PROLOGUE_TOKENS = 8 + 2
+# The generation prologue and assistant opener the turn closure sits before: a few tokens.
+MAX_PROLOGUE_TOKENS = 8
 
 
 def script(thinking: bool) -> str:

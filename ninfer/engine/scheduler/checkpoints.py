@@ -26,8 +26,8 @@ log = logging.getLogger("ninfer.engine")
 # least what ~1K tokens of prefill do on a GPU (its host work). A long anchor (a heuristic) this
 # close to another frontier is not worth its step: a later hit recomputes at most this much.
 ANCHOR_MIN_GAP = 256
-# A turn closure this close after a shared prefix differs from it by template markers only (the
-# end of the last message's text vs. the message's end marker): the next turn resumes there.
+# A turn closure this close after the implicit cache candidate differs from it by template
+# markers only (the end of the last message's text vs. the message's end marker).
 CLOSURE_MIN_GAP = 16
 
 
@@ -37,21 +37,21 @@ def capture_frontiers(
     """(frontier, path) where a prompt resumed at `reused` leaves checkpoints, ascending; the
     prompt end always.
 
-    Frontiers a few tokens apart would each take a prompt step for next to nothing, so a turn
-    closure at most CLOSURE_MIN_GAP tokens after a shared prefix is left out (Chat's implicit
-    cache candidate ends the last message's text two tokens before the closure), and so is a
-    long anchor within ANCHOR_MIN_GAP of the reuse point or of any frontier kept. Shared prefixes
-    (explicit or implicit breakpoints) are always captured.
+    Frontiers a few tokens apart would each take a prompt step for next to nothing, so the
+    implicit cache candidate (a shared prefix no client asked for, at the end of the last
+    message's text) is left to a turn closure at most CLOSURE_MIN_GAP tokens after it, which any
+    later request sharing that prefix also reaches; and a long anchor within ANCHOR_MIN_GAP of
+    the reuse point or of any frontier kept is left out. Breakpoints a client asked for and turn
+    closures are always captured.
     """
-    frontiers: dict[int, ReusePath] = {prompt_len: ReusePath(endpoint_path)}
+    frontiers: dict[int, CaptureHint] = {prompt_len: CaptureHint(prompt_len, ReusePath(endpoint_path))}
     for hint in hints:
         if reused < hint.frontier <= prompt_len:
-            frontiers[hint.frontier] = ReusePath(hint.path)
-    shared = [f for f, path in frontiers.items() if path is ReusePath.SHARED_STABLE_PREFIX]
+            frontiers[hint.frontier] = hint
+    closures = [f for f, hint in frontiers.items() if hint.path is ReusePath.PRIVATE_TURN_CLOSURE]
     kept = {
-        f: path for f, path in frontiers.items()
-        if f == prompt_len or path is not ReusePath.PRIVATE_TURN_CLOSURE
-        or not any(0 < f - s <= CLOSURE_MIN_GAP for s in shared)
+        f: ReusePath(hint.path) for f, hint in frontiers.items()
+        if f == prompt_len or not hint.implicit or not any(0 < c - f <= CLOSURE_MIN_GAP for c in closures)
     }  # fmt: skip
     fixed = [f for f, path in kept.items() if path is not ReusePath.PRIVATE_LONG_ANCHOR]
     for f, path in list(kept.items()):
