@@ -87,6 +87,33 @@ class EngineTiming(msgspec.Struct):
     units: StepUnits = msgspec.field(default_factory=StepUnits)
 
 
+class DegradationUnits(msgspec.Struct):
+    """What a request's admission took from the context cache, in checkpoints."""
+
+    dropped: int = 0  # checkpoints removed
+    kv_spilled: int = 0  # checkpoints whose KV pages went to the host tier
+    state_spilled: int = 0  # checkpoints whose StateImage went to the host tier
+
+
+class Materialization(msgspec.Struct):
+    """The admission decision committed for one request: what its plan was predicted to cost now
+    (the prompt recomputed past the reused frontier, restores from the host tier) and later (the
+    recompute the checkpoints it gave up would have saved), and how the bounded search ended."""
+
+    target: str  # "checkpoint" (resume, copying its state), "adopted_checkpoint" or "root"
+    reused_tokens: int
+    predicted_immediate_ns: int
+    predicted_future_loss_ns: int
+    predicted_total_ns: int
+    evaluated_targets: int  # plans tried, in order: resume from the hit, adopt it, root
+    projection_work: int  # eviction sets examined across them
+    planning_ns: int
+    stop_reason: str  # no_pressure | value_of_next_expansion | queue_exhausted
+    budget_exhausted: bool  # the cache held more checkpoints than the planner ranks by cost
+    degradation_units: DegradationUnits
+    maximal_root_fallback: bool  # a checkpoint matched, yet the plan starts from root
+
+
 class EngineOutput(msgspec.Struct):
     """One step's delta for one request; the last one has finish_reason set."""
 
@@ -104,6 +131,7 @@ class EngineOutput(msgspec.Struct):
     timings: Timings | None = None
     error: EngineError | None = None
     engine_timing: EngineTiming | None = None  # on the final output only
+    materialization: Materialization | None = None  # on the final output of an admitted request
 
     @property
     def finished(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ninfer.contract.output import EngineTiming, PromptProgress, Timings
+from ninfer.contract.output import EngineTiming, Materialization, PromptProgress, Timings
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingParams
@@ -50,6 +50,7 @@ class Sequence:
     unsent_forced: int = 0
     unsent_progress: PromptProgress | None = None
     engine_timing: EngineTiming = field(default_factory=EngineTiming)  # accumulated step by step
+    materialization: Materialization | None = None  # the admission decision, once admitted
 
     def __post_init__(self) -> None:
         if not self.token_ids:

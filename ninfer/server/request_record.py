@@ -124,7 +124,7 @@ class RequestRecord:
                 "max_thinking_tokens": budget.max_thinking_tokens if budget is not None else None,
                 "forced_close_tokens": generation.forced_tokens,
             },
-            "materialization": None,
+            "materialization": msgspec.to_builtins(out.materialization) if out.materialization is not None else None,
             "timings_seconds": {
                 "prepare": prepared_at - self.started,
                 "queue_wait": (admitted - prepared_at) if admitted is not None else None,

@@ -121,6 +121,14 @@ def test_done_records_add_up(campaign):
         assert host["total"] == pytest.approx(sum(v for k, v in host.items() if k != "total"), abs=1e-12)
         timings = done["timings_seconds"]
         assert 0 <= timings["prepare"] <= timings["ttft"] <= timings["total"]
+        # The admission decision: what it reused is what the usage reports, its costs add up.
+        decision = done["materialization"]
+        assert decision["reused_tokens"] == done["prefix_cache_hit_tokens"]
+        assert (decision["target"] == "root") == (done["prefix_cache_hit_tokens"] == 0)
+        assert decision["predicted_total_ns"] == decision["predicted_immediate_ns"] + decision["predicted_future_loss_ns"]
+        # Recompute is predicted for every computed token (a restore from the host tier may add to it).
+        assert decision["predicted_immediate_ns"] > 0 or done["computed_prefill_tokens"] == 0
+        assert decision["planning_ns"] > 0
 
 
 def test_throughput_counts_the_tokens_the_requests_computed(campaign):

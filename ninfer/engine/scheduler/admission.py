@@ -13,12 +13,13 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
-from ninfer.contract.output import EngineOutput, ErrorCode, PromptProgress, Timings
+from ninfer.contract.output import DegradationUnits, EngineOutput, ErrorCode, Materialization, PromptProgress, Timings
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
@@ -27,6 +28,7 @@ from ninfer.engine.sampler import fresh_seed
 from ninfer.engine.scheduler.checkpoints import capture_frontiers
 from ninfer.engine.scheduler.outputs import error_output
 from ninfer.engine.scheduler.placement import Placement
+from ninfer.engine.scheduler.planner import MAX_CANDIDATES
 from ninfer.engine.scheduler.step import (
     CopyPage,
     CopySlot,
@@ -63,6 +65,8 @@ class AdmissionPlan:
     evict: list[Checkpoint]  # give up their device KV pages: dropped, or spilled when in spill_kv
     spill_kv: list[Checkpoint]
     free_device_slot: bool  # spill (or drop) one more device checkpoint for the request's slot
+    stop_reason: str = "no_pressure"  # how the eviction search ended (Materialization.stop_reason)
+    budget_exhausted: bool = False  # more checkpoints than the planner ranks by cost
 
 
 class Admission:
@@ -87,6 +91,7 @@ class Admission:
         self.clock = clock
         self.actions = actions
         self.waiting: collections.deque[Sequence] = collections.deque()
+        self._projection_work = 0  # eviction sets examined by the admission attempt in progress
         self._continuations = itertools.count()
 
     def add(self, request: EngineRequest) -> EngineOutput | None:
@@ -186,12 +191,65 @@ class Admission:
             if hit.is_exact_frontier and not hit.checkpoint.on_host:
                 candidates.append((hit, True))
         candidates.append((None, False))
-        for candidate, adopt in candidates:
+        started_ns = time.perf_counter_ns()
+        self._projection_work = 0
+        for evaluated, (candidate, adopt) in enumerate(candidates, 1):
             plan = self._plan(seq, candidate, adopt)
             if plan is not None:
+                decision = self._predict(seq, plan, hit)
+                spills, drops = self.placement.num_spills, self.placement.num_drops
                 self._commit(seq, plan)
+                seq.materialization = self._decision(
+                    plan, decision, evaluated, time.perf_counter_ns() - started_ns, hit is not None,
+                    self.placement.num_spills - spills, self.placement.num_drops - drops,
+                )
                 return True
         return False
+
+    def _predict(self, seq: Sequence, plan: AdmissionPlan, hit: CacheHit | None) -> tuple[float, float]:
+        """(immediate, future-loss) seconds of a plan, read before it changes the cache."""
+        planner = self.placement.planner
+        costs = planner.costs
+        ck = plan.hit.checkpoint if plan.hit is not None else None
+        reused = plan.hit.num_reused_tokens if plan.hit is not None else 0
+        immediate = costs.recompute_seconds(seq.prompt_len - reused)
+        if ck is not None and ck.kv_on_host:
+            immediate += costs.transfer_seconds(len(ck.host_pages) * planner.kv_page_bytes)
+        if ck is not None and ck.on_host:
+            immediate += costs.transfer_seconds(planner.state_image_bytes)
+        future = 0.0
+        if plan.evict:
+            loss = planner.loss_seconds()
+            for victim in plan.evict:
+                if victim in plan.spill_kv:
+                    future += costs.transfer_seconds(len(victim.pages) * planner.kv_page_bytes)
+                else:
+                    future += loss[victim.checkpoint_id]
+        return immediate, future
+
+    def _decision(
+        self, plan: AdmissionPlan, predicted: tuple[float, float], evaluated: int, planning_ns: int,
+        had_hit: bool, state_spills: int, slot_drops: int,
+    ) -> Materialization:
+        immediate, future = predicted
+        if plan.free_device_slot:
+            future += self.placement.last_loss_seconds
+        immediate_ns, future_ns = round(immediate * 1e9), round(future * 1e9)
+        dropped = len(plan.evict) - len(plan.spill_kv) + slot_drops
+        return Materialization(
+            target="root" if plan.hit is None else "adopted_checkpoint" if plan.adopt else "checkpoint",
+            reused_tokens=plan.hit.num_reused_tokens if plan.hit is not None else 0,
+            predicted_immediate_ns=immediate_ns,
+            predicted_future_loss_ns=future_ns,
+            predicted_total_ns=immediate_ns + future_ns,
+            evaluated_targets=evaluated,
+            projection_work=self._projection_work,
+            planning_ns=planning_ns,
+            stop_reason=plan.stop_reason,
+            budget_exhausted=plan.budget_exhausted,
+            degradation_units=DegradationUnits(dropped, len(plan.spill_kv), state_spills),
+            maximal_root_fallback=had_hit and plan.hit is None,
+        )
 
     def _plan(self, seq: Sequence, hit: CacheHit | None, adopt: bool) -> AdmissionPlan | None:
         page_size = self.kv_pool.page_size
@@ -214,17 +272,23 @@ class Admission:
             return AdmissionPlan(hit, adopt, num_full, own_partial, cow, num_private, [], [], False)
         victims = self.placement.planner.drop_order(keep=ck)
         page_gains = [0, *self.cache.pages_freed_by_evicting(victims)]
+        budget_exhausted = len(self.cache) > MAX_CANDIDATES
         for num_evict in range(len(victims) + 1):
+            self._projection_work += 1
             if self.kv_pool.num_free + page_gains[num_evict] < pages_needed:
                 continue
             evict = victims[:num_evict]
             spill_kv = self._kv_to_spill(evict)
             dropped = [c for c in evict if c not in spill_kv]
             free_slots = self.state_pool.num_free + sum(c.state_slot is not None for c in dropped)
+            # The cheapest prefix of the drop order that fits: evicting more would only add loss.
+            stop = "queue_exhausted" if num_evict == len(victims) and victims else "value_of_next_expansion"
             if free_slots >= slots_needed:
-                return AdmissionPlan(hit, adopt, num_full, own_partial, cow, num_private, evict, spill_kv, False)
+                return AdmissionPlan(hit, adopt, num_full, own_partial, cow, num_private, evict, spill_kv, False,
+                                     stop, budget_exhausted)
             if self.placement.can_free_device_slot(ck, dropped):
-                return AdmissionPlan(hit, adopt, num_full, own_partial, cow, num_private, evict, spill_kv, True)
+                return AdmissionPlan(hit, adopt, num_full, own_partial, cow, num_private, evict, spill_kv, True,
+                                     stop, budget_exhausted)
         return None
 
     def _kv_to_spill(self, evict: list[Checkpoint]) -> list[Checkpoint]:

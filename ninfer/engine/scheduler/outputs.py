@@ -37,6 +37,7 @@ def final_output(seq: Sequence, reason: FinishReason, stop_reason: int | str | N
     host.total = (host.engine_boundary + host.program_submit + host.program_post + host.engine_commit_output
                   + host.engine_maintenance)
     out.engine_timing = timing
+    out.materialization = seq.materialization
     return out
 
 

@@ -27,6 +27,7 @@ class Placement:
         self.planner = planner
         self.actions = actions
         self.num_spills = self.num_drops = 0  # for tests and diagnostics
+        self.last_loss_seconds = 0.0  # what the last freed slot is predicted to cost later
 
     def can_free_device_slot(self, keep: Checkpoint | None, evicted: list[Checkpoint]) -> bool:
         """Whether free_device_slot would succeed once `evicted` are gone."""
@@ -42,15 +43,21 @@ class Placement:
         victim = order[0]
         loss = self.planner.loss_seconds()
         host_pool = self.cache.host_pool
+        # Dropped, it costs its recompute later; spilled, its restore (plus any host checkpoint dropped for it).
+        self.last_loss_seconds = loss[victim.checkpoint_id]
         if host_pool.num_slots == 0 or not self.planner.worth_spilling(victim, loss):
             self._drop(victim)
             return True
+        restore = self.planner.costs.transfer_seconds(self.planner.state_image_bytes)
+        self.last_loss_seconds = restore
         if host_pool.num_free == 0:
             on_host = self.planner.drop_order(keep=keep, among=[c for c in self.cache.checkpoints.values() if c.on_host])
             if not on_host or loss[on_host[0].checkpoint_id] >= loss[victim.checkpoint_id]:
+                self.last_loss_seconds = loss[victim.checkpoint_id]
                 self._drop(victim)
                 return True
             self._drop(on_host[0])
+            self.last_loss_seconds = restore + loss[on_host[0].checkpoint_id]
         host_slot = host_pool.allocate()
         device_slot = self.cache.move_to_host(victim, host_slot)
         self.actions.append(SpillSlot(device_slot, host_slot))
