@@ -148,25 +148,31 @@ def test_debug_records_show_every_planning_decision(llama, caplog):
     assert any("captures checkpoint" in r for r in records), records
 
 
-def test_the_last_busy_interval_is_reported_at_its_boundary_even_when_the_engine_goes_idle(llama):
-    config = EngineConfig(max_concurrency=1, max_context=256, log_stats_interval_ms=300)
-    records: list[dict] = []
+def serve_one_request(llama, config: EngineConfig, attach, done) -> None:
+    """Run one 4-token request through an in-process engine loop; attach(client) subscribes to
+    what the engine publishes, done() says when what the test waits for has arrived (2 s at most)."""
     client = InProcessEngineClient(config, lambda: EngineCore(llama, make_byte_tokenizer(), config))
-    client.on_stats = records.append
+    attach(client)
 
     async def scenario():
         await client.start()
         try:
             outs = [o async for o in client.generate(greedy("a", max_new=4))]
             assert outs[-1].finished
-            for _ in range(100):  # nothing else arrives: the loop must wake for the record itself
-                if records:
+            for _ in range(100):  # nothing else arrives: the loop must wake and publish by itself
+                if done():
                     break
                 await asyncio.sleep(0.02)
         finally:
             await client.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_the_last_busy_interval_is_reported_at_its_boundary_even_when_the_engine_goes_idle(llama):
+    config = EngineConfig(max_concurrency=1, max_context=256, log_stats_interval_ms=300)
+    records: list[dict] = []
+    serve_one_request(llama, config, lambda client: setattr(client, "on_stats", records.append), lambda: records)
     assert records, "the interval that computed the request was never reported"
     assert sum(r["decode_tokens"] for r in records) == 3 and sum(r["prefill_tokens"] for r in records) > 0
 
@@ -190,20 +196,6 @@ def test_the_engine_publishes_pool_gauges_once_each_time_it_turns_idle(llama):
 def test_idle_gauges_reach_the_client_without_throughput_records(llama):
     config = EngineConfig(max_concurrency=1, max_context=256, log_stats_interval_ms=0)
     seen: list[dict] = []
-    client = InProcessEngineClient(config, lambda: EngineCore(llama, make_byte_tokenizer(), config))
-    client.on_gauges = seen.append
-
-    async def scenario():
-        await client.start()
-        try:
-            outs = [o async for o in client.generate(greedy("a", max_new=4))]
-            assert outs[-1].finished
-            for _ in range(100):
-                if seen and seen[-1]["checkpoints"]:
-                    break
-                await asyncio.sleep(0.02)
-        finally:
-            await client.shutdown()
-
-    asyncio.run(scenario())
+    serve_one_request(llama, config, lambda client: setattr(client, "on_gauges", seen.append),
+                      lambda: seen and seen[-1]["checkpoints"])
     assert seen and seen[-1]["checkpoints"] >= 1 and seen[-1]["kv_pages_used"] > 0

@@ -196,7 +196,7 @@ class Admission:
         for evaluated, (candidate, adopt) in enumerate(candidates, 1):
             plan = self._plan(seq, candidate, adopt)
             if plan is not None:
-                decision = self._predict(seq, plan, hit)
+                decision = self._predict(seq, plan)
                 spills, drops = self.placement.num_spills, self.placement.num_drops
                 self._commit(seq, plan)
                 seq.materialization = self._decision(
@@ -206,7 +206,7 @@ class Admission:
                 return True
         return False
 
-    def _predict(self, seq: Sequence, plan: AdmissionPlan, hit: CacheHit | None) -> tuple[float, float]:
+    def _predict(self, seq: Sequence, plan: AdmissionPlan) -> tuple[float, float]:
         """(immediate, future-loss) seconds of a plan, read before it changes the cache."""
         planner = self.placement.planner
         costs = planner.costs
