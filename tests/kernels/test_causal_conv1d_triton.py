@@ -104,3 +104,15 @@ def test_decode_update_matches_reference(dtype: torch.dtype) -> None:
     assert torch.equal(state, expected_state)
     for slot in (0, 2, 3):
         assert torch.equal(state[slot], initial[slot])
+
+
+def test_verify_rows_leave_the_state_unchanged() -> None:
+    """update_state=False (speculative verification): the same outputs, no slot written."""
+    lengths, slots = (4, 4, 4), torch.tensor([3, 0, 6])
+    x, weight, state = _inputs(sum(lengths), 4, num_slots=7, seed=11)
+    initial = state.clone()
+    out = fast.causal_conv1d(x, weight, state, slots, lengths, (60, 60, 80), update_state=False)
+    expected = ref.causal_conv1d(x, weight, initial.clone(), slots, lengths, (60, 60, 80))
+    for part, want in zip(out, expected):
+        torch.testing.assert_close(part, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(state, initial)

@@ -163,3 +163,18 @@ def test_bf16_inputs_keep_fp32_state() -> None:
     reference = _run(chunk_gated_delta_rule, upcast, ref_state, [0], (20,))
     torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(state, ref_state, atol=1e-6, rtol=1e-6)
+
+
+def test_verify_then_commit_equals_decoding_the_accepted_rows() -> None:
+    """Speculative verification scores rows without writing the state (update_state=False);
+    running the accepted prefix again with the state written leaves what plain decode would."""
+    form = recurrent_gated_delta_rule
+    inputs = _inputs(4, seed=12, num_slots=2)
+    state = inputs["state"].clone()
+    verify = form(*(inputs[n] for n in ("q", "k", "v", "g", "beta")), state, torch.tensor([1]), (4,), False)
+    assert torch.equal(state, inputs["state"])
+    decoded_state = inputs["state"].clone()
+    decoded = [_run(form, inputs, decoded_state, [1], (1,), slice(t, t + 1)) for t in range(2)]
+    torch.testing.assert_close(verify[:2], torch.cat(decoded), atol=ATOL, rtol=RTOL)
+    _run(form, inputs, state, [1], (2,), slice(0, 2))  # the commit of two accepted rows
+    torch.testing.assert_close(state, decoded_state, atol=ATOL, rtol=RTOL)

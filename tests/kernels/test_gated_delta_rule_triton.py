@@ -112,3 +112,15 @@ def test_varlen_metadata_for_fla_is_built_once_per_lengths() -> None:
     assert _varlen_metadata((5, 64, 130), torch.device("cpu"))[1] is chunk_indices
     assert _varlen_metadata((5, 64, 130), torch.device("cpu"))[0] is cu_seqlens
     assert _varlen_metadata((5, 64, 131), torch.device("cpu"))[1] is not chunk_indices
+
+
+def test_verify_rows_leave_the_state_unchanged() -> None:
+    """update_state=False (speculative verification): the same outputs, no slot written."""
+    lengths, slots = (4, 4), [1, 5]
+    q, k, v, g, beta, state = _inputs(sum(lengths), 2, 6, 16, 12, num_slots=6, seed=5)
+    initial = state.clone()
+    slot_ids = torch.tensor(slots)
+    out = fast.recurrent_gated_delta_rule(q, k, v, g, beta, state, slot_ids, lengths, False, block_v=8)
+    expected = ref.recurrent_gated_delta_rule(q, k, v, g, beta, initial.clone(), slot_ids, lengths)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    assert torch.equal(state, initial)

@@ -18,8 +18,10 @@ def causal_conv1d(
     state_slots: torch.Tensor,
     query_lens: tuple[int, ...],
     split: tuple[int, ...] | None = None,
+    update_state: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """x: [T, C] flat over requests; weight: [C, K]; conv_state: [num_slots, C, K-1] (updated in place).
+    """x: [T, C] flat over requests; weight: [C, K]; conv_state: [num_slots, C, K-1] (updated in place
+    unless update_state is False: speculative verification reads the state and commits later).
 
     Request b owns rows sum(query_lens[:b]) ... + query_lens[b] and state slot state_slots[b].
     Returns silu(conv(x)) [T, C]; with split (up to 3 channel counts), its column blocks as
@@ -29,7 +31,7 @@ def causal_conv1d(
     if split is not None:
         if not 1 <= len(split) <= 3 or sum(split) != x.shape[1] or min(split) <= 0:
             raise ValueError(f"split {split} must be 1 to 3 positive channel counts summing to {x.shape[1]}")
-        out = causal_conv1d(x, weight, conv_state, state_slots, query_lens)
+        out = causal_conv1d(x, weight, conv_state, state_slots, query_lens, update_state=update_state)
         return tuple(part.contiguous() for part in out.split(list(split), dim=-1))
     state_len = conv_state.shape[-1]
     weight_f = weight.float()
@@ -44,7 +46,8 @@ def causal_conv1d(
         # Depthwise conv without padding: the state supplies the causal left context.
         y = F.conv1d(window.unsqueeze(0), weight_f.unsqueeze(1), groups=window.shape[0])[0]  # [C, L]
         out[start : start + query_len] = F.silu(y).t().to(x.dtype)
-        conv_state[slot] = window[:, window.shape[-1] - state_len :].to(conv_state.dtype)
+        if update_state:
+            conv_state[slot] = window[:, window.shape[-1] - state_len :].to(conv_state.dtype)
         start += query_len
     return out
 

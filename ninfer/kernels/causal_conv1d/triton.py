@@ -108,6 +108,7 @@ def _conv_varlen_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     STATE_COLS: tl.constexpr,
+    WRITE_STATE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)  # before the first global load or store
@@ -159,7 +160,7 @@ def _conv_varlen_kernel(
         if c_last >= split2:
             _store_part(out_ptr, y, rows, c, split2, width2, offset2, mask)
 
-        if i_t == 0:
+        if WRITE_STATE and i_t == 0:
             # New state column j = input at position length-(K-1)+j, from the old state if < 0.
             j = tl.arange(0, STATE_COLS)
             pos_j = length - (K - 1) + j
@@ -232,6 +233,7 @@ def causal_conv1d(
     state_slots: torch.Tensor,
     query_lens: tuple[int, ...],
     split: tuple[int, ...] | None = None,
+    update_state: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Same contract as ref.causal_conv1d (varlen, slot states updated in place), split included:
     the parts are written straight into their own contiguous matrices (no copies)."""
@@ -281,6 +283,7 @@ def causal_conv1d(
         BLOCK_T=BLOCK_T_PREFILL,
         BLOCK_C=BLOCK_C_PREFILL,
         STATE_COLS=triton.next_power_of_2(kernel - 1),
+        WRITE_STATE=update_state,
         USE_PDL=use_pdl,
         num_warps=PREFILL_WARPS,
         launch_pdl=use_pdl,

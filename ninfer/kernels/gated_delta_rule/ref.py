@@ -69,11 +69,14 @@ def recurrent_gated_delta_rule(
     state: torch.Tensor,
     state_slots: torch.Tensor,
     query_lens: tuple[int, ...],
+    update_state: bool = True,
 ) -> torch.Tensor:
     """Token-by-token form (decode, short verify rows).
 
     q, k: [T, Hk, dk]; v: [T, Hv, dv]; g, beta: [T, Hv]; state: [num_slots, Hv, dk, dv] fp32,
-    updated in place at state_slots[b]. Returns o [T, Hv, dv] in v's dtype.
+    updated in place at state_slots[b] (left as it was when update_state is False: speculative
+    verification scores its rows and commits the accepted ones later). Returns o [T, Hv, dv] in
+    v's dtype.
     """
     num_v_heads = v.shape[1]
     qf, kf = _prepare_qk(q, k, num_v_heads)
@@ -85,14 +88,16 @@ def recurrent_gated_delta_rule(
             *(x.reshape(num_requests, query_len, *x.shape[1:]) for x in (qf, kf, vf, gf, betaf)),
             state[state_slots].float(),
         )
-        state[state_slots] = final.to(state.dtype)
+        if update_state:
+            state[state_slots] = final.to(state.dtype)
         return out.reshape(v.shape).to(v.dtype)
     out = torch.empty_like(vf)
     start = 0
     for slot, query_len in zip(state_slots.tolist(), query_lens):
         rows = slice(start, start + query_len)
         out[rows], final = _recurrent_scan(qf[rows], kf[rows], vf[rows], gf[rows], betaf[rows], state[slot].float())
-        state[slot] = final.to(state.dtype)
+        if update_state:
+            state[slot] = final.to(state.dtype)
         start += query_len
     return out.to(v.dtype)
 
@@ -184,7 +189,8 @@ def recurrent_gated_delta_rule_with_gates(
     state: torch.Tensor,
     state_slots: torch.Tensor,
     query_lens: tuple[int, ...],
+    update_state: bool = True,
 ) -> torch.Tensor:
     """recurrent_gated_delta_rule with the gates given as the projections a, b (see gdn_gates)."""
     g, beta = gdn_gates(a, b, A_log, dt_bias)
-    return recurrent_gated_delta_rule(q, k, v, g, beta, state, state_slots, query_lens)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, state, state_slots, query_lens, update_state)

@@ -188,6 +188,7 @@ def _recurrent_kernel(
     VARLEN: tl.constexpr,
     RAW_GATES: tl.constexpr,
     THRESHOLD: tl.constexpr,
+    WRITE_STATE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """RAW_GATES: g_ptr / beta_ptr hold the projections a / b, and the gates are computed here
@@ -246,7 +247,8 @@ def _recurrent_kernel(
         b_o = tl.sum(s * b_q[:, None], axis=0)
         tl.store(out_ptr + t * stride_ot + i_h * stride_oh + o_v, b_o.to(out_ptr.dtype.element_ty), mask=m_v)
 
-    tl.store(p_state, s.to(state_ptr.dtype.element_ty), mask=mask_s)
+    if WRITE_STATE:  # off for speculative verification, which commits the accepted rows later
+        tl.store(p_state, s.to(state_ptr.dtype.element_ty), mask=mask_s)
 
 
 def _check_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> None:
@@ -267,6 +269,7 @@ def recurrent_gated_delta_rule(
     state: torch.Tensor,
     state_slots: torch.Tensor,
     query_lens: tuple[int, ...],
+    update_state: bool = True,
     *,
     block_v: int | None = None,
     num_warps: int = NUM_WARPS,
@@ -276,7 +279,7 @@ def recurrent_gated_delta_rule(
     Capture-safe when all query_lens are equal (a decode round): the host tuple only fixes
     the grid. block_v / num_warps override the tile choice, for the benchmark.
     """
-    return _recurrent(q, k, v, g, beta, None, state, state_slots, query_lens, block_v, num_warps)
+    return _recurrent(q, k, v, g, beta, None, state, state_slots, query_lens, block_v, num_warps, update_state)
 
 
 def recurrent_gated_delta_rule_with_gates(
@@ -290,15 +293,16 @@ def recurrent_gated_delta_rule_with_gates(
     state: torch.Tensor,
     state_slots: torch.Tensor,
     query_lens: tuple[int, ...],
+    update_state: bool = True,
 ) -> torch.Tensor:
     """Same contract as ref.recurrent_gated_delta_rule_with_gates: the gates computed in the
     recurrent kernel from the raw projections (a, b may be strided row views)."""
     if a.shape != b.shape or A_log.shape != (a.shape[1],) or dt_bias.shape != (a.shape[1],):
         raise ValueError(f"a {tuple(a.shape)}, b {tuple(b.shape)}, A_log/dt_bias must be [{a.shape[1]}]")
-    return _recurrent(q, k, v, a, b, (A_log, dt_bias), state, state_slots, query_lens, None, NUM_WARPS)
+    return _recurrent(q, k, v, a, b, (A_log, dt_bias), state, state_slots, query_lens, None, NUM_WARPS, update_state)
 
 
-def _recurrent(q, k, v, g, beta, raw_gate_params, state, state_slots, query_lens, block_v, num_warps):
+def _recurrent(q, k, v, g, beta, raw_gate_params, state, state_slots, query_lens, block_v, num_warps, update_state):
     """g / beta are the gates, or (raw_gate_params = (A_log, dt_bias)) the projections a / b."""
     num_tokens, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1], v.shape[2]
@@ -353,6 +357,7 @@ def _recurrent(q, k, v, g, beta, raw_gate_params, state, state_slots, query_lens
         VARLEN=not equal,
         RAW_GATES=raw_gate_params is not None,
         THRESHOLD=SOFTPLUS_THRESHOLD,
+        WRITE_STATE=update_state,
         USE_PDL=use_pdl,
         num_warps=num_warps,
         launch_pdl=use_pdl,
