@@ -10,7 +10,9 @@ from torch import nn
 from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
 from ninfer.models.kv_cache import KVCache
+from ninfer.models.layers.gated_deltanet import GatedDeltaNet
 from ninfer.models.state_cache import StateCache
+from ninfer.models.verify_scratch import VerifyScratch
 
 
 @dataclass(frozen=True)
@@ -94,3 +96,26 @@ class CausalLM(nn.Module):
             param.device,
         )
         return kv, states
+
+    def allocate_verify_scratch(self, max_rows: int, dtype: torch.dtype | None = None) -> VerifyScratch | None:
+        """Scratch for up to max_rows speculative verification rows a step (None: no state layers)."""
+        spec = self.cache_spec()
+        if not spec.num_linear_layers:
+            return None
+        param = next(self.parameters())
+        return VerifyScratch.allocate(
+            spec.num_linear_layers, max_rows, spec.conv_dim, spec.num_v_heads, dtype or param.dtype, param.device
+        )
+
+    def commit_verified(
+        self, scratch: VerifyScratch | None, rows: torch.Tensor, state_cache: StateCache | None,
+        slots: torch.Tensor, counts: tuple[int, ...],
+    ) -> None:
+        """Advance the state slots by their accepted verification rows (see VerifyScratch).
+        Attention layers need nothing: their KV was written for every row, and rows past the
+        accepted ones are overwritten before anything reads them."""
+        if scratch is None or state_cache is None:
+            return
+        for module in self.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.commit_verified(scratch, rows, state_cache, slots, counts)

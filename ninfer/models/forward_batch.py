@@ -20,6 +20,7 @@ import torch
 
 from ninfer.models.kv_cache import KVCache
 from ninfer.models.state_cache import StateCache
+from ninfer.models.verify_scratch import VerifyRows
 
 # Every staged array starts on this byte boundary: dtype views of the byte buffer need their
 # element size, and Triton specializes its kernels on 16-byte aligned pointers.
@@ -117,6 +118,8 @@ class ForwardBatch:
     # Host copies so reference ops can loop per request without device syncs.
     query_lens_cpu: tuple[int, ...] = ()
     seq_lens_cpu: tuple[int, ...] = ()
+    # Speculative verification: the first requests score their rows without writing state slots.
+    verify: VerifyRows | None = None
 
     @property
     def num_requests(self) -> int:
@@ -133,7 +136,7 @@ class ForwardBatch:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(q == 1 for q in self.query_lens_cpu)
+        return self.verify is None and all(q == 1 for q in self.query_lens_cpu)
 
     def num_computed_tokens(self, request_index: int) -> int:
         """Tokens already in the cache before this step for request b."""

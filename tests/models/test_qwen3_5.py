@@ -21,6 +21,7 @@ import transformers as tf
 
 from ninfer.models.config import ModelConfig
 from ninfer.models.loader import WeightLoadError
+from ninfer.models.verify_scratch import VerifyRows
 from tests.models.helpers import (
     Session,
     load_ours,
@@ -419,3 +420,51 @@ def test_mtp_tensors_are_skipped_when_mtp_is_off(checkpoints: dict[str, Checkpoi
     ours = load_ours(ckpt.config, {**ckpt.tensors, **mtp})
     assert ours.mtp is None
     assert not any(name.startswith("mtp.") for name in ours.state_dict())
+
+
+# ---- speculative verification rows ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dense_text", "moe_text"])
+@torch.inference_mode()
+def test_verify_rows_then_commit_equal_decoding(checkpoints: dict[str, Checkpoint], kind: str) -> None:
+    """Verification scores [last token, drafts] without writing the GDN states, beside another
+    request's prefill chunk in the same forward; committing the accepted rows then leaves the
+    states and logits of decoding those tokens one at a time."""
+    ckpt = checkpoints[kind]
+    ours = load_ours(ckpt.config, ckpt.tensors)
+    prompt, other, rows = _tokens(20, seed=5), _tokens(30, seed=6), _tokens(4, seed=7)
+    decoded = Session(ours, 40, num_requests=2)
+    decoded.step([0, 1], [prompt, other[:10]])
+    plain = [decoded.step([0], [rows[t : t + 1]])[0][0] for t in range(len(rows))]
+
+    verifying = Session(ours, 40, num_requests=2)
+    verifying.step([0, 1], [prompt, other[:10]])
+    before = verifying.states.recurrent.clone(), verifying.states.conv.clone()
+    slot = verifying.state_slots[0]
+    scratch = ours.allocate_verify_scratch(max_rows=8)
+    batch = verifying.batch([0, 1], [len(rows), 20])
+    batch.verify = VerifyRows(1, len(rows), scratch)
+    hidden = ours(torch.cat([rows, other[10:]]), batch)
+    logits = ours.compute_logits(hidden[: len(rows)])
+    torch.testing.assert_close(logits, torch.cat(plain), atol=FP32_ATOL, rtol=0)
+    assert torch.equal(verifying.states.recurrent[:, slot], before[0][:, slot])
+    assert torch.equal(verifying.states.conv[:, slot], before[1][:, slot])
+    # The other request's prefill chunk wrote its state as usual.
+    other_slot = verifying.state_slots[1]
+    assert not torch.equal(verifying.states.recurrent[:, other_slot], before[0][:, other_slot])
+
+    # Accept two rows: the state must equal decoding two tokens.
+    ours.commit_verified(scratch, torch.tensor([0, 1]), verifying.states, torch.tensor([slot]), (2,))
+    replay = Session(ours, 40, num_requests=2)
+    replay.step([0, 1], [prompt, other[:10]])
+    replay.step([0], [rows[:1]])
+    replay.step([0], [rows[1:2]])
+    torch.testing.assert_close(verifying.states.recurrent[:, slot], replay.states.recurrent[:, replay.state_slots[0]],
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(verifying.states.conv[:, slot], replay.states.conv[:, replay.state_slots[0]],
+                               atol=1e-5, rtol=0)
+    # Decoding on from the committed state gives the plain continuation's logits.
+    verifying.num_computed[0] = len(prompt) + 2
+    next_logits, _ = verifying.step([0], [rows[2:3]])
+    torch.testing.assert_close(next_logits[0], plain[2], atol=FP32_ATOL, rtol=0)

@@ -17,6 +17,8 @@ from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
 from ninfer.models.layers.linear import Linear, PackedLinear
 from ninfer.models.layers.norm import GatedRMSNorm
+from ninfer.models.state_cache import StateCache
+from ninfer.models.verify_scratch import VerifyScratch
 
 
 class GatedDeltaNet(nn.Module):
@@ -52,34 +54,77 @@ class GatedDeltaNet(nn.Module):
         num_tokens = x.shape[0]
         conv_state, recurrent_state = batch.state_cache.layer(self.state_layer_index)
         conv_weight = self.conv1d.weight.squeeze(1)
-        decode_only = batch.is_decode_only
 
         split = (self.key_dim, self.key_dim, self.value_dim)
-        if decode_only:
+        if batch.is_decode_only:
             # One token per request: the conv's step rides in the projection's GEMV epilogue.
             mixed = self.in_proj.forward_causal_conv1d_update(x, conv_weight, conv_state, batch.state_slots)
             qkv, z, b, a = mixed.split(self.in_proj_sizes, dim=-1)
-            q, k, v = qkv.split(split, dim=-1)
-        else:
-            qkv, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)
-            # Contiguous q, k, v straight from the conv: the chunked kernels would copy views.
-            q, k, v = causal_conv1d(qkv, conv_weight, conv_state, batch.state_slots, batch.query_lens_cpu, split)
-        q = q.reshape(num_tokens, self.num_k_heads, self.k_head_dim)
-        k = k.reshape(num_tokens, self.num_k_heads, self.k_head_dim)
-        v = v.reshape(num_tokens, self.num_v_heads, self.v_head_dim)
-
-        slots, lens = batch.state_slots, batch.query_lens_cpu
-        if decode_only:
+            q, k, v = self._heads(*qkv.split(split, dim=-1))
             # The decode kernel computes the gates itself (one launch fewer per layer).
             core = recurrent_gated_delta_rule_with_gates(
-                q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, slots, lens
+                q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, batch.state_slots, batch.query_lens_cpu
             )
         else:
-            # Gates in fp32: exp(A_log) overflows half precision and g feeds an exp per token.
-            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-            core = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, slots, lens)
+            qkv, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)
+            verify = batch.verify
+            num_verify = verify.num_tokens if verify is not None else 0
+            parts = []
+            if num_verify:
+                parts.append(self._verify_rows(qkv[:num_verify], a[:num_verify], b[:num_verify], batch))
+            if num_verify < num_tokens:
+                first = verify.num_requests if verify is not None else 0
+                slots, lens = batch.state_slots[first:], batch.query_lens_cpu[first:]
+                # Contiguous q, k, v straight from the conv: the chunked kernels would copy views.
+                q, k, v = causal_conv1d(qkv[num_verify:], conv_weight, conv_state, slots, lens, split)
+                # Gates in fp32: exp(A_log) overflows half precision and g feeds an exp per token.
+                g, beta = gdn_gates(a[num_verify:], b[num_verify:], self.A_log, self.dt_bias)
+                parts.append(chunk_gated_delta_rule(*self._heads(q, k, v), g, beta, recurrent_state, slots, lens))
+            core = parts[0] if len(parts) == 1 else torch.cat(parts)
 
         z = z.reshape(num_tokens, self.num_v_heads, self.v_head_dim)
         # z is in_proj's output, with at least the rule launched since: read before the PDL wait.
         out = self.norm(core, z, early_gate=True).reshape(num_tokens, self.value_dim)
         return self.out_proj(out)
+
+    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        num_tokens = q.shape[0]
+        return (
+            q.reshape(num_tokens, self.num_k_heads, self.k_head_dim),
+            k.reshape(num_tokens, self.num_k_heads, self.k_head_dim),
+            v.reshape(num_tokens, self.num_v_heads, self.v_head_dim),
+        )
+
+    def _verify_rows(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Score speculative verification rows token by token (as decode does) without writing
+        the slots, leaving this layer's inputs in the scratch for commit_verified."""
+        verify = batch.verify
+        num_rows, layer = verify.num_tokens, self.state_layer_index
+        conv_state, recurrent_state = batch.state_cache.layer(layer)
+        slots, lens = batch.state_slots[: verify.num_requests], batch.query_lens_cpu[: verify.num_requests]
+        scratch = verify.scratch
+        scratch.conv_inputs[layer, :num_rows].copy_(qkv)
+        mixed = scratch.mixed[layer, :num_rows]
+        mixed.copy_(causal_conv1d(qkv, self.conv1d.weight.squeeze(1), conv_state, slots, lens, update_state=False))
+        gates = scratch.gates[layer, :num_rows]
+        gates[:, : self.num_v_heads].copy_(a)
+        gates[:, self.num_v_heads :].copy_(b)
+        q, k, v = self._heads(*mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1))
+        return recurrent_gated_delta_rule_with_gates(
+            q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, slots, lens, update_state=False
+        )
+
+    def commit_verified(
+        self, scratch: VerifyScratch, rows: torch.Tensor, state_cache: StateCache, slots: torch.Tensor,
+        counts: tuple[int, ...],
+    ) -> None:
+        """Advance each slot by its accepted verification rows: scratch rows `rows` (flat, request
+        after request, counts[i] of them for slots[i]) run again with the state written."""
+        layer = self.state_layer_index
+        conv_state, recurrent_state = state_cache.layer(layer)
+        conv_weight = self.conv1d.weight.squeeze(1)
+        causal_conv1d(scratch.conv_inputs[layer].index_select(0, rows), conv_weight, conv_state, slots, counts)
+        mixed = scratch.mixed[layer].index_select(0, rows)
+        q, k, v = self._heads(*mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1))
+        a, b = scratch.gates[layer].index_select(0, rows).split(self.num_v_heads, dim=-1)
+        recurrent_gated_delta_rule_with_gates(q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, slots, counts)
