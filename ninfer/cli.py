@@ -68,6 +68,10 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--context-cost-presets", metavar="FILE", help="JSON with prefill_seconds_per_token and/or host_transfer_bytes_per_second for the cache planner (default: measured rates for known shapes, else generic)")
     engine.add_argument("--host-kv-mib", type=_non_negative_int, help="pinned host memory for the KV pages of checkpoints spilled under KV pressure, in MiB (default 8192)")
     engine.add_argument("--host-state-slots", type=_non_negative_int, help="checkpoint StateImages in pinned host memory, where device checkpoints spill instead of being dropped (default 8)")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--spec", choices=["mtp", "dflash", "dflash2"], help="speculative backend, frozen at start-up: mtp (the artifact's mtp.* head), dflash or dflash2 (a drafter companion directory); default off")
+    spec.add_argument("--draft-tokens", type=int, help="drafted tokens verified per round: MTP 1..5, DFlash/DFlash2 1..15 (required with --spec)")
+    spec.add_argument("--lm-head-draft", action="store_true", help="draft through the reduced-vocabulary proposal head (the target still scores the whole vocabulary; default off)")
     engine.add_argument("--in-process-engine", action="store_true", help="run the engine in a thread of the API process instead of its own process")
     gen = parser.add_argument_group("generation")
     gen.add_argument("--default-max-tokens", type=int, default=8192, help="output limit when a request omits one (default 8192)")
@@ -165,6 +169,9 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         decode_overlap=False if args.no_decode_overlap else None,
         log_stats_interval_ms=args.log_stats_interval_ms,
         device=resolve_device(args.device),
+        spec=args.spec,
+        draft_tokens=args.draft_tokens,
+        lm_head_draft=args.lm_head_draft,
     )
     config = ServeConfig(
         engine=engine,

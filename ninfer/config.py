@@ -15,6 +15,8 @@ DEFAULT_HOST_KV_MIB = 8192
 # rows wait ~100 ms) rather than fewer for nothing, and a step with no decode rows a whole 8K.
 DEFAULT_PREFILL_CHUNK = 8192
 DEFAULT_MIXED_PREFILL_CHUNK = 1024
+# Speculative backends and the draft counts each accepts (--spec, --draft-tokens).
+SPEC_DRAFT_RANGES = {"mtp": (1, 5), "dflash": (1, 15), "dflash2": (1, 15)}
 
 
 class ConfigValueError(ValueError):
@@ -46,11 +48,23 @@ class EngineConfig:
     decode_overlap: bool | None = None
     log_stats_interval_ms: int = 5000
     device: str = "cpu"
+    spec: str | None = None  # speculative backend: mtp | dflash | dflash2; None: plain decode
+    draft_tokens: int | None = None  # drafts verified per round (required with spec)
+    lm_head_draft: bool = False  # draft through the reduced-vocabulary proposal head
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
                 raise ConfigValueError(message)
+
+        check(self.spec is None or self.spec in SPEC_DRAFT_RANGES, "--spec must be mtp, dflash or dflash2")
+        if self.spec is None:
+            check(self.draft_tokens is None, "--draft-tokens needs --spec mtp|dflash|dflash2")
+            check(not self.lm_head_draft, "--lm-head-draft needs --spec mtp|dflash|dflash2")
+        else:
+            low, high = SPEC_DRAFT_RANGES[self.spec]
+            check(self.draft_tokens is not None, f"--spec {self.spec} needs --draft-tokens N ({low}..{high})")
+            check(low <= self.draft_tokens <= high, f"--draft-tokens for --spec {self.spec} must be in {low}..{high}")
 
         check(1 <= self.max_concurrency <= 8, "--max-concurrency must be in 1..8")
         check(self.max_pending_requests >= 0, "--max-pending-requests must be >= 0")
@@ -70,6 +84,11 @@ class EngineConfig:
         ):
             check(value is None or value >= 0, f"{flag} must be >= 0")
         check(self.log_stats_interval_ms >= 0, "--log-stats-interval-ms must be >= 0")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts a speculative round verifies per request (0: no speculation)."""
+        return self.draft_tokens or 0 if self.spec is not None else 0
 
     @property
     def kv_tokens(self) -> int:

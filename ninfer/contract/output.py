@@ -114,6 +114,20 @@ class Materialization(msgspec.Struct):
     maximal_root_fallback: bool  # a checkpoint matched, yet the plan starts from root
 
 
+class SpeculativeCounters(msgspec.Struct):
+    """A request's speculative decoding: rounds that verified drafts, the drafts verified and
+    accepted, decode steps that ran without drafts (the first after prefill, forced tokens, the
+    output limit), and per draft position the rounds that accepted it."""
+
+    backend: str
+    draft_window: int
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    fallback_steps: int = 0
+    accepted_per_position: list[int] = []
+
+
 class EngineOutput(msgspec.Struct):
     """One step's delta for one request; the last one has finish_reason set."""
 
@@ -132,6 +146,7 @@ class EngineOutput(msgspec.Struct):
     error: EngineError | None = None
     engine_timing: EngineTiming | None = None  # on the final output only
     materialization: Materialization | None = None  # on the final output of an admitted request
+    speculative: SpeculativeCounters | None = None  # on the final output, when a backend is loaded
 
     @property
     def finished(self) -> bool:

@@ -17,6 +17,7 @@ from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
 from ninfer.engine.host_kv import HostKV
+from ninfer.engine.speculative.residency import check_speculative
 from ninfer.engine.warm_up import run_warm_up
 from ninfer.kernels.backend import persist_compile_caches
 from ninfer.models.quant.fp8 import Fp8Linear
@@ -34,7 +35,6 @@ class EngineSpec:
     engine: EngineConfig
     dtype: str = "auto"
     kv_capacity_auto: bool = False
-    speculative: bool = False  # loads the MTP head's weights and KV layer only when speculation uses them
 
 
 def resolve_dtype(name: str, artifact_dtype: str, device: str) -> torch.dtype:
@@ -79,7 +79,9 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
 
     started = time.perf_counter()
     artifact = open_artifact(spec.artifact_path)
-    if artifact.config.mtp_num_hidden_layers and not spec.speculative:
+    check_speculative(artifact, spec.engine)
+    if artifact.config.mtp_num_hidden_layers and spec.engine.spec != "mtp":
+        # The MTP head's weights and KV layer are loaded only when speculation uses them.
         artifact.config = artifact.config.replace(mtp_num_hidden_layers=0)
     device = spec.engine.device
     dtype = resolve_dtype(spec.dtype, artifact.config.torch_dtype, device)

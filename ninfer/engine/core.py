@@ -55,11 +55,12 @@ def kv_page_bytes(model: CausalLM, page_size: int) -> int:
 
 def state_image_bytes(model: CausalLM) -> int:
     """One checkpoint StateImage: every linear-attention layer's conv and fp32 recurrent state,
-    plus the fp32 logits stored with it."""
+    plus the fp32 logits stored with it (and the last hidden state when an MTP head drafts)."""
     spec = model.cache_spec()
     element = next(model.parameters()).element_size()
     per_layer = spec.conv_dim * (spec.conv_kernel - 1) * element + spec.num_v_heads * spec.k_head_dim * spec.v_head_dim * 4
-    return spec.num_linear_layers * per_layer + model.config.vocab_size * 4
+    hidden = model.config.hidden_size * element if model.config.mtp_num_hidden_layers else 0
+    return spec.num_linear_layers * per_layer + model.config.vocab_size * 4 + hidden
 
 class EngineCore:
     def __init__(
@@ -68,7 +69,9 @@ class EngineCore:
         tokenizer: Tokenizer,
         config: EngineConfig,
         clock: Callable[[], float] = time.monotonic,
+        drafter=None,
     ):
+        """drafter: a stand-in for the speculative backend's drafter (tests)."""
         self.config = config
         self.tokenizer = tokenizer
         self.clock = clock
@@ -103,6 +106,8 @@ class EngineCore:
                 config.prefill_chunk,
                 config.prefix_reuse,
                 mixed_prefill_chunk=config.mixed_prefill_chunk,
+                spec_backend=config.spec,
+                num_draft_tokens=config.num_draft_tokens,
             ),
             self.kv_pool,
             self.state_pool,
@@ -123,6 +128,10 @@ class EngineCore:
             max_context=config.max_context,
             num_host_state_slots=config.num_host_state_slots,
             num_host_kv_pages=num_host_kv_pages,
+            num_draft_tokens=config.num_draft_tokens,
+            lm_head_draft=config.lm_head_draft,
+            draft_extra_token_ids=sorted(tokenizer.backend.get_added_tokens_decoder()),
+            drafter=drafter,
         )
         self.failed: str | None = None
         overlap = config.decode_overlap
@@ -184,10 +193,11 @@ class EngineCore:
                     self._inflight = self.runner.launch(ahead)
             submitted = time.perf_counter()
             sampled = current.result()
+            verified = current.verified()
             read = time.perf_counter()
             work_class = _work_class(current.step)
             self.scheduler.charge(current.step, "program_submit", submitted - started, device_wait=read - submitted)
-            outputs = self.scheduler.update(current.step, sampled)
+            outputs = self.scheduler.update(current.step, sampled, verified)
             committed = time.perf_counter()
             self.scheduler.charge(current.step, "engine_commit_output", committed - read)
             self._work.add(work_class, "program_submit", submitted - started)

@@ -244,6 +244,7 @@ class DecodeGraphs:
             return False
         return all(
             len(c.token_ids) == 1
+            and not c.speculative
             and c.compute_logits
             and len(c.page_ids) <= self.max_pages
             and (c.previous_row is None or c.previous_row < self.max_batch)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from ninfer.engine.scheduler import SchedulerStep
+from ninfer.engine.scheduler import SchedulerStep, VerifyOutcome
 
 
 class PendingStep:
@@ -23,16 +23,21 @@ class PendingStep:
         ids_host: torch.Tensor | None,
         ready: torch.cuda.Event | None,
         on_read: Callable[[], None] | None = None,
+        verified_host: torch.Tensor | None = None,
     ):
         """sampled_rows: the chunks (by index) that sample; ids_host holds one id per chunk.
         ready: recorded after the step's work and the copy into ids_host (None: all done
-        already); on_read: called once, when the result is first read."""
+        already); on_read: called once, when the result is first read. verified_host: the
+        speculative rows' outcomes, one row per speculative chunk (they come first): accepted
+        count, K+1 tokens, K drafts."""
         self.step = step
         self._sampled_rows = sampled_rows
         self._ids_host = ids_host
         self._ready = ready
         self._on_read = on_read
+        self._verified_host = verified_host
         self._result: dict[str, int] | None = None
+        self._verified: dict[str, VerifyOutcome] = {}
 
     def result(self) -> dict[str, int]:
         """request id -> sampled token id, for every chunk that samples (blocks until ready)."""
@@ -42,6 +47,19 @@ class PendingStep:
             values = self._ids_host.tolist() if self._sampled_rows else []
             chunks = self.step.chunks
             self._result = {chunks[row].request_id: values[row] for row in self._sampled_rows}
+            if self._verified_host is not None:
+                speculative = [c for c in chunks if c.speculative and c.token_ids]
+                num_tokens = (self._verified_host.shape[1] - 2) // 2 + 1
+                for chunk, row in zip(speculative, self._verified_host.tolist()):
+                    accepted = row[0]
+                    self._verified[chunk.request_id] = VerifyOutcome(
+                        tokens=row[1 : accepted + 2], drafts=row[1 + num_tokens :]
+                    )
             if self._on_read is not None:
                 self._on_read()
         return self._result
+
+    def verified(self) -> dict[str, VerifyOutcome]:
+        """request id -> outcome of each speculative row (read after result())."""
+        self.result()
+        return self._verified

@@ -34,6 +34,7 @@ from ninfer.engine.host_states import HostStates
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.sampler import Sampler, SamplingBatch
 from ninfer.engine.scheduler import (
+    CommitVerified,
     CopyPage,
     CopySlot,
     ResetSlot,
@@ -44,8 +45,12 @@ from ninfer.engine.scheduler import (
     SpillPages,
     SpillSlot,
 )
+from ninfer.engine.speculative.mtp_drafter import MtpDrafter
+from ninfer.engine.speculative.proposal_head import ProposalHead
+from ninfer.engine.speculative.speculator import Speculator
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.forward_batch import ForwardBatch, HostStaging
+from ninfer.models.verify_scratch import VerifyRows
 
 log = logging.getLogger("ninfer.engine")
 
@@ -67,20 +72,37 @@ class ModelRunner:
         max_context: int | None = None,
         num_host_state_slots: int = 0,
         num_host_kv_pages: int = 0,
+        num_draft_tokens: int = 0,
+        lm_head_draft: bool = False,
+        draft_extra_token_ids: Sequence[int] = (),
+        drafter=None,
     ):
         """cuda_graph_batch_sizes: decode batch sizes to capture a CUDA graph for (on CUDA,
         when the model allows it; other sizes decode eagerly); max_context bounds the
-        page-table width they are captured with (default: the whole KV pool)."""
+        page-table width they are captured with (default: the whole KV pool).
+        num_draft_tokens > 0: speculative decoding with the model's MTP head (or `drafter`,
+        tests' stand-ins), proposals through the reduced-vocabulary head with lm_head_draft
+        (draft_extra_token_ids: the added tokens it keeps)."""
         self.model = model
         param = next(model.parameters())
         self.device = param.device
         self.kv_cache, self.state_cache = model.allocate_caches(num_pages, page_size, num_state_slots, kv_dtype)
         vocab = model.config.vocab_size
         self.slot_logits = torch.zeros(num_state_slots, vocab, dtype=torch.float32, device=self.device)
-        self.host_states = HostStates(self.state_cache, self.slot_logits, num_host_state_slots)
-        self.host_kv = HostKV(self.kv_cache, num_host_kv_pages)
         # Embedding rows past the tokenizer's ids are padding: never sample them.
         self.num_valid_tokens = min(num_valid_tokens or vocab, vocab)
+        self.speculator: Speculator | None = None
+        if num_draft_tokens:
+            if drafter is None:
+                head = ProposalHead(model.lm_head, self.num_valid_tokens, lm_head_draft, draft_extra_token_ids)
+                drafter = MtpDrafter(model, head, num_draft_tokens)
+            max_batch = max(cuda_graph_batch_sizes, default=1)
+            self.speculator = Speculator(
+                model, self.state_cache, self.slot_logits, num_draft_tokens, max_batch, drafter, self.num_valid_tokens
+            )
+        extra = self.speculator.slot_tensors if self.speculator is not None else ()
+        self.host_states = HostStates(self.state_cache, self.slot_logits, num_host_state_slots, extra)
+        self.host_kv = HostKV(self.kv_cache, num_host_kv_pages)
         self.mrope = model.config.mrope_section is not None
         self.sampler = Sampler()
         # Every running request holds a state slot, so no step has more rows than slots.
@@ -138,27 +160,33 @@ class ModelRunner:
                     f"{chunk.request_id}: chained to row {chunk.previous_row}, which the previous step did not sample"
                 )
         self._apply_actions(step)
+        verified = None
         if self.graphs is not None and self.graphs.can_run(step.chunks):
             ids = self.graphs.run(step.chunks, self._last_ids)
             sampled_rows = [row for row, c in enumerate(step.chunks) if c.sample]
         else:
-            ids, sampled_rows = self._run_eagerly(step.chunks)
+            ids, sampled_rows, verified = self._run_eagerly(step.chunks)
         self._last_ids = ids
         self._last_sampled_rows = frozenset(sampled_rows)
-        return self._pending(step, ids, sampled_rows)
+        return self._pending(step, ids, sampled_rows, verified)
 
-    def _pending(self, step: SchedulerStep, ids: torch.Tensor | None, sampled_rows: list[int]) -> PendingStep:
+    def _pending(
+        self, step: SchedulerStep, ids: torch.Tensor | None, sampled_rows: list[int], verified: torch.Tensor | None = None
+    ) -> PendingStep:
         turn = self._num_launches % MAX_UNREAD_STEPS
         self._num_launches += 1
-        ids_host, ready = None, None
+        ids_host, verified_host, ready = None, None, None
         if ids is not None:
             ids_host = self._ids_host[turn][: len(ids)]
             ids_host.copy_(ids, non_blocking=True)
+        if verified is not None:
+            verified_host = torch.empty(verified.shape, dtype=verified.dtype, pin_memory=self.device.type == "cuda")
+            verified_host.copy_(verified, non_blocking=True)
         if self._ready is not None:
             ready = self._ready[turn]
             ready.record()
         self._num_unread += 1
-        return PendingStep(step, sampled_rows, ids_host, ready, on_read=self._read_one)
+        return PendingStep(step, sampled_rows, ids_host, ready, on_read=self._read_one, verified_host=verified_host)
 
     def _read_one(self) -> None:
         self._num_unread -= 1
@@ -170,16 +198,23 @@ class ModelRunner:
         self._last_ids = None
         self._last_sampled_rows = frozenset()
 
-    def _run_eagerly(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, list[int]]:
-        """-> (sampled ids by chunk row on the device, the rows that sample)."""
+    def _run_eagerly(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor | None, list[int], torch.Tensor | None]:
+        """-> (sampled ids by chunk row on the device, the rows that sample, the speculative
+        rows' outcomes (Speculator.run) or None)."""
         staging = self._staging
         staging.next_step()
         computed = [c for c in chunks if c.token_ids]
+        verified = None
         if computed:
-            self._forward(computed, staging)
-        sampled_rows = [row for row, c in enumerate(chunks) if c.sample]
+            num_verify = self.speculator.prepare(computed) if self.speculator is not None else 0
+            hidden, batch, input_ids = self._forward(computed, staging, num_verify)
+            if self.speculator is not None:
+                verified = self.speculator.run(computed, num_verify, hidden, batch, input_ids, staging)
+        sampled_rows = [row for row, c in enumerate(chunks) if c.sample and not c.speculative]
         if not sampled_rows:
-            return None, []
+            return None, [], verified
         to_sample = [chunks[row] for row in sampled_rows]
         slots = staging.add(np.array([c.state_slot for c in to_sample], dtype=np.int64))
         # Where each sampled id goes in the step's by-row ids (None: every row samples).
@@ -194,22 +229,34 @@ class ModelRunner:
         staging.flush()
         token_ids = self.sampler.sample(self.slot_logits.index_select(0, slots), batch)
         if rows is None:
-            return token_ids, sampled_rows
+            return token_ids, sampled_rows, verified
         by_row = torch.zeros(len(chunks), dtype=token_ids.dtype, device=self.device)
-        return by_row.index_copy_(0, rows, token_ids), sampled_rows
+        return by_row.index_copy_(0, rows, token_ids), sampled_rows, verified
 
     def _apply_actions(self, step: SchedulerStep) -> None:
         states = self.state_cache
         kv = self.kv_cache
+        speculator = self.speculator
+        commits: list[CommitVerified] = []  # consecutive commits run as one batch
         for action in step.before:
+            if isinstance(action, CommitVerified):
+                commits.append(action)
+                continue
+            if commits:
+                speculator.commit(commits)
+                commits = []
             if isinstance(action, ResetSlot):
                 if states is not None:
                     states.reset(action.slot)
                 self.slot_logits[action.slot].zero_()
+                if speculator is not None:
+                    speculator.reset_slot(action.slot)
             elif isinstance(action, CopySlot):
                 if states is not None:
                     states.copy_slot(action.src, action.dst)
                 self.slot_logits[action.dst].copy_(self.slot_logits[action.src])
+                if speculator is not None:
+                    speculator.copy_slot(action.src, action.dst)
             elif isinstance(action, CopyPage):
                 kv.k[:, action.dst].copy_(kv.k[:, action.src])
                 kv.v[:, action.dst].copy_(kv.v[:, action.src])
@@ -221,8 +268,14 @@ class ModelRunner:
                 self.host_kv.spill(action.device_pages, action.host_pages)
             elif isinstance(action, RestorePages):
                 self.host_kv.restore(action.host_pages, action.device_pages)
+        if commits:
+            speculator.commit(commits)
 
-    def _forward(self, chunks: list[ScheduledChunk], staging: HostStaging) -> None:
+    def _forward(
+        self, chunks: list[ScheduledChunk], staging: HostStaging, num_verify: int = 0
+    ) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor]:
+        """The step's forward; the first num_verify chunks are speculative verification rows
+        (their logits are the Speculator's). -> (hidden [T, H], the batch, input ids [T])."""
         query_lens = [len(c.token_ids) for c in chunks]
         logits_rows: list[int] = []
         logits_slots: list[int] = []
@@ -234,7 +287,7 @@ class ModelRunner:
                 chained_offsets.append(offset)
                 chained_rows.append(chunk.previous_row)
             offset += query_len
-            if chunk.compute_logits:
+            if chunk.compute_logits and not chunk.speculative:
                 logits_rows.append(offset - 1)
                 logits_slots.append(chunk.state_slot)
         batch = ForwardBatch.stage(
@@ -256,10 +309,12 @@ class ModelRunner:
         if chained is not None:
             # The ids the previous step sampled, still on the device (these chunks hold a placeholder).
             input_ids.index_copy_(0, chained[0], self._last_ids.index_select(0, chained[1]))
+        if num_verify:
+            batch.verify = VerifyRows(num_verify, sum(query_lens[:num_verify]), self.speculator.scratch)
         hidden = self.model(input_ids, batch)
-        if not logits_rows:
-            return
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).float()
-        if self.num_valid_tokens < logits.shape[-1]:
-            logits[:, self.num_valid_tokens :] = float("-inf")
-        self.slot_logits.index_copy_(0, logits_slots_device, logits)
+        if logits_rows:
+            logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).float()
+            if self.num_valid_tokens < logits.shape[-1]:
+                logits[:, self.num_valid_tokens :] = float("-inf")
+            self.slot_logits.index_copy_(0, logits_slots_device, logits)
+        return hidden, batch, input_ids

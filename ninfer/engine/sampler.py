@@ -32,8 +32,9 @@ import torch
 from ninfer.contract.sampling import TOP_K_CAP, SamplingParams
 from ninfer.models.forward_batch import HostStaging
 
-# Domain tag so the sampler's noise stream never coincides with another use of the seed.
-_NOISE_DOMAIN = b"ninfer.sampler.v1"
+# Domain tag so the sampler's noise stream never coincides with another use of the seed
+# (speculative decoding draws its proposals and acceptance tests from domains of its own).
+NOISE_DOMAIN = b"ninfer.sampler.v1"
 _UINT64_MOD = 1 << 64
 
 # Columns of SamplingBatch.row_floats (one host->device copy carries all float parameters).
@@ -46,14 +47,14 @@ def fresh_seed() -> int:
     return secrets.randbits(63)
 
 
-def exponential_noise(seed: int, num_generated: int) -> np.ndarray:
-    """TOP_K_CAP Exp(1) draws for the token after `num_generated` output tokens of a request.
+def exponential_noise(seed: int, num_generated: int, domain: bytes = NOISE_DOMAIN, count: int = TOP_K_CAP) -> np.ndarray:
+    """`count` Exp(1) draws for the token after `num_generated` output tokens of a request.
 
     SHAKE-128 over (seed mod 2^64, position) is the per-row generator: any Python int seed
     (negative ones included) maps to a distinct stream, identically on every platform.
     """
     key = (seed % _UINT64_MOD).to_bytes(8, "little") + (num_generated % _UINT64_MOD).to_bytes(8, "little")
-    words = np.frombuffer(hashlib.shake_128(_NOISE_DOMAIN + key).digest(8 * TOP_K_CAP), dtype="<u8")
+    words = np.frombuffer(hashlib.shake_128(domain + key).digest(8 * count), dtype="<u8")
     # 53 random bits -> uniform in the open interval (0, 1), so -log never sees 0.
     uniform = ((words >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
     return -np.log(uniform)
@@ -82,6 +83,7 @@ class SamplingBatch:
         device: torch.device | str = "cpu",
         num_generated: Sequence[int] | None = None,
         staging: HostStaging | None = None,
+        noise_domain: bytes = NOISE_DOMAIN,
     ) -> SamplingBatch:
         """Pack rows. `output_token_ids[i]`: row i's output tokens so far (for penalties; an
         array('q') or numpy array avoids a per-step list conversion). `num_generated[i]`:
@@ -114,7 +116,7 @@ class SamplingBatch:
             if not p.is_greedy:
                 if p.seed is None:
                     raise ValueError("a sampled row needs a seed (assign fresh_seed() at admission)")
-                noise[row] = exponential_noise(p.seed, positions[row])
+                noise[row] = exponential_noise(p.seed, positions[row], noise_domain)
             if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
                 history = np.asarray(output_token_ids[row], dtype=np.int64)
                 tokens.append(history)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ninfer.contract.output import EngineTiming, Materialization, PromptProgress, Timings
+from ninfer.contract.output import EngineTiming, Materialization, PromptProgress, SpeculativeCounters, Timings
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingParams
@@ -51,6 +51,8 @@ class Sequence:
     unsent_progress: PromptProgress | None = None
     engine_timing: EngineTiming = field(default_factory=EngineTiming)  # accumulated step by step
     materialization: Materialization | None = None  # the admission decision, once admitted
+    draft_token_ids: list[int] = field(default_factory=list)  # proposals to follow the last committed token
+    speculative: SpeculativeCounters | None = None  # set at admission when a backend is loaded
 
     def __post_init__(self) -> None:
         if not self.token_ids:

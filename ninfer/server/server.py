@@ -22,6 +22,7 @@ from ninfer.artifact import open_artifact
 from ninfer.artifact.default_model import open_default_model
 from ninfer.config import ServeConfig
 from ninfer.engine.builder import EngineSpec, build_engine_core
+from ninfer.engine.speculative.residency import check_speculative
 from ninfer.log import setup_logging
 from ninfer.server.app import create_app
 from ninfer.server.engine_client import EngineClient, InProcessEngineClient, ProcessEngineClient
@@ -86,6 +87,7 @@ def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Servin
     else:
         artifact_path = config.artifact
         artifact = open_artifact(artifact_path)
+    check_speculative(artifact, config.engine)  # before the model loads: a missing drafter fails at once
     spec = EngineSpec(
         artifact_path=artifact_path,
         engine=config.engine,

@@ -134,7 +134,7 @@ class SynchronousRunner(ModelRunner):
             self._forward_synchronously(computed)
         sampled_rows = [row for row, c in enumerate(chunks) if c.sample]
         if not sampled_rows:
-            return None, []
+            return None, [], None
         to_sample = [chunks[row] for row in sampled_rows]
         slots = torch.tensor([c.state_slot for c in to_sample], device=self.device)
         logits = self.slot_logits.index_select(0, slots)
@@ -144,10 +144,10 @@ class SynchronousRunner(ModelRunner):
         )
         token_ids = self.sampler.sample(logits, batch)
         if len(sampled_rows) == len(chunks):
-            return token_ids, sampled_rows
+            return token_ids, sampled_rows, None
         by_row = torch.zeros(len(chunks), dtype=token_ids.dtype, device=self.device)
         by_row[sampled_rows] = token_ids
-        return by_row, sampled_rows
+        return by_row, sampled_rows, None  # no speculative rows
 
     def _forward_synchronously(self, chunks):
         query_lens = [len(c.token_ids) for c in chunks]

@@ -4,6 +4,7 @@ from ninfer.engine.scheduler.admission import SchedulerLimits
 from ninfer.engine.scheduler.scheduler import Scheduler, SchedulerStats
 from ninfer.engine.scheduler.step import (
     PENDING_TOKEN,
+    CommitVerified,
     CopyPage,
     CopySlot,
     ResetSlot,
@@ -15,10 +16,12 @@ from ninfer.engine.scheduler.step import (
     SpillPages,
     SpillSlot,
     StepKind,
+    VerifyOutcome,
 )
 
 __all__ = [
     "PENDING_TOKEN",
+    "CommitVerified",
     "CopyPage",
     "CopySlot",
     "ResetSlot",
@@ -33,4 +36,5 @@ __all__ = [
     "SpillPages",
     "SpillSlot",
     "StepKind",
+    "VerifyOutcome",
 ]

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ninfer.contract.output import DegradationUnits, EngineOutput, ErrorCode, Materialization, PromptProgress, Timings
+from ninfer.contract.output import (
+    DegradationUnits,
+    EngineOutput,
+    ErrorCode,
+    Materialization,
+    PromptProgress,
+    SpeculativeCounters,
+    Timings,
+)
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
@@ -52,6 +60,8 @@ class SchedulerLimits:
     prefill_chunk: int  # prompt tokens of a step with no decode rows
     prefix_reuse: bool = True
     mixed_prefill_chunk: int = 1024  # prompt tokens of a step beside decode rows
+    spec_backend: str | None = None  # speculative backend (mtp, dflash, dflash2) or None
+    num_draft_tokens: int = 0  # drafts a speculative round verifies per request
 
 
 @dataclass(frozen=True)
@@ -377,6 +387,11 @@ class Admission:
         if hit is not None and hit.is_exact_frontier:
             seq.logits_frontier = reused
         seq.status = SequenceStatus.RUNNING
+        if self.limits.spec_backend is not None:
+            draft_window = self.limits.num_draft_tokens
+            seq.speculative = SpeculativeCounters(
+                self.limits.spec_backend, draft_window, accepted_per_position=[0] * draft_window
+            )
         seq.timings.admitted = self.clock()
         if reused == seq.prompt_len:
             seq.timings.prompt_done = seq.timings.admitted

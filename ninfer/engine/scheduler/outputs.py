@@ -38,6 +38,7 @@ def final_output(seq: Sequence, reason: FinishReason, stop_reason: int | str | N
                   + host.engine_maintenance)
     out.engine_timing = timing
     out.materialization = seq.materialization
+    out.speculative = seq.speculative
     return out
 
 

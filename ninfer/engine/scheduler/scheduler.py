@@ -37,6 +37,7 @@ from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import CachePlanner
 from ninfer.engine.scheduler.step import (
     PENDING_TOKEN,
+    CommitVerified,
     CopyPage,
     CopySlot,
     ResetSlot,
@@ -46,6 +47,7 @@ from ninfer.engine.scheduler.step import (
     SchedulerStep,
     SlotAction,
     StepKind,
+    VerifyOutcome,
 )
 from ninfer.engine.sequence import Sequence, SequenceStatus
 from ninfer.engine.state_pool import StatePool
@@ -61,13 +63,17 @@ class SchedulerStats:
     """Counters since the last throughput record (the engine reads and resets them)."""
 
     prefill_tokens: int = 0
-    decode_tokens: int = 0
+    decode_tokens: int = 0  # committed by decode rows (with speculation: accepted, never drafted)
     decode_rounds: int = 0
     decode_rows: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     def reset(self) -> SchedulerStats:
-        snapshot = SchedulerStats(self.prefill_tokens, self.decode_tokens, self.decode_rounds, self.decode_rows)
+        snapshot = SchedulerStats(self.prefill_tokens, self.decode_tokens, self.decode_rounds, self.decode_rows,
+                                  self.drafted_tokens, self.accepted_tokens)
         self.prefill_tokens = self.decode_tokens = self.decode_rounds = self.decode_rows = 0
+        self.drafted_tokens = self.accepted_tokens = 0
         return snapshot
 
 
@@ -107,6 +113,7 @@ class Scheduler:
         self._outbox: list[EngineOutput] = []  # outputs ready to send (admission progress, finals, errors)
         # Finished requests whose next token a launched step is still computing (by request id).
         self._draining: dict[str, Sequence] = {}
+        self._verify_rows: dict[str, int] = {}  # the updated step's first verification row per request
 
     # ---- requests in ---------------------------------------------------------------
     @property
@@ -153,8 +160,8 @@ class Scheduler:
             for action in step.before:
                 if isinstance(action, (ResetSlot, RestoreSlot)):
                     touched_slots.add(action.slot if isinstance(action, ResetSlot) else action.device_slot)
-                elif isinstance(action, CopySlot):
-                    touched_slots.add(action.dst)
+                elif isinstance(action, (CopySlot, CommitVerified)):
+                    touched_slots.add(action.dst if isinstance(action, CopySlot) else action.slot)
                 elif isinstance(action, CopyPage):
                     touched_pages.add(action.dst)
                 elif isinstance(action, RestorePages):
@@ -192,8 +199,11 @@ class Scheduler:
             self.running.append(seq)
             self._outbox.append(delta_output(seq))
         decode_ready = [s for s in self.running if not s.is_prefilling]
+        # Speculative rows first: the runner verifies them ahead of the rest of the forward.
+        decode_ready.sort(key=lambda s: not self._speculates(s))
         chunks = [
-            self._chunk(s, s.token_ids[s.num_computed_tokens :], compute_logits=True, sample=True)
+            self._speculative_chunk(s) if self._speculates(s)
+            else self._chunk(s, s.token_ids[s.num_computed_tokens :], compute_logits=True, sample=True)
             for s in decode_ready
         ]
         budget = self.limits.mixed_prefill_chunk if decode_ready else self.limits.prefill_chunk
@@ -224,6 +234,8 @@ class Scheduler:
         that reach their output limit at inflight are left out."""
         if inflight.kind is not StepKind.DECODE or not inflight.chunks or self._pending_actions:
             return None
+        if self.limits.num_draft_tokens:
+            return None  # a speculative round's next input depends on what it accepts
         if self.waiting and len(self.running) < self.limits.max_concurrency:
             return None  # a lane is free: let schedule() admit (full lanes free up only at update)
         if len(self.running) != len(inflight.chunks):
@@ -267,6 +279,34 @@ class Scheduler:
         """The next model token may reach the thinking budget (forced close tokens follow it)."""
         budget = seq.request.thinking_budget
         return budget is not None and seq.thinking_open and seq.num_thinking_tokens + 1 >= budget.max_thinking_tokens
+
+    def _speculates(self, seq: Sequence) -> bool:
+        """A decode row becomes a speculative round when a backend is loaded and there is a token
+        to compute (a full-prompt hit samples its stored logits first)."""
+        return bool(self.limits.num_draft_tokens) and seq.num_pending_tokens > 0
+
+    def _speculative_chunk(self, seq: Sequence) -> ScheduledChunk:
+        """The pending tokens and as many of the request's drafts as its output limit can take
+        (a round commits at most drafts + 1 tokens)."""
+        pending = seq.token_ids[seq.num_computed_tokens :]
+        room = seq.max_new_tokens - seq.num_output_tokens - 1
+        drafts = seq.draft_token_ids[: max(0, min(room, self.limits.num_draft_tokens))] if len(pending) == 1 else []
+        chunk = self._chunk(seq, pending + drafts, compute_logits=True, sample=True)
+        histories = chunk.output_token_ids
+        return ScheduledChunk(
+            request_id=chunk.request_id,
+            token_ids=chunk.token_ids,
+            num_computed_tokens=chunk.num_computed_tokens,
+            page_ids=chunk.page_ids,
+            state_slot=chunk.state_slot,
+            compute_logits=True,
+            sample=chunk.sample,
+            sampling=chunk.sampling,
+            num_generated=chunk.num_generated,
+            output_token_ids=histories,
+            speculative=True,
+            num_draft_tokens=len(drafts),
+        )
 
     def _prefill_chunk(self, seq: Sequence, max_tokens: int) -> ScheduledChunk:
         num_tokens = seq.next_prefill_chunk(max_tokens)
@@ -326,11 +366,20 @@ class Scheduler:
                     timing.decode.rounds += 1
 
     # ---- commit --------------------------------------------------------------------
-    def update(self, step: SchedulerStep, sampled: dict[str, int]) -> list[EngineOutput]:
-        """Apply the runner's sampled tokens (request id -> token) for a finished step."""
+    def update(
+        self, step: SchedulerStep, sampled: dict[str, int], verified: dict[str, VerifyOutcome] | None = None
+    ) -> list[EngineOutput]:
+        """Apply the runner's sampled tokens (request id -> token) and speculative outcomes for a
+        finished step."""
         now = self.clock()
         by_id = {s.request_id: s for s in self.running}
         num_decode_rows = 0
+        self._verify_rows = {}
+        row = 0
+        for chunk in step.chunks:
+            if chunk.speculative:
+                self._verify_rows[chunk.request_id] = row
+                row += len(chunk.token_ids)
         for chunk in step.chunks:
             seq = by_id.get(chunk.request_id) or self._draining.get(chunk.request_id)
             if seq is not None:
@@ -340,6 +389,10 @@ class Scheduler:
                     continue
             if seq is None or seq.is_finished:
                 continue  # cancelled while the step ran
+            if chunk.speculative:
+                num_decode_rows += 1
+                self._commit_verified(seq, chunk, verified[chunk.request_id], now)
+                continue
             was_prefilling = seq.is_prefilling
             seq.num_computed_tokens += len(chunk.token_ids)
             if chunk.compute_logits:
@@ -367,6 +420,44 @@ class Scheduler:
             self.stats.decode_rounds += 1
             self.stats.decode_rows += num_decode_rows
         return self._collect_outputs()
+
+    def _commit_verified(self, seq: Sequence, chunk: ScheduledChunk, outcome: VerifyOutcome, now: float) -> None:
+        """Commit a speculative round's tokens one by one (stop strings, limits and the thinking
+        budget apply to each), then ask the runner to advance the state by exactly the rows
+        whose tokens were kept: the last committed token is computed when it was a draft."""
+        num_pending = len(chunk.token_ids) - chunk.num_draft_tokens
+        num_accepted = len(outcome.tokens) - 1
+        start = chunk.num_computed_tokens
+        committed = 0
+        for token in outcome.tokens:
+            # Rows computed once this token is kept: the pending ones and the drafts up to it.
+            seq.num_computed_tokens = seq.logits_frontier = start + num_pending + min(committed + 1, num_accepted)
+            length = len(seq.token_ids)
+            self._commit(seq, token, now)
+            committed += 1
+            if seq.is_finished or len(seq.token_ids) > length + 1:
+                break  # finished, or the thinking budget appended forced tokens after it
+        num_rows = seq.num_computed_tokens - start
+        self._pending_actions.append(CommitVerified(chunk.state_slot, self._verify_row(chunk), num_rows))
+        keep_drafts = not seq.is_finished and committed == len(outcome.tokens) and seq.num_pending_tokens == 1
+        seq.draft_token_ids = list(outcome.drafts) if keep_drafts else []
+        self.stats.decode_tokens += committed
+        self.stats.drafted_tokens += chunk.num_draft_tokens
+        self.stats.accepted_tokens += num_accepted
+        counters = seq.speculative
+        if counters is not None:
+            if chunk.num_draft_tokens:
+                counters.rounds += 1
+                counters.drafted_tokens += chunk.num_draft_tokens
+                counters.accepted_tokens += num_accepted
+                for position in range(num_accepted):
+                    counters.accepted_per_position[position] += 1
+            else:
+                counters.fallback_steps += 1
+
+    def _verify_row(self, chunk: ScheduledChunk) -> int:
+        """The chunk's first row among the step's verification rows (they lead the step in order)."""
+        return self._verify_rows[chunk.request_id]
 
     def _commit(self, seq: Sequence, token_id: int, now: float) -> None:
         seq.timings.first_token = seq.timings.first_token or now

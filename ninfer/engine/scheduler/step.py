@@ -70,7 +70,18 @@ class RestorePages:
     device_pages: tuple[int, ...]
 
 
-SlotAction = ResetSlot | CopySlot | CopyPage | SpillSlot | RestoreSlot | SpillPages | RestorePages
+@dataclass(frozen=True)
+class CommitVerified:
+    """Advance a slot by the first num_rows verification rows of the last speculative step
+    (from row `row` of its verification scratch), and take that last row's logits and hidden
+    state as the slot's: the state after exactly the tokens the scheduler committed."""
+
+    slot: int
+    row: int
+    num_rows: int
+
+
+SlotAction = ResetSlot | CopySlot | CopyPage | SpillSlot | RestoreSlot | SpillPages | RestorePages | CommitVerified
 
 
 # The token of a chained chunk: sampled by the previous step, not yet known on the host.
@@ -92,6 +103,19 @@ class ScheduledChunk:
     # Set by schedule_ahead: token_ids is [PENDING_TOKEN], and the token to compute is the one
     # the previously launched step sampled in this row.
     previous_row: int | None = None
+    # A speculative round: token_ids ends with num_draft_tokens drafts to verify; the runner
+    # returns the accepted tokens and new drafts (VerifyOutcome) instead of one sampled id.
+    speculative: bool = False
+    num_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """What a speculative row produced: the accepted drafts followed by the target's token after
+    them (at least that one token), and the drafts proposed to follow tokens[-1]."""
+
+    tokens: list[int]
+    drafts: list[int]
 
 
 @dataclass(frozen=True)

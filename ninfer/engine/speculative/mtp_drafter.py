@@ -1,0 +1,123 @@
+"""MtpDrafter: drafts with the artifact's MTP head (Qwen3.5 / Qwen3-Next `mtp.*`).
+
+The MTP head at position j reads the target's hidden state at j-1 and the token at j, and
+predicts the token at j+1; its attention layer keeps KV at the target's positions (an extra
+layer of the same paged KV cache). So every computed chunk also runs the head over its
+rows, with the target hidden shifted by one (the slot keeps the hidden of its last computed
+position for the chunk's first row): prompt chunks only to extend the head's KV, and a
+verification row over its tokens plus one more row, where the target's token after the
+accepted drafts replaces the first rejected draft. That row's output gives the first new
+draft; the head then runs on its own output, one row per request, for the others (its
+entries past the accepted tokens are rewritten by the next round before anything reads
+them). Positions are computed on the device from the accepted counts: nothing syncs with
+the host on CUDA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ninfer.engine.speculative.acceptance import DraftProposal, propose
+from ninfer.engine.speculative.draft_round import DraftRound
+from ninfer.engine.speculative.proposal_head import ProposalHead
+from ninfer.models.causal_lm import CausalLM
+from ninfer.models.forward_batch import ForwardBatch, HostStaging
+
+
+class MtpDrafter:
+    def __init__(self, model: CausalLM, head: ProposalHead, num_draft_tokens: int):
+        if getattr(model, "mtp", None) is None:
+            raise ValueError("the model has no MTP head")
+        self.model = model
+        self.head = head
+        self.num_draft_tokens = num_draft_tokens
+        self.mrope = model.config.mrope_section is not None
+
+    def draft(self, round: DraftRound, staging: HostStaging) -> DraftProposal | None:
+        """Extend the head's KV over every chunk and propose K drafts per verification row."""
+        chunks, num_verify = round.chunks, round.num_verify
+        pending = round.pending_lengths()
+        lengths = [len(c.token_ids) + (1 if i < num_verify else 0) for i, c in enumerate(chunks)]
+        num_target_rows = round.hidden.shape[0]
+        token_src: list[np.ndarray] = []
+        hidden_src: list[np.ndarray] = []
+        for i, (chunk, start, length) in enumerate(zip(chunks, round.row_starts, lengths)):
+            rows = np.arange(length, dtype=np.int64)
+            # Row r reads the target's token r (the extra row of a verification row: none yet)...
+            token_src.append(np.where(rows < len(chunk.token_ids), start + rows, -1))
+            # ...and the target's hidden at r-1; row 0 the slot's, appended after the target rows.
+            hidden_src.append(np.where(rows > 0, start + rows - 1, num_target_rows + i))
+        batch = ForwardBatch.stage(
+            query_lens=lengths,
+            num_computed_tokens=[c.num_computed_tokens for c in chunks],
+            page_ids=[c.page_ids for c in chunks],
+            state_slots=[c.state_slot for c in chunks],
+            kv_cache=round.target_batch.kv_cache,
+            state_cache=None,
+            logits_indices=[],
+            staging=staging,
+            mrope=self.mrope,
+        )
+        token_index = staging.add(np.concatenate(token_src))
+        hidden_index = staging.add(np.concatenate(hidden_src))
+        slots = staging.add(np.array([c.state_slot for c in chunks], dtype=np.int64))
+        mtp_starts = np.cumsum([0, *lengths[:-1]]).astype(np.int64)
+        # Where each verification row's accepted tokens end: its row for the target's next token.
+        first_draft_rows = staging.add(mtp_starts[:num_verify] + np.array(pending, dtype=np.int64))
+        base = np.array([c.num_computed_tokens + p for c, p in zip(chunks, pending)], dtype=np.int64)
+        page_size = round.target_batch.kv_cache.page_size
+        limits = np.array([len(c.page_ids) * page_size for c in chunks[:num_verify]], dtype=np.int64)
+        base_device, limits_device = staging.add(base), staging.add(limits)
+        staging.flush()
+
+        tokens = torch.where(token_index >= 0, round.input_ids[token_index.clamp_min(0)], 0)
+        hidden_all = torch.cat((round.hidden, round.slot_hidden.index_select(0, slots)))
+        hidden_in = hidden_all.index_select(0, hidden_index)
+        if num_verify:
+            bonus_rows = first_draft_rows + round.num_accepted
+            bonus = round.tokens.gather(1, round.num_accepted[:, None]).squeeze(1)
+            tokens = tokens.index_copy(0, bonus_rows, bonus)
+        out = self.model.forward_mtp(tokens, hidden_in, batch, step_index=0)
+        if not num_verify:
+            return None
+
+        hidden = out.index_select(0, bonus_rows)
+        drafted, probs, candidates = [], [], []
+        for step in range(1, self.num_draft_tokens + 1):
+            ids, q, q_ids = propose(self.head.logits(hidden), round.noise_for(step))
+            token = self.head.to_vocabulary(ids)
+            drafted.append(token)
+            probs.append(q)
+            candidates.append(self.head.to_vocabulary(q_ids))
+            if step == self.num_draft_tokens:
+                break
+            # The head's next row: the draft just made, at the position after it was predicted from.
+            positions = torch.minimum(base_device + round.num_accepted + step, limits_device - 1)
+            hidden = self.model.forward_mtp(
+                token, hidden, self._decode_batch(positions, round.target_batch, num_verify), step_index=step
+            )
+        return DraftProposal(torch.stack(drafted, 1), torch.stack(probs, 1), torch.stack(candidates, 1))
+
+    def _decode_batch(self, positions: torch.Tensor, target: ForwardBatch, num_rows: int) -> ForwardBatch:
+        """One row per verification request at device-computed positions (pages of the target batch)."""
+        kv = target.kv_cache
+        page_table = target.page_table[:num_rows]
+        pages = page_table.gather(1, (positions // kv.page_size)[:, None]).squeeze(1).to(torch.int64)
+        device = positions.device
+        rows = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
+        # The reference attention loops over host lengths; the fast kernels read the device ones.
+        host_lens = tuple((positions + 1).tolist()) if device.type == "cpu" else (1,) * num_rows
+        return ForwardBatch(
+            positions=positions.unsqueeze(0).expand(3, -1) if self.mrope else positions,
+            query_start_loc=rows,
+            seq_lens=(positions + 1).to(torch.int32),
+            page_table=page_table,
+            state_slots=target.state_slots[:num_rows],
+            logits_indices=rows[:-1].to(torch.int64),
+            slot_mapping=pages * kv.page_size + positions % kv.page_size,
+            kv_cache=kv,
+            state_cache=None,
+            query_lens_cpu=(1,) * num_rows,
+            seq_lens_cpu=host_lens,
+        )

@@ -1,0 +1,56 @@
+"""OracleDrafter: a test drafter that proposes a known continuation (every draft accepted when
+it is the target's own greedy output) or deliberately wrong tokens (every draft rejected).
+
+It stands in for the backend's drafter (EngineCore(drafter=...)), reading the accepted counts
+back to the host: a test tool, not a fast path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ninfer.contract.sampling import TOP_K_CAP
+from ninfer.engine.speculative.acceptance import DraftProposal
+from ninfer.engine.speculative.draft_round import DraftRound
+from ninfer.models.forward_batch import HostStaging
+
+
+class OracleDrafter:
+    def __init__(self, num_draft_tokens: int, sequences: dict[str, list[int]], wrong: bool = False,
+                 vocab_size: int | None = None):
+        """sequences: request id -> its whole token sequence (prompt and expected output);
+        wrong: propose a different token than the sequence's at every position."""
+        self.num_draft_tokens = num_draft_tokens
+        self.sequences = sequences
+        self.wrong = wrong
+        self.vocab_size = vocab_size
+        self.rounds = 0
+
+    def draft(self, round: DraftRound, staging: HostStaging) -> DraftProposal | None:
+        if not round.num_verify:
+            return None
+        self.rounds += 1
+        k = self.num_draft_tokens
+        accepted = round.num_accepted.tolist()
+        pending = round.pending_lengths()
+        rows = []
+        for chunk, num_pending, num_accepted in zip(round.chunks, pending, accepted):
+            sequence = self.sequences.get(chunk.request_id, [])
+            # The target's token after the accepted drafts sits at this position; drafts follow it.
+            first = chunk.num_computed_tokens + num_pending + num_accepted + 1
+            proposal = [sequence[i] if i < len(sequence) else 0 for i in range(first, first + k)]
+            if self.wrong:
+                proposal = [(t + 1) % (self.vocab_size or (t + 2)) for t in proposal]
+            rows.append(proposal)
+        device = round.hidden.device
+        tokens = torch.tensor(rows, dtype=torch.int64, device=device)
+        probs = torch.zeros(len(rows), k, TOP_K_CAP, dtype=torch.float32, device=device)
+        probs[..., 0] = 1.0  # a deterministic proposal: q is one-hot on it
+        candidates = tokens[..., None].expand(-1, -1, TOP_K_CAP).contiguous()
+        return DraftProposal(tokens, probs, candidates)
+
+
+def oracle_factory(num_draft_tokens: int, sequences: dict[str, list[int]], **kwargs) -> Callable[[], OracleDrafter]:
+    return lambda: OracleDrafter(num_draft_tokens, sequences, **kwargs)
