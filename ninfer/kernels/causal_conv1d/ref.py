@@ -3,6 +3,8 @@
 The conv state of a request is the last kernel-1 *pre-conv* inputs it has seen (zeros for
 a fresh sequence), so a chunk of any length, even shorter than kernel-1, continues exactly
 where the previous chunk stopped. Computed in fp32, returned in x's dtype.
+commit_conv_state advances the states of every layer over the speculative verification rows
+a step accepted (the rows were convolved earlier without writing the state).
 """
 
 from __future__ import annotations
@@ -60,3 +62,31 @@ def causal_conv1d_update(
     y = (window * weight.float().unsqueeze(0)).sum(-1)
     conv_state[state_slots] = window[..., 1:].to(conv_state.dtype)
     return F.silu(y).to(x.dtype)
+
+
+def commit_conv_state(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    row_starts: torch.Tensor,
+    counts: torch.Tensor,
+    max_count: int,
+) -> None:
+    """Advance every layer's conv state slots over the accepted verification rows.
+
+    x: [L, R, C] pre-conv inputs per row; conv_state: [L, num_slots, C, K-1], updated in place:
+    state[:, state_slots[b]] becomes the last K-1 columns of [old state | rows row_starts[b] ...
+    + counts[b] - 1], what causal_conv1d over those rows leaves (a copy: exact). counts[b] == 0
+    leaves the slot as it was. row_starts and counts may live on the device; max_count bounds counts.
+    """
+    state_len = conv_state.shape[-1]
+    slots = state_slots.tolist()
+    pairs = list(zip(row_starts.tolist(), counts.tolist()))
+    for start, count in pairs:  # all checked before any slot is written
+        if not 0 <= count <= max_count or start < 0 or start + count > x.shape[1]:
+            raise ValueError(f"rows {start}..{start + count} (bound {max_count}) outside the {x.shape[1]} rows")
+    for slot, (start, count) in zip(slots, pairs):
+        if count == 0:
+            continue
+        window = torch.cat((conv_state[:, slot], x[:, start : start + count].transpose(1, 2).to(conv_state.dtype)), -1)
+        conv_state[:, slot] = window[..., window.shape[-1] - state_len :]

@@ -12,6 +12,10 @@ Only the token-block-0 program of a request reads the old state (BLOCK_T >= K-1)
 same program writes the new state (the request's last K-1 inputs, which come from the old
 state too when the chunk is shorter than K-1) after a barrier, so no other program can see
 a half-updated state. Computed in fp32; one rounding to x's dtype at the end.
+
+Commit of speculative verification rows (commit_conv_state): the state shift alone, over each
+request's accepted rows, for every layer in one launch; the counts are loaded by the kernel,
+so the launch is capture-safe and needs no host sync.
 """
 
 from __future__ import annotations
@@ -289,3 +293,83 @@ def causal_conv1d(
         launch_pdl=use_pdl,
     )
     return out
+
+
+@triton.jit
+def _commit_state_kernel(
+    x_ptr,
+    state_ptr,
+    slots_ptr,
+    starts_ptr,
+    counts_ptr,
+    stride_xl,
+    stride_xt,
+    stride_sl,
+    stride_slot,
+    stride_sc,
+    num_channels,
+    K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One program per (request, layer, channel block). New column j is the input at row
+    count-(K-1)+j, or old column count+j when that is < 0. Columns are written in increasing j and
+    column j only reads old column count+j >= j, so updating in place needs no copy; every column
+    is a 1-D vector over the channels, so each element is read and written by the same thread and
+    no barrier is needed (as in the decode update)."""
+    pdl_sync(USE_PDL)  # counts and starts come from the acceptance step just before
+    i_b = tl.program_id(0)
+    i_l = tl.program_id(1).to(tl.int64)
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start = tl.load(starts_ptr + i_b).to(tl.int64)
+    count = tl.load(counts_ptr + i_b).to(tl.int64)
+    slot = tl.load(slots_ptr + i_b).to(tl.int64)
+    mask = (c < num_channels) & (count > 0)  # an empty request leaves its slot alone
+    p_state = state_ptr + i_l * stride_sl + slot * stride_slot + c * stride_sc
+    p_x = x_ptr + i_l * stride_xl + start * stride_xt + c
+    for j in tl.static_range(K - 1):
+        pos = count - (K - 1) + j  # row within the request
+        from_x = tl.load(p_x + pos * stride_xt, mask=mask & (pos >= 0), other=0.0)
+        from_state = tl.load(p_state + (pos + (K - 1)), mask=mask & (pos < 0), other=0.0)
+        column = tl.where(pos >= 0, from_x.to(state_ptr.dtype.element_ty), from_state)
+        tl.store(p_state + j, column, mask=mask)
+
+
+def commit_conv_state(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    row_starts: torch.Tensor,
+    counts: torch.Tensor,
+    max_count: int,
+) -> None:
+    """Same contract as ref.commit_conv_state: one launch for all layers and requests; capture-safe
+    (starts, counts and slots are only read by the kernel; max_count is unused: no loop over rows)."""
+    num_layers, _, num_channels, state_len = conv_state.shape
+    if x.shape[0] != num_layers or x.shape[-1] != num_channels:
+        raise ValueError(f"x {tuple(x.shape)} does not match conv_state {tuple(conv_state.shape)}")
+    if x.stride(-1) != 1 or conv_state.stride(-1) != 1:
+        raise ValueError("x channels and conv_state columns must be contiguous")
+    num_requests = state_slots.shape[0]
+    if num_requests == 0 or num_layers == 0 or max_count == 0 or state_len == 0:
+        return
+    grid = (num_requests, num_layers, triton.cdiv(num_channels, BLOCK_C_DECODE))
+    use_pdl = pdl_enabled(x)
+    _commit_state_kernel[grid](
+        x,
+        conv_state,
+        state_slots,
+        row_starts,
+        counts,
+        x.stride(0),
+        x.stride(1),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        conv_state.stride(2),
+        num_channels,
+        K=state_len + 1,
+        BLOCK_C=BLOCK_C_DECODE,
+        USE_PDL=use_pdl,
+        num_warps=4,
+        launch_pdl=use_pdl,
+    )

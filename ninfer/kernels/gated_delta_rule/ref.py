@@ -7,6 +7,8 @@ dk^-0.5. Grouped value heads: v-head h reads q/k head h // (Hv / Hk). Every requ
 from its state slot (zeros = fresh sequence) and leaves its final state there.
 
 gdn_gates turns the layer's per-head projections a, b into the rule's g and beta.
+commit_gated_delta_rule advances the slots of every layer over the speculative verification
+rows a step accepted (the rows were scored earlier without writing the state).
 """
 
 from __future__ import annotations
@@ -194,3 +196,62 @@ def recurrent_gated_delta_rule_with_gates(
     """recurrent_gated_delta_rule with the gates given as the projections a, b (see gdn_gates)."""
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     return recurrent_gated_delta_rule(q, k, v, g, beta, state, state_slots, query_lens, update_state)
+
+
+def _check_commit_rows(row_starts: torch.Tensor, counts: torch.Tensor, num_rows: int, max_count: int) -> list[tuple]:
+    """Host copies of (start, count) per request, checked against the scratch and the bound."""
+    pairs = list(zip(row_starts.tolist(), counts.tolist()))
+    for start, count in pairs:
+        if not 0 <= count <= max_count or start < 0 or start + count > num_rows:
+            raise ValueError(f"rows {start}..{start + count} (bound {max_count}) outside the {num_rows} scratch rows")
+    return pairs
+
+
+def commit_gated_delta_rule(
+    mixed: torch.Tensor,
+    gates: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    row_starts: torch.Tensor,
+    counts: torch.Tensor,
+    num_k_heads: int,
+    max_count: int,
+) -> None:
+    """Advance every layer's state slots over the accepted verification rows (outputs discarded).
+
+    mixed: [L, R, 2*Hk*dk + Hv*dv] post-conv q | k | v per row; gates: [L, R, 2*Hv] raw a | b;
+    A_log, dt_bias: [L, Hv]; state: [L, num_slots, Hv, dk, dv] fp32, updated in place. Request b
+    advances state[:, state_slots[b]] over rows row_starts[b] ... + counts[b] - 1 as
+    recurrent_gated_delta_rule_with_gates(..., update_state=True) would; counts[b] == 0 leaves
+    its slot as it was. row_starts and counts may live on the device (the fast version never
+    reads them on the host); max_count bounds counts and fixes the fast version's trip count.
+    """
+    num_v_heads, k_dim, v_dim = state.shape[2], state.shape[3], state.shape[4]
+    key_dim = (mixed.shape[-1] - num_v_heads * v_dim) // (2 * num_k_heads)
+    if key_dim != k_dim or 2 * num_k_heads * k_dim + num_v_heads * v_dim != mixed.shape[-1]:
+        raise ValueError(f"mixed width {mixed.shape[-1]} is not q|k|v for Hk {num_k_heads} and state {state.shape}")
+    num_layers = state.shape[0]
+    pairs = _check_commit_rows(row_starts, counts, mixed.shape[1], max_count)
+    for slot, (start, count) in zip(state_slots.tolist(), pairs):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        q, k, v = mixed[:, rows].split([num_k_heads * k_dim, num_k_heads * k_dim, num_v_heads * v_dim], dim=-1)
+        # The scan's outputs (from q) are discarded; the state depends on k, v and the gates only.
+        qf, kf = _prepare_qk(
+            q.reshape(-1, num_k_heads, k_dim), k.reshape(-1, num_k_heads, k_dim), num_v_heads
+        )
+        a, b = gates[:, rows].split(num_v_heads, dim=-1)  # [L, count, Hv]
+        g, beta = gdn_gates(a, b, A_log[:, None, :], dt_bias[:, None, :])
+        # All layers at once: _recurrent_scan takes leading batch dims ([L, count, ...]).
+        _, final = _recurrent_scan(
+            qf.reshape(num_layers, count, num_v_heads, k_dim),
+            kf.reshape(num_layers, count, num_v_heads, k_dim),
+            v.float().reshape(num_layers, count, num_v_heads, v_dim),
+            g,
+            beta,
+            state[:, slot].float(),
+        )
+        state[:, slot] = final.to(state.dtype)

@@ -11,6 +11,11 @@ read from memory that the host fills per step: the launch is the same every roun
 is what a CUDA graph replays. Unequal lengths pass a cu_seqlens tensor built on the host
 (not capture-safe; the engine only sends those to the chunked form).
 
+Commit of speculative verification rows (commit_gated_delta_rule): the same state update
+over each request's accepted rows, for every GDN layer in one launch (programs per request,
+layer * v-head and column strip). The rows' starts and counts are loaded by the kernel and
+the trip count is a host bound, so the launch is capture-safe and needs no host sync.
+
 Chunked form (prefill chunks): flash-linear-attention's `chunk_gated_delta_rule` over the
 whole varlen batch (cu_seqlens), with the initial states gathered from the slots and the
 final states scattered back. fla is imported lazily; without it the reference runs.
@@ -153,6 +158,13 @@ def gdn_gates(
 
 
 @triton.jit
+def _l2norm(x, eps):
+    """x / sqrt(sum x^2 + eps), eps inside the rsqrt as in the reference; shared by the decode and
+    commit kernels so that both advance a state by the same arithmetic."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=0) + eps)
+
+
+@triton.jit
 def _recurrent_kernel(
     q_ptr,
     k_ptr,
@@ -238,9 +250,8 @@ def _recurrent_kernel(
             b_g, b_beta = _gate_values(b_g, b_beta, a_log, dt_bias, THRESHOLD)
             b_g = tl.where(live, b_g, 0.0)  # steps past a request's end must stay no-ops
             b_beta = tl.where(live, b_beta, 0.0)
-        # l2norm with eps inside the rsqrt, as the reference; q also takes dk^-0.5.
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + eps) * scale
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + eps)
+        b_q = _l2norm(b_q, eps) * scale  # q also takes dk^-0.5
+        b_k = _l2norm(b_k, eps)
         s = s * tl.exp(b_g)
         u = b_beta * (b_v - tl.sum(s * b_k[:, None], axis=0))
         s = s + b_k[:, None] * u[None, :]
@@ -363,6 +374,155 @@ def _recurrent(q, k, v, g, beta, raw_gate_params, state, state_slots, query_lens
         launch_pdl=use_pdl,
     )
     return out
+
+
+@triton.jit
+def _commit_kernel(
+    mixed_ptr,
+    gates_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    state_ptr,
+    slots_ptr,
+    starts_ptr,
+    counts_ptr,
+    stride_ml,
+    stride_mr,
+    stride_gl,
+    stride_gr,
+    stride_al,
+    stride_ah,
+    stride_dl,
+    stride_dh,
+    stride_sl,
+    stride_slot,
+    max_count,
+    eps,
+    NUM_K_HEADS: tl.constexpr,
+    NUM_V_HEADS: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    THRESHOLD: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One program per (request, layer * Hv + v-head, BLOCK_V state columns): the decode kernel's
+    state update over the request's accepted rows, without q and the outputs.
+
+    pdl_sync comes first: the counts (and starts) are written on the device by the acceptance
+    step just before, and the slot decides every other address."""
+    pdl_sync(USE_PDL)
+    i_b = tl.program_id(0)
+    i_lh = tl.program_id(1)
+    i_v = tl.program_id(2)
+    i_l = i_lh // NUM_V_HEADS
+    i_h = i_lh % NUM_V_HEADS
+    i_hk = i_h // (NUM_V_HEADS // NUM_K_HEADS)  # grouped value heads share their k head
+    start = tl.load(starts_ptr + i_b).to(tl.int64)
+    count = tl.load(counts_ptr + i_b).to(tl.int64)
+    slot = tl.load(slots_ptr + i_b).to(tl.int64)
+    a_log = tl.load(a_log_ptr + i_l * stride_al + i_h * stride_ah).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + i_l * stride_dl + i_h * stride_dh).to(tl.float32)
+
+    o_k = tl.arange(0, BLOCK_K)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = o_k < DK
+    mask_v = o_v < DV
+    mask_s = mask_k[:, None] & mask_v[None, :]
+    p_state = state_ptr + i_l.to(tl.int64) * stride_sl + slot * stride_slot + (i_h * DK + o_k[:, None]) * DV + o_v[None, :]
+    s = tl.load(p_state, mask=mask_s & (count > 0), other=0.0).to(tl.float32)
+    p_rows = mixed_ptr + i_l.to(tl.int64) * stride_ml + start * stride_mr
+    p_gates = gates_ptr + i_l.to(tl.int64) * stride_gl + start * stride_gr
+    k_col = NUM_K_HEADS * DK + i_hk * DK  # row layout q | k | v
+    v_col = 2 * NUM_K_HEADS * DK + i_h * DV
+
+    # Host trip count (fixed per captured graph); steps past the request's count take g = beta = 0,
+    # which leave s unchanged (decay exp(0) = 1, update 0), as the decode kernel's varlen tails.
+    for i in range(max_count):
+        live = i < count
+        b_k = tl.load(p_rows + i * stride_mr + k_col + o_k, mask=mask_k & live, other=0.0).to(tl.float32)
+        b_v = tl.load(p_rows + i * stride_mr + v_col + o_v, mask=mask_v & live, other=0.0).to(tl.float32)
+        b_a = tl.load(p_gates + i * stride_gr + i_h, mask=live, other=0.0).to(tl.float32)
+        b_b = tl.load(p_gates + i * stride_gr + NUM_V_HEADS + i_h, mask=live, other=0.0).to(tl.float32)
+        b_g, b_beta = _gate_values(b_a, b_b, a_log, dt_bias, THRESHOLD)
+        b_g = tl.where(live, b_g, 0.0)
+        b_beta = tl.where(live, b_beta, 0.0)
+        b_k = _l2norm(b_k, eps)
+        s = s * tl.exp(b_g)
+        u = b_beta * (b_v - tl.sum(s * b_k[:, None], axis=0))
+        s = s + b_k[:, None] * u[None, :]
+
+    tl.store(p_state, s.to(state_ptr.dtype.element_ty), mask=mask_s & (count > 0))
+
+
+def commit_gated_delta_rule(
+    mixed: torch.Tensor,
+    gates: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    row_starts: torch.Tensor,
+    counts: torch.Tensor,
+    num_k_heads: int,
+    max_count: int,
+    *,
+    block_v: int | None = None,
+    num_warps: int = NUM_WARPS,
+) -> None:
+    """Same contract as ref.commit_gated_delta_rule: one launch for all layers and requests.
+
+    Capture-safe: row_starts, counts and slots are only read by the kernel, and the grid and trip
+    count come from shapes and max_count. mixed / gates rows may be strided (channels contiguous).
+    """
+    num_layers, _, num_v_heads, k_dim, v_dim = state.shape
+    if 2 * num_k_heads * k_dim + num_v_heads * v_dim != mixed.shape[-1]:
+        raise ValueError(f"mixed width {mixed.shape[-1]} is not q|k|v for Hk {num_k_heads} and state {state.shape}")
+    if gates.shape[-1] != 2 * num_v_heads or A_log.shape != (num_layers, num_v_heads) or dt_bias.shape != A_log.shape:
+        raise ValueError(f"gates {tuple(gates.shape)}, A_log {tuple(A_log.shape)}: need 2*Hv gates and [L, Hv]")
+    if mixed.stride(-1) != 1 or gates.stride(-1) != 1:
+        raise ValueError("mixed and gates need contiguous channels")
+    if state.stride(-1) != 1 or state.stride(-2) != v_dim or state.stride(-3) != k_dim * v_dim:
+        raise ValueError("each state slot must be a contiguous [Hv, dk, dv] block")
+    num_requests = state_slots.shape[0]
+    if num_requests == 0 or num_layers == 0 or max_count == 0:
+        return
+    block_v = block_v or _block_v(state.device, num_requests * num_layers, num_v_heads, v_dim)
+    grid = (num_requests, num_layers * num_v_heads, triton.cdiv(v_dim, block_v))
+    use_pdl = pdl_enabled(state)
+    _commit_kernel[grid](
+        mixed,
+        gates,
+        A_log,
+        dt_bias,
+        state,
+        state_slots,
+        row_starts,
+        counts,
+        mixed.stride(0),
+        mixed.stride(1),
+        gates.stride(0),
+        gates.stride(1),
+        A_log.stride(0),
+        A_log.stride(1),
+        dt_bias.stride(0),
+        dt_bias.stride(1),
+        state.stride(0),
+        state.stride(1),
+        max_count,
+        ref.L2NORM_EPS,
+        NUM_K_HEADS=num_k_heads,
+        NUM_V_HEADS=num_v_heads,
+        DK=k_dim,
+        DV=v_dim,
+        BLOCK_K=triton.next_power_of_2(k_dim),
+        BLOCK_V=block_v,
+        THRESHOLD=SOFTPLUS_THRESHOLD,
+        USE_PDL=use_pdl,
+        num_warps=num_warps,
+        launch_pdl=use_pdl,
+    )
 
 
 FLA_CHUNK_SIZE = 64  # fla's chunk_gated_delta_rule default; its chunk_indices are in these units
