@@ -132,6 +132,7 @@ class EngineCore:
             lm_head_draft=config.lm_head_draft,
             draft_extra_token_ids=sorted(tokenizer.backend.get_added_tokens_decoder()),
             drafter=drafter,
+            max_batch=config.max_concurrency,
         )
         self.failed: str | None = None
         overlap = config.decode_overlap

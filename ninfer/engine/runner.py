@@ -76,13 +76,15 @@ class ModelRunner:
         lm_head_draft: bool = False,
         draft_extra_token_ids: Sequence[int] = (),
         drafter=None,
+        max_batch: int | None = None,
     ):
         """cuda_graph_batch_sizes: decode batch sizes to capture a CUDA graph for (on CUDA,
         when the model allows it; other sizes decode eagerly); max_context bounds the
         page-table width they are captured with (default: the whole KV pool).
         num_draft_tokens > 0: speculative decoding with the model's MTP head (or `drafter`,
         tests' stand-ins), proposals through the reduced-vocabulary head with lm_head_draft
-        (draft_extra_token_ids: the added tokens it keeps)."""
+        (draft_extra_token_ids: the added tokens it keeps). max_batch: requests in a step at most
+        (default: the largest graph batch, else the state slots)."""
         self.model = model
         param = next(model.parameters())
         self.device = param.device
@@ -96,7 +98,7 @@ class ModelRunner:
             if drafter is None:
                 head = ProposalHead(model.lm_head, self.num_valid_tokens, lm_head_draft, draft_extra_token_ids)
                 drafter = MtpDrafter(model, head, num_draft_tokens)
-            max_batch = max(cuda_graph_batch_sizes, default=1)
+            max_batch = max_batch or max(cuda_graph_batch_sizes, default=num_state_slots)
             self.speculator = Speculator(
                 model, self.state_cache, self.slot_logits, num_draft_tokens, max_batch, drafter, self.num_valid_tokens
             )

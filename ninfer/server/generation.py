@@ -228,7 +228,9 @@ class Generation:
 
     def timings(self) -> Timings:
         stamps = self.last.timings if self.last is not None else None
-        return compute_timings(stamps, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+        # The counters ride on the final output only: running timings have no draft keys.
+        speculative = self.last.speculative if self.last is not None else None
+        return compute_timings(stamps, self.prompt_tokens, self.cached_tokens, self.completion_tokens, speculative)
 
     def _log_done(self, out: EngineOutput) -> None:
         timings = self.timings()

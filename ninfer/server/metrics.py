@@ -82,8 +82,8 @@ class Metrics:
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         ).labels(model_name)
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.").labels(model_name)
-        # Zero until speculative decoding lands (request_done's `speculative` block); present so
-        # dashboards and alerts need no change then.
+        # From request_done's `speculative` counters; present (at zero) without --spec too, so
+        # dashboards and alerts need no change when it is turned on.
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative draft rounds.").labels(model_name)
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.").labels(model_name)
         self.spec_accepted_tokens = counter(

@@ -394,7 +394,11 @@ CHAT: dict[str, Schema] = {
                 },
             },
             "usage": ref("ChatUsage"),
-            "timings": {"type": "object", "description": "llama.cpp's timings: cache_n, prompt_n, rates"},
+            "timings": {
+                "type": "object",
+                "description": "llama.cpp's timings: cache_n, prompt_n, rates; draft_n and draft_n_accepted "
+                               "when speculative rounds drafted tokens",
+            },
         },
     },
     "ChatUsage": {

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ninfer.contract.output import EngineOutput
+from ninfer.contract.output import EngineOutput, SpeculativeCounters
 from ninfer.server.errors import APIError
 from ninfer.server.request_events import RequestEvents
 
@@ -136,7 +136,7 @@ class RequestRecord:
             },
             "inter_token_seconds": inter_token_seconds,
             "engine_timing": msgspec.to_builtins(out.engine_timing) if out.engine_timing is not None else None,
-            "speculative": dict(SPECULATIVE_OFF),
+            "speculative": _speculative(out.speculative),
         })
 
     def error(self, phase: str, error: APIError | None = None, message: str | None = None) -> None:
@@ -182,6 +182,13 @@ def _stop_kind(stop_reason: int | str | None) -> str | None:
     if stop_reason is None:
         return None
     return "token" if isinstance(stop_reason, int) else "string"
+
+
+def _speculative(counters: SpeculativeCounters | None) -> dict[str, Any]:
+    """The request's speculative counters; the off shape when the server runs without --spec."""
+    if counters is None:
+        return {**SPECULATIVE_OFF, "accepted_per_position": []}
+    return msgspec.to_builtins(counters)
 
 
 def _error_fields(error: APIError) -> dict[str, Any]:

@@ -14,7 +14,6 @@ import torch
 from ninfer.contract.sampling import TOP_K_CAP
 from ninfer.engine.speculative.acceptance import DraftProposal
 from ninfer.engine.speculative.draft_round import DraftRound
-from ninfer.models.forward_batch import HostStaging
 
 
 class OracleDrafter:
@@ -28,7 +27,7 @@ class OracleDrafter:
         self.vocab_size = vocab_size
         self.rounds = 0
 
-    def draft(self, round: DraftRound, staging: HostStaging) -> DraftProposal | None:
+    def draft(self, round: DraftRound) -> DraftProposal | None:
         if not round.num_verify:
             return None
         self.rounds += 1

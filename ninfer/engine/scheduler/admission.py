@@ -117,10 +117,10 @@ class Admission:
         if request.max_new_tokens < 0:
             return error_output(request, ErrorCode.INVALID_REQUEST, "max_new_tokens must be >= 0")
         max_new = min(request.max_new_tokens, self.limits.max_context - prompt_len)
-        if self.kv_pool.pages_for(prompt_len + max_new) > self.kv_pool.num_pages:
+        if self.kv_pool.pages_for(prompt_len + max_new + self.spare_tokens) > self.kv_pool.num_pages:
             return self._context_error(
                 request,
-                f"prompt plus output needs {prompt_len + max_new} KV tokens; "
+                f"prompt plus output needs {prompt_len + max_new + self.spare_tokens} KV tokens; "
                 f"the KV capacity is {self.kv_pool.num_pages * self.kv_pool.page_size}",
             )
         budget = request.thinking_budget
@@ -148,6 +148,13 @@ class Admission:
             )
         )
         return None
+
+    @property
+    def spare_tokens(self) -> int:
+        """KV reserved past prompt + output: a speculative round's fixed-shape rows (CUDA graphs
+        verify every request's whole draft window) write up to draft_tokens + 1 positions past
+        the last committed token."""
+        return self.limits.num_draft_tokens + 1 if self.limits.num_draft_tokens else 0
 
     def _context_error(self, request: EngineRequest, message: str) -> EngineOutput:
         return error_output(
@@ -263,7 +270,7 @@ class Admission:
 
     def _plan(self, seq: Sequence, hit: CacheHit | None, adopt: bool) -> AdmissionPlan | None:
         page_size = self.kv_pool.page_size
-        total_pages = self.kv_pool.pages_for(seq.prompt_len + seq.max_new_tokens)
+        total_pages = self.kv_pool.pages_for(seq.prompt_len + seq.max_new_tokens + self.spare_tokens)
         ck = hit.checkpoint if hit else None
         reused = hit.num_reused_tokens if hit else 0
         num_full = reused // page_size

@@ -281,16 +281,18 @@ class Scheduler:
         return budget is not None and seq.thinking_open and seq.num_thinking_tokens + 1 >= budget.max_thinking_tokens
 
     def _speculates(self, seq: Sequence) -> bool:
-        """A decode row becomes a speculative round when a backend is loaded and there is a token
-        to compute (a full-prompt hit samples its stored logits first)."""
-        return bool(self.limits.num_draft_tokens) and seq.num_pending_tokens > 0
+        """A decode row becomes a speculative round when a backend is loaded and exactly one token
+        is to compute. A full-prompt hit samples its stored logits first; forced thinking-close
+        tokens are computed as a plain row (the drafter extends its context over it and drafts
+        from the next round on), so every verification row has the same shape."""
+        return bool(self.limits.num_draft_tokens) and seq.num_pending_tokens == 1
 
     def _speculative_chunk(self, seq: Sequence) -> ScheduledChunk:
         """The pending tokens and as many of the request's drafts as its output limit can take
         (a round commits at most drafts + 1 tokens)."""
         pending = seq.token_ids[seq.num_computed_tokens :]
         room = seq.max_new_tokens - seq.num_output_tokens - 1
-        drafts = seq.draft_token_ids[: max(0, min(room, self.limits.num_draft_tokens))] if len(pending) == 1 else []
+        drafts = seq.draft_token_ids[: max(0, min(room, self.limits.num_draft_tokens))]
         chunk = self._chunk(seq, pending + drafts, compute_logits=True, sample=True)
         histories = chunk.output_token_ids
         return ScheduledChunk(
@@ -413,6 +415,8 @@ class Scheduler:
             num_decode_rows += decode_row
             if chunk.sample:
                 self.stats.decode_tokens += decode_row
+                if decode_row and seq.speculative is not None:
+                    seq.speculative.fallback_steps += 1  # a decode row without drafts (forced tokens)
                 self._commit(seq, sampled[chunk.request_id], now)
             elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
                 self._finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only

@@ -15,14 +15,13 @@ the host on CUDA.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ninfer.engine.speculative.acceptance import DraftProposal, propose
 from ninfer.engine.speculative.draft_round import DraftRound
 from ninfer.engine.speculative.proposal_head import ProposalHead
 from ninfer.models.causal_lm import CausalLM
-from ninfer.models.forward_batch import ForwardBatch, HostStaging
+from ninfer.models.forward_batch import ForwardBatch
 
 
 class MtpDrafter:
@@ -34,51 +33,19 @@ class MtpDrafter:
         self.num_draft_tokens = num_draft_tokens
         self.mrope = model.config.mrope_section is not None
 
-    def draft(self, round: DraftRound, staging: HostStaging) -> DraftProposal | None:
+    def draft(self, round: DraftRound) -> DraftProposal | None:
         """Extend the head's KV over every chunk and propose K drafts per verification row."""
-        chunks, num_verify = round.chunks, round.num_verify
-        pending = round.pending_lengths()
-        lengths = [len(c.token_ids) + (1 if i < num_verify else 0) for i, c in enumerate(chunks)]
-        num_target_rows = round.hidden.shape[0]
-        token_src: list[np.ndarray] = []
-        hidden_src: list[np.ndarray] = []
-        for i, (chunk, start, length) in enumerate(zip(chunks, round.row_starts, lengths)):
-            rows = np.arange(length, dtype=np.int64)
-            # Row r reads the target's token r (the extra row of a verification row: none yet)...
-            token_src.append(np.where(rows < len(chunk.token_ids), start + rows, -1))
-            # ...and the target's hidden at r-1; row 0 the slot's, appended after the target rows.
-            hidden_src.append(np.where(rows > 0, start + rows - 1, num_target_rows + i))
-        batch = ForwardBatch.stage(
-            query_lens=lengths,
-            num_computed_tokens=[c.num_computed_tokens for c in chunks],
-            page_ids=[c.page_ids for c in chunks],
-            state_slots=[c.state_slot for c in chunks],
-            kv_cache=round.target_batch.kv_cache,
-            state_cache=None,
-            logits_indices=[],
-            staging=staging,
-            mrope=self.mrope,
-        )
-        token_index = staging.add(np.concatenate(token_src))
-        hidden_index = staging.add(np.concatenate(hidden_src))
-        slots = staging.add(np.array([c.state_slot for c in chunks], dtype=np.int64))
-        mtp_starts = np.cumsum([0, *lengths[:-1]]).astype(np.int64)
-        # Where each verification row's accepted tokens end: its row for the target's next token.
-        first_draft_rows = staging.add(mtp_starts[:num_verify] + np.array(pending, dtype=np.int64))
-        base = np.array([c.num_computed_tokens + p for c, p in zip(chunks, pending)], dtype=np.int64)
-        page_size = round.target_batch.kv_cache.page_size
-        limits = np.array([len(c.page_ids) * page_size for c in chunks[:num_verify]], dtype=np.int64)
-        base_device, limits_device = staging.add(base), staging.add(limits)
-        staging.flush()
-
-        tokens = torch.where(token_index >= 0, round.input_ids[token_index.clamp_min(0)], 0)
-        hidden_all = torch.cat((round.hidden, round.slot_hidden.index_select(0, slots)))
-        hidden_in = hidden_all.index_select(0, hidden_index)
+        inputs = round.inputs
+        tokens = torch.where(inputs.token_index >= 0, round.input_ids[inputs.token_index.clamp_min(0)], 0)
+        hidden_all = torch.cat((round.hidden, round.slot_hidden.index_select(0, inputs.mtp_slots)))
+        hidden_in = hidden_all.index_select(0, inputs.hidden_index)
+        num_verify = round.num_verify
         if num_verify:
-            bonus_rows = first_draft_rows + round.num_accepted
+            # The target's token after the accepted drafts replaces the first rejected one.
+            bonus_rows = inputs.first_draft_rows + round.num_accepted
             bonus = round.tokens.gather(1, round.num_accepted[:, None]).squeeze(1)
             tokens = tokens.index_copy(0, bonus_rows, bonus)
-        out = self.model.forward_mtp(tokens, hidden_in, batch, step_index=0)
+        out = self.model.forward_mtp(tokens, hidden_in, inputs.mtp_batch, step_index=0)
         if not num_verify:
             return None
 
@@ -93,7 +60,7 @@ class MtpDrafter:
             if step == self.num_draft_tokens:
                 break
             # The head's next row: the draft just made, at the position after it was predicted from.
-            positions = torch.minimum(base_device + round.num_accepted + step, limits_device - 1)
+            positions = torch.minimum(inputs.base + round.num_accepted + step, inputs.limits - 1)
             hidden = self.model.forward_mtp(
                 token, hidden, self._decode_batch(positions, round.target_batch, num_verify), step_index=step
             )

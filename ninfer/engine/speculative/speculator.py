@@ -23,10 +23,11 @@ import numpy as np
 import torch
 
 from ninfer.contract.sampling import TOP_K_CAP
-from ninfer.engine.sampler import Sampler, SamplingBatch, exponential_noise
+from ninfer.engine.sampler import Sampler
 from ninfer.engine.scheduler import CommitVerified, ScheduledChunk
-from ninfer.engine.speculative.acceptance import DRAFT_DOMAIN, DraftProposal, acceptance_uniforms, verify
+from ninfer.engine.speculative.acceptance import DraftProposal, verify
 from ninfer.engine.speculative.draft_round import DraftRound
+from ninfer.engine.speculative.spec_plan import SpecInputs, plan_step, stage_inputs
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.forward_batch import ForwardBatch, HostStaging
 from ninfer.models.state_cache import StateCache
@@ -43,7 +44,7 @@ class Speculator:
         drafter,
         num_valid_tokens: int,
     ):
-        """drafter: has draft(DraftRound, HostStaging) -> DraftProposal | None (MtpDrafter)."""
+        """drafter: has draft(DraftRound) -> DraftProposal | None (MtpDrafter)."""
         self.model = model
         self.state_cache = state_cache
         self.slot_logits = slot_logits
@@ -58,10 +59,8 @@ class Speculator:
         self.slot_hidden = torch.zeros(num_slots, hidden_size, dtype=self.dtype, device=self.device)
         self.q_probs = torch.zeros(num_slots, num_draft_tokens, TOP_K_CAP, dtype=torch.float32, device=self.device)
         self.q_ids = torch.zeros(num_slots, num_draft_tokens, TOP_K_CAP, dtype=torch.int64, device=self.device)
-        self._allocate_rows(max_batch * (num_draft_tokens + 1))
-
-    def _allocate_rows(self, max_rows: int) -> None:
-        self.max_rows = max_rows
+        # Every verification row is [last token, up to K drafts]; the graphs capture these buffers.
+        max_rows = self.max_rows = max_batch * (num_draft_tokens + 1)
         self.scratch = self.model.allocate_verify_scratch(max_rows, self.dtype)
         hidden_size = self.model.config.hidden_size
         self.verify_hidden = torch.zeros(max_rows, hidden_size, dtype=self.dtype, device=self.device)
@@ -89,14 +88,12 @@ class Speculator:
         self.slot_logits.index_copy_(0, slots, self.verify_logits.index_select(0, last))
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> int:
-        """Before the forward: room for this step's verification rows (rows with forced tokens
-        are longer than 1 + K); -> how many chunks are verification rows (they come first)."""
+        """Before the forward: -> how many chunks are verification rows (they come first)."""
         num_verify = sum(1 for c in chunks if c.speculative)
         if any(c.speculative for c in chunks[num_verify:]):
             raise ValueError("speculative rows must come before the other chunks of a step")
-        num_rows = sum(len(c.token_ids) for c in chunks[:num_verify])
-        if num_rows > self.max_rows:
-            self._allocate_rows(num_rows)  # eager only: the previous step's rows were committed already
+        if num_verify > self.max_rows // (self.num_draft_tokens + 1):
+            raise ValueError(f"{num_verify} verification rows: the scratch holds {self.max_rows} rows")
         return num_verify
 
     # ---- after the forward ---------------------------------------------------------
@@ -109,78 +106,58 @@ class Speculator:
         input_ids: torch.Tensor,
         staging: HostStaging,
     ) -> torch.Tensor | None:
-        """-> [num_verify, 1 + (K+1) + K] int64 on the device: accepted count, tokens (accepted
-        drafts then the target's next token), new drafts; None without verification rows."""
-        k = self.num_draft_tokens
-        starts = np.cumsum([0, *[len(c.token_ids) for c in chunks[:-1]]]).tolist()
-        verifying = chunks[:num_verify]
-        num_accepted = tokens = sampling = noise = None
+        """The eager step: -> [num_verify, 1 + (K+1) + K] int64 on the device: accepted count,
+        tokens (accepted drafts then the target's next token), new drafts; None without
+        verification rows."""
+        plan = plan_step(chunks, num_verify, self.num_draft_tokens, batch.kv_cache.page_size)
+        inputs = stage_inputs(plan, staging, batch.kv_cache, self.model.config.mrope_section is not None)
+        staging.flush()
+        num_accepted = tokens = None
         if num_verify:
-            num_accepted, tokens, sampling, noise = self._verify(verifying, starts, hidden, staging)
-        round = DraftRound(
-            chunks=chunks, num_verify=num_verify, row_starts=starts, target_batch=batch, input_ids=input_ids,
-            hidden=hidden, slot_hidden=self.slot_hidden, num_accepted=num_accepted, tokens=tokens,
-            sampling=sampling, draft_noise=noise,
-        )
-        proposal = self.drafter.draft(round, staging)
-        # The prompt chunks' last hidden states become their slots' (after the drafter read the old ones).
+            logits = self.score(hidden, plan.num_target_rows_of(num_verify))
+            num_accepted, tokens = self.accept(logits, inputs)
+        out = self.draft(hidden, batch, input_ids, inputs, num_verify, num_accepted, tokens, chunks)
         others = chunks[num_verify:]
         if others:
-            last_rows = torch.tensor([starts[num_verify + i] + len(c.token_ids) - 1 for i, c in enumerate(others)],
-                                     dtype=torch.int64, device=self.device)
+            # The prompt chunks' last hidden states become their slots' (after the drafter read the old ones).
+            ends = np.cumsum(plan.target_lengths)[num_verify:] - 1
             slots = torch.tensor([c.state_slot for c in others], dtype=torch.int64, device=self.device)
-            self.slot_hidden.index_copy_(0, slots, hidden.index_select(0, last_rows))
-        if not num_verify:
-            return None
-        slots = torch.tensor([c.state_slot for c in verifying], dtype=torch.int64, device=self.device)
-        self.q_probs.index_copy_(0, slots, proposal.probs)
-        self.q_ids.index_copy_(0, slots, proposal.candidate_ids)
-        return torch.cat((num_accepted[:, None], tokens, proposal.token_ids), dim=1)
+            self.slot_hidden.index_copy_(0, slots, hidden.index_select(0, torch.from_numpy(ends).to(self.device)))
+        return out
 
-    def _verify(self, chunks: list[ScheduledChunk], starts: list[int], hidden: torch.Tensor, staging: HostStaging):
-        k = self.num_draft_tokens
-        num_rows = sum(len(c.token_ids) for c in chunks)
+    def score(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """The verification rows' logits [num_rows, V] fp32, kept with their hidden states for the commit."""
         logits = self.model.compute_logits(hidden[:num_rows]).float()
         if self.num_valid_tokens < logits.shape[-1]:
             logits[:, self.num_valid_tokens :] = float("-inf")
         self.verify_logits[:num_rows].copy_(logits)
         self.verify_hidden[:num_rows].copy_(hidden[:num_rows])
+        return logits
 
-        score_rows = np.zeros((len(chunks), k + 1), dtype=np.int64)
-        drafts = np.zeros((len(chunks), k), dtype=np.int64)
-        params, histories, generated = [], [], []
-        for i, chunk in enumerate(chunks):
-            drafted = chunk.num_draft_tokens
-            pending = len(chunk.token_ids) - drafted
-            score_rows[i] = starts[i] + pending - 1 + np.minimum(np.arange(k + 1), drafted)
-            drafts[i, :drafted] = chunk.token_ids[pending:]
-            for j in range(k + 1):
-                params.append(chunk.sampling)
-                # Penalties see the drafts before a position as output (only requests with penalties carry history).
-                histories.append(list(chunk.output_token_ids) + drafts[i, :j].tolist() if chunk.output_token_ids else [])
-                generated.append(chunk.num_generated + j)
-        request_params = [c.sampling for c in chunks]
-        request_generated = [c.num_generated for c in chunks]
-        uniforms = acceptance_uniforms(request_params, request_generated, k)
-        draft_noise = np.ones((len(chunks), 2 * k, TOP_K_CAP), dtype=np.float32)
-        for i, p in enumerate(request_params):
-            if not p.is_greedy:
-                for offset in range(2 * k):
-                    draft_noise[i, offset] = exponential_noise(p.seed, request_generated[i] + 1 + offset, DRAFT_DOMAIN)
-        rows_device = staging.add(score_rows.reshape(-1))
-        drafts_device = staging.add(drafts)
-        num_drafts = staging.add(np.array([c.num_draft_tokens for c in chunks], dtype=np.int64))
-        uniforms_device = staging.add(uniforms)
-        noise_device = staging.add(draft_noise)
-        position_sampling = SamplingBatch.build(params, histories, self.device, num_generated=generated, staging=staging)
-        request_sampling = SamplingBatch.build(request_params, [[] for _ in chunks], self.device, staging=staging,
-                                               num_generated=request_generated)
-        staging.flush()
+    def accept(self, logits: torch.Tensor, inputs: SpecInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (num_accepted [B], tokens [B, K+1]) (acceptance.verify on each scored position)."""
+        sampling = inputs.position_sampling
+        scores = logits.index_select(0, inputs.score_rows)
+        if sampling.has_penalties:
+            scores = Sampler.apply_penalties_(scores, sampling)
+        proposal = DraftProposal(
+            inputs.drafts, self.q_probs.index_select(0, inputs.slots), self.q_ids.index_select(0, inputs.slots)
+        )
+        return verify(scores, sampling, proposal, inputs.num_drafts, inputs.uniforms)
 
-        scores = logits.index_select(0, rows_device)
-        if position_sampling.has_penalties:
-            scores = Sampler.apply_penalties_(scores, position_sampling)
-        slots = torch.tensor([c.state_slot for c in chunks], dtype=torch.int64, device=self.device)
-        proposal = DraftProposal(drafts_device, self.q_probs.index_select(0, slots), self.q_ids.index_select(0, slots))
-        num_accepted, tokens = verify(scores, position_sampling, proposal, num_drafts, uniforms_device)
-        return num_accepted, tokens, request_sampling, noise_device
+    def draft(
+        self, hidden: torch.Tensor, batch: ForwardBatch, input_ids: torch.Tensor, inputs: SpecInputs,
+        num_verify: int, num_accepted: torch.Tensor | None, tokens: torch.Tensor | None,
+        chunks: list[ScheduledChunk] | None = None,
+    ) -> torch.Tensor | None:
+        """Run the drafter and keep the new drafts' distributions per slot; -> the step's outcome rows."""
+        round = DraftRound(
+            num_verify=num_verify, target_batch=batch, input_ids=input_ids, hidden=hidden,
+            slot_hidden=self.slot_hidden, num_accepted=num_accepted, tokens=tokens, inputs=inputs, chunks=chunks,
+        )
+        proposal = self.drafter.draft(round)
+        if not num_verify:
+            return None
+        self.q_probs.index_copy_(0, inputs.slots, proposal.probs)
+        self.q_ids.index_copy_(0, inputs.slots, proposal.candidate_ids)
+        return torch.cat((num_accepted[:, None], tokens, proposal.token_ids), dim=1)
