@@ -271,6 +271,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         cuda_graphs=not args.no_cuda_graph,
         decode_overlap=not args.no_decode_overlap,
         profile_dir=args.out if args.profile else None,
+        verify_drafts=ints(args.verify_drafts),
+        lm_head_draft=not args.no_lm_head_draft,
     )
     results = Suite(options).run()
     results["command"] = "ninfer bench " + " ".join(sys.argv[2:])
@@ -312,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-cuda-graph", action="store_true", help="eager decode")
     bench.add_argument("--no-decode-overlap", action="store_true", help="report decode rounds with the host reading each round before launching the next (default: the next is launched first, as the engine does)")
     bench.add_argument("--profile", action="store_true", help="also profile the smallest decode case and the shortest prefill per model: kernel table (profile-*.txt), critical-path increments (increments-*.txt), timeline (trace-*.json.gz)")
+    bench.add_argument("--verify-drafts", default="", help="speculative verify cases: comma list of draft counts K (e.g. 1,2,3,5,7; default none)")
+    bench.add_argument("--no-lm-head-draft", action="store_true", help="verify cases draft through the full lm_head instead of the reduced-vocabulary proposal head")
     bench.add_argument("--out", default="bench-results", help="output folder for bench.json, bench.md, bench.png")
     bench.add_argument("--log-level", default="info", choices=list(LEVELS))
     write = sub.add_parser("write-checkpoint", help="write a random-weight checkpoint in the real layout (for end-to-end benchmarks)")

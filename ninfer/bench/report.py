@@ -26,6 +26,9 @@ def markdown_table(results: dict[str, Any]) -> str:
     ]
     for r in results["results"]:
         unit = "s" if r["kind"] == "ttft" else "tok/s"
+        if r["kind"] == "verify":
+            unit += f" (k={r['draft_tokens']}, all accepted"
+            unit += f"; round {r['round_ratio']:.3f}x plain)" if r.get("round_ratio") else ")"
         roof = f"{r['roofline_tokens_per_s']:,.1f}" if r["roofline_tokens_per_s"] else "–"
         frac = f"{100 * r['fraction_of_roofline']:.0f}%" if r["fraction_of_roofline"] is not None else "–"
         clock = f"{r['sm_clock_mhz']:.0f}" if r.get("sm_clock_mhz") else "–"

@@ -16,7 +16,16 @@ What is measured (and stated in the report):
   unless --prefill-chunk says otherwise, its prefill chunk (both read from EngineConfig, so the
   figures follow the server's defaults);
 - the median SM clock over each case's timed part and over the matrix-rate measurement
-  (NVML, clocks.py): a power-capped GPU moves it by a third, and prefill follows it.
+  (NVML, clocks.py): a power-capped GPU moves it by a third, and prefill follows it;
+- speculative verify rounds (--verify-drafts K,...): B requests, each a verification row of
+  the pending token and K drafts at context L, with the MTP head drafting (through the
+  reduced-vocabulary proposal head unless --no-lm-head-draft) and the commit of a whole
+  accepted round before each, as the engine runs them (verify graphs when captured; the host
+  reads each round before the next, as speculative decoding does). The round's time against
+  the plain decode round of the same B and L (as the engine runs it, overlapped) is the cost
+  of speculation; a captured round has fixed shapes, so its time does not depend on what it
+  accepts: B(K+1) tokens a round with every draft accepted (the ceiling) and B with none (the
+  floor).
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from ninfer.bench.shapes import shape_config
 from ninfer.config import EngineConfig
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.runner import ModelRunner
-from ninfer.engine.scheduler import PENDING_TOKEN, ScheduledChunk, SchedulerStep, StepKind
+from ninfer.engine.scheduler import PENDING_TOKEN, CommitVerified, ScheduledChunk, SchedulerStep, StepKind
 from ninfer.models.loader import build_model
 
 log = logging.getLogger("ninfer.bench")
@@ -72,6 +81,8 @@ class BenchOptions:
     decode_overlap: bool = True
     seed: int = 0
     profile_dir: str | None = None  # profile-, increments-, trace-* for the smallest decode case and the shortest prefill
+    verify_drafts: list[int] = field(default_factory=list)  # speculative verify rounds of K drafts (none: no cases)
+    lm_head_draft: bool = True  # verify cases draft through the reduced-vocabulary proposal head
 
 
 @dataclass
@@ -87,6 +98,8 @@ class CaseResult:
     peak_memory_gib: float
     note: str = ""
     sm_clock_mhz: float | None = None  # median SM clock over the timed part (None without NVML)
+    draft_tokens: int = 0  # verify cases: drafts per request a round
+    round_ratio: float | None = None  # verify cases: round time / the plain decode round's at the same B and L
 
 
 # Prefill timings per case: the rate moves with the SM clock, so short prompts get more repeats.
@@ -110,6 +123,7 @@ class Suite:
         self.results: list[CaseResult] = []
         self.ceilings: DeviceCeilings | None = None
         self.clocks = ClockSampler(None)
+        self._plain_rounds: dict[tuple, float] = {}  # (shape, weights, batch, context) -> decode round seconds
 
     def run(self) -> dict[str, Any]:
         self.clocks = ClockSampler(nvml_sm_clock_reader(self.device)).start()
@@ -152,6 +166,8 @@ class Suite:
     # ---- ours ----------------------------------------------------------------------
     def _run_ours(self, shape: str, weights: str) -> None:
         hf_config, config = shape_config(shape)
+        if self.options.verify_drafts:
+            config = config.replace(mtp_num_hidden_layers=1)  # the real checkpoints' MTP head
         log.info("[%s %s] building random weights on %s", shape, weights, self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         model = build_model(config, torch.bfloat16, self.device)
@@ -171,24 +187,42 @@ class Suite:
         page_size = SERVER_DEFAULTS.page_size
         num_pages = max_batch * (-(-max(options.contexts) // page_size) + 1)
         num_pages = max(num_pages, -(-max_tokens // page_size) + 1)
+        runner = self._runner(model, num_pages, max_batch, shape, weights)
+        for context in options.contexts:
+            for batch in options.batches:
+                self._decode_case(shape, weights, config, runner, batch, context, weight_bytes)
+        for prompt in options.prefill_lengths:
+            self._prefill_case(shape, weights, config, runner, prompt, weight_bytes)
+        for num_drafts in options.verify_drafts:
+            # One runner at a time: each holds a KV pool for the longest context at every batch.
+            del runner
+            gc.collect()
+            torch.cuda.empty_cache()
+            runner = self._runner(model, num_pages, max_batch, shape, weights, num_drafts)
+            for context in options.contexts:
+                for batch in options.batches:
+                    self._verify_case(shape, weights, config, runner, batch, context, weight_bytes)
+
+    def _runner(self, model, num_pages: int, max_batch: int, shape: str, weights: str, num_drafts: int = 0) -> ModelRunner:
+        options = self.options
         started = time.perf_counter()
-        runner = ModelRunner(model, num_pages, page_size, num_state_slots=max_batch + 1,
+        # A verification row writes up to K+1 positions past the context (Admission.spare_tokens).
+        runner = ModelRunner(model, num_pages, SERVER_DEFAULTS.page_size, num_state_slots=max_batch + 1,
                              cuda_graph_batch_sizes=options.batches if options.cuda_graphs else (),
-                             max_context=max(options.contexts) + 1)
-        log.info("[%s %s] KV pool %d pages; CUDA graphs %s (%.1fs)", shape, weights, num_pages,
-                 "on" if runner.graphs is not None else "off", time.perf_counter() - started)
+                             max_context=max(options.contexts) + 1, num_draft_tokens=num_drafts,
+                             lm_head_draft=options.lm_head_draft, max_batch=max_batch)
+        graphs = "on" if runner.graphs is not None else "off"
+        if num_drafts:
+            graphs += f", verify graphs {'on' if runner.verify_graphs is not None else 'off'}"
+        log.info("[%s %s] %sKV pool %d pages; CUDA graphs %s (%.1fs)", shape, weights,
+                 f"{num_drafts} drafts: " if num_drafts else "", num_pages, graphs, time.perf_counter() - started)
         with torch.no_grad():
             runner.kv_cache.k.normal_()
             runner.kv_cache.v.normal_()
             if runner.state_cache is not None:
                 runner.state_cache.conv.normal_()
                 runner.state_cache.recurrent.normal_(std=0.01)
-
-        for context in options.contexts:
-            for batch in options.batches:
-                self._decode_case(shape, weights, config, runner, batch, context, weight_bytes)
-        for prompt in options.prefill_lengths:
-            self._prefill_case(shape, weights, config, runner, prompt, weight_bytes)
+        return runner
 
     def _decode_case(self, shape, weights, config, runner, batch, context, weight_bytes) -> None:
         pages_per_seq = -(-(context + 1) // SERVER_DEFAULTS.page_size)
@@ -225,6 +259,43 @@ class Suite:
         else:
             note = f"decode overlap off; with it: {batch / statistics.median(overlapped):,.1f} tok/s"
         self._record(shape, weights, "decode", batch, context, tps, roof, note=note, window=window)
+        self._plain_rounds[(shape, weights, batch, context)] = per_round
+
+    def _verify_case(self, shape, weights, config, runner, batch, context, weight_bytes) -> None:
+        num_drafts = runner.speculator.num_draft_tokens
+        width = num_drafts + 1
+        pages_per_seq = -(-(context + width + 1) // SERVER_DEFAULTS.page_size)
+        chunks = [
+            ScheduledChunk(
+                request_id=f"r{b}", token_ids=[1000 + b] + [2000 + b + j for j in range(num_drafts)],
+                num_computed_tokens=context, page_ids=list(range(b * pages_per_seq, (b + 1) * pages_per_seq)),
+                state_slot=b, compute_logits=True, sample=True, sampling=GREEDY, num_generated=0,
+                output_token_ids=[], speculative=True, num_draft_tokens=num_drafts,
+            )
+            for b in range(batch)
+        ]
+        # Each round first commits the previous round's rows, all of them (the most work).
+        step = SchedulerStep(StepKind.DECODE, chunks, before=[CommitVerified(b, b * width, width) for b in range(batch)])
+        graphed = runner.verify_graphs is not None and runner.verify_graphs.can_run(chunks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        for _ in range(3):
+            runner.execute(step)
+        started = time.perf_counter()
+        per_round = statistics.median(_sync_time(lambda: runner.execute(step)) for _ in range(self.options.decode_rounds))
+        window = (started, time.perf_counter())
+        if self.options.profile_dir and batch == min(self.options.batches) and context == min(self.options.contexts):
+            label = f"{shape}-{weights}-verify{num_drafts}-b{batch}-{context}"
+            self._profile(label, lambda: runner.execute(step), 5, "verify rounds")
+        plain = self._plain_rounds.get((shape, weights, batch, context))
+        ratio = per_round / plain if plain else None
+        mb = model_bytes(config, weight_bytes, runner.kv_cache.k.element_size(), batch)
+        roof = decode_roofline_tokens_per_s(mb, batch, context, self.ceilings)
+        note = (f"{num_drafts} drafts, {'graphs' if graphed else 'eager'}; round {per_round * 1e3:.2f} ms"
+                + (f" = {ratio:.3f}x the plain round" if ratio else "")
+                + f"; all accepted {batch * width / per_round:,.1f} tok/s, none {batch / per_round:,.1f} tok/s"
+                + "; roofline: plain decode's")
+        self._record(shape, weights, "verify", batch, context, batch * width / per_round, roof, note=note,
+                     window=window, draft_tokens=num_drafts, round_ratio=ratio)
 
     @staticmethod
     def _overlapped_rounds(runner, step, ahead, warmup: int, rounds: int) -> list[float]:
@@ -339,14 +410,19 @@ class Suite:
         self._record(shape, "bf16", "hf_prefill", 1, prompt_len, prompt_len / first, None, window=window,
                      note=note + "; prompt + 1 token")
 
-    def _record(self, shape, weights, kind, batch, tokens, value, roof, note="", window=None) -> None:
+    def _record(self, shape, weights, kind, batch, tokens, value, roof, note="", window=None, draft_tokens: int = 0,
+                round_ratio: float | None = None) -> None:
         peak = torch.cuda.max_memory_allocated(self.device) / (1 << 30)
         fraction = value / roof if roof else None
         clock = self.clocks.median_mhz(*window) if window is not None else None
-        result = CaseResult(shape, weights, kind, batch, tokens, value, roof, fraction, peak, note, clock)
+        result = CaseResult(shape, weights, kind, batch, tokens, value, roof, fraction, peak, note, clock,
+                            draft_tokens, round_ratio)
         self.results.append(result)
         pct = f" ({100 * fraction:.0f}% of {roof:,.1f})" if fraction is not None else ""
         unit = "s" if kind == "ttft" else "tok/s"
         sm = f" · SM {clock:.0f} MHz" if clock else ""
-        log.info(f"[{shape} {weights}] {kind} batch {batch} @ {tokens}: {value:,.2f} {unit}{pct} · peak {peak:.1f} GiB{sm}")
+        drafts = f" k={draft_tokens}" if draft_tokens else ""
+        ratio = f" · round {round_ratio:.3f}x plain" if round_ratio else ""
+        log.info(f"[{shape} {weights}] {kind}{drafts} batch {batch} @ {tokens}: {value:,.2f} {unit}{pct}{ratio}"
+                 f" · peak {peak:.1f} GiB{sm}")
 

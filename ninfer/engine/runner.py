@@ -48,6 +48,7 @@ from ninfer.engine.scheduler import (
 from ninfer.engine.speculative.mtp_drafter import MtpDrafter
 from ninfer.engine.speculative.proposal_head import ProposalHead
 from ninfer.engine.speculative.speculator import Speculator
+from ninfer.engine.verify_graphs import VerifyGraphs
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.forward_batch import ForwardBatch, HostStaging
 from ninfer.models.verify_scratch import VerifyRows
@@ -112,6 +113,11 @@ class ModelRunner:
         self._ids_host = [
             torch.zeros(num_state_slots, dtype=torch.int64, pin_memory=pin) for _ in range(MAX_UNREAD_STEPS)
         ]
+        # Speculative outcomes (accepted count, K+1 tokens, K drafts per verification row), likewise.
+        width = 2 * num_draft_tokens + 2
+        self._verified_host = [
+            torch.zeros(num_state_slots, width, dtype=torch.int64, pin_memory=pin) for _ in range(MAX_UNREAD_STEPS)
+        ]
         # Recorded after each launch's copy; re-recorded only once that launch has been read.
         self._ready = [torch.cuda.Event() for _ in range(MAX_UNREAD_STEPS)] if pin else None
         # Eager steps' metadata, one buffer per unread step: a pinned buffer is refilled only after
@@ -123,6 +129,7 @@ class ModelRunner:
         self._last_ids: torch.Tensor | None = None
         self._last_sampled_rows: frozenset[int] = frozenset()
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         if cuda_graph_batch_sizes:
             self._capture_graphs(sorted(set(cuda_graph_batch_sizes)), max_context or num_pages * page_size)
 
@@ -144,6 +151,37 @@ class ModelRunner:
             return
         self.graphs = graphs
         log.info("CUDA graphs captured for decode batch sizes %s", ", ".join(map(str, batch_sizes)))
+        if self.speculator is not None:
+            self._capture_verify_graphs(graphs, batch_sizes, max_context)
+
+    def _capture_verify_graphs(self, decode: DecodeGraphs, batch_sizes: list[int], max_context: int) -> None:
+        """Speculative rounds of every batch size, and the commits before them, when the drafter
+        can be captured (test drafters that read the host cannot)."""
+        speculator, kv = self.speculator, self.kv_cache
+        if not getattr(speculator.drafter, "capturable", False):
+            log.info("verify graphs off: the drafter cannot be captured")
+            return
+        # A round writes K+1 positions past the last committed token (Admission.spare_tokens).
+        width = max_context + speculator.num_draft_tokens + 1
+        max_pages = min(kv.num_pages, -(-width // kv.page_size))
+        batch_sizes = [b for b in batch_sizes if b <= speculator.max_batch]
+        graphs = VerifyGraphs(self.model, kv, self.state_cache, speculator, batch_sizes, max_pages)
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            speculator.capture_commit_graphs(pool)
+            graphs.capture(pool)
+        except Exception:  # noqa: BLE001 - as for the decode graphs: verify eagerly instead
+            log.exception("verify graph capture failed; speculative rounds run eagerly")
+            speculator.discard_commit_graphs()
+            return
+        finally:
+            # The warm-up runs wrote KV page 0 and slots 0..max_batch-1 (states, logits, hidden).
+            decode.discard_warmup_writes()
+            for slot in range(graphs.max_batch):
+                speculator.reset_slot(slot)
+        self.verify_graphs = graphs
+        log.info("CUDA graphs captured for speculative rounds of %d drafts, batch sizes %s",
+                 speculator.num_draft_tokens, ", ".join(map(str, batch_sizes)))
 
     def execute(self, step: SchedulerStep) -> dict[str, int]:
         """Run a step and wait for it: request id -> sampled token id."""
@@ -163,7 +201,9 @@ class ModelRunner:
                 )
         self._apply_actions(step)
         verified = None
-        if self.graphs is not None and self.graphs.can_run(step.chunks):
+        if self.verify_graphs is not None and self.verify_graphs.can_run(step.chunks):
+            ids, sampled_rows, verified = None, [], self.verify_graphs.run(step.chunks)
+        elif self.graphs is not None and self.graphs.can_run(step.chunks):
             ids = self.graphs.run(step.chunks, self._last_ids)
             sampled_rows = [row for row, c in enumerate(step.chunks) if c.sample]
         else:
@@ -182,7 +222,7 @@ class ModelRunner:
             ids_host = self._ids_host[turn][: len(ids)]
             ids_host.copy_(ids, non_blocking=True)
         if verified is not None:
-            verified_host = torch.empty(verified.shape, dtype=verified.dtype, pin_memory=self.device.type == "cuda")
+            verified_host = self._verified_host[turn][: len(verified)]
             verified_host.copy_(verified, non_blocking=True)
         if self._ready is not None:
             ready = self._ready[turn]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ninfer.kernels.causal_conv1d import commit_conv_state
+from ninfer.kernels.gated_delta_rule import commit_gated_delta_rule
 from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
 from ninfer.models.kv_cache import KVCache
@@ -39,6 +41,7 @@ class CausalLM(nn.Module):
 
     config: ModelConfig
     lm_head: nn.Linear
+    _gdn_gates: tuple[torch.Tensor, torch.Tensor, int] | None = None  # commit_verified's stacked A_log, dt_bias
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
@@ -108,14 +111,27 @@ class CausalLM(nn.Module):
         )
 
     def commit_verified(
-        self, scratch: VerifyScratch | None, rows: torch.Tensor, state_cache: StateCache | None,
-        slots: torch.Tensor, counts: tuple[int, ...],
+        self, scratch: VerifyScratch | None, state_cache: StateCache | None, slots: torch.Tensor,
+        row_starts: torch.Tensor, counts: torch.Tensor, max_count: int,
     ) -> None:
-        """Advance the state slots by their accepted verification rows (see VerifyScratch).
+        """Advance state slot slots[i] by scratch rows row_starts[i] .. + counts[i] - 1 (the
+        verification rows it accepted, see VerifyScratch), every Gated DeltaNet layer at once;
+        the index tensors may live on the device (nothing here reads them on the host).
         Attention layers need nothing: their KV was written for every row, and rows past the
         accepted ones are overwritten before anything reads them."""
         if scratch is None or state_cache is None:
             return
-        for module in self.modules():
-            if isinstance(module, GatedDeltaNet):
-                module.commit_verified(scratch, rows, state_cache, slots, counts)
+        if self._gdn_gates is None:
+            layers = sorted((m for m in self.modules() if isinstance(m, GatedDeltaNet)), key=lambda m: m.state_layer_index)
+            with torch.no_grad():  # weights are fixed once loaded: stack them once
+                self._gdn_gates = (
+                    torch.stack([m.A_log.detach() for m in layers]),
+                    torch.stack([m.dt_bias.detach() for m in layers]),
+                    layers[0].num_k_heads,
+                )
+        a_log, dt_bias, num_k_heads = self._gdn_gates
+        commit_conv_state(scratch.conv_inputs, state_cache.conv, slots, row_starts, counts, max_count)
+        commit_gated_delta_rule(
+            scratch.mixed, scratch.gates, a_log, dt_bias, state_cache.recurrent, slots, row_starts, counts,
+            num_k_heads, max_count,
+        )

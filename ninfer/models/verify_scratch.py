@@ -4,7 +4,7 @@ A verification step scores a request's last committed token and its drafts witho
 the request's state slot (the drafts may be rejected). Each layer keeps, per verification
 row, its pre-conv q|k|v (to advance the conv state), its post-conv q|k|v and its raw gate
 projections a|b (to advance the recurrent state); once the engine knows how many rows it
-accepts, `commit_verified` replays exactly those rows into the slot, which leaves the state
+accepts, `CausalLM.commit_verified` replays exactly those rows into the slot, which leaves the state
 plain decode would have reached. Rows are flat over the step's verification requests.
 """
 

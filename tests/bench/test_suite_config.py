@@ -36,3 +36,26 @@ def test_bench_runner_uses_the_server_page_size(monkeypatch):
     page_size = EngineConfig().page_size
     assert built["page_size"] == page_size
     assert built["num_pages"] == 2 * (-(-100 // page_size) + 1)  # every decode row's context, plus one page
+
+
+def test_verify_cases_time_speculative_rounds_against_plain_rounds(monkeypatch):
+    """The verify case on the CPU (tiny shape, eager): a runner per draft count, a round of
+    verification rows after the commit of a whole round, recorded against the plain round."""
+    from ninfer.bench.roofline import DeviceCeilings
+
+    for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args, **kwargs: 0)
+    options = BenchOptions(shapes=["tiny"], weights=["bf16"], batches=[1, 2], contexts=[64], prefill_lengths=[],
+                           decode_rounds=2, cuda_graphs=False, decode_overlap=False, verify_drafts=[2])
+    bench = Suite(options, device="cpu")
+    bench.ceilings = DeviceCeilings(copy_bytes_per_s=1e12, bf16_flops_per_s=1e14, name="cpu")
+    bench._run_ours("tiny", "bf16")
+    verify = [r for r in bench.results if r.kind == "verify"]
+    assert [(r.batch, r.draft_tokens) for r in verify] == [(1, 2), (2, 2)]
+    for r in verify:
+        assert r.round_ratio is not None and r.round_ratio > 0
+        # With every draft accepted a round yields batch * (K+1) tokens: the ceiling it reports.
+        round_s = float(r.note.split("round ")[1].split(" ms")[0]) / 1e3
+        assert r.tokens_per_s == pytest.approx(r.batch * 3 / round_s, rel=1e-2)
+        assert "eager" in r.note

@@ -455,7 +455,7 @@ def test_verify_rows_then_commit_equal_decoding(checkpoints: dict[str, Checkpoin
     assert not torch.equal(verifying.states.recurrent[:, other_slot], before[0][:, other_slot])
 
     # Accept two rows: the state must equal decoding two tokens.
-    ours.commit_verified(scratch, torch.tensor([0, 1]), verifying.states, torch.tensor([slot]), (2,))
+    ours.commit_verified(scratch, verifying.states, torch.tensor([slot]), torch.tensor([0]), torch.tensor([2]), 4)
     replay = Session(ours, 40, num_requests=2)
     replay.step([0, 1], [prompt, other[:10]])
     replay.step([0], [rows[:1]])

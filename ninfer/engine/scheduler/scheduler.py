@@ -288,12 +288,14 @@ class Scheduler:
         return bool(self.limits.num_draft_tokens) and seq.num_pending_tokens == 1
 
     def _speculative_chunk(self, seq: Sequence) -> ScheduledChunk:
-        """The pending tokens and as many of the request's drafts as its output limit can take
-        (a round commits at most drafts + 1 tokens)."""
+        """The pending token and K draft places: as many of the request's drafts as its output
+        limit can take (a round commits at most drafts + 1 tokens), then filler that is never
+        accepted. Every verification row has K + 1 tokens, the shape the verify graphs replay."""
         pending = seq.token_ids[seq.num_computed_tokens :]
         room = seq.max_new_tokens - seq.num_output_tokens - 1
         drafts = seq.draft_token_ids[: max(0, min(room, self.limits.num_draft_tokens))]
-        chunk = self._chunk(seq, pending + drafts, compute_logits=True, sample=True)
+        filler = pending[-1:] * (self.limits.num_draft_tokens - len(drafts))
+        chunk = self._chunk(seq, pending + drafts + filler, compute_logits=True, sample=True)
         histories = chunk.output_token_ids
         return ScheduledChunk(
             request_id=chunk.request_id,
@@ -429,7 +431,7 @@ class Scheduler:
         """Commit a speculative round's tokens one by one (stop strings, limits and the thinking
         budget apply to each), then ask the runner to advance the state by exactly the rows
         whose tokens were kept: the last committed token is computed when it was a draft."""
-        num_pending = len(chunk.token_ids) - chunk.num_draft_tokens
+        num_pending = 1  # _speculates: exactly one pending token
         num_accepted = len(outcome.tokens) - 1
         start = chunk.num_computed_tokens
         committed = 0

@@ -103,7 +103,8 @@ class ScheduledChunk:
     # Set by schedule_ahead: token_ids is [PENDING_TOKEN], and the token to compute is the one
     # the previously launched step sampled in this row.
     previous_row: int | None = None
-    # A speculative round: token_ids ends with num_draft_tokens drafts to verify; the runner
+    # A speculative round: token_ids is the pending token and K draft places, of which the first
+    # num_draft_tokens hold drafts to verify (the rest filler, never accepted); the runner
     # returns the accepted tokens and new drafts (VerifyOutcome) instead of one sampled id.
     speculative: bool = False
     num_draft_tokens: int = 0

@@ -1,7 +1,7 @@
 """DraftRound: what a drafter sees after a speculative step's target forward.
 
 The step's computed chunks come verification rows first (one per speculative request:
-its pending tokens, then the drafts it verified), then prompt chunks. A drafter keeps its
+its pending token, then K draft places), then prompt chunks. A drafter keeps its
 own context for every chunk (the MTP head's KV at the same positions) and proposes the next
 drafts of each verification row, after the tokens the target just accepted. Everything but
 `chunks` is on the device, so the verify graphs can capture a drafter that reads only those.
@@ -30,10 +30,6 @@ class DraftRound:
     tokens: torch.Tensor | None  # [num_verify, K+1]: accepted drafts, then the target's token after them
     inputs: SpecInputs
     chunks: list[ScheduledChunk] | None = None  # the host's view, eager steps only (test drafters read it)
-
-    def pending_lengths(self) -> list[int]:
-        """Tokens before the drafts in each verification row (the last committed one, and any forced)."""
-        return [len(c.token_ids) - c.num_draft_tokens for c in self.chunks[: self.num_verify]]
 
     def noise_for(self, step: int) -> SamplingBatch:
         """The drafts' sampling rows with the draws for draft `step` (1-based) after the accepted

@@ -25,6 +25,8 @@ from ninfer.models.forward_batch import ForwardBatch
 
 
 class MtpDrafter:
+    capturable = True  # draft() reads device tensors only: the verify graphs capture it
+
     def __init__(self, model: CausalLM, head: ProposalHead, num_draft_tokens: int):
         if getattr(model, "mtp", None) is None:
             raise ValueError("the model has no MTP head")

@@ -30,48 +30,46 @@ class SpecPlan:
     num_draft_tokens: int
     num_verify: int
     chunks: list[ScheduledChunk]
-    target_lengths: list[int]  # each chunk's rows in the target batch (a padded verification row: K+1)
-    score_rows: np.ndarray  # [B * (K+1)] target row scored for each position
-    drafts: np.ndarray  # [B, K]
+    target_lengths: list[int]  # each chunk's rows in the target batch (a verification row: K+1)
+    drafts: np.ndarray  # [B, K] (filler past num_drafts)
     num_drafts: np.ndarray  # [B]
     uniforms: np.ndarray  # [B, K] float32
     slots: np.ndarray  # [B]
     draft_noise: np.ndarray  # [B, 2K, C] float32: the drafter's draws for output positions gen+1 .. gen+2K
     position_sampling: SamplingBatch  # host tensors, B * (K+1) rows
     request_sampling: SamplingBatch  # host tensors, B rows
-    mtp_lengths: list[int]  # the drafter's rows per chunk (a verification row: one more than its target rows)
+    mtp_lengths: list[int]  # the drafter's rows per chunk (a verification row: K+2)
     token_index: np.ndarray  # [T_mtp] target row whose token each drafter row reads (-1: none yet)
     hidden_index: np.ndarray  # [T_mtp] target row of the hidden it reads (>= T: the chunk's slot hidden)
-    first_draft_rows: np.ndarray  # [B] drafter row of each verification row's last pending token + 1
-    base: np.ndarray  # [B] position after the pending tokens
+    first_draft_rows: np.ndarray  # [B] drafter row after each verification row's pending token
+    base: np.ndarray  # [B] position after the pending token
     limits: np.ndarray  # [B] reserved positions (drafts past them are clamped)
 
-    def num_target_rows_of(self, num_chunks: int) -> int:
-        """Target rows of the first num_chunks chunks."""
-        return sum(self.target_lengths[:num_chunks])
+    @property
+    def num_verify_rows(self) -> int:
+        """Target rows of the verification chunks: K+1 each, position j of request b at b*(K+1)+j."""
+        return self.num_verify * (self.num_draft_tokens + 1)
 
 
-def plan_step(
-    chunks: Sequence[ScheduledChunk], num_verify: int, num_draft_tokens: int, page_size: int, pad: bool = False
-) -> SpecPlan:
-    """pad: every verification row gets K+1 target rows (the verify graphs' fixed shape)."""
+def plan_step(chunks: Sequence[ScheduledChunk], num_verify: int, num_draft_tokens: int, page_size: int) -> SpecPlan:
+    """chunks: the step's computed chunks, its num_verify verification rows first (each the
+    pending token and K draft places, Scheduler._speculative_chunk)."""
     k = num_draft_tokens
     verifying = chunks[:num_verify]
-    pending = [len(c.token_ids) - c.num_draft_tokens for c in verifying]
-    target_lengths = [k + 1 if pad and i < num_verify else len(c.token_ids) for i, c in enumerate(chunks)]
+    if any(len(c.token_ids) != k + 1 for c in verifying):
+        raise ValueError(f"a verification row must hold the pending token and {k} draft places")
+    target_lengths = [len(c.token_ids) for c in chunks]
     starts = np.cumsum([0, *target_lengths[:-1]]).astype(np.int64)
 
-    score_rows = np.zeros((num_verify, k + 1), dtype=np.int64)
-    drafts = np.zeros((num_verify, k), dtype=np.int64)
+    drafts = np.array([c.token_ids[1:] for c in verifying], dtype=np.int64).reshape(num_verify, k)
     params, histories, generated = [], [], []
     for i, chunk in enumerate(verifying):
         drafted = chunk.num_draft_tokens
-        score_rows[i] = starts[i] + pending[i] - 1 + np.minimum(np.arange(k + 1), drafted)
-        drafts[i, :drafted] = chunk.token_ids[pending[i] :]
         for j in range(k + 1):
             params.append(chunk.sampling)
             # Penalties see the drafts before a position as output (only requests with penalties carry history).
-            histories.append(list(chunk.output_token_ids) + drafts[i, :j].tolist() if chunk.output_token_ids else [])
+            histories.append(list(chunk.output_token_ids) + drafts[i, : min(j, drafted)].tolist()
+                             if chunk.output_token_ids else [])
             generated.append(chunk.num_generated + j)
     request_params = [c.sampling for c in verifying]
     request_generated = [c.num_generated for c in verifying]
@@ -96,7 +94,6 @@ def plan_step(
         num_verify=num_verify,
         chunks=list(chunks),
         target_lengths=target_lengths,
-        score_rows=score_rows.reshape(-1),
         drafts=drafts,
         num_drafts=np.array([c.num_draft_tokens for c in verifying], dtype=np.int64),
         uniforms=acceptance_uniforms(request_params, request_generated, k),
@@ -108,8 +105,8 @@ def plan_step(
         mtp_lengths=mtp_lengths,
         token_index=np.concatenate(token_index) if token_index else np.zeros(0, dtype=np.int64),
         hidden_index=np.concatenate(hidden_index) if hidden_index else np.zeros(0, dtype=np.int64),
-        first_draft_rows=mtp_starts[:num_verify] + np.array(pending, dtype=np.int64),
-        base=np.array([c.num_computed_tokens + p for c, p in zip(verifying, pending)], dtype=np.int64),
+        first_draft_rows=mtp_starts[:num_verify] + 1,
+        base=np.array([c.num_computed_tokens + 1 for c in verifying], dtype=np.int64),
         limits=np.array([len(c.page_ids) * page_size for c in verifying], dtype=np.int64),
     )
 
@@ -118,7 +115,6 @@ def plan_step(
 class SpecInputs:
     """A SpecPlan's tensors on the device (staged for one eager step, or a graph's static buffers)."""
 
-    score_rows: torch.Tensor
     drafts: torch.Tensor
     num_drafts: torch.Tensor
     uniforms: torch.Tensor
@@ -169,7 +165,6 @@ def stage_inputs(plan: SpecPlan, staging: HostStaging, kv_cache: KVCache, mrope:
         mrope=mrope,
     )
     return SpecInputs(
-        score_rows=staging.add(plan.score_rows),
         drafts=staging.add(plan.drafts),
         num_drafts=staging.add(plan.num_drafts),
         uniforms=staging.add(plan.uniforms),

@@ -1,9 +1,9 @@
 """Speculator: the device side of speculative decoding, owned by the runner.
 
-A speculative row computes [pending tokens, drafts] in the step's varlen forward (Gated
-DeltaNet scores them without writing the slot, see VerifyScratch). After the forward the
-Speculator judges the drafts (acceptance.py), lets the drafter extend its context over the
-step's chunks and propose the next drafts, and returns per row the accepted count, the
+A verification row computes [pending token, K draft places] in the step's varlen forward
+(Gated DeltaNet scores them without writing the slot, see VerifyScratch). After the forward
+the Speculator judges the drafts (acceptance.py), lets the drafter extend its context over
+the step's chunks and propose the next drafts, and returns per row the accepted count, the
 tokens and the new drafts in one device tensor. Nothing is committed yet: the scheduler
 decides how many of those tokens the request keeps (a stop or the thinking budget may cut
 a round short) and asks for that many rows with CommitVerified before the next forward,
@@ -13,6 +13,11 @@ always exactly that of its committed tokens, as plain decoding leaves it.
 Per slot it keeps the hidden state of the last computed position (the MTP head's input for
 the next row; it travels with the StateImage in captures, spills and restores) and the
 distribution each pending draft was drawn from (the rejection rule needs q).
+
+The commit reads its slots, row starts and counts from a device buffer filled by one
+non-blocking copy, and advances every Gated DeltaNet layer in two launches
+(CausalLM.commit_verified); on CUDA it replays a graph per number of requests, so a
+speculative round costs no host sync anywhere.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ from ninfer.models.causal_lm import CausalLM
 from ninfer.models.forward_batch import ForwardBatch, HostStaging
 from ninfer.models.state_cache import StateCache
 
+# Rows of the commit buffer [3, max_batch]: which slot, its first verification row, rows to keep.
+_SLOT, _START, _COUNT = range(3)
+# Pinned commit buffers used in turn: one may still be copying while the next is filled.
+_NUM_COMMIT_STAGING = 2
+
 
 class Speculator:
     def __init__(
@@ -49,6 +59,7 @@ class Speculator:
         self.state_cache = state_cache
         self.slot_logits = slot_logits
         self.num_draft_tokens = num_draft_tokens
+        self.max_batch = max_batch
         self.drafter = drafter
         self.num_valid_tokens = num_valid_tokens
         param = next(model.parameters())
@@ -59,12 +70,19 @@ class Speculator:
         self.slot_hidden = torch.zeros(num_slots, hidden_size, dtype=self.dtype, device=self.device)
         self.q_probs = torch.zeros(num_slots, num_draft_tokens, TOP_K_CAP, dtype=torch.float32, device=self.device)
         self.q_ids = torch.zeros(num_slots, num_draft_tokens, TOP_K_CAP, dtype=torch.int64, device=self.device)
-        # Every verification row is [last token, up to K drafts]; the graphs capture these buffers.
+        # Every verification row is [pending token, K draft places]; the graphs capture these buffers.
         max_rows = self.max_rows = max_batch * (num_draft_tokens + 1)
         self.scratch = self.model.allocate_verify_scratch(max_rows, self.dtype)
-        hidden_size = self.model.config.hidden_size
         self.verify_hidden = torch.zeros(max_rows, hidden_size, dtype=self.dtype, device=self.device)
-        self.verify_logits = torch.zeros(max_rows, self.slot_logits.shape[1], dtype=torch.float32, device=self.device)
+        self.verify_logits = torch.zeros(max_rows, vocab, dtype=torch.float32, device=self.device)
+        self._commit_ints = torch.zeros(3, max_batch, dtype=torch.int64, device=self.device)
+        pin = self.device.type == "cuda"
+        self._commit_host = [torch.zeros(3, max_batch, dtype=torch.int64, pin_memory=pin)
+                             for _ in range(_NUM_COMMIT_STAGING)]
+        # Recorded after each copy out of a pinned buffer: it is refilled only once that copy is done.
+        self._commit_copied = [torch.cuda.Event() for _ in range(_NUM_COMMIT_STAGING)] if pin else None
+        self._num_commits = 0
+        self._commit_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     @property
     def slot_tensors(self) -> list[torch.Tensor]:
@@ -80,20 +98,68 @@ class Speculator:
 
     def commit(self, actions: Sequence[CommitVerified]) -> None:
         """Advance each slot by its accepted rows of the last speculative step."""
-        rows = torch.cat([torch.arange(a.row, a.row + a.num_rows) for a in actions]).to(self.device)
-        slots = torch.tensor([a.slot for a in actions], dtype=torch.int64, device=self.device)
-        self.model.commit_verified(self.scratch, rows, self.state_cache, slots, tuple(a.num_rows for a in actions))
-        last = torch.tensor([a.row + a.num_rows - 1 for a in actions], dtype=torch.int64, device=self.device)
+        num_requests = len(actions)
+        if num_requests > self.max_batch:
+            raise ValueError(f"{num_requests} commits: at most {self.max_batch} verification rows a step")
+        turn = self._num_commits % _NUM_COMMIT_STAGING
+        self._num_commits += 1
+        host = self._commit_host[turn]
+        if self._commit_copied is not None:
+            self._commit_copied[turn].synchronize()  # normally long done: a step was read since
+        ints = host.numpy()
+        for i, action in enumerate(actions):
+            if not 1 <= action.num_rows <= self.num_draft_tokens + 1:
+                raise ValueError(f"slot {action.slot}: {action.num_rows} rows to commit (1..{self.num_draft_tokens + 1})")
+            ints[:, i] = (action.slot, action.row, action.num_rows)
+        self._commit_ints[:, :num_requests].copy_(host[:, :num_requests], non_blocking=True)
+        if self._commit_copied is not None:
+            self._commit_copied[turn].record()
+        graph = self._commit_graphs.get(num_requests)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._commit_region(num_requests)
+
+    def _commit_region(self, num_requests: int) -> None:
+        """The commit of the first num_requests entries of the commit buffer (device reads only)."""
+        slots, starts, counts = (self._commit_ints[field, :num_requests] for field in (_SLOT, _START, _COUNT))
+        self.model.commit_verified(self.scratch, self.state_cache, slots, starts, counts, self.num_draft_tokens + 1)
+        last = starts + counts - 1
         self.slot_hidden.index_copy_(0, slots, self.verify_hidden.index_select(0, last))
         self.slot_logits.index_copy_(0, slots, self.verify_logits.index_select(0, last))
+
+    @torch.inference_mode()
+    def capture_commit_graphs(self, pool) -> None:
+        """One graph per number of requests (1..max_batch) into the runner's graph pool. The
+        warm-up runs write nothing that matters: they commit zero rows of slot 0's logits and
+        hidden from scratch row 0 (the runner resets capture slots afterwards)."""
+        self._commit_ints.zero_()
+        self._commit_ints[_COUNT] = 1
+        for num_requests in range(self.max_batch, 0, -1):
+            # Distinct slots: index_copy_ with repeated indices is not deterministic.
+            self._commit_ints[_SLOT, :num_requests] = torch.arange(num_requests, device=self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._commit_region(num_requests)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._commit_region(num_requests)
+            self._commit_graphs[num_requests] = graph
+
+    def discard_commit_graphs(self) -> None:
+        """A capture failed part-way: commit eagerly."""
+        self._commit_graphs.clear()
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> int:
         """Before the forward: -> how many chunks are verification rows (they come first)."""
         num_verify = sum(1 for c in chunks if c.speculative)
         if any(c.speculative for c in chunks[num_verify:]):
             raise ValueError("speculative rows must come before the other chunks of a step")
-        if num_verify > self.max_rows // (self.num_draft_tokens + 1):
-            raise ValueError(f"{num_verify} verification rows: the scratch holds {self.max_rows} rows")
+        if num_verify > self.max_batch:
+            raise ValueError(f"{num_verify} verification rows: the scratch holds {self.max_batch}")
         return num_verify
 
     # ---- after the forward ---------------------------------------------------------
@@ -114,7 +180,7 @@ class Speculator:
         staging.flush()
         num_accepted = tokens = None
         if num_verify:
-            logits = self.score(hidden, plan.num_target_rows_of(num_verify))
+            logits = self.score(hidden, plan.num_verify_rows)
             num_accepted, tokens = self.accept(logits, inputs)
         out = self.draft(hidden, batch, input_ids, inputs, num_verify, num_accepted, tokens, chunks)
         others = chunks[num_verify:]
@@ -132,14 +198,15 @@ class Speculator:
             logits[:, self.num_valid_tokens :] = float("-inf")
         self.verify_logits[:num_rows].copy_(logits)
         self.verify_hidden[:num_rows].copy_(hidden[:num_rows])
-        return logits
+        return self.verify_logits[:num_rows]
 
     def accept(self, logits: torch.Tensor, inputs: SpecInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (num_accepted [B], tokens [B, K+1]) (acceptance.verify on each scored position)."""
+        """-> (num_accepted [B], tokens [B, K+1]) (acceptance.verify on each verification row:
+        row j of a request scores the token after its j-th draft place)."""
         sampling = inputs.position_sampling
-        scores = logits.index_select(0, inputs.score_rows)
+        scores = logits
         if sampling.has_penalties:
-            scores = Sampler.apply_penalties_(scores, sampling)
+            scores = Sampler.apply_penalties_(logits.clone(), sampling)
         proposal = DraftProposal(
             inputs.drafts, self.q_probs.index_select(0, inputs.slots), self.q_ids.index_select(0, inputs.slots)
         )

@@ -18,7 +18,6 @@ from ninfer.models.forward_batch import ForwardBatch
 from ninfer.models.layers.linear import Linear, PackedLinear
 from ninfer.models.layers.norm import GatedRMSNorm
 from ninfer.models.state_cache import StateCache
-from ninfer.models.verify_scratch import VerifyScratch
 
 
 class GatedDeltaNet(nn.Module):
@@ -97,7 +96,7 @@ class GatedDeltaNet(nn.Module):
 
     def _verify_rows(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Score speculative verification rows token by token (as decode does) without writing
-        the slots, leaving this layer's inputs in the scratch for commit_verified."""
+        the slots, leaving this layer's inputs in the scratch for CausalLM.commit_verified."""
         verify = batch.verify
         num_rows, layer = verify.num_tokens, self.state_layer_index
         conv_state, recurrent_state = batch.state_cache.layer(layer)
@@ -113,18 +112,3 @@ class GatedDeltaNet(nn.Module):
         return recurrent_gated_delta_rule_with_gates(
             q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, slots, lens, update_state=False
         )
-
-    def commit_verified(
-        self, scratch: VerifyScratch, rows: torch.Tensor, state_cache: StateCache, slots: torch.Tensor,
-        counts: tuple[int, ...],
-    ) -> None:
-        """Advance each slot by its accepted verification rows: scratch rows `rows` (flat, request
-        after request, counts[i] of them for slots[i]) run again with the state written."""
-        layer = self.state_layer_index
-        conv_state, recurrent_state = state_cache.layer(layer)
-        conv_weight = self.conv1d.weight.squeeze(1)
-        causal_conv1d(scratch.conv_inputs[layer].index_select(0, rows), conv_weight, conv_state, slots, counts)
-        mixed = scratch.mixed[layer].index_select(0, rows)
-        q, k, v = self._heads(*mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1))
-        a, b = scratch.gates[layer].index_select(0, rows).split(self.num_v_heads, dim=-1)
-        recurrent_gated_delta_rule_with_gates(q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, slots, counts)

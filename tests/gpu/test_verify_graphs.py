@@ -1,0 +1,208 @@
+"""Speculative rounds on the GPU: the commit kernels at the real shapes and in a graph, and
+VerifyGraphs replay against the eager speculative path, through the real engine.
+
+- commit_gated_delta_rule / commit_conv_state (Triton) against ref.py at the 27B and
+  35B-A3B Gated DeltaNet shapes, then captured: replay equals eager bit for bit;
+- a tiny random bf16 Qwen3.5 with an MTP head: an engine whose speculative rounds replay
+  the verify graphs and one that runs them eagerly (--no-cuda-graph) step in lockstep on
+  greedy and seeded sampled requests; every delta and the per-slot logits must be equal bit
+  for bit (the same kernels at the same sizes), and the graphs must have served the rounds;
+- in fp32, speculative greedy output equals plain decoding's;
+- the table oracle (the MTP head's work, proposals from the known continuation) is accepted
+  in full through the graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from ninfer.artifact import open_artifact
+from ninfer.config import EngineConfig
+from ninfer.contract.request import EngineRequest
+from ninfer.contract.sampling import SamplingParams
+from ninfer.engine.core import EngineCore
+from ninfer.engine.speculative.proposal_head import ProposalHead
+from ninfer.kernels.causal_conv1d import commit_conv_state
+from ninfer.kernels.causal_conv1d import ref as conv_ref
+from ninfer.kernels.gated_delta_rule import commit_gated_delta_rule
+from ninfer.kernels.gated_delta_rule import ref as gdn_ref
+from ninfer.testing.oracle_drafter import TableOracleDrafter
+from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
+from tests.gpu.graph_replay import assert_replay_equals_eager
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+HEAD_DIM = 128
+SHAPES = {"27B": (16, 48), "35B-A3B": (16, 32)}  # (Hk, Hv)
+NUM_LAYERS, NUM_SLOTS, CONV_KERNEL = 3, 9, 4
+SLOTS, STARTS = [7, 0, 4, 2], [0, 8, 4, 12]  # out of order; 4 rows per request (K = 3)
+COUNTS = [1, 4, 2, 3]
+
+
+def _commit_inputs(shape: str, seed: int):
+    num_k_heads, num_v_heads = SHAPES[shape]
+    gen = torch.Generator("cuda").manual_seed(seed)
+    conv_dim = (2 * num_k_heads + num_v_heads) * HEAD_DIM
+    rows = 4 * len(SLOTS)
+    return {
+        "mixed": torch.randn(NUM_LAYERS, rows, conv_dim, device="cuda", generator=gen).bfloat16(),
+        "gates": (torch.randn(NUM_LAYERS, rows, 2 * num_v_heads, device="cuda", generator=gen) * 3).bfloat16(),
+        "a_log": torch.rand(NUM_LAYERS, num_v_heads, device="cuda", generator=gen).log1p(),
+        "dt_bias": torch.randn(NUM_LAYERS, num_v_heads, device="cuda", generator=gen),
+        "state": torch.randn(NUM_LAYERS, NUM_SLOTS, num_v_heads, HEAD_DIM, HEAD_DIM, device="cuda", generator=gen) * 0.3,
+        "conv_x": torch.randn(NUM_LAYERS, rows, conv_dim, device="cuda", generator=gen).bfloat16(),
+        "conv_state": torch.randn(NUM_LAYERS, NUM_SLOTS, conv_dim, CONV_KERNEL - 1, device="cuda", generator=gen).bfloat16(),
+        "slots": torch.tensor(SLOTS, device="cuda"),
+        "starts": torch.tensor(STARTS, device="cuda"),
+        "counts": torch.tensor(COUNTS, device="cuda"),
+    }
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_commit_kernels_match_the_reference_at_real_shapes(shape: str) -> None:
+    num_k_heads = SHAPES[shape][0]
+    fast, expected = _commit_inputs(shape, seed=1), _commit_inputs(shape, seed=1)
+    initial = fast["state"].clone()
+    args = lambda t: (t["slots"], t["starts"], t["counts"], num_k_heads, 4)  # noqa: E731
+    commit_gated_delta_rule(fast["mixed"], fast["gates"], fast["a_log"], fast["dt_bias"], fast["state"], *args(fast))
+    gdn_ref.commit_gated_delta_rule(
+        expected["mixed"], expected["gates"], expected["a_log"], expected["dt_bias"], expected["state"], *args(expected)
+    )
+    # fp32 recurrences in another summation order: a few ulps of the state's scale.
+    torch.testing.assert_close(fast["state"], expected["state"], atol=2e-5, rtol=2e-5)
+    untouched = sorted(set(range(NUM_SLOTS)) - set(SLOTS))
+    assert torch.equal(fast["state"][:, untouched], initial[:, untouched])
+    commit_conv_state(fast["conv_x"], fast["conv_state"], fast["slots"], fast["starts"], fast["counts"], 4)
+    conv_ref.commit_conv_state(
+        expected["conv_x"], expected["conv_state"], expected["slots"], expected["starts"], expected["counts"], 4
+    )
+    assert torch.equal(fast["conv_state"], expected["conv_state"])
+
+
+def test_commit_kernels_replay_like_eager() -> None:
+    num_k_heads = SHAPES["27B"][0]
+
+    def step(t):
+        commit_gated_delta_rule(t["mixed"], t["gates"], t["a_log"], t["dt_bias"], t["state"], t["slots"], t["starts"],
+                                t["counts"], num_k_heads, 4)
+        commit_conv_state(t["conv_x"], t["conv_state"], t["slots"], t["starts"], t["counts"], 4)
+        return [t["state"].clone(), t["conv_state"].clone()]
+
+    def fresh(seed):
+        inputs = _commit_inputs("27B", seed)
+        inputs["counts"] = torch.tensor([1 + (seed + i) % 4 for i in range(len(SLOTS))], device="cuda")
+        return inputs
+
+    assert_replay_equals_eager(step, fresh)
+
+
+# ---- the engine ----------------------------------------------------------------------
+@functools.cache
+def _artifact(root: str, dtype: str):
+    artifact = open_artifact(str(make_tiny_qwen3_5(root, mtp=True, dtype=dtype)))
+    return artifact, artifact.load_model(dtype=getattr(torch, dtype), device="cuda")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("verify-graph-artifacts"))
+
+
+def _engine(root: str, dtype: str = "bfloat16", drafter=None, **overrides) -> EngineCore:
+    artifact, model = _artifact(root, dtype)
+    config = dict(max_concurrency=3, max_context=512, prefill_chunk=32, mixed_prefill_chunk=16, prefix_reuse=False,
+                  spec="mtp", draft_tokens=3, decode_overlap=False)
+    return EngineCore(model, artifact.tokenizer, EngineConfig(**{**config, **overrides}), drafter=drafter)
+
+
+def _requests(sampled_share: bool = True) -> dict[int, list[EngineRequest]]:
+    greedy = SamplingParams(temperature=0.0)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=12, seed=1234) if sampled_share else greedy
+    return {
+        0: [EngineRequest("a", list(range(1000, 1040)), greedy, max_new_tokens=40),
+            EngineRequest("b", list(range(2000, 2025)), sampled, max_new_tokens=33)],
+        6: [EngineRequest("c", list(range(5000, 5090)), greedy, max_new_tokens=27)],
+    }
+
+
+def _run(core: EngineCore, arrivals, lockstep: EngineCore | None = None, max_steps: int = 2000) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for step in range(max_steps):
+        for request in arrivals.get(step, []):
+            tokens[request.request_id] = []
+            core.add_request(request)
+            if lockstep is not None:
+                lockstep.add_request(request)
+        if step > max(arrivals) and not core.has_work:
+            return tokens
+        outs = core.step()
+        assert core.failed is None
+        if lockstep is not None:
+            others = lockstep.step()
+            assert [(o.request_id, o.new_token_ids) for o in outs] == [(o.request_id, o.new_token_ids) for o in others]
+            assert torch.equal(core.runner.slot_logits, lockstep.runner.slot_logits), f"step {step}"
+        for out in outs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    raise AssertionError("the engine did not finish")
+
+
+def _count_rounds(core: EngineCore) -> list[int]:
+    graphs = core.runner.verify_graphs
+    assert graphs is not None, "verify graphs were not captured"
+    rounds: list[int] = []
+    run = graphs.run
+
+    def counted(chunks):
+        rounds.append(len(chunks))
+        return run(chunks)
+
+    graphs.run = counted
+    return rounds
+
+
+def test_verify_graph_rounds_equal_eager_rounds_bit_for_bit(root) -> None:
+    graphed = _engine(root)
+    assert sorted(graphed.runner.verify_graphs.forward_graphs) == [1, 2, 3]
+    rounds = _count_rounds(graphed)
+    eager = _engine(root, cuda_graphs=False)
+    assert eager.runner.verify_graphs is None
+    tokens = _run(graphed, _requests(), lockstep=eager)
+    assert {1, 2, 3} <= set(rounds), rounds
+    assert all(len(t) > 10 for t in tokens.values())
+
+
+def test_speculative_greedy_equals_plain_decoding_in_fp32(root) -> None:
+    plain = _run(_engine(root, "float32", spec=None, draft_tokens=None), _requests(sampled_share=False))
+    core = _engine(root, "float32")
+    rounds = _count_rounds(core)
+    spec = _run(core, _requests(sampled_share=False))
+    assert rounds
+    assert spec == plain
+
+
+def test_the_table_oracle_is_accepted_in_full_through_the_graphs(root) -> None:
+    """The continuation comes from the speculative engine itself (its verification path's
+    greedy tokens; plain decoding runs other kernels), then the table oracle proposes it."""
+    artifact, model = _artifact(root, "bfloat16")
+    prompt = list(range(3000, 3033))
+    greedy = SamplingParams(temperature=0.0)
+    arrivals = {0: [EngineRequest("x", prompt, greedy, max_new_tokens=60)]}
+    expected = _run(_engine(root), arrivals)["x"]
+    table = torch.tensor(prompt + expected, device="cuda").expand(8, -1).contiguous()
+    head = ProposalHead(model.lm_head, artifact.tokenizer.vocab_size, reduced=False)
+    core = _engine(root, drafter=TableOracleDrafter(model, head, 3, table))
+    rounds = _count_rounds(core)
+    finals = []
+    core.add_request(arrivals[0][0])
+    while core.has_work:
+        for out in core.step():
+            finals.extend(out.new_token_ids)
+            if out.finished:
+                counters = out.speculative
+    assert finals == expected
+    assert counters.accepted_tokens == counters.drafted_tokens > 0
+    # Four tokens a round once drafting starts: 60 tokens in 16 rounds, not 60.
+    assert 14 <= len(rounds) <= 17, rounds
