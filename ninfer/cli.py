@@ -71,6 +71,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--spec", choices=["mtp", "dflash", "dflash2"], help="speculative backend, frozen at start-up: mtp (the artifact's mtp.* head), dflash or dflash2 (a drafter companion directory); default off")
     spec.add_argument("--draft-tokens", type=int, help="drafted tokens verified per round: MTP 1..5, DFlash/DFlash2 1..15 (required with --spec)")
+    spec.add_argument("--no-adaptive-drafts", action="store_true", help="verify --draft-tokens drafts every round (default: a request decodes plainly while its acceptance does not pay for the round, and probes again later)")
     spec.add_argument("--lm-head-draft", action="store_true", help="draft through the reduced-vocabulary proposal head (the target still scores the whole vocabulary; default off)")
     engine.add_argument("--in-process-engine", action="store_true", help="run the engine in a thread of the API process instead of its own process")
     gen = parser.add_argument_group("generation")
@@ -172,6 +173,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         spec=args.spec,
         draft_tokens=args.draft_tokens,
         lm_head_draft=args.lm_head_draft,
+        adaptive_drafts=not args.no_adaptive_drafts,
     )
     config = ServeConfig(
         engine=engine,

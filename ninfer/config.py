@@ -51,6 +51,9 @@ class EngineConfig:
     spec: str | None = None  # speculative backend: mtp | dflash | dflash2; None: plain decode
     draft_tokens: int | None = None  # drafts verified per round (required with spec)
     lm_head_draft: bool = False  # draft through the reduced-vocabulary proposal head
+    # Each request drafts only while its acceptance pays for the round (scheduler/draft_policy.py);
+    # --no-adaptive-drafts verifies K drafts every round.
+    adaptive_drafts: bool = True
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:

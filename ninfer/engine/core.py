@@ -108,6 +108,7 @@ class EngineCore:
                 mixed_prefill_chunk=config.mixed_prefill_chunk,
                 spec_backend=config.spec,
                 num_draft_tokens=config.num_draft_tokens,
+                adaptive_drafts=config.adaptive_drafts,
             ),
             self.kv_pool,
             self.state_pool,

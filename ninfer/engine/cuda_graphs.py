@@ -90,8 +90,13 @@ class DecodeGraphs:
         batch_sizes: Sequence[int],
         max_pages_per_request: int,
         sampler: Sampler,
+        drafter_context: Callable[[torch.Tensor, torch.Tensor, ForwardBatch], None] | None = None,
     ):
+        """drafter_context(token_ids, hidden, batch): with a speculative backend, extends the
+        drafter's context over the round's rows inside the graph (a plain round between
+        speculative ones; Speculator.extend_context)."""
         self.model = model
+        self.drafter_context = drafter_context
         self.kv_cache = kv_cache
         self.state_cache = state_cache
         self.slot_logits = slot_logits
@@ -211,6 +216,8 @@ class DecodeGraphs:
             seq_lens_cpu=(1,) * batch_size,
         )
         hidden = self.model(token_ids, batch)
+        if self.drafter_context is not None:
+            self.drafter_context(token_ids, hidden, batch)
         logits = self.model.compute_logits(hidden).float()
         if self.num_valid_tokens < logits.shape[-1]:
             logits[:, self.num_valid_tokens :] = float("-inf")
@@ -311,13 +318,16 @@ class DecodeGraphs:
         return sampled_row[:batch_size]
 
     def _upload_pages(self, row: int, page_ids: list[int]) -> None:
-        if self._row_pages[row] == page_ids:
+        cached = self._row_pages[row]
+        # A request's page list is one object from admission to release (never changed in place):
+        # identity is the common case and costs nothing at long contexts.
+        if cached is page_ids or cached == page_ids:
             return
         pages = torch.tensor(page_ids, dtype=torch.int32)
         if self.device.type == "cuda":
             pages = pages.pin_memory()
         self.page_table[row, : len(page_ids)].copy_(pages, non_blocking=True)
-        self._row_pages[row] = list(page_ids)
+        self._row_pages[row] = page_ids
 
     def logits(self, batch_size: int) -> torch.Tensor:
         """The static logits of the last replay of graph batch_size (tests compare them)."""

@@ -138,16 +138,24 @@ class ModelRunner:
         if blocker is not None:
             log.info("CUDA graphs off: %s", blocker)
             return
+        speculator = self.speculator
+        if speculator is not None and not getattr(speculator.drafter, "capturable", False):
+            log.info("CUDA graphs off: the drafter cannot be captured")
+            return
         kv = self.kv_cache
         max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
         graphs = DecodeGraphs(
-            self.model, kv, self.state_cache, self.slot_logits, self.num_valid_tokens, batch_sizes, max_pages, self.sampler
+            self.model, kv, self.state_cache, self.slot_logits, self.num_valid_tokens, batch_sizes, max_pages,
+            self.sampler, drafter_context=speculator.extend_context if speculator is not None else None,
         )
         try:
             graphs.capture()
         except Exception:  # noqa: BLE001 - an op that is not capture-safe must not stop the server
             log.exception("CUDA graph capture failed; decoding eagerly")
             graphs.discard_warmup_writes()
+            if speculator is not None:
+                for slot in range(graphs.max_batch):
+                    speculator.reset_slot(slot)  # the drafter's context pass wrote their hidden
             return
         self.graphs = graphs
         log.info("CUDA graphs captured for decode batch sizes %s", ", ".join(map(str, batch_sizes)))
@@ -158,9 +166,6 @@ class ModelRunner:
         """Speculative rounds of every batch size, and the commits before them, when the drafter
         can be captured (test drafters that read the host cannot)."""
         speculator, kv = self.speculator, self.kv_cache
-        if not getattr(speculator.drafter, "capturable", False):
-            log.info("verify graphs off: the drafter cannot be captured")
-            return
         # A round writes K+1 positions past the last committed token (Admission.spare_tokens).
         width = max_context + speculator.num_draft_tokens + 1
         max_pages = min(kv.num_pages, -(-width // kv.page_size))

@@ -14,6 +14,7 @@ from ninfer.contract.output import EngineTiming, Materialization, PromptProgress
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingParams
+from ninfer.engine.draft_policy import DraftPolicy
 from ninfer.engine.stop_checker import StopChecker
 
 
@@ -53,6 +54,7 @@ class Sequence:
     materialization: Materialization | None = None  # the admission decision, once admitted
     draft_token_ids: list[int] = field(default_factory=list)  # proposals to follow the last committed token
     speculative: SpeculativeCounters | None = None  # set at admission when a backend is loaded
+    draft_policy: DraftPolicy | None = None  # with adaptive drafts: whether its next round drafts
 
     def __post_init__(self) -> None:
         if not self.token_ids:

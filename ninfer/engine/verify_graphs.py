@@ -365,7 +365,6 @@ class VerifyGraphs:
         of this object's buffer, valid until the next run)."""
         batch_size, k, page_size = len(chunks), self.num_draft_tokens, self.page_size
         rows, mtp_rows = batch_size * (k + 1), batch_size * (k + 2)
-        plan = plan_step(chunks, batch_size, k, page_size)
         host = self.inputs.next_mirror()
         host["token_ids"][:rows] = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), np.int64, rows)
         computed = np.array([c.num_computed_tokens for c in chunks], dtype=np.int64)
@@ -374,30 +373,37 @@ class VerifyGraphs:
         host["mtp_positions"][:mtp_rows] = positions.reshape(-1)
         mapping = np.empty((batch_size, k + 2), dtype=np.int64)
         for row, chunk in enumerate(chunks):
-            pages = np.asarray(chunk.page_ids, dtype=np.int64)
-            mapping[row] = pages[positions[row] // page_size] * page_size + positions[row] % page_size
-            self._upload_pages(row, chunk.page_ids)
+            # Only the round's pages: a long context's page list is thousands of ids.
+            page_ids = chunk.page_ids
+            mapping[row] = [page_ids[p] for p in (positions[row] // page_size).tolist()]
+            self._upload_pages(row, page_ids)
+        mapping = mapping * page_size + positions % page_size
         host["slot_mapping"][:rows] = mapping[:, : k + 1].reshape(-1)
         host["mtp_slot_mapping"][:mtp_rows] = mapping.reshape(-1)
         host["seq_lens"][:batch_size] = computed + k + 1
         host["mtp_seq_lens"][:batch_size] = computed + k + 2
-        host["state_slots"][:batch_size] = plan.slots
-        host["drafts"][:batch_size] = plan.drafts
-        host["num_drafts"][:batch_size] = plan.num_drafts
-        host["base"][:batch_size] = plan.base
-        host["limits"][:batch_size] = plan.limits
-        host["uniforms"][:batch_size] = plan.uniforms
-        host["draft_noise"][:batch_size] = plan.draft_noise
-        positions_sampling, request_sampling = plan.position_sampling, plan.request_sampling
-        host["position_floats"][:rows] = positions_sampling.row_floats.numpy()
-        host["position_top_ks"][:rows] = positions_sampling.top_ks.numpy()
-        host["position_greedy"][:rows] = positions_sampling.is_greedy.numpy()
-        host["position_noise"][:rows] = positions_sampling.noise.numpy()
-        host["request_floats"][:batch_size] = request_sampling.row_floats.numpy()
-        host["request_top_ks"][:batch_size] = request_sampling.top_ks.numpy()
-        host["request_greedy"][:batch_size] = request_sampling.is_greedy.numpy()
+        host["state_slots"][:batch_size] = [c.state_slot for c in chunks]
+        host["drafts"][:batch_size] = host["token_ids"][:rows].reshape(batch_size, k + 1)[:, 1:]
+        host["num_drafts"][:batch_size] = [c.num_draft_tokens for c in chunks]
+        host["base"][:batch_size] = computed + 1
+        host["limits"][:batch_size] = [len(c.page_ids) * page_size for c in chunks]
+        all_greedy = all(c.sampling.is_greedy for c in chunks)
+        if all_greedy:
+            # Argmax rows read no sampling parameters: the general defaults, without packing any.
+            self._fill_greedy_sampling(host, batch_size, rows)
+        else:
+            plan = plan_step(chunks, batch_size, k, page_size)
+            positions_sampling, request_sampling = plan.position_sampling, plan.request_sampling
+            host["uniforms"][:batch_size] = plan.uniforms
+            host["draft_noise"][:batch_size] = plan.draft_noise
+            host["position_floats"][:rows] = positions_sampling.row_floats.numpy()
+            host["position_top_ks"][:rows] = positions_sampling.top_ks.numpy()
+            host["position_greedy"][:rows] = positions_sampling.is_greedy.numpy()
+            host["position_noise"][:rows] = positions_sampling.noise.numpy()
+            host["request_floats"][:batch_size] = request_sampling.row_floats.numpy()
+            host["request_top_ks"][:batch_size] = request_sampling.top_ks.numpy()
+            host["request_greedy"][:batch_size] = request_sampling.is_greedy.numpy()
         self.inputs.upload()
-        all_greedy = positions_sampling.all_greedy
         if self._uncaptured:
             self._host_computed = tuple(computed.tolist())
             self._outputs[("forward", batch_size)] = self._forward(batch_size)
@@ -407,11 +413,27 @@ class VerifyGraphs:
             self.judge_graphs[(batch_size, all_greedy)].replay()
         return self.outcome[:batch_size]
 
+    @staticmethod
+    def _fill_greedy_sampling(host: dict[str, np.ndarray], batch_size: int, rows: int) -> None:
+        """What SamplingBatch.build packs for greedy rows (temperature and top_p 1, top_k 1, no noise)."""
+        for prefix, count in (("position", rows), ("request", batch_size)):
+            floats = host[f"{prefix}_floats"][:count]
+            floats[:] = 0.0
+            floats[:, :2] = 1.0
+            host[f"{prefix}_top_ks"][:count] = 1
+            host[f"{prefix}_greedy"][:count] = True
+        host["position_noise"][:rows] = 1.0
+        host["uniforms"][:batch_size] = 1.0
+        host["draft_noise"][:batch_size] = 1.0
+
     def _upload_pages(self, row: int, page_ids: list[int]) -> None:
-        if self._row_pages[row] == page_ids:
+        cached = self._row_pages[row]
+        # A request's page list is one object from admission to release (never changed in place):
+        # identity is the common case and costs nothing at long contexts.
+        if cached is page_ids or cached == page_ids:
             return
         pages = torch.tensor(page_ids, dtype=torch.int32)
         if self.device.type == "cuda":
             pages = pages.pin_memory()
         self.page_table[row, : len(page_ids)].copy_(pages, non_blocking=True)
-        self._row_pages[row] = list(page_ids)
+        self._row_pages[row] = page_ids

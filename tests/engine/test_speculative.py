@@ -41,7 +41,8 @@ def root(tmp_path_factory):
 
 def engine(root: str, moe: bool = False, drafter=None, **config) -> EngineCore:
     artifact, model = _artifact(root, moe)
-    defaults = dict(max_concurrency=3, max_context=512, prefill_chunk=32, mixed_prefill_chunk=16)
+    # Fixed draft counts: these tests are about verification rounds (test_draft_policy.py: adaptive).
+    defaults = dict(max_concurrency=3, max_context=512, prefill_chunk=32, mixed_prefill_chunk=16, adaptive_drafts=False)
     return EngineCore(model, artifact.tokenizer, EngineConfig(**{**defaults, **config}), drafter=drafter)
 
 
@@ -198,3 +199,29 @@ def test_pools_return_to_baseline_without_prefix_reuse(root) -> None:
     before = core.pool_accounting()
     run(core, requests(LIMITS))
     assert core.pool_accounting() == before
+
+
+def test_adaptive_drafts_turn_off_when_rejected_and_outputs_stay_plain(root) -> None:
+    """All drafts wrong: after a few rounds each request decodes plainly (its drafter's context
+    still extended), probing now and then; the tokens are plain decoding's."""
+    sequences, plain = _oracle_sequences(root, LIMITS)
+    wrong = OracleDrafter(3, sequences, wrong=True, vocab_size=248_000)
+    spec = run(engine(root, spec="mtp", draft_tokens=3, drafter=wrong, adaptive_drafts=True), requests(LIMITS))
+    for rid, limit in LIMITS.items():
+        tokens, final = spec[rid]
+        assert tokens == plain[rid][0]
+        counters = final.speculative
+        assert counters.accepted_tokens == 0
+        assert counters.rounds <= 4 and counters.fallback_steps >= limit - 1 - counters.rounds - 1
+
+
+def test_adaptive_drafts_keep_drafting_when_accepted(root) -> None:
+    sequences, plain = _oracle_sequences(root, LIMITS)
+    oracle = OracleDrafter(4, sequences)
+    spec = run(engine(root, spec="mtp", draft_tokens=4, drafter=oracle, adaptive_drafts=True), requests(LIMITS))
+    for rid, limit in LIMITS.items():
+        tokens, final = spec[rid]
+        assert tokens == plain[rid][0]
+        counters = final.speculative
+        assert counters.accepted_tokens == counters.drafted_tokens > 0
+        assert counters.rounds <= -(-(limit - 2) // 5) + 1  # never fell back to plain rounds

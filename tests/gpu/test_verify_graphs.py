@@ -114,7 +114,7 @@ def root(tmp_path_factory):
 def _engine(root: str, dtype: str = "bfloat16", drafter=None, **overrides) -> EngineCore:
     artifact, model = _artifact(root, dtype)
     config = dict(max_concurrency=3, max_context=512, prefill_chunk=32, mixed_prefill_chunk=16, prefix_reuse=False,
-                  spec="mtp", draft_tokens=3, decode_overlap=False)
+                  spec="mtp", draft_tokens=3, decode_overlap=False, adaptive_drafts=False)
     return EngineCore(model, artifact.tokenizer, EngineConfig(**{**config, **overrides}), drafter=drafter)
 
 
@@ -206,3 +206,26 @@ def test_the_table_oracle_is_accepted_in_full_through_the_graphs(root) -> None:
     assert counters.accepted_tokens == counters.drafted_tokens > 0
     # Four tokens a round once drafting starts: 60 tokens in 16 rounds, not 60.
     assert 14 <= len(rounds) <= 17, rounds
+
+
+def test_adaptive_rounds_switch_between_graphs_like_eager(root) -> None:
+    """With adaptive drafts and the random MTP head (drafts mostly rejected), requests fall back to
+    plain rounds: those replay the decode graphs, which extend the drafter's context; speculative
+    rounds (the first ones, probes) replay the verify graphs. Lockstep with the eager engine."""
+    graphed = _engine(root, adaptive_drafts=True)
+    verify_rounds = _count_rounds(graphed)
+    decode_rounds: list[int] = []
+    run = graphed.runner.graphs.run
+
+    def counted(chunks, previous_ids=None):
+        decode_rounds.append(len(chunks))
+        return run(chunks, previous_ids)
+
+    graphed.runner.graphs.run = counted
+    eager = _engine(root, cuda_graphs=False, adaptive_drafts=True)
+    tokens = _run(graphed, _requests(), lockstep=eager)
+    assert verify_rounds and decode_rounds, (verify_rounds, decode_rounds)
+    assert all(len(t) > 10 for t in tokens.values())
+    # The drafter's context after the plain rounds is the same as the eager path's.
+    speculator, eager_speculator = graphed.runner.speculator, eager.runner.speculator
+    assert torch.equal(speculator.slot_hidden, eager_speculator.slot_hidden)

@@ -46,6 +46,7 @@ from ninfer.engine.scheduler.step import (
     SlotAction,
     SpillPages,
 )
+from ninfer.engine.draft_policy import DraftPolicy
 from ninfer.engine.sequence import Sequence, SequenceStatus
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
@@ -62,6 +63,7 @@ class SchedulerLimits:
     mixed_prefill_chunk: int = 1024  # prompt tokens of a step beside decode rows
     spec_backend: str | None = None  # speculative backend (mtp, dflash, dflash2) or None
     num_draft_tokens: int = 0  # drafts a speculative round verifies per request
+    adaptive_drafts: bool = False  # requests draft only while it pays (DraftPolicy)
 
 
 @dataclass(frozen=True)
@@ -399,6 +401,8 @@ class Admission:
             seq.speculative = SpeculativeCounters(
                 self.limits.spec_backend, draft_window, accepted_per_position=[0] * draft_window
             )
+            if self.limits.adaptive_drafts:
+                seq.draft_policy = DraftPolicy(draft_window)
         seq.timings.admitted = self.clock()
         if reused == seq.prompt_len:
             seq.timings.prompt_done = seq.timings.admitted

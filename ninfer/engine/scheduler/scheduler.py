@@ -199,10 +199,11 @@ class Scheduler:
             self.running.append(seq)
             self._outbox.append(delta_output(seq))
         decode_ready = [s for s in self.running if not s.is_prefilling]
+        drafting = self._drafting_step(decode_ready)
         # Speculative rows first: the runner verifies them ahead of the rest of the forward.
-        decode_ready.sort(key=lambda s: not self._speculates(s))
+        decode_ready.sort(key=lambda s: not self._speculates(s, drafting))
         chunks = [
-            self._speculative_chunk(s) if self._speculates(s)
+            self._speculative_chunk(s) if self._speculates(s, drafting)
             else self._chunk(s, s.token_ids[s.num_computed_tokens :], compute_logits=True, sample=True)
             for s in decode_ready
         ]
@@ -234,7 +235,7 @@ class Scheduler:
         that reach their output limit at inflight are left out."""
         if inflight.kind is not StepKind.DECODE or not inflight.chunks or self._pending_actions:
             return None
-        if self.limits.num_draft_tokens:
+        if any(c.speculative for c in inflight.chunks) or self._drafting_step(self.running, ahead=True):
             return None  # a speculative round's next input depends on what it accepts
         if self.waiting and len(self.running) < self.limits.max_concurrency:
             return None  # a lane is free: let schedule() admit (full lanes free up only at update)
@@ -280,12 +281,23 @@ class Scheduler:
         budget = seq.request.thinking_budget
         return budget is not None and seq.thinking_open and seq.num_thinking_tokens + 1 >= budget.max_thinking_tokens
 
-    def _speculates(self, seq: Sequence) -> bool:
-        """A decode row becomes a speculative round when a backend is loaded and exactly one token
-        is to compute. A full-prompt hit samples its stored logits first; forced thinking-close
+    def _drafting_step(self, decode_ready: list[Sequence], ahead: bool = False) -> bool:
+        """Whether this step's decode rows verify drafts: with a backend loaded, when any of them
+        drafts (DraftPolicy; every round without adaptive drafts). ahead: the round after the
+        one in flight, which counts as one more plain round for each policy."""
+        if not self.limits.num_draft_tokens:
+            return False
+        policies = [s.draft_policy for s in decode_ready]
+        if any(p is None for p in policies):
+            return True
+        return any(p.drafting or p.plain_rounds + ahead >= p.probe_interval for p in policies)
+
+    def _speculates(self, seq: Sequence, drafting: bool) -> bool:
+        """A decode row of a drafting step becomes a speculative round when exactly one token is
+        to compute. A full-prompt hit samples its stored logits first; forced thinking-close
         tokens are computed as a plain row (the drafter extends its context over it and drafts
         from the next round on), so every verification row has the same shape."""
-        return bool(self.limits.num_draft_tokens) and seq.num_pending_tokens == 1
+        return drafting and seq.num_pending_tokens == 1
 
     def _speculative_chunk(self, seq: Sequence) -> ScheduledChunk:
         """The pending token and K draft places: as many of the request's drafts as its output
@@ -418,7 +430,10 @@ class Scheduler:
             if chunk.sample:
                 self.stats.decode_tokens += decode_row
                 if decode_row and seq.speculative is not None:
-                    seq.speculative.fallback_steps += 1  # a decode row without drafts (forced tokens)
+                    seq.speculative.fallback_steps += 1  # a decode row without drafts (plain or forced)
+                    seq.draft_token_ids = []  # proposals followed the token before this one
+                    if seq.draft_policy is not None:
+                        seq.draft_policy.plain_round()
                 self._commit(seq, sampled[chunk.request_id], now)
             elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
                 self._finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
@@ -450,6 +465,8 @@ class Scheduler:
         self.stats.decode_tokens += committed
         self.stats.drafted_tokens += chunk.num_draft_tokens
         self.stats.accepted_tokens += num_accepted
+        if seq.draft_policy is not None:
+            seq.draft_policy.observe(chunk.num_draft_tokens, num_accepted, seq.num_computed_tokens)
         counters = seq.speculative
         if counters is not None:
             if chunk.num_draft_tokens:

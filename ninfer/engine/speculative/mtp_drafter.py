@@ -68,6 +68,13 @@ class MtpDrafter:
             )
         return DraftProposal(torch.stack(drafted, 1), torch.stack(probs, 1), torch.stack(candidates, 1))
 
+    def extend_context(self, token_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                       slot_hidden: torch.Tensor) -> None:
+        """The head's KV over a plain decode round's rows (one per request): row b reads the
+        slot's hidden of the position before and its token; the output is not needed."""
+        del hidden  # the target's hidden of these rows feeds the next row, through the slot
+        self.model.forward_mtp(token_ids, slot_hidden.index_select(0, batch.state_slots), batch, step_index=0)
+
     def _decode_batch(self, positions: torch.Tensor, target: ForwardBatch, num_rows: int) -> ForwardBatch:
         """One row per verification request at device-computed positions (pages of the target batch)."""
         kv = target.kv_cache

@@ -149,6 +149,13 @@ class Speculator:
                 self._commit_region(num_requests)
             self._commit_graphs[num_requests] = graph
 
+    def extend_context(self, token_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> None:
+        """A plain decode round (one row per request, no drafts): the drafter's context covers
+        its rows, and each row's hidden state becomes its slot's, so drafting can resume at the
+        next round. Device work only (the decode graphs capture it)."""
+        self.drafter.extend_context(token_ids, hidden, batch, self.slot_hidden)
+        self.slot_hidden.index_copy_(0, batch.state_slots, hidden)
+
     def discard_commit_graphs(self) -> None:
         """A capture failed part-way: commit eagerly."""
         self._commit_graphs.clear()

@@ -1,0 +1,79 @@
+"""DraftPolicy: a request drafts while its acceptance pays for the round, decodes plainly
+otherwise, and probes again after plain rounds whose number doubles after each failed probe."""
+
+from __future__ import annotations
+
+import pytest
+
+from ninfer.engine.draft_policy import (
+    FIRST_PROBE_INTERVAL,
+    MAX_PROBE_INTERVAL,
+    DraftPolicy,
+    expected_tokens,
+    round_cost_ratio,
+)
+
+CONTEXT = 4096
+
+
+def test_expected_tokens_is_the_accepted_prefix_plus_one() -> None:
+    assert expected_tokens(0.0, 3) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_round_cost_grows_with_drafts_and_context() -> None:
+    assert 1.0 < round_cost_ratio(1, CONTEXT) < round_cost_ratio(3, CONTEXT) < round_cost_ratio(5, CONTEXT)
+    assert round_cost_ratio(3, 131072) > round_cost_ratio(3, CONTEXT)
+
+
+def test_rejected_drafts_switch_drafting_off_within_a_few_rounds() -> None:
+    policy = DraftPolicy(3)
+    assert policy.wants_drafts()
+    rounds = 0
+    while policy.drafting:
+        policy.observe(3, 0, CONTEXT)
+        rounds += 1
+    assert rounds <= 3
+    assert not policy.wants_drafts()
+
+
+def test_probes_come_back_at_doubling_intervals_while_they_fail() -> None:
+    policy = DraftPolicy(3)
+    while policy.drafting:
+        policy.observe(3, 0, CONTEXT)
+    intervals = []
+    for _ in range(6):
+        plain = 0
+        while not policy.wants_drafts():
+            policy.plain_round()
+            plain += 1
+        intervals.append(plain)
+        policy.observe(0, 0, CONTEXT)  # the probe's first round only refills the drafts
+        assert policy.wants_drafts()
+        policy.observe(3, 0, CONTEXT)  # ...the second one verifies them: rejected
+    assert intervals[0] == FIRST_PROBE_INTERVAL
+    assert intervals[1:4] == [2 * FIRST_PROBE_INTERVAL, 4 * FIRST_PROBE_INTERVAL, 8 * FIRST_PROBE_INTERVAL]
+    assert max(intervals) == MAX_PROBE_INTERVAL
+
+
+def test_a_successful_probe_resumes_drafting() -> None:
+    policy = DraftPolicy(3)
+    while policy.drafting:
+        policy.observe(3, 0, CONTEXT)
+    for _ in range(FIRST_PROBE_INTERVAL):
+        policy.plain_round()
+    for _ in range(3):  # code after prose: the drafts are accepted again
+        policy.observe(3, 3, CONTEXT)
+        if policy.drafting:
+            break
+    assert policy.drafting and policy.probe_interval == FIRST_PROBE_INTERVAL
+
+
+def test_good_acceptance_keeps_drafting_and_long_contexts_ask_for_more() -> None:
+    policy = DraftPolicy(3)
+    for _ in range(50):
+        policy.observe(3, 2, CONTEXT)  # about 2/3 of the drafts accepted
+    assert policy.drafting
+    # The same acceptance over a context where the verification rows' attention dominates.
+    assert not policy.worth_drafting(10_000_000)
