@@ -413,15 +413,21 @@ def test_the_speculative_server_refuses_and_accepts_what_the_plain_server_does(s
 
 
 def test_no_draft_work_no_draft_keys(servers):
-    """A one-token reply is the prompt step's token, and max_tokens 0 computes the prompt only:
-    no round ran, so the timings have no draft keys, and the log's counters are the backend's at zero."""
-    for limit in (0, 1):
-        result = chat(servers["mtp"], f"No drafts case {limit}.", max_tokens=limit, temperature=0)
+    """max_tokens 0 computes the prompt only; the first token comes from the prompt step, the
+    second from the first decode step (no drafts yet), and a step with one token left before
+    the limit has no room for a draft: no round ran, so the timings have no draft keys and the
+    log's counters are the backend's with no rounds. At 4 tokens, one round verifies one draft."""
+    fallback_steps = {0: 0, 1: 0, 2: 1, 3: 2, 4: 1}
+    for limit, fallback in fallback_steps.items():
+        prompt = f"No drafts case {limit}."
+        chat(servers["plain"], prompt, max_tokens=limit, temperature=0)  # the oracle's continuation
+        result = chat(servers["oracle"], prompt, max_tokens=limit, temperature=0)
         assert result.usage[1] == limit and result.finish == ("length",)
-        check_timings(result, drafted=False)
-        counters = servers.events["mtp"].done()[-1]["speculative"]
-        assert counters == {"backend": "mtp", "draft_window": DRAFTS, "rounds": 0, "drafted_tokens": 0,
-                            "accepted_tokens": 0, "fallback_steps": 0, "accepted_per_position": [0] * DRAFTS}
+        check_timings(result, drafted=limit == 4)
+        counters = servers.events["oracle"].done()[-1]["speculative"]
+        assert counters["backend"] == "mtp" and counters["draft_window"] == DRAFTS
+        assert (counters["rounds"], counters["fallback_steps"]) == (int(limit == 4), fallback)
+        assert counters["drafted_tokens"] == counters["accepted_tokens"] == int(limit == 4)
 
 
 # ---- 3. timings: draft keys on the terminal timings only ---------------------------------------
