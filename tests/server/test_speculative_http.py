@@ -590,7 +590,7 @@ def test_the_request_log_holds_consistent_speculative_counters(servers):
             assert counters["rounds"] >= per_position[0] and per_position == sorted(per_position, reverse=True)
             assert counters["rounds"] <= counters["drafted_tokens"] <= DRAFTS * counters["rounds"]
             completion = event["completion_tokens"]
-            if completion >= 3:
+            if completion >= 4:  # tokens 1 and 2 come without drafts, and a third when the limit is 3
                 assert counters["rounds"] > 0, event
             # Every committed token after the first came from a round or a step without drafts;
             # a stop inside a round may drop accepted drafts after it.
