@@ -226,10 +226,12 @@ class Generation:
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, self.cached_tokens, self.completion_tokens, self.decoder.reasoning_tokens)
 
-    def timings(self) -> Timings:
+    def timings(self, terminal: bool = True) -> Timings:
+        """The request's timings so far; draft_n and draft_n_accepted are terminal only. A running
+        snapshot (timings_per_token) has no draft keys, even one sent with the text of the final
+        output, which already carries the speculative counters."""
         stamps = self.last.timings if self.last is not None else None
-        # The counters ride on the final output only: running timings have no draft keys.
-        speculative = self.last.speculative if self.last is not None else None
+        speculative = self.last.speculative if terminal and self.last is not None else None
         return compute_timings(stamps, self.prompt_tokens, self.cached_tokens, self.completion_tokens, speculative)
 
     def _log_done(self, out: EngineOutput) -> None:

@@ -128,12 +128,13 @@ def test_wrong_drafts_are_all_rejected_and_change_nothing(root) -> None:
 
 # With every draft accepted at 4 drafts a round, output tokens 2-6, 7-11 ... each come from one
 # round: token 9 is its round's third draft, token 11 the target's token after the four drafts.
-@pytest.mark.parametrize("stop_index, cached_outputs", [(9, 10), (11, 11)])
-def test_a_stop_inside_a_round_commits_exactly_and_the_next_turn_reuses_it(root, stop_index, cached_outputs) -> None:
+@pytest.mark.parametrize("stop_index", [9, 11])
+def test_a_stop_inside_a_round_commits_exactly_and_the_next_turn_reuses_it(root, stop_index) -> None:
     """The stop token sits among the round's accepted drafts (or is the token after them): the
-    output ends at it, the endpoint checkpoint holds exactly the computed committed tokens (the
-    stop included when it was a draft, whose row was computed), and a follow-up turn continuing
-    after it reuses them and continues as plain decoding does."""
+    output ends at it, the endpoint checkpoint holds the committed tokens before it (the stop's
+    own row stays out even when it was a computed draft, as plain decoding never computes a
+    request's last token), and a follow-up turn continuing after it reuses exactly what plain
+    decoding's does and continues as plain decoding does."""
     sequences, plain = _oracle_sequences(root, {"a": 40, "b": 17, "c": 12})
     stop = plain["a"][0][stop_index]
     assert stop not in plain["a"][0][:stop_index]
@@ -152,8 +153,26 @@ def test_a_stop_inside_a_round_commits_exactly_and_the_next_turn_reuses_it(root,
     spec_tokens, spec_final = results["spec"]
     plain_tokens, plain_final = results["plain"]
     assert spec_tokens == plain_tokens
-    assert spec_final.cached_tokens == len(PROMPTS["a"]) + cached_outputs
-    assert spec_final.cached_tokens >= plain_final.cached_tokens
+    assert spec_final.cached_tokens == plain_final.cached_tokens == len(PROMPTS["a"]) + stop_index
+
+
+def test_a_reply_cut_before_a_stop_is_reused_as_plain_decoding_reuses_it(root) -> None:
+    """A stop string's last token never reaches the client, so the next prompt holds the reply up
+    to the token before it: the endpoint must end there (as plain decoding's does), not after
+    the stop's draft row, or the next turn falls back to the prompt's checkpoint."""
+    sequences, plain = _oracle_sequences(root, {"a": 40, "b": 17, "c": 12})
+    stop_index = 9  # its round's third accepted draft
+    stop = plain["a"][0][stop_index]
+    assert stop not in plain["a"][0][:stop_index]
+    cached = {}
+    for name, core in {
+        "plain": engine(root, max_concurrency=1),
+        "spec": engine(root, max_concurrency=1, spec="mtp", draft_tokens=4, drafter=OracleDrafter(4, sequences)),
+    }.items():
+        run(core, {0: [EngineRequest("a", PROMPTS["a"], GREEDY, max_new_tokens=40, stop_token_ids=[stop])]})
+        follow_up = PROMPTS["a"] + plain["a"][0][:stop_index] + [11, 12, 13]
+        cached[name] = run(core, {0: [EngineRequest("a2", follow_up, GREEDY, max_new_tokens=2)]})["a2"][1].cached_tokens
+    assert cached["spec"] == cached["plain"] == len(PROMPTS["a"]) + stop_index
 
 
 def test_the_output_limit_ends_a_round_exactly(root) -> None:

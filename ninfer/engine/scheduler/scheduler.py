@@ -445,19 +445,28 @@ class Scheduler:
     def _commit_verified(self, seq: Sequence, chunk: ScheduledChunk, outcome: VerifyOutcome, now: float) -> None:
         """Commit a speculative round's tokens one by one (stop strings, limits and the thinking
         budget apply to each), then ask the runner to advance the state by exactly the rows
-        whose tokens were kept: the last committed token is computed when it was a draft."""
+        whose tokens were kept: the last committed token is computed when it was a draft, unless
+        the request finished on it. A finished request leaves the endpoint plain decoding leaves
+        (which never computes a request's last token), so the next turn reuses the same prefix:
+        a stop string's last token never comes back in the client's next prompt, and a state
+        past it would match nothing there."""
         num_pending = 1  # _speculates: exactly one pending token
         num_accepted = len(outcome.tokens) - 1
         start = chunk.num_computed_tokens
         committed = 0
         for token in outcome.tokens:
-            # Rows computed once this token is kept: the pending ones and the drafts up to it.
-            seq.num_computed_tokens = seq.logits_frontier = start + num_pending + min(committed + 1, num_accepted)
+            # Set before the commit, which captures the endpoint when this token finishes the
+            # request: the pending rows and the drafts before this token.
+            seq.num_computed_tokens = seq.logits_frontier = start + num_pending + min(committed, num_accepted)
             length = len(seq.token_ids)
             self._commit(seq, token, now)
             committed += 1
-            if seq.is_finished or len(seq.token_ids) > length + 1:
-                break  # finished, or the thinking budget appended forced tokens after it
+            if seq.is_finished:
+                break
+            # Kept and the request goes on: this token's row (a draft's) is computed as well.
+            seq.num_computed_tokens = seq.logits_frontier = start + num_pending + min(committed, num_accepted)
+            if len(seq.token_ids) > length + 1:
+                break  # the thinking budget appended forced tokens after it
         num_rows = seq.num_computed_tokens - start
         self._pending_actions.append(CommitVerified(chunk.state_slot, self._verify_row(chunk), num_rows))
         keep_drafts = not seq.is_finished and committed == len(outcome.tokens) and seq.num_pending_tokens == 1

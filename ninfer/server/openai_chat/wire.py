@@ -52,7 +52,7 @@ class ChatWire(Wire):
         delta = self._record(event)
         if delta is None:
             return []
-        extra = {"timings": self.generation.timings().to_dict()} if self.chat.timings_per_token else {}
+        extra = {"timings": self.generation.timings(terminal=False).to_dict()} if self.chat.timings_per_token else {}
         return [data_frame(self._chunk(delta, **extra))]
 
     def finish(self, event: FinishEvent) -> list[bytes]:
