@@ -51,7 +51,7 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     return (weight.float() * scale).to(torch.bfloat16)
 
 
-class _SafetensorsWeights:
+class SafetensorsWeights:
     """Tensor names and shapes from the safetensors headers; data read lazily (mmap) by file.
 
     Block-scaled FP8 checkpoints are dequantized exactly to bf16 as they are read: the
@@ -205,7 +205,7 @@ def open_hf_directory(directory: Path) -> Artifact:
     except ConfigError as error:
         raise ArtifactError(str(error)) from error
 
-    weights = _SafetensorsWeights(directory, fp8_block_size(hf_config))
+    weights = SafetensorsWeights(directory, fp8_block_size(hf_config))
     if config.mtp_num_hidden_layers and not any(name.startswith("mtp.") for name in weights.shapes):
         # Published checkpoints often strip the MTP head; serve without speculative MTP.
         log.info(

@@ -79,7 +79,7 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
 
     started = time.perf_counter()
     artifact = open_artifact(spec.artifact_path)
-    check_speculative(artifact, spec.engine)
+    companion = check_speculative(artifact, spec.engine)  # a DFlash / DFlash2 drafter, still unread
     if artifact.config.mtp_num_hidden_layers and spec.engine.spec != "mtp":
         # The MTP head's weights and KV layer are loaded only when speculation uses them.
         artifact.config = artifact.config.replace(mtp_num_hidden_layers=0)
@@ -107,30 +107,41 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     log.info("model loaded in %.1fs: %.2fB parameters", time.perf_counter() - started, num_params / 1e9)
     if cpu_half_weights(spec.dtype, dtype, device):
         log.info("Linear weights stored in float16 for decode: %d layers", store_half_weights_(model))
+    draft_model = None
+    if companion is not None:
+        draft_model = companion.load_model(dtype=dtype, device=device)
+        log.info(
+            "%s drafter loaded from %s: %d layers, block %d, %.2fB parameters",
+            spec.engine.spec, companion.path, companion.config.num_hidden_layers, companion.config.block_size,
+            sum(p.numel() for p in draft_model.parameters()) / 1e9,
+        )
     engine = spec.engine
     if spec.kv_capacity_auto:
-        engine = dataclasses.replace(engine, kv_capacity=_auto_kv_tokens(model, artifact.tokenizer, engine))
-    core = EngineCore(model, artifact.tokenizer, engine)
-    kv = core.runner.kv_cache
+        engine = dataclasses.replace(
+            engine, kv_capacity=_auto_kv_tokens(model, artifact.tokenizer, engine, draft_model)
+        )
+    core = EngineCore(model, artifact.tokenizer, engine, draft_model=draft_model)
+    kv_bytes = sum(cache.k.numel() * cache.k.element_size() * 2 for cache in core.runner.paged_caches)
     core.memory_ledger.update(_AUTO_LEDGER if spec.kv_capacity_auto else {})
     core.memory_ledger.update(
-        kv_pool=kv.k.numel() * kv.k.element_size() * 2,
+        kv_pool=kv_bytes,
         state_slots=engine.num_state_slots * state_image_bytes(model),
     )
     host = core.runner.host_states
+    host_kv_pages = core.runner.host_kvs[0].num_pages
     log.info(
         "KV pool: %d tokens in %d pages (%.1f MiB) · state slots: %d (%d active + %d checkpoint)"
         " · host state slots: %d (%.1f MiB pinned) · host KV: %d pages (%.1f MiB pinned)",
         engine.num_kv_pages * engine.page_size,
         engine.num_kv_pages,
-        kv.k.numel() * kv.k.element_size() * 2 / (1 << 20),
+        kv_bytes / (1 << 20),
         engine.num_state_slots,
         engine.max_concurrency,
         engine.num_state_slots - engine.max_concurrency,
         host.num_slots,
         host.num_slots * host.bytes_per_slot / (1 << 20),
-        core.runner.host_kv.num_pages,
-        core.runner.host_kv.num_pages * HostKV.page_bytes(kv) / (1 << 20),
+        host_kv_pages,
+        host_kv_pages * sum(HostKV.page_bytes(cache) for cache in core.runner.paged_caches) / (1 << 20),
     )
     if engine.prefix_reuse:
         costs = core.context_costs
@@ -152,7 +163,7 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     return core
 
 
-def _auto_kv_tokens(model, tokenizer, engine: EngineConfig) -> int:
+def _auto_kv_tokens(model, tokenizer, engine: EngineConfig, draft_model=None) -> int:
     """The KV pool that leaves room for everything else the runtime needs at its worst, measured:
     a probe engine with a small pool captures the decode graphs and runs the warm-up (whose
     largest step is a whole --prefill-chunk); its peak beyond its own pools is set aside with
@@ -160,7 +171,7 @@ def _auto_kv_tokens(model, tokenizer, engine: EngineConfig) -> int:
     if not engine.device.startswith("cuda"):
         return engine.max_context
     device = torch.device(engine.device)
-    page_bytes = kv_page_bytes(model, engine.page_size)
+    page_bytes = kv_page_bytes(model, engine.page_size, draft_model)
     slot_bytes = state_image_bytes(model)  # a StateImage slot with its stored logits
     probe_config = dataclasses.replace(
         engine,
@@ -171,7 +182,7 @@ def _auto_kv_tokens(model, tokenizer, engine: EngineConfig) -> int:
     )
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_reserved(device)
-    probe = EngineCore(model, tokenizer, probe_config)
+    probe = EngineCore(model, tokenizer, probe_config, draft_model=draft_model)
     probe_pools = probe_config.num_kv_pages * page_bytes + probe_config.num_state_slots * slot_bytes
     graphs = max(0, torch.cuda.memory_reserved(device) - base - probe_pools)
     torch.cuda.reset_peak_memory_stats(device)

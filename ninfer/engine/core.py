@@ -31,6 +31,7 @@ from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.causal_lm import CausalLM
+from ninfer.models.dflash import DflashDraftModel
 
 log = logging.getLogger("ninfer.engine")
 
@@ -46,11 +47,16 @@ def _work_class(step: SchedulerStep) -> str:
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
-def kv_page_bytes(model: CausalLM, page_size: int) -> int:
-    """One KV page of every attention layer, keys and values, in the model's dtype."""
+def kv_page_bytes(model: CausalLM, page_size: int, draft_model: DflashDraftModel | None = None) -> int:
+    """One KV page of every attention layer, keys and values, in the model's dtype; with a DFlash
+    drafter, its context KV under the same page id too."""
     spec = model.cache_spec()
     element = next(model.parameters()).element_size()
-    return 2 * spec.num_attention_layers * page_size * spec.num_kv_heads * spec.head_dim * element
+    per_token = spec.num_attention_layers * spec.num_kv_heads * spec.head_dim
+    if draft_model is not None:
+        draft = draft_model.config
+        per_token += draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim
+    return 2 * per_token * page_size * element
 
 
 def state_image_bytes(model: CausalLM) -> int:
@@ -70,14 +76,16 @@ class EngineCore:
         config: EngineConfig,
         clock: Callable[[], float] = time.monotonic,
         drafter=None,
+        draft_model: DflashDraftModel | None = None,
     ):
-        """drafter: a stand-in for the speculative backend's drafter (tests)."""
+        """drafter: a stand-in for the speculative backend's drafter (tests); draft_model: the
+        DFlash / DFlash2 drafter of --spec dflash|dflash2."""
         self.config = config
         self.tokenizer = tokenizer
         self.clock = clock
         self.kv_pool = KVPool(config.num_kv_pages, config.page_size)
         self.state_pool = StatePool(config.num_state_slots)
-        page_bytes = kv_page_bytes(model, config.page_size)
+        page_bytes = kv_page_bytes(model, config.page_size, draft_model)
         # Every checkpoint holds a StateImage slot, so checkpoints can never hold more pages than
         # this; a larger host tier would only be empty bookkeeping.
         max_checkpoint_pages = (config.num_state_slots + config.num_host_state_slots) * (
@@ -134,6 +142,8 @@ class EngineCore:
             draft_extra_token_ids=sorted(tokenizer.backend.get_added_tokens_decoder()),
             drafter=drafter,
             max_batch=config.max_concurrency,
+            spec_backend=config.spec or "mtp",
+            draft_model=draft_model,
         )
         self.failed: str | None = None
         overlap = config.decode_overlap

@@ -45,11 +45,12 @@ from ninfer.engine.scheduler import (
     SpillPages,
     SpillSlot,
 )
-from ninfer.engine.speculative.mtp_drafter import MtpDrafter
+from ninfer.engine.speculative.drafter_factory import make_drafter
 from ninfer.engine.speculative.proposal_head import ProposalHead
 from ninfer.engine.speculative.speculator import Speculator
 from ninfer.engine.verify_graphs import VerifyGraphs
 from ninfer.models.causal_lm import CausalLM
+from ninfer.models.dflash import DflashDraftModel
 from ninfer.models.forward_batch import ForwardBatch, HostStaging
 from ninfer.models.verify_scratch import VerifyRows
 
@@ -78,18 +79,24 @@ class ModelRunner:
         draft_extra_token_ids: Sequence[int] = (),
         drafter=None,
         max_batch: int | None = None,
+        spec_backend: str = "mtp",
+        draft_model: DflashDraftModel | None = None,
     ):
         """cuda_graph_batch_sizes: decode batch sizes to capture a CUDA graph for (on CUDA,
         when the model allows it; other sizes decode eagerly); max_context bounds the
         page-table width they are captured with (default: the whole KV pool).
-        num_draft_tokens > 0: speculative decoding with the model's MTP head (or `drafter`,
-        tests' stand-ins), proposals through the reduced-vocabulary head with lm_head_draft
-        (draft_extra_token_ids: the added tokens it keeps). max_batch: requests in a step at most
-        (default: the largest graph batch, else the state slots)."""
+        num_draft_tokens > 0: speculative decoding with spec_backend's drafter (the model's MTP
+        head, or draft_model for dflash / dflash2; `drafter`: tests' stand-ins), proposals
+        through the reduced-vocabulary head with lm_head_draft (draft_extra_token_ids: the added
+        tokens it keeps). max_batch: requests in a step at most (default: the largest graph
+        batch, else the state slots)."""
         self.model = model
         param = next(model.parameters())
         self.device = param.device
         self.kv_cache, self.state_cache = model.allocate_caches(num_pages, page_size, num_state_slots, kv_dtype)
+        # A DFlash drafter's context KV lives in pages of its own shape under the same page ids.
+        self.draft_kv_cache = draft_model.allocate_kv(num_pages, page_size, kv_dtype) if draft_model else None
+        self.paged_caches = [c for c in (self.kv_cache, self.draft_kv_cache) if c is not None]
         vocab = model.config.vocab_size
         self.slot_logits = torch.zeros(num_state_slots, vocab, dtype=torch.float32, device=self.device)
         # Embedding rows past the tokenizer's ids are padding: never sample them.
@@ -98,14 +105,14 @@ class ModelRunner:
         if num_draft_tokens:
             if drafter is None:
                 head = ProposalHead(model.lm_head, self.num_valid_tokens, lm_head_draft, draft_extra_token_ids)
-                drafter = MtpDrafter(model, head, num_draft_tokens)
+                drafter = make_drafter(spec_backend, model, head, num_draft_tokens, draft_model, self.draft_kv_cache)
             max_batch = max_batch or max(cuda_graph_batch_sizes, default=num_state_slots)
             self.speculator = Speculator(
                 model, self.state_cache, self.slot_logits, num_draft_tokens, max_batch, drafter, self.num_valid_tokens
             )
         extra = self.speculator.slot_tensors if self.speculator is not None else ()
         self.host_states = HostStates(self.state_cache, self.slot_logits, num_host_state_slots, extra)
-        self.host_kv = HostKV(self.kv_cache, num_host_kv_pages)
+        self.host_kvs = [HostKV(cache, num_host_kv_pages) for cache in self.paged_caches]
         self.mrope = model.config.mrope_section is not None
         self.sampler = Sampler()
         # Every running request holds a state slot, so no step has more rows than slots.
@@ -282,7 +289,6 @@ class ModelRunner:
 
     def _apply_actions(self, step: SchedulerStep) -> None:
         states = self.state_cache
-        kv = self.kv_cache
         speculator = self.speculator
         commits: list[CommitVerified] = []  # consecutive commits run as one batch
         for action in step.before:
@@ -305,16 +311,19 @@ class ModelRunner:
                 if speculator is not None:
                     speculator.copy_slot(action.src, action.dst)
             elif isinstance(action, CopyPage):
-                kv.k[:, action.dst].copy_(kv.k[:, action.src])
-                kv.v[:, action.dst].copy_(kv.v[:, action.src])
+                for kv in self.paged_caches:
+                    kv.k[:, action.dst].copy_(kv.k[:, action.src])
+                    kv.v[:, action.dst].copy_(kv.v[:, action.src])
             elif isinstance(action, SpillSlot):
                 self.host_states.spill(action.device_slot, action.host_slot)
             elif isinstance(action, RestoreSlot):
                 self.host_states.restore(action.host_slot, action.device_slot)
             elif isinstance(action, SpillPages):
-                self.host_kv.spill(action.device_pages, action.host_pages)
+                for host_kv in self.host_kvs:
+                    host_kv.spill(action.device_pages, action.host_pages)
             elif isinstance(action, RestorePages):
-                self.host_kv.restore(action.host_pages, action.device_pages)
+                for host_kv in self.host_kvs:
+                    host_kv.restore(action.host_pages, action.device_pages)
         if commits:
             speculator.commit(commits)
 
@@ -358,6 +367,8 @@ class ModelRunner:
             input_ids.index_copy_(0, chained[0], self._last_ids.index_select(0, chained[1]))
         if num_verify:
             batch.verify = VerifyRows(num_verify, sum(query_lens[:num_verify]), self.speculator.scratch)
+        if self.speculator is not None:
+            self.speculator.request_aux_hidden(batch)
         hidden = self.model(input_ids, batch)
         if logits_rows:
             logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).float()

@@ -120,6 +120,10 @@ class ForwardBatch:
     seq_lens_cpu: tuple[int, ...] = ()
     # Speculative verification: the first requests score their rows without writing state slots.
     verify: VerifyRows | None = None
+    # A drafter's view of the trunk (off when empty): the residual stream after each named layer,
+    # written for every row into aux_hidden [T, len(aux_layer_ids), H] (preallocated by the caller).
+    aux_layer_ids: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:

@@ -19,7 +19,7 @@ from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
 from ninfer.models.layers.linear import packed_parts, rows_within
 from ninfer.models.quant.fp8 import FP8, SCALE_BLOCK, Fp8Linear, expand_block_rows, quantize_row_blocks
-from ninfer.models.registry import checkpoint_rule, model_class
+from ninfer.models.registry import CheckpointRule, checkpoint_rule, model_class
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,10 @@ def load_weights(
     total: int | None = None,
     progress: bool = True,
     source: str = "checkpoint",
+    rule: CheckpointRule | None = None,
 ) -> None:
-    rule = checkpoint_rule(model.config)
+    """rule: how stored names map to parameters (default: the model family's checkpoint rule)."""
+    rule = rule or checkpoint_rule(model.config)
     params = dict(model.named_parameters())
     fp8_modules = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
     params.update({f"{name}.weight": m.weight for name, m in fp8_modules.items()})  # FP8 weights are buffers

@@ -85,9 +85,16 @@ class Qwen3_5Model(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(batch.positions, x.dtype)
         residual = None
-        for layer in self.layers:
+        aux, aux_ids, last = batch.aux_hidden, batch.aux_layer_ids, len(self.layers) - 1
+        for layer_id, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, batch)
-        return self.norm.add_forward(x, residual)[0]
+            if aux is not None and layer_id in aux_ids and layer_id != last:
+                # The residual stream after this layer: the sum the next norm would form.
+                aux[:, aux_ids.index(layer_id)] = x + residual
+        hidden = self.norm.add_forward(x, residual)[0]
+        if aux is not None and last in aux_ids:
+            aux[:, aux_ids.index(last)] = hidden  # after the last layer, final-normed (as transformers reports it)
+        return hidden
 
 
 class Qwen3_5ForCausalLM(CausalLM):

@@ -1,4 +1,5 @@
-"""build_engine_core's CPU choices: torch threads and float16 Linear weights under --dtype auto."""
+"""build_engine_core's CPU choices: torch threads and float16 Linear weights under --dtype auto; a
+DFlash2 companion loaded beside the artifact."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine import builder
 from ninfer.engine.builder import EngineSpec, build_engine_core, cpu_half_weights, cpu_threads
+from ninfer.engine.speculative.dflash_drafter import DflashDrafter
 from ninfer.models.quant.half_weights import HalfWeightLinear
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
+from ninfer.testing.tiny_dflash import make_tiny_dflash
 
 
 @pytest.fixture
@@ -60,3 +63,19 @@ def test_cpu_engine_as_the_server_builds_it(monkeypatch, tmp_path, restore_threa
     while core.has_work:
         outputs.extend(core.step())
     assert sum(len(o.new_token_ids) for o in outputs) == 4 and outputs[-1].finished
+
+
+def test_a_dflash2_companion_beside_the_artifact_drafts_as_the_server_builds_it(tmp_path, restore_threads) -> None:
+    path = make_tiny_qwen3_5(tmp_path)
+    make_tiny_dflash(path, "dflash2", dtype="bfloat16")
+    config = EngineConfig(max_context=128, log_stats_interval_ms=0, spec="dflash2", draft_tokens=3, lm_head_draft=True)
+    core = build_engine_core(EngineSpec(str(path), config))
+    drafter = core.runner.speculator.drafter
+    assert isinstance(drafter, DflashDrafter) and drafter.model.config.kind == "dflash2"
+    assert core.runner.paged_caches == [core.runner.kv_cache, drafter.kv_cache]
+    assert core.memory_ledger["kv_pool"] == sum(c.k.numel() * c.k.element_size() * 2 for c in core.runner.paged_caches)
+    core.add_request(EngineRequest("r", list(range(10, 30)), SamplingParams(temperature=0.0), max_new_tokens=6))
+    outputs = []
+    while core.has_work:
+        outputs.extend(core.step())
+    assert sum(len(o.new_token_ids) for o in outputs) == 6 and outputs[-1].speculative.rounds > 0

@@ -252,6 +252,35 @@ def test_batched_steps_equal_requests_run_alone(checkpoints: dict[str, Checkpoin
         torch.testing.assert_close(torch.cat(got[r]), expected[r], atol=FP32_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["dense_text", "moe_vlm"])
+def test_aux_hidden_states_are_the_residual_streams_transformers_reports(
+    checkpoints: dict[str, Checkpoint], kind: str
+) -> None:
+    """ForwardBatch.aux_layer_ids: every row gets the stream after each named layer (unsorted ids,
+    the last layer's final-normed), across prompt chunks and decode rows; off by default."""
+    ckpt = checkpoints[kind]
+    ours = load_ours(ckpt.config, ckpt.tensors)
+    input_ids = _tokens(SEQ_LEN, seed=6)
+    with torch.no_grad():
+        expected = ckpt.hf(input_ids=input_ids[None], output_hidden_states=True).hidden_states
+    layer_ids = (2, 0, 3)
+    session = Session(ours, SEQ_LEN)
+    got, start = [], 0
+    for size in (33, 1, 36):
+        batch = session.batch([0], [size])
+        assert batch.aux_hidden is None
+        batch.aux_layer_ids = layer_ids
+        batch.aux_hidden = torch.full((size, len(layer_ids), TEXT["hidden_size"]), float("nan"))
+        with torch.no_grad():
+            ours(input_ids[start : start + size], batch)
+        session.num_computed[0] += size
+        got.append(batch.aux_hidden)
+        start += size
+    got = torch.cat(got)
+    for column, layer_id in enumerate(layer_ids):
+        torch.testing.assert_close(got[:, column], expected[layer_id + 1][0].float(), atol=FP32_ATOL, rtol=0)
+
+
 def test_fresh_slot_is_a_fresh_sequence(checkpoints: dict[str, Checkpoint]) -> None:
     """After reset(slot) a new sequence reusing slot and pages matches a clean run."""
     ckpt = checkpoints["dense_vlm"]

@@ -54,13 +54,15 @@ class Speculator:
         drafter,
         num_valid_tokens: int,
     ):
-        """drafter: has draft(DraftRound) -> DraftProposal | None (MtpDrafter)."""
+        """drafter: has draft(DraftRound) -> DraftProposal | None (MtpDrafter, DflashDrafter); one
+        that reads the target's residual streams after some layers names them in aux_layer_ids."""
         self.model = model
         self.state_cache = state_cache
         self.slot_logits = slot_logits
         self.num_draft_tokens = num_draft_tokens
         self.max_batch = max_batch
         self.drafter = drafter
+        self.aux_layer_ids: tuple[int, ...] = tuple(getattr(drafter, "aux_layer_ids", ()))
         self.num_valid_tokens = num_valid_tokens
         param = next(model.parameters())
         self.device = param.device
@@ -168,6 +170,15 @@ class Speculator:
         if num_verify > self.max_batch:
             raise ValueError(f"{num_verify} verification rows: the scratch holds {self.max_batch}")
         return num_verify
+
+    def request_aux_hidden(self, batch: ForwardBatch) -> None:
+        """Before the forward: a buffer for the residual streams the drafter reads, if it reads any."""
+        if self.aux_layer_ids:
+            batch.aux_layer_ids = self.aux_layer_ids
+            batch.aux_hidden = torch.empty(
+                batch.num_tokens, len(self.aux_layer_ids), self.model.config.hidden_size,
+                dtype=self.dtype, device=self.device,
+            )
 
     # ---- after the forward ---------------------------------------------------------
     def run(
