@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,6 +51,9 @@ from ninfer.models.causal_lm import CausalLM
 from ninfer.models.forward_batch import ForwardBatch
 from ninfer.models.kv_cache import KVCache
 from ninfer.models.state_cache import StateCache
+
+if TYPE_CHECKING:
+    from ninfer.engine.speculative.speculator import Speculator
 
 log = logging.getLogger("ninfer.engine")
 
@@ -90,13 +94,13 @@ class DecodeGraphs:
         batch_sizes: Sequence[int],
         max_pages_per_request: int,
         sampler: Sampler,
-        drafter_context: Callable[[torch.Tensor, torch.Tensor, ForwardBatch], None] | None = None,
+        speculator: Speculator | None = None,
     ):
-        """drafter_context(token_ids, hidden, batch): with a speculative backend, extends the
-        drafter's context over the round's rows inside the graph (a plain round between
-        speculative ones; Speculator.extend_context)."""
+        """speculator: with a speculative backend, a plain round between speculative ones also
+        extends the drafter's context over its rows inside the graph (Speculator.extend_context,
+        with the target's residual streams a DFlash drafter reads)."""
         self.model = model
-        self.drafter_context = drafter_context
+        self.speculator = speculator
         self.kv_cache = kv_cache
         self.state_cache = state_cache
         self.slot_logits = slot_logits
@@ -215,9 +219,11 @@ class DecodeGraphs:
             query_lens_cpu=(1,) * batch_size,
             seq_lens_cpu=(1,) * batch_size,
         )
+        if self.speculator is not None:
+            self.speculator.request_aux_hidden(batch, batch_size)
         hidden = self.model(token_ids, batch)
-        if self.drafter_context is not None:
-            self.drafter_context(token_ids, hidden, batch)
+        if self.speculator is not None:
+            self.speculator.extend_context(token_ids, hidden, batch)
         logits = self.model.compute_logits(hidden).float()
         if self.num_valid_tokens < logits.shape[-1]:
             logits[:, self.num_valid_tokens :] = float("-inf")

@@ -153,7 +153,7 @@ class ModelRunner:
         max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
         graphs = DecodeGraphs(
             self.model, kv, self.state_cache, self.slot_logits, self.num_valid_tokens, batch_sizes, max_pages,
-            self.sampler, drafter_context=speculator.extend_context if speculator is not None else None,
+            self.sampler, speculator=speculator,
         )
         try:
             graphs.capture()

@@ -188,7 +188,7 @@ class VerifyGraphs:
         v, rows = self.inputs.views, batch_size * (self.num_draft_tokens + 1)
         positions = v["positions"][:rows]
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-        return ForwardBatch(
+        batch = ForwardBatch(
             positions=positions.unsqueeze(0).expand(3, -1) if self.mrope else positions,
             query_start_loc=self._constants[batch_size]["query_start_loc"],
             seq_lens=v["seq_lens"][:batch_size],
@@ -204,6 +204,10 @@ class VerifyGraphs:
             seq_lens_cpu=self._host_seq_lens(batch_size, self.num_draft_tokens + 1),
             verify=VerifyRows(batch_size, rows, self.speculator.scratch),
         )
+        # The drafter's residual streams (DFlash): the speculator's persistent buffer, the same in
+        # the forward that writes them and the drafter that reads them.
+        self.speculator.request_aux_hidden(batch, rows)
+        return batch
 
     def _spec_inputs(self, batch_size: int, all_greedy: bool) -> SpecInputs:
         v, k, b = self.inputs.views, self.num_draft_tokens, batch_size

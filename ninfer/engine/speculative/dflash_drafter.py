@@ -28,10 +28,13 @@ from ninfer.engine.speculative.draft_round import DraftRound
 from ninfer.engine.speculative.proposal_head import ProposalHead
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.dflash import DflashDraftModel, DraftBlock
+from ninfer.models.forward_batch import ForwardBatch
 from ninfer.models.kv_cache import KVCache
 
 
 class DflashDrafter:
+    capturable = True  # draft() and extend_context() read device tensors only (DraftBlock: host lengths on CPU)
+
     def __init__(
         self, target: CausalLM, model: DflashDraftModel, head: ProposalHead, kv_cache: KVCache, num_draft_tokens: int
     ):
@@ -45,10 +48,7 @@ class DflashDrafter:
 
     def draft(self, round: DraftRound) -> DraftProposal | None:
         """Extend the context over every computed row and propose K drafts per verification row."""
-        batch = round.target_batch
-        # Text rows carry the sequence position on every MRoPE axis.
-        positions = batch.positions if batch.positions.dim() == 1 else batch.positions[0]
-        self.model.store_context(batch.aux_hidden, positions, self.kv_cache, batch.slot_mapping)
+        self._store_context(round.target_batch)
         if not round.num_verify:
             return None
         first = round.tokens.gather(1, round.num_accepted[:, None]).squeeze(1)  # the token after the accepted drafts
@@ -64,6 +64,17 @@ class DflashDrafter:
             probs.append(q)
             candidates.append(self.head.to_vocabulary(q_ids))
         return DraftProposal(torch.stack(drafted, 1), torch.stack(probs, 1), torch.stack(candidates, 1))
+
+    def extend_context(self, token_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                       slot_hidden: torch.Tensor) -> None:
+        """A plain decode round: its rows become context (the target wrote their residual streams)."""
+        del token_ids, hidden, slot_hidden  # the context comes from the streams alone
+        self._store_context(batch)
+
+    def _store_context(self, batch: ForwardBatch) -> None:
+        # Text rows carry the sequence position on every MRoPE axis.
+        positions = batch.positions if batch.positions.dim() == 1 else batch.positions[0]
+        self.model.store_context(batch.aux_hidden, positions, self.kv_cache, batch.slot_mapping)
 
     def block_hidden(self, round: DraftRound, first: torch.Tensor) -> torch.Tensor:
         """The drafter's final-normed hidden [R, K, H] at each verification row's K mask rows."""

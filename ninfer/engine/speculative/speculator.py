@@ -77,6 +77,7 @@ class Speculator:
         self.scratch = self.model.allocate_verify_scratch(max_rows, self.dtype)
         self.verify_hidden = torch.zeros(max_rows, hidden_size, dtype=self.dtype, device=self.device)
         self.verify_logits = torch.zeros(max_rows, vocab, dtype=torch.float32, device=self.device)
+        self._aux_hidden: torch.Tensor | None = None  # request_aux_hidden's buffer for small steps
         self._commit_ints = torch.zeros(3, max_batch, dtype=torch.int64, device=self.device)
         pin = self.device.type == "cuda"
         self._commit_host = [torch.zeros(3, max_batch, dtype=torch.int64, pin_memory=pin)
@@ -171,13 +172,24 @@ class Speculator:
             raise ValueError(f"{num_verify} verification rows: the scratch holds {self.max_batch}")
         return num_verify
 
-    def request_aux_hidden(self, batch: ForwardBatch) -> None:
-        """Before the forward: a buffer for the residual streams the drafter reads, if it reads any."""
-        if self.aux_layer_ids:
-            batch.aux_layer_ids = self.aux_layer_ids
+    def request_aux_hidden(self, batch: ForwardBatch, num_rows: int | None = None) -> None:
+        """Before the forward: a buffer for the residual streams the drafter reads, if it reads any.
+        Steps of up to max_rows rows (decode and verification rounds) use one persistent buffer,
+        which the graphs capture; num_rows: the batch's rows when its host lengths are stale."""
+        if not self.aux_layer_ids:
+            return
+        num_rows = batch.num_tokens if num_rows is None else num_rows
+        batch.aux_layer_ids = self.aux_layer_ids
+        if num_rows <= self.max_rows:
+            if self._aux_hidden is None:
+                self._aux_hidden = torch.zeros(
+                    self.max_rows, len(self.aux_layer_ids), self.model.config.hidden_size,
+                    dtype=self.dtype, device=self.device,
+                )
+            batch.aux_hidden = self._aux_hidden[:num_rows]
+        else:
             batch.aux_hidden = torch.empty(
-                batch.num_tokens, len(self.aux_layer_ids), self.model.config.hidden_size,
-                dtype=self.dtype, device=self.device,
+                num_rows, len(self.aux_layer_ids), self.model.config.hidden_size, dtype=self.dtype, device=self.device,
             )
 
     # ---- after the forward ---------------------------------------------------------
