@@ -240,7 +240,7 @@ def _run_write_checkpoint(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    write_random_checkpoint(args.shape, args.directory, seed=args.seed, device=device)
+    write_random_checkpoint(args.shape, args.directory, seed=args.seed, device=device, mtp=args.mtp)
     return 0
 
 
@@ -324,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("directory", help="output folder (tmpfs such as /dev/shm is fastest)")
     write.add_argument("--shape", default="27b", choices=["27b", "35b-a3b"], help="model shape (default 27b)")
     write.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    write.add_argument("--mtp", action="store_true", help="with the MTP head (mtp.* tensors) of the real checkpoints, for --spec mtp")
     write.add_argument("--device", help="where to build the weights (default: cuda when present, else cpu)")
     write.add_argument("--log-level", default="info", choices=list(LEVELS))
     report = sub.add_parser("report", help="summary tables and plots of a --request-log-jsonl file")

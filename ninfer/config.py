@@ -94,8 +94,14 @@ class EngineConfig:
         return self.draft_tokens or 0 if self.spec is not None else 0
 
     @property
+    def spare_kv_tokens(self) -> int:
+        """KV positions a request holds past its prompt and output: a speculative round writes
+        the pending token and K draft places past the last committed token."""
+        return self.num_draft_tokens + 1 if self.num_draft_tokens else 0
+
+    @property
     def kv_tokens(self) -> int:
-        return self.kv_capacity if self.kv_capacity is not None else self.max_context
+        return self.kv_capacity if self.kv_capacity is not None else self.max_context + self.spare_kv_tokens
 
     @property
     def num_kv_pages(self) -> int:

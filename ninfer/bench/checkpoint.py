@@ -28,12 +28,17 @@ SHARD_BYTES = 4 << 30  # the hub's shards are a few GB each
 
 
 def write_random_checkpoint(
-    shape: str, directory: str | Path, *, seed: int = 0, device: str = "cuda", shard_bytes: int = SHARD_BYTES
+    shape: str, directory: str | Path, *, seed: int = 0, device: str = "cuda", shard_bytes: int = SHARD_BYTES,
+    mtp: bool = False,
 ) -> Path:
-    """Build `shape` with random bf16 weights on `device` and write it under `directory`."""
+    """Build `shape` with random bf16 weights on `device` and write it under `directory`; mtp:
+    with the published checkpoints' one-layer MTP head."""
     from safetensors.torch import save_file
 
     hf_config, config = shape_config(shape)
+    if mtp:
+        hf_config = {**hf_config, "mtp_num_hidden_layers": 1}
+        config = config.replace(mtp_num_hidden_layers=1)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

@@ -196,7 +196,7 @@ def _auto_kv_tokens(model, tokenizer, engine: EngineConfig, draft_model=None) ->
     budget = free - KV_HEADROOM_BYTES - worst_step - graphs - states
     tokens = max(engine.page_size, budget // page_bytes * engine.page_size)
     # Running requests and device checkpoints each hold a state slot and at most max_context tokens.
-    usable = engine.num_state_slots * engine.max_context
+    usable = engine.num_state_slots * (engine.max_context + engine.spare_kv_tokens)
     gib = 1 << 30
     log.info(
         "KV sizing (--kv-capacity auto): %.2f GiB free after the weights − worst step (%d tokens) %.2f GiB"

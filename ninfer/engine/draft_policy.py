@@ -2,7 +2,7 @@
 
 A speculative round of K drafts costs more than a plain decode round (the verification rows,
 the drafter's K passes, the commit): `round_cost_ratio(K, context)`, measured on the H200
-(docs/performance.md "Speculative decoding"). It yields the accepted drafts plus one token,
+(docs/performance.md "Speculative decoding") and interpolated. It yields the accepted drafts plus one token,
 (1 - a^(K+1)) / (1 - a) tokens on average when each draft is accepted with probability a. So
 a request drafts while that yield beats the cost ratio, by a margin; otherwise it decodes plainly
 (the drafter still extends its context over the plain rows, so drafting can resume at any
@@ -19,23 +19,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Verify round time / plain decode round time on the 27B at batch 1 (H200, bf16, verify graphs,
-# 4K context): the fixed part (commit, drafter's first pass, verification path of the Gated
-# DeltaNet layers) and the part per draft (one more verification row and drafter pass).
-ROUND_COST_FIXED = 0.075
-ROUND_COST_PER_DRAFT = 0.11
-# Attention over the context grows with every verification row: extra cost per draft per 100K tokens.
-ROUND_COST_PER_DRAFT_PER_100K = 0.02
+# Verify round time / plain decode round time by drafts per round, at two contexts: the 27B at
+# batch 1 on the H200 (bf16, MTP head through the reduced proposal head, verify graphs;
+# docs/perf/2026-12-04T20-bench-27b-verify.md). The verification rows' attention is what grows
+# with the context.
+MEASURED_ROUND_COST = {
+    4096: {1: 1.134, 2: 1.297, 3: 1.367, 5: 1.478, 7: 1.549},
+    131072: {1: 1.187, 2: 1.496, 3: 1.555, 5: 1.641, 7: 1.723},
+}
 DECAY = 0.8  # weight of the previous rounds' counts at each verified round
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 1.5, 2.0  # a = 0.75 before any round, worth two drafts
 MARGIN = 1.05  # draft only when the expected yield beats the cost by 5 %
 FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 16, 256  # plain rounds before drafting is tried again
 
 
+def _interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise linear through the points, extended past the last two (and below the first: flat)."""
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    for low, high in zip(xs, xs[1:]):
+        if x <= high:
+            return points[low] + (points[high] - points[low]) * (x - low) / (high - low)
+    low, high = xs[-2], xs[-1]
+    return points[high] + (points[high] - points[low]) * (x - high) / (high - low)
+
+
 def round_cost_ratio(num_drafts: int, context: int) -> float:
     """A verify round of num_drafts drafts at `context` tokens, in plain decode rounds."""
-    per_draft = ROUND_COST_PER_DRAFT + ROUND_COST_PER_DRAFT_PER_100K * context / 100_000
-    return 1.0 + ROUND_COST_FIXED + per_draft * num_drafts
+    by_context = {length: _interpolate(costs, num_drafts) for length, costs in MEASURED_ROUND_COST.items()}
+    return _interpolate(by_context, context)
 
 
 def expected_tokens(acceptance: float, num_drafts: int) -> float:

@@ -60,12 +60,13 @@ def worst_step_requests(config, vocab_size: int) -> list[EngineRequest]:
     remaining = config.prefill_chunk
     requests: list[EngineRequest] = []
     while remaining > 0 and len(requests) < config.max_concurrency:
-        length = min(remaining, config.max_context - num_output, free_pages * config.page_size - num_output)
+        spare = config.spare_kv_tokens  # a speculative engine's draft window past the output
+        length = min(remaining, config.max_context - num_output, free_pages * config.page_size - num_output - spare)
         if length < 1:
             break
         prompt = _prompt(length, len(requests), vocab_size)
         requests.append(EngineRequest(f"warm-worst-{len(requests)}", prompt, GREEDY, max_new_tokens=num_output))
-        free_pages -= -(-(length + num_output) // config.page_size)
+        free_pages -= -(-(length + num_output + spare) // config.page_size)
         remaining -= length
     return requests
 

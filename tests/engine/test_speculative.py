@@ -244,3 +244,16 @@ def test_adaptive_drafts_keep_drafting_when_accepted(root) -> None:
         counters = final.speculative
         assert counters.accepted_tokens == counters.drafted_tokens > 0
         assert counters.rounds <= -(-(limit - 2) // 5) + 1  # never fell back to plain rounds
+
+
+def test_a_request_of_the_whole_context_fits_the_default_pool(root) -> None:
+    """A speculative round writes K+1 positions past the last committed token: the default KV pool
+    (--max-context with no --kv-capacity) holds that window too, so a request asking for the whole
+    context is served as without --spec, and so is the warm-up's worst step."""
+    config = EngineConfig(max_context=96, spec="mtp", draft_tokens=3)
+    assert config.kv_tokens == 96 + 4 and EngineConfig(max_context=96).kv_tokens == 96
+    core = engine(root, max_context=96, max_concurrency=1, spec="mtp", draft_tokens=3)
+    prompt = PROMPTS["a"]
+    out = run(core, {0: [EngineRequest("whole", prompt, GREEDY, max_new_tokens=96 - len(prompt))]})
+    tokens, final = out["whole"]
+    assert final.error is None and len(tokens) == 96 - len(prompt) and final.finish_reason is FinishReason.LENGTH

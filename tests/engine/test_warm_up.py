@@ -53,18 +53,21 @@ def test_warm_up_covers_the_worst_step_mixed_steps_and_decode_then_restores_the_
 
 
 @pytest.mark.parametrize(
-    ("prefill_chunk", "max_context", "kv_capacity", "max_concurrency", "lengths"),
+    ("prefill_chunk", "max_context", "kv_capacity", "max_concurrency", "lengths", "spec"),
     [
-        (8192, 8192, 8192, 1, [8190]),  # the default shape: one request, limited by its context
-        (100, 1000, 1000, 4, [100]),  # the budget alone
-        (100, 40, 1000, 4, [38, 38, 24]),  # several requests within their context
-        (100, 40, 1000, 2, [38, 38]),  # ... and the lanes
-        (100, 1000, 64, 4, [62]),  # the KV pool: prompt + 2 outputs in 4 pages of 16
+        (8192, 8192, 8192, 1, [8190], None),  # the default shape: one request, limited by its context
+        (100, 1000, 1000, 4, [100], None),  # the budget alone
+        (100, 40, 1000, 4, [38, 38, 24], None),  # several requests within their context
+        (100, 40, 1000, 2, [38, 38], None),  # ... and the lanes
+        (100, 1000, 64, 4, [62], None),  # the KV pool: prompt + 2 outputs in 4 pages of 16
+        (8192, 8192, None, 1, [8190], {"spec": "mtp", "draft_tokens": 3}),  # the default pool holds the draft window
+        (100, 1000, 64, 4, [58], {"spec": "mtp", "draft_tokens": 3}),  # ... a fixed one leaves room for it
     ],
 )
-def test_worst_step_requests_respect_every_limit(prefill_chunk, max_context, kv_capacity, max_concurrency, lengths):
+def test_worst_step_requests_respect_every_limit(prefill_chunk, max_context, kv_capacity, max_concurrency, lengths,
+                                                 spec):
     config = EngineConfig(max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=max_context,
-                          kv_capacity=kv_capacity)
+                          kv_capacity=kv_capacity, **(spec or {}))
     requests = worst_step_requests(config, vocab_size=257)
     assert [len(r.prompt_token_ids) for r in requests] == lengths
     assert len({tuple(r.prompt_token_ids[:4]) for r in requests}) == len(requests)  # nothing shared

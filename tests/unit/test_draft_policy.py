@@ -77,3 +77,12 @@ def test_good_acceptance_keeps_drafting_and_long_contexts_ask_for_more() -> None
     assert policy.drafting
     # The same acceptance over a context where the verification rows' attention dominates.
     assert not policy.worth_drafting(10_000_000)
+
+
+def test_the_cost_follows_the_measured_points_between_and_past_them() -> None:
+    assert round_cost_ratio(3, 4096) == pytest.approx(1.367)
+    assert round_cost_ratio(3, 2048) == pytest.approx(1.367)  # below the first context: as measured there
+    assert round_cost_ratio(4, 4096) == pytest.approx((1.367 + 1.478) / 2)
+    assert round_cost_ratio(15, 4096) > round_cost_ratio(7, 4096)  # DFlash windows: extended
+    midway = (4096 + 131072) // 2
+    assert round_cost_ratio(3, 4096) < round_cost_ratio(3, midway) < round_cost_ratio(3, 131072)
