@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ninfer.contract.sampling import TOP_K_CAP
+from ninfer.engine.graph_capture import capture_graph
+from ninfer.engine.graph_page_table import GraphPageTable
 from ninfer.engine.sampler import Sampler, SamplingBatch
 from ninfer.engine.scheduler import ScheduledChunk
 from ninfer.kernels.backend import fast_impl
@@ -118,7 +120,8 @@ class DecodeGraphs:
         dev = self.device
         self.ints = torch.zeros(_NUM_INT_ROWS, max_batch, dtype=torch.int64, device=dev)
         self.floats = torch.ones(max_batch, _NUM_FLOAT_PARAMS + TOP_K_CAP, dtype=torch.float32, device=dev)
-        self.page_table = torch.zeros(max_batch, max_pages_per_request, dtype=torch.int32, device=dev)
+        self.pages = GraphPageTable(max_batch, max_pages_per_request, dev)
+        self.page_table = self.pages.table
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)  # one token per row
         # Pinned staging, filled on the host each step and copied without blocking, used in
         # turn: a buffer is rewritten only after the round that read it has been read back.
@@ -133,7 +136,6 @@ class DecodeGraphs:
         self._num_runs = 0
         # The pages last copied into each page-table row (a request's pages are fixed at
         # admission, so a row changes only when a different request lands on it).
-        self._row_pages: list[list[int] | None] = [None] * max_batch
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the forward of each batch size
         self.sample_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, all greedy)
         self._outputs: dict[tuple, torch.Tensor] = {}  # each region's static output, by region key
@@ -146,16 +148,8 @@ class DecodeGraphs:
         self._fill_dummy_inputs()
         for batch_size in reversed(self.batch_sizes):
             for key, region in self.regions(batch_size):
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    # Warm-up compiles Triton kernels and creates library handles outside capture.
-                    for _ in range(2):
-                        self._outputs[key] = region()
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._outputs[key] = region()
+                # Kept: the sampling regions (captured next) read the forward's static logits.
+                graph, self._outputs[key] = capture_graph(region, pool, self.device)
                 self._store_graph(key, graph)
         self.discard_warmup_writes()
 
@@ -196,7 +190,7 @@ class DecodeGraphs:
             if self.state_cache is not None:
                 self.state_cache.reset(slot)
             self.slot_logits[slot].zero_()
-        self._row_pages = [None] * self.max_batch
+        self.pages.forget()
 
     def _forward(self, batch_size: int) -> torch.Tensor:
         """Captured: static buffers -> logits [B, V] fp32 (also written to the rows' slot logits)."""
@@ -293,7 +287,7 @@ class DecodeGraphs:
             ints[_POSITION, row] = pos
             ints[_SLOT, row] = chunk.page_ids[pos // page_size] * page_size + pos % page_size
             ints[_STATE_SLOT, row] = chunk.state_slot
-            self._upload_pages(row, chunk.page_ids)
+            self.pages.upload(row, chunk.page_ids)
         params = [c.sampling for c in chunks]
         histories = [c.output_token_ids for c in chunks]
         generated = [c.num_generated for c in chunks]
@@ -322,18 +316,6 @@ class DecodeGraphs:
         else:
             self.sample_graphs[(batch_size, host is None or host.all_greedy)].replay()
         return sampled_row[:batch_size]
-
-    def _upload_pages(self, row: int, page_ids: list[int]) -> None:
-        cached = self._row_pages[row]
-        # A request's page list is one object from admission to release (never changed in place):
-        # identity is the common case and costs nothing at long contexts.
-        if cached is page_ids or cached == page_ids:
-            return
-        pages = torch.tensor(page_ids, dtype=torch.int32)
-        if self.device.type == "cuda":
-            pages = pages.pin_memory()
-        self.page_table[row, : len(page_ids)].copy_(pages, non_blocking=True)
-        self._row_pages[row] = page_ids
 
     def logits(self, batch_size: int) -> torch.Tensor:
         """The static logits of the last replay of graph batch_size (tests compare them)."""

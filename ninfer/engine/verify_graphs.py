@@ -34,6 +34,8 @@ import numpy as np
 import torch
 
 from ninfer.contract.sampling import TOP_K_CAP
+from ninfer.engine.graph_capture import capture_graph
+from ninfer.engine.graph_page_table import GraphPageTable
 from ninfer.engine.sampler import SamplingBatch
 from ninfer.engine.scheduler import ScheduledChunk
 from ninfer.engine.speculative.spec_plan import SpecInputs, plan_step
@@ -150,8 +152,8 @@ class VerifyGraphs:
             },
             self.device,
         )
-        self.page_table = torch.zeros(max_batch, max_pages_per_request, dtype=torch.int32, device=self.device)
-        self._row_pages: list[list[int] | None] = [None] * max_batch
+        self.pages = GraphPageTable(max_batch, max_pages_per_request, self.device)
+        self.page_table = self.pages.table
         self.outcome = torch.zeros(max_batch, 1 + (k + 1) + k, dtype=torch.int64, device=self.device)
         # Per batch size: the row layout's constants (every chunk a verification row of K+1).
         self._constants = {b: self._layout(b) for b in self.batch_sizes}
@@ -299,16 +301,7 @@ class VerifyGraphs:
             regions += [(("judge", batch_size, greedy), lambda b=batch_size, g=greedy: self._judge(b, g))
                         for greedy in (True, False)]
             for key, region in regions:
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    # Warm-up compiles Triton kernels and creates library handles outside capture.
-                    for _ in range(2):
-                        self._outputs[key] = region()
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._outputs[key] = region()
+                graph, self._outputs[key] = capture_graph(region, pool, self.device)
                 if key[0] == "forward":
                     self.forward_graphs[batch_size] = graph
                 else:
@@ -337,7 +330,7 @@ class VerifyGraphs:
         views["limits"].fill_(k + 2)
         self.inputs.copy_to_mirrors()
         self.page_table.zero_()
-        self._row_pages = [None] * self.max_batch
+        self.pages.forget()
 
     def run_uncaptured(self) -> None:
         """Run the regions directly instead of replaying graphs (the CPU tests of the layout)."""
@@ -380,7 +373,7 @@ class VerifyGraphs:
             # Only the round's pages: a long context's page list is thousands of ids.
             page_ids = chunk.page_ids
             mapping[row] = [page_ids[p] for p in (positions[row] // page_size).tolist()]
-            self._upload_pages(row, page_ids)
+            self.pages.upload(row, page_ids)
         mapping = mapping * page_size + positions % page_size
         host["slot_mapping"][:rows] = mapping[:, : k + 1].reshape(-1)
         host["mtp_slot_mapping"][:mtp_rows] = mapping.reshape(-1)
@@ -429,15 +422,3 @@ class VerifyGraphs:
         host["position_noise"][:rows] = 1.0
         host["uniforms"][:batch_size] = 1.0
         host["draft_noise"][:batch_size] = 1.0
-
-    def _upload_pages(self, row: int, page_ids: list[int]) -> None:
-        cached = self._row_pages[row]
-        # A request's page list is one object from admission to release (never changed in place):
-        # identity is the common case and costs nothing at long contexts.
-        if cached is page_ids or cached == page_ids:
-            return
-        pages = torch.tensor(page_ids, dtype=torch.int32)
-        if self.device.type == "cuda":
-            pages = pages.pin_memory()
-        self.page_table[row, : len(page_ids)].copy_(pages, non_blocking=True)
-        self._row_pages[row] = page_ids

@@ -31,6 +31,7 @@ from ninfer.engine.speculative.proposal_head import ProposalHead
 from ninfer.testing.oracle_drafter import OracleDrafter
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from ninfer.testing.tiny_dflash import make_tiny_dflash
+from tests.engine.test_speculative import run
 from tests.models import dflash_reference as reference
 from tests.models.helpers import Session
 
@@ -70,23 +71,6 @@ def engine(root: str, moe: bool = False, kind: str | None = None, drafter=None, 
     draft_model = _drafter(root, moe, kind)[0] if kind else None
     return EngineCore(model, artifact.tokenizer, EngineConfig(**{**CONFIG, **config}), drafter=drafter,
                       draft_model=draft_model)
-
-
-def run(core: EngineCore, arrivals: dict[int, list[EngineRequest]], max_steps: int = 3000) -> dict:
-    tokens, finals = {}, {}
-    step = 0
-    while step < max_steps:
-        for request in arrivals.get(step, []):
-            tokens[request.request_id] = []
-            core.add_request(request)
-        if not core.has_work and step > max(arrivals):
-            break
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                finals[out.request_id] = out
-        step += 1
-    return {rid: (tokens[rid], finals[rid]) for rid in tokens}
 
 
 def requests(max_new: dict[str, int], sampling: SamplingParams = GREEDY) -> dict[int, list[EngineRequest]]:

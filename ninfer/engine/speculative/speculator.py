@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ninfer.contract.sampling import TOP_K_CAP
+from ninfer.engine.graph_capture import capture_graph
 from ninfer.engine.sampler import Sampler
 from ninfer.engine.scheduler import CommitVerified, ScheduledChunk
 from ninfer.engine.speculative.acceptance import DraftProposal, verify
@@ -141,16 +142,9 @@ class Speculator:
         for num_requests in range(self.max_batch, 0, -1):
             # Distinct slots: index_copy_ with repeated indices is not deterministic.
             self._commit_ints[_SLOT, :num_requests] = torch.arange(num_requests, device=self.device)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._commit_region(num_requests)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._commit_region(num_requests)
-            self._commit_graphs[num_requests] = graph
+            self._commit_graphs[num_requests], _ = capture_graph(
+                lambda n=num_requests: self._commit_region(n), pool, self.device
+            )
 
     def extend_context(self, token_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> None:
         """A plain decode round (one row per request, no drafts): the drafter's context covers
