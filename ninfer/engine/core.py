@@ -395,6 +395,7 @@ class EngineCore:
             },
             "cuda_graph_batch_sizes": sorted(self.runner.graphs.batch_sizes) if self.runner.graphs else [],
             "decode_overlap": self.decode_overlap,
+            "speculative": self._describe_speculative(),
             "memory": dict(self.memory_ledger),
             "context_costs": {"source": self.context_costs.source,
                               "prefill_seconds_per_token": self.context_costs.prefill_seconds_per_token,
@@ -405,6 +406,20 @@ class EngineCore:
                 "torch": str(torch.__version__),
                 "cuda": torch.version.cuda,
             },
+        }
+
+    def _describe_speculative(self) -> dict | None:
+        """The speculative backend as started (None without --spec)."""
+        config = self.config
+        if config.spec is None:
+            return None
+        graphs = self.runner.verify_graphs
+        return {
+            "backend": config.spec,
+            "draft_tokens": config.num_draft_tokens,
+            "lm_head_draft": config.lm_head_draft,
+            "adaptive_drafts": config.adaptive_drafts,
+            "verify_graph_batch_sizes": sorted(graphs.forward_graphs) if graphs is not None else [],
         }
 
     def pool_accounting(self) -> dict[str, int]:

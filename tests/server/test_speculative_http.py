@@ -574,6 +574,12 @@ def test_the_request_log_holds_consistent_speculative_counters(servers):
         for event in events:
             VALIDATOR.validate(event)
         assert events[0]["event"] == "server_start"
+        started = events[0]["speculative"]
+        if name == "plain":
+            assert started is None
+        else:
+            assert started == {"backend": "mtp", "draft_tokens": DRAFTS, "lm_head_draft": name == "lmhead",
+                               "adaptive_drafts": True, "verify_graph_batch_sizes": []}  # no graphs on the CPU
         done = [e for e in events if e["event"] == "request_done"]
         assert len(done) >= 2, name
         for event in done:
