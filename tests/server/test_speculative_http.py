@@ -631,7 +631,9 @@ def test_a_bad_speculative_option_stops_start_up_naming_it(mtp_artifact, capsys,
 def test_a_backend_the_artifact_lacks_stops_start_up_before_loading(tiny_qwen, mtp_artifact, capsys):
     for artifact, args, expected in (
         (tiny_qwen, ["--spec", "mtp", "--draft-tokens", "3"], f"--spec mtp: {tiny_qwen} has no MTP head"),
-        (mtp_artifact, ["--spec", "dflash", "--draft-tokens", "7"], f"--spec dflash: {mtp_artifact} has no DFLASH"),
+        (mtp_artifact, ["--spec", "dflash", "--draft-tokens", "7"],
+         f"--spec dflash: {mtp_artifact}: no DFLASH drafter companion: neither {mtp_artifact}/dflash nor "
+         f"{mtp_artifact}-dflash holds a config.json"),
     ):
         assert serve_main([artifact, "--port", str(free_port()), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
