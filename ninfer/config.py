@@ -15,6 +15,12 @@ DEFAULT_HOST_KV_MIB = 8192
 # rows wait ~100 ms) rather than fewer for nothing, and a step with no decode rows a whole 8K.
 DEFAULT_PREFILL_CHUNK = 8192
 DEFAULT_MIXED_PREFILL_CHUNK = 1024
+def spare_kv_tokens(num_draft_tokens: int) -> int:
+    """KV positions a request holds past its prompt and output: a speculative round writes the
+    pending token and K draft places past the last committed token (0 without speculation)."""
+    return num_draft_tokens + 1 if num_draft_tokens else 0
+
+
 # Speculative backends and the draft counts each accepts (--spec, --draft-tokens).
 SPEC_DRAFT_RANGES = {"mtp": (1, 5), "dflash": (1, 15), "dflash2": (1, 15)}
 
@@ -51,7 +57,7 @@ class EngineConfig:
     spec: str | None = None  # speculative backend: mtp | dflash | dflash2; None: plain decode
     draft_tokens: int | None = None  # drafts verified per round (required with spec)
     lm_head_draft: bool = False  # draft through the reduced-vocabulary proposal head
-    # Each request drafts only while its acceptance pays for the round (scheduler/draft_policy.py);
+    # Each request drafts only while its acceptance pays for the round (engine/draft_policy.py);
     # --no-adaptive-drafts verifies K drafts every round.
     adaptive_drafts: bool = True
 
@@ -95,9 +101,7 @@ class EngineConfig:
 
     @property
     def spare_kv_tokens(self) -> int:
-        """KV positions a request holds past its prompt and output: a speculative round writes
-        the pending token and K draft places past the last committed token."""
-        return self.num_draft_tokens + 1 if self.num_draft_tokens else 0
+        return spare_kv_tokens(self.num_draft_tokens)
 
     @property
     def kv_tokens(self) -> int:

@@ -74,9 +74,10 @@ class DraftPolicy:
     def worth_drafting(self, context: int) -> bool:
         return expected_tokens(self.acceptance, self.num_drafts) > MARGIN * round_cost_ratio(self.num_drafts, context)
 
-    def wants_drafts(self) -> bool:
-        """Whether the next round should verify this request's drafts (probes included)."""
-        return self.drafting or self.plain_rounds >= self.probe_interval
+    def wants_drafts(self, rounds_ahead: int = 0) -> bool:
+        """Whether the next round (or the one after rounds_ahead more plain rounds) should verify
+        this request's drafts, probes included."""
+        return self.drafting or self.plain_rounds + rounds_ahead >= self.probe_interval
 
     def observe(self, num_drafted: int, num_accepted: int, context: int) -> None:
         """A verified round: num_accepted of num_drafted drafts kept (a round without drafts

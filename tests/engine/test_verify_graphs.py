@@ -27,6 +27,11 @@ def with_uncaptured_graphs(core: EngineCore) -> list[int]:
     graphs = VerifyGraphs(runner.model, runner.kv_cache, runner.state_cache, runner.speculator, [1, 2, 3], max_pages)
     graphs.run_uncaptured()
     runner.verify_graphs = graphs
+    return count_rounds(graphs)
+
+
+def count_rounds(graphs: VerifyGraphs) -> list[int]:
+    """From now on, the batch size of each round `graphs` runs."""
     rounds: list[int] = []
     replay = graphs.run
 

@@ -31,6 +31,7 @@ from ninfer.kernels.gated_delta_rule import commit_gated_delta_rule
 from ninfer.kernels.gated_delta_rule import ref as gdn_ref
 from ninfer.testing.oracle_drafter import TableOracleDrafter
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
+from tests.engine.test_verify_graphs import count_rounds
 from tests.gpu.graph_replay import assert_replay_equals_eager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -152,15 +153,7 @@ def _run(core: EngineCore, arrivals, lockstep: EngineCore | None = None, max_ste
 def _count_rounds(core: EngineCore) -> list[int]:
     graphs = core.runner.verify_graphs
     assert graphs is not None, "verify graphs were not captured"
-    rounds: list[int] = []
-    run = graphs.run
-
-    def counted(chunks):
-        rounds.append(len(chunks))
-        return run(chunks)
-
-    graphs.run = counted
-    return rounds
+    return count_rounds(graphs)
 
 
 def test_verify_graph_rounds_equal_eager_rounds_bit_for_bit(root) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from ninfer.config import spare_kv_tokens
 from ninfer.contract.output import (
     DegradationUnits,
     EngineOutput,
@@ -31,6 +32,7 @@ from ninfer.contract.output import (
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
+from ninfer.engine.draft_policy import DraftPolicy
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.sampler import fresh_seed
 from ninfer.engine.scheduler.checkpoints import capture_frontiers
@@ -46,7 +48,6 @@ from ninfer.engine.scheduler.step import (
     SlotAction,
     SpillPages,
 )
-from ninfer.engine.draft_policy import DraftPolicy
 from ninfer.engine.sequence import Sequence, SequenceStatus
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
@@ -153,10 +154,8 @@ class Admission:
 
     @property
     def spare_tokens(self) -> int:
-        """KV reserved past prompt + output: a speculative round's fixed-shape rows (CUDA graphs
-        verify every request's whole draft window) write up to draft_tokens + 1 positions past
-        the last committed token."""
-        return self.limits.num_draft_tokens + 1 if self.limits.num_draft_tokens else 0
+        """KV reserved past prompt + output for a speculative round's draft window."""
+        return spare_kv_tokens(self.limits.num_draft_tokens)
 
     def _context_error(self, request: EngineRequest, message: str) -> EngineOutput:
         return error_output(

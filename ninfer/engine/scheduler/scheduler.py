@@ -290,7 +290,7 @@ class Scheduler:
         policies = [s.draft_policy for s in decode_ready]
         if any(p is None for p in policies):
             return True
-        return any(p.drafting or p.plain_rounds + ahead >= p.probe_interval for p in policies)
+        return any(p.wants_drafts(rounds_ahead=int(ahead)) for p in policies)
 
     def _speculates(self, seq: Sequence, drafting: bool) -> bool:
         """A decode row of a drafting step becomes a speculative round when exactly one token is
