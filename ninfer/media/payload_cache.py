@@ -162,7 +162,7 @@ class PayloadCache:
                 raise MediaBudgetExceeded(
                     f"media needs {nbytes} bytes of preprocessing memory, above the {self.live_bytes_limit}-byte limit"
                 )
-            self._evict_until(lambda: self._live_bytes() + nbytes <= self.live_bytes_limit)
+            self._evict_until(lambda: self._live_bytes() + nbytes <= self.live_bytes_limit, unreferenced_only=True)
             if self._live_bytes() + nbytes > self.live_bytes_limit:
                 raise MediaBudgetExceeded(
                     f"media needs {nbytes} bytes of preprocessing memory; "
@@ -196,12 +196,17 @@ class PayloadCache:
         self._retained[key] = None
         self._retained_bytes += nbytes
 
-    def _evict_until(self, fits) -> None:
-        """Drop the cache's hold on least recently used payloads until `fits()` (caller holds the lock)."""
+    def _evict_until(self, fits, unreferenced_only: bool = False) -> None:
+        """Drop the cache's hold on least recently used payloads until `fits()` (caller holds the lock).
+
+        Freeing live bytes only helps with unreferenced payloads, so that caller skips referenced ones.
+        """
         for key in list(self._retained):
             if fits():
                 return
             entry = self._entries[key]
+            if unreferenced_only and entry.references:
+                continue
             del self._retained[key]
             entry.retained = False
             self._retained_bytes -= entry.media.nbytes

@@ -144,8 +144,15 @@ def resize_frame(frame: np.ndarray, height: int, width: int) -> np.ndarray:
     return resized.clamp_(0, 255).round_().to(torch.uint8)[0].permute(1, 2, 0).numpy()
 
 
-def prepare_video(data: bytes, settings: VideoSettings) -> PackedPatches:
-    """Decode the sampled frames, resize each as it arrives, pad to whole temporal groups and pack."""
+class PreparationStopped(Exception):
+    """Nobody wants the result any more (every interested request was cancelled)."""
+
+
+def prepare_video(data: bytes, settings: VideoSettings, keep_going=lambda: True) -> PackedPatches:
+    """Decode the sampled frames, resize each as it arrives, pad to whole temporal groups and pack.
+
+    `keep_going()` is asked once per decoded frame, so an abandoned long video stops early.
+    """
     container, stream = _open(data)
     try:
         video_plan = _plan(container, stream, settings)
@@ -154,6 +161,8 @@ def prepare_video(data: bytes, settings: VideoSettings) -> PackedPatches:
         last_index = video_plan.frame_indices[-1]
         frames: list[np.ndarray] = []
         for index, frame in enumerate(container.decode(stream)):
+            if not keep_going():
+                raise PreparationStopped()
             if index in wanted:
                 frames.append(resize_frame(frame.to_ndarray(format="rgb24"), plan.resized_height, plan.resized_width))
             if index >= last_index:
