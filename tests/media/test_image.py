@@ -42,7 +42,7 @@ def reference():
         (1000, 6, "RGB", "PNG"),  # aspect ratio 166.7, near the 200 limit
         (7, 1380, "L", "JPEG"),  # aspect ratio 197
         (299, 1001, "RGB", "JPEG"),  # no side a multiple of 32
-        (4500, 4000, "RGB", "JPEG"),  # above max pixels: shrunk
+        pytest.param(4500, 4000, "RGB", "JPEG", marks=pytest.mark.slow),  # above max pixels: shrunk (13 s)
     ],
 )
 def test_patches_equal_transformers(reference, width, height, mode, image_format):
@@ -55,6 +55,25 @@ def test_patches_equal_transformers(reference, width, height, mode, image_format
     # Bit-exact: the reference's float32 values rounded to BF16 as torch casts them.
     assert torch.equal(ours.patches, expected["pixel_values"].to(torch.bfloat16))
     assert ours.timestamps_s is None
+
+
+def test_shrink_path_equals_transformers_with_a_smaller_pixel_ceiling():
+    # The shrink branch at full scale needs a >16 M pixel image (the slow case above); a lower
+    # ceiling exercises the same arithmetic on a small one.
+    data = image_bytes(900, 700, "RGB", "JPEG")
+    small_ceiling = Qwen2VLImageProcessorPil(
+        size={"longest_edge": 200_000, "shortest_edge": 65536},
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    ours = prepare_image(data, ImageSettings(max_pixels=200_000))
+    expected = small_ceiling(Image.open(io.BytesIO(data)), return_tensors="pt")
+    assert list(ours.grid_thw) == expected["image_grid_thw"][0].tolist()
+    assert ours.grid_thw[1] * ours.grid_thw[2] * 256 <= 200_000
+    assert torch.equal(ours.patches, expected["pixel_values"].to(torch.bfloat16))
 
 
 def test_plan_matches_preparation_without_decoding():
