@@ -35,7 +35,7 @@ class MediaPlacement:
 
 
 @dataclass(frozen=True)
-class VisionBlock:
+class PlaceholderBlock:
     """One contiguous run of placeholders: an image, or one temporal step of a video."""
 
     start: int  # prompt index of its first token
@@ -64,7 +64,7 @@ def text_positions(start: int, end: int, rope_delta: int = 0, device: torch.devi
 class MropeLayout:
     num_tokens: int  # the prompt's length
     rope_delta: int  # largest prompt position + 1 - num_tokens: added to decode indices
-    blocks: tuple[VisionBlock, ...]  # in prompt order
+    blocks: tuple[PlaceholderBlock, ...]  # in prompt order
     # position - index of the text before block i (text_offsets[i]) and after the last block (the last entry)
     text_offsets: tuple[int, ...]
 
@@ -148,7 +148,7 @@ def build_mrope_layout(
             )
 
     runs.sort()
-    blocks: list[VisionBlock] = []
+    blocks: list[PlaceholderBlock] = []
     text_offsets = [0]
     previous_end = 0
     max_position = -1
@@ -157,7 +157,7 @@ def build_mrope_layout(
             raise ValueError(f"media placeholder runs overlap at token {start}")
         if start > previous_end:  # the text before this block
             max_position = max(max_position, start - 1 + text_offsets[-1])
-        block = VisionBlock(start=start, base=start + text_offsets[-1], frames=frames, rows=rows, cols=cols)
+        block = PlaceholderBlock(start=start, base=start + text_offsets[-1], frames=frames, rows=rows, cols=cols)
         blocks.append(block)
         max_position = max(max_position, block.base + max(frames, rows, cols) - 1)
         text_offsets.append(block.base + block.advance - block.end)
