@@ -87,6 +87,13 @@ def attention_groups(grids: Sequence[GridTHW], device: torch.device) -> list[Att
     return groups
 
 
+def axial_inverse_frequencies(config: VisionConfig) -> torch.Tensor:
+    """head_dim / 4 frequencies, shared by the h and w axes: each axis rotates half a head."""
+    axis_dim = config.head_dim // 2
+    exponents = torch.arange(0, axis_dim, 2, dtype=torch.float32) / axis_dim
+    return 1.0 / config.rope_theta**exponents
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -155,8 +162,8 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, config: VisionConfig):
         super().__init__()
-        kernel = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel[1:], stride=kernel[1:], bias=True)
+        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel, bias=True)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
@@ -184,16 +191,6 @@ class VisionTower(nn.Module):
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList([VisionBlock(config) for _ in range(config.depth)])
         self.merger = PatchMerger(config)
-        # Axial RoPE: a quarter of head_dim frequencies per spatial axis (h, then w), halves duplicated.
-        axis_dim = config.head_dim // 2
-        exponents = torch.arange(0, axis_dim, 2, dtype=torch.float32) / axis_dim
-        self.register_buffer("inv_freq", 1.0 / config.rope_theta**exponents, persistent=False)
-
-    def reset_buffers(self) -> None:
-        """Recompute the frequencies after the tower was built on the meta device."""
-        axis_dim = self.config.head_dim // 2
-        exponents = torch.arange(0, axis_dim, 2, dtype=torch.float32) / axis_dim
-        self.inv_freq = (1.0 / self.config.rope_theta**exponents).to(self.pos_embed.weight.device)
 
     def layout(self, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> VisionLayout:
         grids = grid_list(grid_thw)
@@ -215,7 +212,9 @@ class VisionTower(nn.Module):
             row_parts.append(rows.repeat(t))
             col_parts.append(cols.repeat(t))
         rows, cols = torch.cat(row_parts).float(), torch.cat(col_parts).float()
-        angles = torch.cat((rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq), dim=-1)
+        # Computed per call rather than kept as a buffer, which .to(bfloat16) would round.
+        inv_freq = axial_inverse_frequencies(self.config).to(device)
+        angles = torch.cat((rows[:, None] * inv_freq, cols[:, None] * inv_freq), dim=-1)
         angles = torch.cat((angles, angles), dim=-1)
         return VisionLayout(
             grids=grids,

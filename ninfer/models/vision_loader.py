@@ -44,9 +44,7 @@ def build_vision_tower(config: VisionConfig, dtype: torch.dtype, device: torch.d
     """An uninitialised tower with storage on `device` (no weights read)."""
     with torch.device("meta"):
         tower = VisionTower(config).to(dtype)
-    tower = tower.to_empty(device=device)
-    tower.reset_buffers()
-    return tower
+    return tower.to_empty(device=device)
 
 
 def load_vision_weights(
