@@ -1,7 +1,9 @@
 """Qwen3.5 vision tower: parity with transformers' Qwen3_5VisionModel, batching, loading.
 
 Tolerances: fp32 merged embeddings within atol 2e-5 of transformers (|out| ~ 3; observed
-~4e-6, from the patch matmul vs Conv3d and the summation order of the resampled position grid).
+~3e-6, from the patch matmul vs Conv3d and the summation order of the resampled position grid).
+bf16: both bf16 towers against transformers' fp32 output, ours within 1.5x of transformers' error
+(observed 0.021 vs 0.020 max abs on |out| ~ 3).
 """
 
 from __future__ import annotations
