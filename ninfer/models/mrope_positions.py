@@ -29,7 +29,7 @@ VIDEO = "video"
 class MediaPlacement:
     """One image or video of a prompt, as the vision tower sees it."""
 
-    modality: str  # IMAGE or VIDEO
+    modality: str  # IMAGE or VIDEO (a str Enum of those values, e.g. ninfer.media.Modality, works too)
     grid_thw: tuple[int, int, int]  # the tower's patch grid (temporal steps, patch rows, patch columns)
     start: int  # prompt index of its first placeholder token (a video's: its first step's)
 
@@ -119,28 +119,30 @@ def build_mrope_layout(
     }
     covered = {IMAGE: 0, VIDEO: 0}
     for item in media:
-        if item.modality not in pad_indices:
+        # A str-valued Enum (ninfer.media's Modality) compares equal to its value but hashes by name.
+        modality = getattr(item.modality, "value", item.modality)
+        if modality not in pad_indices:
             raise ValueError(f"media modality {item.modality!r} is not {IMAGE!r} or {VIDEO!r}")
         t, h, w = (int(v) for v in item.grid_thw)
         if t < 1 or h < merge or w < merge or h % merge or w % merge:
-            raise ValueError(f"{item.modality} grid {item.grid_thw}: h and w must be positive multiples of {merge}")
+            raise ValueError(f"{modality} grid {item.grid_thw}: h and w must be positive multiples of {merge}")
         rows, cols = h // merge, w // merge
         # An image is one block of t frames; a video is t one-frame blocks, one per placeholder run.
-        frames, steps = (t, 1) if item.modality == IMAGE else (1, t)
+        frames, steps = (t, 1) if modality == IMAGE else (1, t)
         run_length = frames * rows * cols
-        indices = pad_indices[item.modality]
+        indices = pad_indices[modality]
         first = int(torch.searchsorted(indices, item.start))
         for step in range(steps):
             run = indices[first + step * run_length : first + (step + 1) * run_length]
-            where = f"{item.modality} at token {item.start}" + (f" (step {step} of {steps})" if steps > 1 else "")
+            where = f"{modality} at token {item.start}" + (f" (step {step} of {steps})" if steps > 1 else "")
             if step == 0 and (run.numel() == 0 or int(run[0]) != item.start):
-                raise ValueError(f"{where}: token {item.start} is not a {item.modality} placeholder")
+                raise ValueError(f"{where}: token {item.start} is not a {modality} placeholder")
             if run.numel() < run_length:
                 raise ValueError(f"{where}: needs {run_length} placeholder tokens, the prompt has {run.numel()} left")
             if int(run[-1]) - int(run[0]) != run_length - 1:
                 raise ValueError(f"{where}: its {run_length} placeholder tokens are not one run from {int(run[0])}")
             runs.append((int(run[0]), frames, rows, cols))
-        covered[item.modality] += steps * run_length
+        covered[modality] += steps * run_length
     for modality, indices in pad_indices.items():
         if covered[modality] != indices.numel():
             raise ValueError(

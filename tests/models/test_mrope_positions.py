@@ -4,6 +4,8 @@ of the whole prompt's positions (chunked prefill, prefix reuse, decode)."""
 
 from __future__ import annotations
 
+from enum import Enum
+
 import pytest
 import torch
 import transformers as tf
@@ -166,3 +168,14 @@ def test_video_steps_must_each_be_one_run():
     broken[prompt.media[0].start + 1] = 5  # splits the first step's run
     with pytest.raises(ValueError, match=r"\(step 0 of 2\): its 4 placeholder tokens are not one run"):
         mrope_positions(broken, prompt.media)
+
+
+class Modality(str, Enum):  # the shape of ninfer.media's modality: equal to its value, hashed by name
+    IMAGE = "image"
+    VIDEO = "video"
+
+
+def test_placements_may_name_modalities_with_a_str_enum():
+    prompt = Prompt().text(2).image(4, 4).video(2, 2, 4)
+    as_enum = [MediaPlacement(Modality(m.modality), m.grid_thw, m.start) for m in prompt.media]
+    assert torch.equal(mrope_positions(prompt.ids, as_enum)[0], mrope_positions(prompt.ids, prompt.media)[0])
