@@ -119,8 +119,7 @@ def build_mrope_layout(
     }
     covered = {IMAGE: 0, VIDEO: 0}
     for item in media:
-        # A str-valued Enum (ninfer.media's Modality) compares equal to its value but hashes by name.
-        modality = getattr(item.modality, "value", item.modality)
+        modality = item.modality
         if modality not in pad_indices:
             raise ValueError(f"media modality {item.modality!r} is not {IMAGE!r} or {VIDEO!r}")
         t, h, w = (int(v) for v in item.grid_thw)

@@ -170,7 +170,7 @@ def test_video_steps_must_each_be_one_run():
         mrope_positions(broken, prompt.media)
 
 
-class Modality(str, Enum):  # the shape of ninfer.media's modality: equal to its value, hashed by name
+class Modality(str, Enum):  # the shape of ninfer.media.Modality, what the lead will pass
     IMAGE = "image"
     VIDEO = "video"
 
