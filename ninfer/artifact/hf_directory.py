@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,12 +113,19 @@ class SafetensorsWeights:
         stored = set(self.shapes)
         return {name: self.shapes[name] for name in self.names if name + _SCALE_SUFFIX in stored}
 
-    def read(self, keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def read(
+        self, keep_fp8: bool = False, only: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """keep_fp8: yield each fp8_weights entry as stored, right after its `_scale_inv` scales;
-        otherwise block-scaled weights come dequantized exactly to bf16."""
+        otherwise block-scaled weights come dequantized exactly to bf16.
+        only: read just the tensors whose names it accepts (e.g. the vision tower's)."""
         file_of = {name: file for file, names in self.names_by_file.items() for name in names}
         kept = self.fp8_weights if keep_fp8 else {}
         for file, names in self.names_by_file.items():
+            if only is not None:
+                names = [name for name in names if only(name)]
+                if not names:
+                    continue
             with safe_open(file, framework="pt", device="cpu") as handle:
                 for name in names:
                     if self.fp8_block is not None and name.endswith(_SCALE_SUFFIX):
