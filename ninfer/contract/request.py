@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ninfer.contract.media import MediaInput
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingParams
 
@@ -36,3 +37,5 @@ class EngineRequest(msgspec.Struct, frozen=True):
     session_key: str | None = None  # chain identity for preferring its checkpoints
     endpoint_path: ReusePath = ReusePath.PRIVATE_ENDPOINT  # label of this request's own checkpoints
     deadline: float | None = None  # time.monotonic() by which admission must happen
+    # Images and videos in prompt order; their tokens in prompt_token_ids are the placeholder ids.
+    media: list[MediaInput] = []

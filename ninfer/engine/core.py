@@ -77,9 +77,10 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
         drafter=None,
         draft_model: DflashDraftModel | None = None,
+        vision_tower: torch.nn.Module | None = None,
     ):
         """drafter: a stand-in for the speculative backend's drafter (tests); draft_model: the
-        DFlash / DFlash2 drafter of --spec dflash|dflash2."""
+        DFlash / DFlash2 drafter of --spec dflash|dflash2; vision_tower: with --vision."""
         self.config = config
         self.tokenizer = tokenizer
         self.clock = clock
@@ -144,6 +145,7 @@ class EngineCore:
             max_batch=config.max_concurrency,
             spec_backend=config.spec or "mtp",
             draft_model=draft_model,
+            vision_tower=vision_tower,
         )
         self.failed: str | None = None
         overlap = config.decode_overlap

@@ -62,8 +62,9 @@ log = logging.getLogger("ninfer.engine")
 # Rows of the int64 buffer [_NUM_INT_ROWS, max_batch]. The host fills the first
 # _NUM_HOST_INTS (one contiguous host->device copy per step); the sampling graphs write
 # _SAMPLED. _TOKEN_SOURCE is each row's flat index into the buffer: its own _TOKEN entry,
-# or the _SAMPLED entry of the previous round's row for the same request.
-_TOKEN, _TOKEN_SOURCE, _POSITION, _SLOT, _STATE_SLOT, _TOP_K, _GREEDY, _SAMPLED = range(8)
+# or the _SAMPLED entry of the previous round's row for the same request. _ROPE_OFFSET is what
+# a request with media adds to its rows' rotary positions (ScheduledChunk.rope_offset).
+_TOKEN, _TOKEN_SOURCE, _POSITION, _ROPE_OFFSET, _SLOT, _STATE_SLOT, _TOP_K, _GREEDY, _SAMPLED = range(9)
 _NUM_HOST_INTS = _SAMPLED
 _NUM_INT_ROWS = _SAMPLED + 1
 _NUM_FLOAT_PARAMS = 5  # SamplingBatch.row_floats columns, then TOP_K_CAP noise columns
@@ -199,7 +200,7 @@ class DecodeGraphs:
         state_slots = cols[_STATE_SLOT]
         token_ids = self.ints.view(-1).index_select(0, cols[_TOKEN_SOURCE])
         batch = ForwardBatch(
-            positions=positions.unsqueeze(0).expand(3, -1) if self.mrope else positions,
+            positions=(positions + cols[_ROPE_OFFSET]).unsqueeze(0).expand(3, -1) if self.mrope else positions,
             query_start_loc=self.query_start_loc[: batch_size + 1],
             seq_lens=(positions + 1).to(torch.int32),
             page_table=self.page_table[:batch_size],
@@ -285,6 +286,7 @@ class DecodeGraphs:
             else:
                 ints[_TOKEN_SOURCE, row] = _SAMPLED * max_batch + chunk.previous_row
             ints[_POSITION, row] = pos
+            ints[_ROPE_OFFSET, row] = chunk.rope_offset
             ints[_SLOT, row] = chunk.page_ids[pos // page_size] * page_size + pos % page_size
             ints[_STATE_SLOT, row] = chunk.state_slot
             self.pages.upload(row, chunk.page_ids)

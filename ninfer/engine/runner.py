@@ -31,6 +31,7 @@ import torch
 from ninfer.engine.cuda_graphs import DecodeGraphs, graph_blocker
 from ninfer.engine.host_kv import HostKV
 from ninfer.engine.host_states import HostStates
+from ninfer.engine.media_embeddings import MediaEmbeddings
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.sampler import Sampler, SamplingBatch
 from ninfer.engine.scheduler import (
@@ -81,6 +82,7 @@ class ModelRunner:
         max_batch: int | None = None,
         spec_backend: str = "mtp",
         draft_model: DflashDraftModel | None = None,
+        vision_tower: torch.nn.Module | None = None,
     ):
         """cuda_graph_batch_sizes: decode batch sizes to capture a CUDA graph for (on CUDA,
         when the model allows it; other sizes decode eagerly); max_context bounds the
@@ -89,7 +91,7 @@ class ModelRunner:
         head, or draft_model for dflash / dflash2; `drafter`: tests' stand-ins), proposals
         through the reduced-vocabulary head with lm_head_draft (draft_extra_token_ids: the added
         tokens it keeps). max_batch: requests in a step at most (default: the largest graph
-        batch, else the state slots)."""
+        batch, else the state slots). vision_tower: encodes the media of prompt steps (--vision)."""
         self.model = model
         param = next(model.parameters())
         self.device = param.device
@@ -114,6 +116,7 @@ class ModelRunner:
         self.host_states = HostStates(self.state_cache, self.slot_logits, num_host_state_slots, extra)
         self.host_kvs = [HostKV(cache, num_host_kv_pages) for cache in self.paged_caches]
         self.mrope = model.config.mrope_section is not None
+        self.media = MediaEmbeddings(vision_tower, self.device) if vision_tower is not None else None
         self.sampler = Sampler()
         # Every running request holds a state slot, so no step has more rows than slots.
         pin = self.device.type == "cuda"
@@ -327,6 +330,25 @@ class ModelRunner:
         if commits:
             speculator.commit(commits)
 
+    def _media_rows(
+        self, chunks: list[ScheduledChunk], tokens: np.ndarray, staging: HostStaging, batch: ForwardBatch
+    ) -> None:
+        """Encode the step's media items not yet encoded and point the batch's media rows at their
+        tower output; the identity ids in `tokens` become token 0 (its embedding is replaced)."""
+        items = [item for c in chunks for item in c.media]
+        if not items:
+            return
+        if self.media is None:
+            raise RuntimeError("a request with media reached an engine without a vision tower")
+        self.media.encode(items)
+        gathered = self.media.gather(tokens)
+        if gathered is None:
+            return
+        rows, embeds = gathered
+        tokens[rows] = 0
+        batch.media_rows = staging.add(rows.astype(np.int64))
+        batch.media_embeds = embeds
+
     def _forward(
         self, chunks: list[ScheduledChunk], staging: HostStaging, num_verify: int = 0
     ) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor]:
@@ -356,9 +378,11 @@ class ModelRunner:
             logits_indices=logits_rows,
             staging=staging,
             mrope=self.mrope,
+            rope_positions=[c.rope_positions for c in chunks],
         )
-        tokens = chain.from_iterable(c.token_ids for c in chunks)
-        input_ids = staging.add(np.fromiter(tokens, dtype=np.int64, count=batch.num_tokens))
+        tokens = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64, count=batch.num_tokens)
+        self._media_rows(chunks, tokens, staging, batch)
+        input_ids = staging.add(tokens)
         logits_slots_device = staging.add(np.array(logits_slots, dtype=np.int64))
         chained = staging.add(np.array([chained_offsets, chained_rows], dtype=np.int64)) if chained_offsets else None
         staging.flush()

@@ -10,11 +10,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ninfer.contract.output import EngineTiming, Materialization, PromptProgress, SpeculativeCounters, Timings
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.draft_policy import DraftPolicy
+from ninfer.models.mrope_positions import MediaPlacement, build_mrope_layout
 from ninfer.engine.stop_checker import StopChecker
 
 
@@ -55,11 +58,38 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)  # proposals to follow the last committed token
     speculative: SpeculativeCounters | None = None  # set at admission when a backend is loaded
     draft_policy: DraftPolicy | None = None  # with adaptive drafts: whether its next round drafts
+    # With media: the prompt's (t, h, w) rotary positions [3, prompt_len], and what every later
+    # token adds to its index (negative: a media block advances the positions less than its tokens).
+    rope_positions: np.ndarray | None = None
+    rope_offset: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.request.prompt_token_ids)
+            for item in self.request.media:
+                # Media tokens carry their identity ids (contract/media.py): prefix reuse then
+                # matches media by content, and the runner finds each token's tower row.
+                ids = iter(item.identity_ids())
+                for start, end in item.token_spans():
+                    self.token_ids[start:end] = [next(ids) for _ in range(end - start)]
+        if self.request.media and self.rope_positions is None:
+            placements = [MediaPlacement(m.modality, m.grid_thw, m.token_starts[0]) for m in self.request.media]
+            layout = build_mrope_layout(self.request.prompt_token_ids, placements)
+            self.rope_positions, self.rope_offset = layout.positions().numpy(), layout.rope_delta
         self.thinking_open = self.request.thinking_budget is not None
+
+    @property
+    def has_media(self) -> bool:
+        return bool(self.request.media)
+
+    def chunk_rope_positions(self, start: int, end: int) -> np.ndarray:
+        """Rotary positions [3, end - start] of tokens [start, end) of a request with media."""
+        prompt_end = min(end, self.prompt_len)
+        parts = [self.rope_positions[:, start:prompt_end]] if start < prompt_end else []
+        if end > self.prompt_len:
+            later = np.arange(max(start, self.prompt_len), end, dtype=np.int64) + self.rope_offset
+            parts.append(np.broadcast_to(later, (3, len(later))))
+        return np.concatenate(parts, axis=1) if len(parts) > 1 else np.ascontiguousarray(parts[0])
 
     @property
     def request_id(self) -> str:

@@ -124,6 +124,9 @@ class ForwardBatch:
     # written for every row into aux_hidden [T, len(aux_layer_ids), H] (preallocated by the caller).
     aux_layer_ids: tuple[int, ...] = ()
     aux_hidden: torch.Tensor | None = None
+    # Media: these flat rows take the vision tower's output [M, H] instead of their token embedding.
+    media_rows: torch.Tensor | None = None
+    media_embeds: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -213,10 +216,14 @@ class ForwardBatch:
         logits_indices: Sequence[int],
         staging: HostStaging,
         mrope: bool = False,
+        rope_positions: Sequence[np.ndarray | None] | None = None,
     ) -> ForwardBatch:
         """build() with text positions and the page table given as each request's page ids
         (rows padded with page 0), packed into `staging`: the tensors hold their values on
-        staging.device once the caller has flushed it."""
+        staging.device once the caller has flushed it.
+
+        rope_positions (MRoPE models): per request, its tokens' [3, query_len] rotary positions
+        where they are not the text positions (a request with media), else None."""
         num_requests = len(query_lens)
         new_tokens = np.asarray(query_lens, dtype=np.int64)
         computed = np.asarray(num_computed_tokens, dtype=np.int64)
@@ -234,8 +241,14 @@ class ForwardBatch:
             rows = np.repeat(np.arange(num_requests), new_tokens)
             pages = table[rows, positions // page_size].astype(np.int64)
             slot_mapping = staging.add(pages * page_size + positions % page_size)
+        rotary = np.broadcast_to(positions, (3, len(positions))) if mrope else positions
+        if mrope and rope_positions is not None and any(p is not None for p in rope_positions):
+            rotary = np.array(rotary)
+            for row, explicit in enumerate(rope_positions):
+                if explicit is not None:
+                    rotary[:, starts[row] : starts[row + 1]] = explicit
         return cls(
-            positions=staging.add(np.broadcast_to(positions, (3, len(positions))) if mrope else positions),
+            positions=staging.add(rotary),
             query_start_loc=staging.add(starts.astype(np.int32)),
             seq_lens=staging.add(seq_lens.astype(np.int32)),
             page_table=staging.add(table),

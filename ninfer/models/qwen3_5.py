@@ -83,6 +83,8 @@ class Qwen3_5Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if batch.media_rows is not None:
+            x = x.index_copy(0, batch.media_rows, batch.media_embeds.to(x.dtype))
         cos, sin = self.rotary_emb(batch.positions, x.dtype)
         residual = None
         aux, aux_ids, last = batch.aux_hidden, batch.aux_layer_ids, len(self.layers) - 1

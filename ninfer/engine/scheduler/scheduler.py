@@ -271,6 +271,7 @@ class Scheduler:
                     num_generated=seq.num_output_tokens - seq.num_forced_tokens + 1,
                     output_token_ids=[],
                     previous_row=row,
+                    **self._media_fields(seq, seq.num_computed_tokens + 1, 1),
                 )
             )
         return self._step(StepKind.DECODE, chunks) if chunks else None
@@ -287,7 +288,10 @@ class Scheduler:
         one in flight, which counts as one more plain round for each policy."""
         if not self.limits.num_draft_tokens:
             return False
-        policies = [s.draft_policy for s in decode_ready]
+        # Requests with media decode plainly: the verify graphs and drafters take text positions.
+        policies = [s.draft_policy for s in decode_ready if not s.has_media]
+        if not policies:
+            return False
         if any(p is None for p in policies):
             return True
         return any(p.wants_drafts(rounds_ahead=int(ahead)) for p in policies)
@@ -297,7 +301,7 @@ class Scheduler:
         to compute. A full-prompt hit samples its stored logits first; forced thinking-close
         tokens are computed as a plain row (the drafter extends its context over it and drafts
         from the next round on), so every verification row has the same shape."""
-        return drafting and seq.num_pending_tokens == 1
+        return drafting and seq.num_pending_tokens == 1 and not seq.has_media
 
     def _speculative_chunk(self, seq: Sequence) -> ScheduledChunk:
         """The pending token and K draft places: as many of the request's drafts as its output
@@ -332,9 +336,25 @@ class Scheduler:
         captures_here = any(f == end for f, _ in seq.capture_frontiers)
         return self._chunk(seq, seq.token_ids[start:end], compute_logits=last or captures_here, sample=last)
 
+    @staticmethod
+    def _media_fields(seq: Sequence, start: int, num_tokens: int) -> dict:
+        """ScheduledChunk's media fields for tokens [start, start + num_tokens) of seq."""
+        if not seq.has_media or not num_tokens:
+            return {}  # no media, or nothing to compute (the slot's stored logits are sampled)
+        end = start + num_tokens
+        return {
+            "rope_positions": seq.chunk_rope_positions(start, end),
+            "rope_offset": seq.rope_offset,
+            "media": tuple(
+                item for item in seq.request.media
+                if any(span_start < end and start < span_end for span_start, span_end in item.token_spans())
+            ),
+        }
+
     def _chunk(self, seq: Sequence, token_ids: list[int], compute_logits: bool, sample: bool) -> ScheduledChunk:
         sample = sample and seq.num_output_tokens < seq.max_new_tokens
         return ScheduledChunk(
+            **self._media_fields(seq, seq.num_computed_tokens, len(token_ids)),
             request_id=seq.request_id,
             token_ids=token_ids,
             num_computed_tokens=seq.num_computed_tokens,

@@ -9,6 +9,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ninfer.contract.media import MediaInput
 from ninfer.contract.sampling import SamplingParams
 
 
@@ -108,6 +111,12 @@ class ScheduledChunk:
     # returns the accepted tokens and new drafts (VerifyOutcome) instead of one sampled id.
     speculative: bool = False
     num_draft_tokens: int = 0
+    # A request with media: its tokens' rotary positions [3, len(token_ids)] (eager steps), what
+    # a decode row adds to its index for them (graph replays), and the items whose tokens this
+    # chunk computes (their identity ids stand in token_ids; the runner encodes their patches).
+    rope_positions: np.ndarray | None = None
+    rope_offset: int = 0
+    media: tuple[MediaInput, ...] = ()
 
 
 @dataclass(frozen=True)
