@@ -73,6 +73,12 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--draft-tokens", type=int, help="drafted tokens verified per round: MTP 1..5, DFlash/DFlash2 1..15 (required with --spec)")
     spec.add_argument("--no-adaptive-drafts", action="store_true", help="verify --draft-tokens drafts every round (default: a request decodes plainly while its acceptance does not pay for the round, and probes again later)")
     spec.add_argument("--lm-head-draft", action="store_true", help="draft through the reduced-vocabulary proposal head (the target still scores the whole vocabulary; default off)")
+    vision = parser.add_argument_group("vision")
+    vision.add_argument("--vision", action="store_true", help="load the vision tower and accept image and video input (default off: media requests get 400 vision_disabled)")
+    vision.add_argument("--media-cache-mib", type=_non_negative_int, default=1024, help="prepared media payloads kept for reuse, LRU; 0 disables retention (default 1024)")
+    vision.add_argument("--media-live-mib", type=int, default=2048, help="all live prepared payloads: cached, in preparation or referenced by requests (default 2048)")
+    vision.add_argument("--media-preprocess-threads", type=_non_negative_int, default=0, help="media decode/resize/pack workers; 0 picks at most 16 from the host's cores (default 0)")
+    vision.add_argument("--media-allow-private-networks", action="store_true", help="let media URLs resolve to loopback, private and link-local addresses (default: refused)")
     engine.add_argument("--in-process-engine", action="store_true", help="run the engine in a thread of the API process instead of its own process")
     gen = parser.add_argument_group("generation")
     gen.add_argument("--default-max-tokens", type=int, default=8192, help="output limit when a request omits one (default 8192)")
@@ -174,6 +180,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         draft_tokens=args.draft_tokens,
         lm_head_draft=args.lm_head_draft,
         adaptive_drafts=not args.no_adaptive_drafts,
+        vision=args.vision,
     )
     config = ServeConfig(
         engine=engine,
@@ -197,6 +204,10 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         response_store_max_records=args.response_store_max_records,
         response_store_max_mib=args.response_store_max_mib,
         request_log_jsonl=args.request_log_jsonl,
+        media_cache_mib=args.media_cache_mib,
+        media_live_mib=args.media_live_mib,
+        media_preprocess_threads=args.media_preprocess_threads,
+        media_allow_private_networks=args.media_allow_private_networks,
         argv=tuple(sys.argv),
     )
     return config, kv_auto

@@ -60,6 +60,7 @@ class EngineConfig:
     # Each request drafts only while its acceptance pays for the round (engine/draft_policy.py);
     # --no-adaptive-drafts verifies K drafts every round.
     adaptive_drafts: bool = True
+    vision: bool = False  # load the vision tower: prompts may carry images and videos
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -171,6 +172,12 @@ class ServeConfig:
     response_store_max_records: int = 1024
     response_store_max_mib: int = 256
     request_log_jsonl: str | None = None  # the measurement log (JSONL), appended to
+    # Media (with engine.vision): prepared payloads kept for reuse, all live payloads, the
+    # preparation pool (0: automatic), and whether URLs may name private-network addresses.
+    media_cache_mib: int = 1024
+    media_live_mib: int = 2048
+    media_preprocess_threads: int = 0
+    media_allow_private_networks: bool = False
     argv: tuple[str, ...] = ()  # the command line, for the server_start record (the API key redacted there)
 
     def __post_init__(self) -> None:
@@ -190,4 +197,8 @@ class ServeConfig:
         check(self.response_store_max_records >= 0, "--response-store-max-records must be >= 0")
         check(self.response_store_max_mib >= 0, "--response-store-max-mib must be >= 0")
         check(self.dtype in ("auto", "bfloat16", "float16", "float32"), "--dtype must be auto, bfloat16, float16 or float32")
+        check(self.media_cache_mib >= 0, "--media-cache-mib must be >= 0")
+        check(self.media_live_mib >= 1, "--media-live-mib must be >= 1")
+        check(self.media_cache_mib <= self.media_live_mib, "--media-cache-mib must not exceed --media-live-mib (retained payloads are live)")
+        check(0 <= self.media_preprocess_threads <= 16, "--media-preprocess-threads must be in 0..16 (0: automatic)")
 

@@ -115,12 +115,18 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
             spec.engine.spec, companion.path, companion.config.num_hidden_layers, companion.config.block_size,
             sum(p.numel() for p in draft_model.parameters()) / 1e9,
         )
+    vision_tower = None
+    if spec.engine.vision:
+        from ninfer.models.vision_loader import load_vision_tower
+
+        vision_tower = load_vision_tower(artifact, device=device, dtype=dtype)
+        log.info("vision tower loaded: %.2fB parameters", sum(p.numel() for p in vision_tower.parameters()) / 1e9)
     engine = spec.engine
     if spec.kv_capacity_auto:
         engine = dataclasses.replace(
             engine, kv_capacity=_auto_kv_tokens(model, artifact.tokenizer, engine, draft_model)
         )
-    core = EngineCore(model, artifact.tokenizer, engine, draft_model=draft_model)
+    core = EngineCore(model, artifact.tokenizer, engine, draft_model=draft_model, vision_tower=vision_tower)
     kv_bytes = sum(cache.k.numel() * cache.k.element_size() * 2 for cache in core.runner.paged_caches)
     core.memory_ledger.update(_AUTO_LEDGER if spec.kv_capacity_auto else {})
     core.memory_ledger.update(

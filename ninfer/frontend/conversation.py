@@ -23,6 +23,7 @@ class MediaPart:
     kind: Literal["image", "video"]
     url: str  # http(s) or data: URI
     cache_breakpoint: bool = False
+    path: str = field(default="", compare=False)  # the request field it came from, named by media errors
 
 
 Part = TextPart | MediaPart

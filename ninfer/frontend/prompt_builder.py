@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import copy
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ninfer.contract.media import MediaInput
 from ninfer.contract.request import CaptureHint
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.frontend.capabilities import TemplateCapabilities
@@ -43,6 +44,7 @@ class PreparedPrompt:
     capture_hints: list[CaptureHint]
     enable_thinking: bool | None  # the value given to the template (None: it has no switch)
     preserve_thinking: bool | None
+    media: list[MediaInput] = field(default_factory=list)  # prepared items, once expanded (media_expansion.py)
 
 
 class PromptBuilder:

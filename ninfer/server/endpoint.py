@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -98,11 +99,29 @@ async def _parse(request: Request, parse, serving: Serving):
     return parse(body, serving)
 
 
-async def prepare_prompt(serving: Serving, conversation: Conversation, param: str, with_capture_hints: bool = True):
+async def prepare_prompt(
+    serving: Serving,
+    conversation: Conversation,
+    param: str,
+    with_capture_hints: bool = True,
+    deadline: float | None = None,
+) -> PreparedPrompt:
+    """The rendered prompt's token ids, with its media acquired, prepared and expanded.
+    deadline: time.monotonic() by which preparation must end (the request's pending deadline)."""
+    media = serving.prompt_media
+    refs = []
+    if media is not None:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        refs = await media.prepare(conversation, left)
     try:
-        return await asyncio.to_thread(serving.prompt_builder.build, conversation, with_capture_hints)
-    except PromptError as exc:
-        raise APIError(400, str(exc), code="invalid_prompt", param=param) from exc
+        try:
+            prepared = await asyncio.to_thread(serving.prompt_builder.build, conversation, with_capture_hints)
+        except PromptError as exc:
+            raise APIError(400, str(exc), code="invalid_prompt", param=param) from exc
+        return media.expand(prepared, refs, param) if refs else prepared
+    finally:
+        for ref in refs:
+            ref.release()
 
 
 def reserve(serving: Serving):
@@ -123,7 +142,9 @@ async def generate(request: Request, serving: Serving, protocol: Protocol) -> Re
     ticket = None
     try:
         ticket = reserve(serving)
-        prepared: PreparedPrompt = await prepare_prompt(serving, parsed.conversation, protocol.prompt_param)
+        prepared: PreparedPrompt = await prepare_prompt(
+            serving, parsed.conversation, protocol.prompt_param, deadline=ticket.deadline
+        )
         generation = Generation(serving, request_id, prepared, parsed.options, ticket, record)
         generation.check_fits()
     except APIError as error:
@@ -174,7 +195,10 @@ async def count_tokens(request: Request, serving: Serving, protocol: Protocol) -
     """The prompt tokens a create with the same input would use: no engine work, no place taken."""
     try:
         conversation = await _parse(request, protocol.parse_count, serving)
-        prepared = await prepare_prompt(serving, conversation, protocol.prompt_param, with_capture_hints=False)
+        deadline = time.monotonic() + serving.config.engine.pending_timeout_ms / 1000
+        prepared = await prepare_prompt(
+            serving, conversation, protocol.prompt_param, with_capture_hints=False, deadline=deadline
+        )
     except APIError as error:
         raise protocol.map_error(error) from None
     return JSONResponse(protocol.count_body(len(prepared.token_ids)))

@@ -130,6 +130,7 @@ class Generation:
             session_key=options.session_key,
             endpoint_path=options.endpoint_path,
             deadline=ticket.deadline,
+            media=prepared.media,
         )
         self.prompt_tokens = len(prepared.token_ids)
         self.cached_tokens = 0

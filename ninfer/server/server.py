@@ -18,7 +18,7 @@ import time
 
 import uvicorn
 
-from ninfer.artifact import open_artifact
+from ninfer.artifact import ArtifactError, open_artifact
 from ninfer.artifact.default_model import open_default_model
 from ninfer.config import ServeConfig
 from ninfer.engine.builder import EngineSpec, build_engine_core
@@ -88,6 +88,8 @@ def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Servin
         artifact_path = config.artifact
         artifact = open_artifact(artifact_path)
     check_speculative(artifact, config.engine)  # before the model loads: a missing drafter fails at once
+    if config.engine.vision and not artifact.hf_config.get("vision_config"):
+        raise ArtifactError(f"--vision: {artifact_path} has no vision tower (its config has no vision_config)")
     spec = EngineSpec(
         artifact_path=artifact_path,
         engine=config.engine,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ninfer.artifact import Artifact
 from ninfer.config import ServeConfig
@@ -23,6 +24,9 @@ from ninfer.server.engine_client import EngineClient
 from ninfer.server.openai_responses.store import ResponseStore
 from ninfer.server.request_context import RequestContext
 from ninfer.server.request_events import RequestEvents
+
+if TYPE_CHECKING:
+    from ninfer.server.prompt_media import PromptMedia
 
 log = logging.getLogger("ninfer.server")
 
@@ -54,6 +58,7 @@ class Serving:
     thinking_close_ids: list[int] = field(default_factory=list)
     response_store: ResponseStore = field(default_factory=ResponseStore)  # stored Responses (LRU)
     events: RequestEvents = field(default_factory=RequestEvents)  # measurement events (request log, metrics)
+    prompt_media: PromptMedia | None = None  # with --vision: acquires, prepares and expands media
 
     @classmethod
     def create(cls, config: ServeConfig, artifact: Artifact, engine: EngineClient) -> Serving:
@@ -90,6 +95,7 @@ class Serving:
             think_end_token_id=think_end,
             thinking_close_ids=close_ids,
             response_store=ResponseStore(config.response_store_max_records, config.response_store_max_mib << 20),
+            prompt_media=_prompt_media(config, tokenizer) if config.engine.vision else None,
         )
 
     def record_server_start(self) -> None:
@@ -123,7 +129,9 @@ class Serving:
 
     @property
     def request_context(self) -> RequestContext:
-        return RequestContext(self.model_id, self.capabilities, self.config.default_max_tokens)
+        return RequestContext(
+            self.model_id, self.capabilities, self.config.default_max_tokens, vision_enabled=self.config.engine.vision
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -167,3 +175,16 @@ def _stop_token_ids(artifact: Artifact) -> list[int]:
         if token_id is not None and token_id not in ids:
             ids.append(token_id)
     return ids
+
+
+def _prompt_media(config: ServeConfig, tokenizer) -> PromptMedia:
+    # Imported only with --vision: the media stack (Pillow, PyAV) is not loaded otherwise.
+    from ninfer.server.prompt_media import PromptMedia
+
+    return PromptMedia.create(
+        tokenizer,
+        config.media_cache_mib,
+        config.media_live_mib,
+        config.media_preprocess_threads,
+        config.media_allow_private_networks,
+    )

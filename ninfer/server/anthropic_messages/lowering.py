@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ninfer.frontend.conversation import Message, TextPart, Tool, ToolCall
+from ninfer.frontend.conversation import MediaPart, Message, TextPart, Tool, ToolCall
 from ninfer.server.anthropic_messages.tool_results import Turn, pair_tool_results
 from ninfer.server.errors import invalid
 from ninfer.server.reasoning_envelope import open_envelope
@@ -36,7 +36,7 @@ from ninfer.server.validation.fields import (
     required_str,
     wrong_type,
 )
-from ninfer.server.validation.media import vision_disabled
+from ninfer.server.validation.media import media_part
 from ninfer.server.validation.tools import check_definition_flags
 
 # Claude Code's attribution block: consumed when it is the first block of an array-form system.
@@ -78,9 +78,14 @@ class _CacheSlot:
     targetable: bool = True  # a top-level block the request-level marker may land on
 
 
+# The image types Anthropic accepts in base64 sources.
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
 class Lowering:
-    def __init__(self) -> None:
+    def __init__(self, vision_enabled: bool = False) -> None:
         self.slots: list[_CacheSlot] = []
+        self.vision_enabled = vision_enabled  # image blocks are vision_disabled otherwise
 
     # -- tools ------------------------------------------------------------------------------
 
@@ -223,7 +228,7 @@ class Lowering:
         elif kind == "image":
             if role != "user":
                 raise invalid(f"{path}.type", f"{path}: image blocks belong to user messages and tool results")
-            raise vision_disabled(path)
+            turn.parts.append(self._image(raw, path))
         elif kind in ("thinking", "redacted_thinking", "tool_use") and role != "assistant":
             raise invalid(f"{path}.type", f"{path}: {kind} blocks belong to assistant messages")
         elif kind == "thinking":
@@ -245,6 +250,32 @@ class Lowering:
         if raw.get("citations"):
             raise cannot_provide(f"{path}.citations", "citations (they need document or search-result sources)")
         part = TextPart(text)
+        self._slot(raw, path, lambda: setattr(part, "cache_breakpoint", True), targetable=targetable)
+        return part
+
+    def _image(self, raw: dict, path: str, *, targetable: bool = True) -> MediaPart:
+        """An image block: a base64 source (one of IMAGE_MEDIA_TYPES) or a URL source."""
+        source = raw.get("source")
+        if source is None:
+            raise invalid(f"{path}.source", f"{path}.source is required", code="missing_required_parameter")
+        source = require_object(source, f"{path}.source")
+        kind = required_str(source, "type", f"{path}.source.type")
+        if kind == "base64":
+            media_type = required_str(source, "media_type", f"{path}.source.media_type")
+            if media_type not in IMAGE_MEDIA_TYPES:
+                raise invalid(
+                    f"{path}.source.media_type",
+                    f"{path}.source.media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}, got {media_type!r}",
+                )
+            data = required_str(source, "data", f"{path}.source.data")
+            url, url_path = f"data:{media_type};base64,{data}", f"{path}.source.data"
+        elif kind == "url":
+            url, url_path = required_str(source, "url", f"{path}.source.url"), f"{path}.source.url"
+        elif kind == "file":
+            raise cannot_provide(f"{path}.source", "file image sources (there is no file store)")
+        else:
+            raise invalid(f"{path}.source.type", f"{path}.source.type must be base64 or url, got {kind!r}")
+        part = media_part("image", url, path, url_path, self.vision_enabled)
         self._slot(raw, path, lambda: setattr(part, "cache_breakpoint", True), targetable=targetable)
         return part
 
@@ -290,7 +321,7 @@ class Lowering:
         if raw.get("toolset_name") is not None:
             raise cannot_provide(f"{path}.toolset_name", "toolsets")
         is_error = optional_bool(raw, "is_error", f"{path}.is_error")
-        parts: list[TextPart] = [TextPart(TOOL_ERROR_MARKER)] if is_error else []
+        parts: list[TextPart | MediaPart] = [TextPart(TOOL_ERROR_MARKER)] if is_error else []
         content = raw.get("content")
         if isinstance(content, str):
             parts.append(TextPart(content))
@@ -302,7 +333,7 @@ class Lowering:
                 if kind == "text":
                     parts.append(self._text(block, block_path, targetable=False))
                 elif kind == "image":
-                    raise vision_disabled(block_path)
+                    parts.append(self._image(block, block_path, targetable=False))
                 elif kind == "tool_reference":
                     parts.append(TextPart(required_str(block, "tool_name", f"{block_path}.tool_name") + "\n"))
                 elif kind in UNSUPPORTED_BLOCKS:

@@ -109,7 +109,7 @@ def parse_messages_request(body: Any, context: RequestContext, *, count_only: bo
     effort = _effort(body, caps, notes)
     preserve = check_preserve_thinking(optional_bool(body, "preserve_thinking", "preserve_thinking"), None, caps)
 
-    lowering = Lowering()
+    lowering = Lowering(context.vision_enabled)
     tools, schemas = lowering.tools(body)  # tools, then system, then messages: Anthropic's prefix order
     messages = lowering.system(body)
     history, prefill = lowering.messages(body)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ninfer.frontend.conversation import Conversation, Message, Part, TextPart, ToolCall
+from ninfer.frontend.conversation import Conversation, MediaPart, Message, Part, TextPart, ToolCall
 from ninfer.server.errors import invalid
 from ninfer.server.openai_responses.tools import tool_identity
 from ninfer.server.validation.cache_markers import limit_cache_writes
@@ -65,7 +65,7 @@ class _HistoryAssembler:
 
     def __init__(self) -> None:
         self.messages: list[Message] = []
-        self.fresh_breakpoints: list[TextPart] = []  # explicit markers of this request, in order
+        self.fresh_breakpoints: list[TextPart | MediaPart] = []  # explicit markers of this request, in order
         self._turn: Message | None = None
         self._turn_stage = 0
         self._turn_refs: list[tuple[str | None, str]] = []
@@ -86,7 +86,7 @@ class _HistoryAssembler:
         if item["role"] == "user":
             self._pending = None  # results after a new user turn cannot be placed
         role = item["role"]
-        self.messages.append(Message(role=role, content=self._parts(item["content"], fresh)))
+        self.messages.append(Message(role=role, content=self._parts(item["content"], fresh, f"{path}.content")))
 
     def finish(self) -> list[Message]:
         self._flush_results()
@@ -113,7 +113,7 @@ class _HistoryAssembler:
         if item["type"] == "reasoning":
             turn.reasoning = (turn.reasoning or "") + "".join(part["text"] for part in item["content"])
         elif item["type"] == "message":
-            turn.content.extend(self._parts(item["content"], fresh))
+            turn.content.extend(self._parts(item["content"], fresh, f"{path}.content"))
         else:
             call_id = item["call_id"]
             if any(call.call_id == call_id for call in turn.tool_calls):
@@ -173,14 +173,23 @@ class _HistoryAssembler:
             )
         pending.answered += len(ordered)
         for index in expected:
-            item, _, fresh = ordered[index]
+            item, path, fresh = ordered[index]
             output = item["output"]
-            content = self._parts(output, fresh) if isinstance(output, list) else [TextPart(output)]
+            content = self._parts(output, fresh, f"{path}.output") if isinstance(output, list) else [TextPart(output)]
             self.messages.append(Message(role="tool", content=content, tool_call_id=item["call_id"]))
 
-    def _parts(self, parts: list[dict], fresh: bool) -> list[Part]:
+    def _parts(self, parts: list[dict], fresh: bool, path: str) -> list[Part]:
+        """path: the field holding the parts (media errors name the part's URL field under it)."""
         out: list[Part] = []
-        for part in parts:
+        for index, part in enumerate(parts):
+            if part["type"] in ("input_image", "input_video"):
+                key = "image_url" if part["type"] == "input_image" else "video_url"
+                kind = "image" if part["type"] == "input_image" else "video"
+                media = MediaPart(kind, part[key], fresh and "prompt_cache_breakpoint" in part, f"{path}[{index}].{key}")
+                if media.cache_breakpoint:
+                    self.fresh_breakpoints.append(media)
+                out.append(media)
+                continue
             text = part["refusal"] if part["type"] == "refusal" else part["text"]
             marked = fresh and "prompt_cache_breakpoint" in part
             text_part = TextPart(text, cache_breakpoint=marked)

@@ -166,23 +166,31 @@ class _ItemParser:
         if kind in ("input_image", "input_video"):
             if role not in ("user", "assistant"):
                 raise invalid(f"{path}.type", f"{path}: {kind} parts belong to user or assistant messages")
-            self._media(raw, kind, path)
+            return self._media(raw, kind, path)
         if kind == "input_file":
             raise cannot_provide(path, "file input")
         if kind == "input_audio":
             raise cannot_provide(path, "audio input")
         raise invalid(f"{path}.type", f"{path}.type {kind!r} is not a supported content part type")
 
-    def _media(self, raw: dict, kind: str, path: str) -> None:
-        """Shape checks of an image/video part; media Items then need vision (not available yet)."""
+    def _media(self, raw: dict, kind: str, path: str) -> dict:
+        """An image/video part, normalised (its URL under image_url / video_url, detail auto)."""
+        detail = None
         if kind == "input_image":
             if raw.get("file_id") is not None:
                 raise cannot_provide(f"{path}.file_id", "file-id images (send an image_url)")
-            check_detail(optional_str(raw, "detail", f"{path}.detail"), f"{path}.detail")
+            detail = optional_str(raw, "detail", f"{path}.detail")
+            check_detail(detail, f"{path}.detail")
         key = "image_url" if kind == "input_image" else "video_url"
         url = required_str(raw, key, f"{path}.{key}")
         media_part("image" if kind == "input_image" else "video", url, path, f"{path}.{key}", self.vision_enabled)
-        raise cannot_provide(path, "media Items in Responses history")  # unreachable until vision exists
+        part: dict[str, Any] = {"type": kind, key: url}
+        if kind == "input_image":
+            part["detail"] = detail or "auto"
+        marker = breakpoint_marker(raw, path)
+        if marker is not None:
+            part["prompt_cache_breakpoint"] = marker
+        return part
 
     def _function_call_output(self, raw: dict, path: str) -> dict:
         _check_complete_tool_item(raw, path)
@@ -216,7 +224,7 @@ class _ItemParser:
                 part["prompt_cache_breakpoint"] = marker
             return part
         if kind == "input_image":
-            self._media(raw, kind, path)
+            return self._media(raw, kind, path)
         if kind == "input_file":
             raise cannot_provide(path, "file tool results")
         raise invalid(f"{path}.type", f"{path}.type must be input_text or input_image, got {kind!r}")

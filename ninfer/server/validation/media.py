@@ -32,7 +32,7 @@ def media_part(
         raise invalid(url_path, f"{url_path} must be an http(s) URL or a data: URI", code="invalid_media")
     if not vision_enabled:
         raise vision_disabled(part_path)
-    return MediaPart(kind=kind, url=url, cache_breakpoint=cache_breakpoint)
+    return MediaPart(kind=kind, url=url, cache_breakpoint=cache_breakpoint, path=url_path)
 
 
 def vision_disabled(path: str) -> APIError:

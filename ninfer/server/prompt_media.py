@@ -1,0 +1,93 @@
+"""PromptMedia: a conversation's images and videos, acquired and prepared, then expanded into its prompt.
+
+One path for the three protocols: their adapters leave MediaPart items (with the field path
+each came from) in the Conversation; this acquires every source (data URL or HTTP(S) under the
+SSRF policy), prepares them through the shared payload cache, and expands the rendered
+prompt's placeholders into each item's tokens. Media errors become field-specific API errors:
+400 invalid_media / media_budget_exceeded, 502 media_fetch_failed, 504 media_fetch_timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ninfer.frontend.conversation import Conversation, MediaPart
+from ninfer.frontend.media_expansion import MediaExpansion, VisionTokens
+from ninfer.frontend.prompt_builder import PreparedPrompt, PromptError
+from ninfer.frontend.tokenizer import Tokenizer
+from ninfer.media import MediaConfig, MediaError, MediaPreparer, MediaRef, Modality
+from ninfer.media.address_policy import AddressPolicy
+from ninfer.media.fetch import FetchPolicy
+from ninfer.server.errors import APIError
+
+_STATUS = {"invalid_media": 400, "media_budget_exceeded": 400, "media_fetch_failed": 502, "media_fetch_timeout": 504}
+_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def media_parts(conversation: Conversation) -> list[MediaPart]:
+    """The conversation's media in prompt order (the order the template renders them)."""
+    return [part for message in conversation.messages for part in message.content if isinstance(part, MediaPart)]
+
+
+class PromptMedia:
+    def __init__(self, preparer: MediaPreparer, expansion: MediaExpansion):
+        self.preparer = preparer
+        self.expansion = expansion
+        # One request prepares at a time (the pool works on its items in parallel); a waiting
+        # request keeps its own deadline and cancellation.
+        self._permit = asyncio.Lock()
+
+    @classmethod
+    def create(
+        cls, tokenizer: Tokenizer, cache_mib: int, live_mib: int, threads: int, allow_private_networks: bool
+    ) -> PromptMedia:
+        ids = [tokenizer.token_to_id(token) for token in _VISION_TOKENS]
+        if None in ids:
+            missing = [token for token, i in zip(_VISION_TOKENS, ids) if i is None]
+            raise ValueError(f"--vision: the tokenizer has no {', '.join(missing)} token")
+        config = MediaConfig(
+            cache_mib=cache_mib,
+            live_mib=live_mib,
+            preprocess_threads=threads,
+            fetch=FetchPolicy(addresses=AddressPolicy(allow_private_networks=allow_private_networks)),
+        )
+        return cls(MediaPreparer(config), MediaExpansion(VisionTokens(*ids), tokenizer.encode))
+
+    def close(self) -> None:
+        self.preparer.close()
+
+    async def prepare(self, conversation: Conversation, deadline_s: float | None) -> list[MediaRef]:
+        """Every media part's prepared payload, in prompt order; the caller releases them.
+        deadline_s: seconds left for preparation (the request's pending deadline)."""
+        parts = media_parts(conversation)
+        if not parts:
+            return []
+        try:
+            async with asyncio.timeout(deadline_s):
+                async with self._permit:
+                    acquired = []
+                    for part in parts:
+                        modality = Modality.VIDEO if part.kind == "video" else Modality.IMAGE
+                        try:
+                            acquired.append(await self.preparer.acquire(part.url, modality))
+                        except MediaError as error:
+                            raise media_error(error, part.path) from None
+                    try:
+                        return await self.preparer.prepare(acquired)
+                    except MediaError as error:
+                        raise media_error(error, parts[0].path if len(parts) == 1 else "messages") from None
+        except TimeoutError:
+            raise APIError(
+                503, "the request was not admitted in time (media preparation included)", code="request_queue_timeout"
+            ) from None
+
+    def expand(self, prompt: PreparedPrompt, refs: list[MediaRef], param: str) -> PreparedPrompt:
+        try:
+            return self.expansion.expand(prompt, [ref.media for ref in refs])
+        except PromptError as error:
+            raise APIError(400, str(error), code="invalid_prompt", param=param) from error
+
+
+def media_error(error: MediaError, path: str) -> APIError:
+    return APIError(_STATUS.get(error.code, 400), f"{path}: {error.message}", code=error.code, param=path)
+

@@ -1,0 +1,171 @@
+"""Images end to end through a real server (--vision) and the official SDKs, on the tiny random
+Qwen3.5 VL artifact: Chat (stream and not), Responses (with input_tokens), Anthropic Messages
+(base64, inside a tool_result, count_tokens), prompt reuse across turns, media errors naming
+their field, and the SSRF refusal of loopback URLs with its opt-in.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
+from tests.server.conftest import serve_config, start_server
+
+IMAGE_TOKENS = 72  # 300x260 px -> 288x256 -> 18x16 patches -> 72 merged tokens
+TEMPLATE_TOKENS = 3  # <|vision_start|><|image_pad|><|vision_end|>
+
+
+def png_bytes(seed: int = 0) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (260, 300, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(seed: int = 0) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(seed)).decode()
+
+
+@pytest.fixture(scope="module")
+def vl_artifact(artifact_root) -> str:
+    return str(make_tiny_qwen3_5(artifact_root, vision=True))
+
+
+@pytest.fixture(scope="module")
+def server(vl_artifact):
+    running = start_server(serve_config(vl_artifact, vision=True, max_concurrency=2, default_max_tokens=8))
+    yield running
+    running.stop()
+
+
+def sdk(server) -> openai.OpenAI:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
+    client.model_id = server.serving.model_id
+    return client
+
+
+def chat(client, content, **kwargs):
+    return client.chat.completions.create(
+        model=client.model_id, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=6, **kwargs
+    )
+
+
+def test_chat_with_an_image_streams_what_it_answers_and_counts_the_image_tokens(server):
+    client = sdk(server)
+    image = {"type": "image_url", "image_url": {"url": data_url()}}
+    answer = chat(client, [image, {"type": "text", "text": "What is this?"}])
+    text_only = chat(client, [{"type": "text", "text": "What is this?"}])
+    assert answer.usage.prompt_tokens - text_only.usage.prompt_tokens == TEMPLATE_TOKENS + IMAGE_TOKENS - 1
+    streamed = chat(client, [image, {"type": "text", "text": "What is this?"}], stream=True,
+                    stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == answer.usage.prompt_tokens
+
+
+def test_a_follow_up_turn_reuses_the_prompt_through_the_image(server):
+    client = sdk(server)
+    image = {"type": "image_url", "image_url": {"url": data_url(1)}}
+    first = [{"role": "user", "content": [image, {"type": "text", "text": "Describe it."}]}]
+    one = client.chat.completions.create(model=client.model_id, messages=first, temperature=0, max_tokens=5)
+    second = first + [
+        {"role": "assistant", "content": one.choices[0].message.content},
+        {"role": "user", "content": "And the colours?"},
+    ]
+    two = client.chat.completions.create(model=client.model_id, messages=second, temperature=0, max_tokens=5)
+    assert two.usage.prompt_tokens_details.cached_tokens > IMAGE_TOKENS
+
+
+def test_responses_input_image_and_its_input_tokens_count(server):
+    client = sdk(server)
+    content = [{"type": "input_image", "image_url": data_url(2)}, {"type": "input_text", "text": "Caption?"}]
+    response = client.responses.create(
+        model=client.model_id, input=[{"role": "user", "content": content}], temperature=0, max_output_tokens=5
+    )
+    counted = httpx.post(server.base_url + "/v1/responses/input_tokens",
+                         json={"model": client.model_id, "input": [{"role": "user", "content": content}]}).json()
+    assert counted["input_tokens"] == response.usage.input_tokens
+    items = client.responses.input_items.list(response.id)
+    assert items.data[0].content[0].type == "input_image"
+
+
+def test_anthropic_image_blocks_in_user_content_and_tool_results(server):
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="x")
+    model = server.serving.model_id
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png_bytes(3)).decode()}
+    messages = [
+        {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": "Look."}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "read", "input": {"p": "a.png"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "image", "source": source}]}]},
+    ]
+    tools = [{"name": "read", "description": "read a file", "input_schema": {"type": "object"}}]
+    reply = client.messages.create(model=model, max_tokens=5, messages=messages, tools=tools)
+    counted = client.messages.count_tokens(model=model, messages=messages, tools=tools)
+    assert counted.input_tokens == reply.usage.input_tokens
+    assert reply.usage.input_tokens > 2 * IMAGE_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("url", "status", "code"),
+    [
+        ("data:image/png;base64,@@@", 400, "invalid_media"),
+        ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), 400, "invalid_media"),
+        ("data:text/plain;base64,aGk=", 400, "invalid_media"),
+    ],
+)
+def test_bad_media_names_its_field(server, url, status, code):
+    body = {"model": server.serving.model_id,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+    response = httpx.post(server.base_url + "/v1/chat/completions", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["code"] == code and error["param"] == "messages[0].content[0].image_url.url"
+
+
+class _ImageHandler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        data = png_bytes(4)
+        self.send_response(200)
+        self.send_header("content-type", "image/png")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_site():
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{site.server_address[1]}/cat.png?token=secret"
+    site.shutdown()
+
+
+def test_a_loopback_url_is_refused_by_default_and_served_with_the_private_network_opt_in(server, vl_artifact, image_site):
+    body = {"model": server.serving.model_id, "max_tokens": 3,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_site}}]}]}
+    refused = httpx.post(server.base_url + "/v1/chat/completions", json=body)
+    assert refused.status_code == 502
+    error = refused.json()["error"]
+    assert error["code"] == "media_fetch_failed" and error["param"] == "messages[0].content[0].image_url.url"
+    assert "secret" not in error["message"]
+    opted = start_server(serve_config(vl_artifact, vision=True, media_allow_private_networks=True))
+    try:
+        served = httpx.post(opted.base_url + "/v1/chat/completions", json=body)
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["prompt_tokens"] > IMAGE_TOKENS
+    finally:
+        opted.stop()
