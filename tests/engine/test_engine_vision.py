@@ -134,3 +134,37 @@ def test_prefix_reuse_through_an_image_skips_the_tower_and_a_different_image_doe
     got, final = run_engine(core, {0: [request("t3", other_follow, other)]})["t3"]
     assert final.cached_tokens <= media[0].token_starts[0]
     assert got == hf_greedy(hf, other_follow, other, artifact.tokenizer.vocab_size)
+
+
+def test_a_video_prompt_matches_transformers(vl):
+    """A video: one time-stamped block of pads per temporal patch (MediaExpansion), attention per
+    frame in the tower, positions per frame group."""
+    from ninfer.frontend.media_expansion import MediaExpansion, VisionTokens
+    from ninfer.frontend.prompt_builder import PreparedPrompt
+    from ninfer.media.payload import PreparedMedia
+    from ninfer.media.source import Modality
+    from ninfer.media.video import VideoSettings, prepare_video
+    from tests.media.media_samples import video_bytes
+
+    artifact, model, tower, hf = vl
+    data = video_bytes(64, 48, fps=10, frame_count=30)
+    packed = prepare_video(data, VideoSettings())
+    assert packed.grid_thw[0] >= 2 and packed.timestamps_s
+    prepared = PreparedMedia(Modality.VIDEO, hashlib.sha256(data).hexdigest(), packed.grid_thw, packed.patches,
+                             packed.timestamps_s)
+    expansion = MediaExpansion(VisionTokens(VISION_START, VISION_END, IMAGE_PAD, 248057), artifact.tokenizer.encode)
+    rendered = [1000, 1001, VISION_START, 248057, VISION_END, 2000, 2001]
+    out = expansion.expand(PreparedPrompt(rendered, False, [], None, None), [prepared])
+    ids, (item,) = out.token_ids, out.media
+    assert len(item.token_starts) == packed.grid_thw[0]
+
+    input_ids = torch.tensor([ids])
+    expected = hf.generate(
+        input_ids, pixel_values_videos=packed.patches.float(), video_grid_thw=torch.tensor([packed.grid_thw]),
+        mm_token_type_ids=2 * (input_ids == 248057).int(), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+        do_sample=False, pad_token_id=0, eos_token_id=None,
+        suppress_tokens=list(range(artifact.tokenizer.vocab_size, hf.config.text_config.vocab_size)),
+    )[0, len(ids):].tolist()
+    core = EngineCore(model, artifact.tokenizer, EngineConfig(prefill_chunk=32, max_context=1024), vision_tower=tower)
+    got, _ = run_engine(core, {0: [request("v", ids, [item])]})["v"]
+    assert got == expected
