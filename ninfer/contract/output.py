@@ -48,6 +48,7 @@ class Timings(msgspec.Struct):
     prompt_done: float | None = None  # the last prompt token was computed
     first_token: float | None = None
     last_token: float | None = None
+    vision_seconds: float = 0.0  # the vision tower's time on this request's media
 
 
 class HostExposure(msgspec.Struct):

@@ -211,6 +211,9 @@ class EngineCore:
             read = time.perf_counter()
             work_class = _work_class(current.step)
             self.scheduler.charge(current.step, "program_submit", submitted - started, device_wait=read - submitted)
+            if self.runner.vision_seconds:
+                self.scheduler.charge_vision(self.runner.vision_seconds)
+                self.runner.vision_seconds = {}
             outputs = self.scheduler.update(current.step, sampled, verified)
             committed = time.perf_counter()
             self.scheduler.charge(current.step, "engine_commit_output", committed - read)

@@ -117,6 +117,7 @@ class ModelRunner:
         self.host_kvs = [HostKV(cache, num_host_kv_pages) for cache in self.paged_caches]
         self.mrope = model.config.mrope_section is not None
         self.media = MediaEmbeddings(vision_tower, self.device) if vision_tower is not None else None
+        self.vision_seconds: dict[str, float] = {}  # tower time by request, until the engine takes it
         self.sampler = Sampler()
         # Every running request holds a state slot, so no step has more rows than slots.
         pin = self.device.type == "cuda"
@@ -340,7 +341,10 @@ class ModelRunner:
             return
         if self.media is None:
             raise RuntimeError("a request with media reached an engine without a vision tower")
-        self.media.encode(items)
+        seconds = self.media.encode(items)
+        if seconds:
+            for request_id in {c.request_id for c in chunks if c.media}:
+                self.vision_seconds[request_id] = self.vision_seconds.get(request_id, 0.0) + seconds
         gathered = self.media.gather(tokens)
         if gathered is None:
             return

@@ -71,3 +71,8 @@ class Conversation:
     preserve_thinking: bool | None = None  # None: the server default
     continue_final_message: bool = False  # the last assistant message is a prefill to continue
     implicit_cache_breakpoint: bool = False  # OpenAI implicit candidate: after the last content boundary
+
+    @property
+    def media_parts(self) -> list[MediaPart]:
+        """Its images and videos in prompt order (the order the template renders them)."""
+        return [part for message in self.messages for part in message.content if isinstance(part, MediaPart)]

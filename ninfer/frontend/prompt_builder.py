@@ -45,6 +45,7 @@ class PreparedPrompt:
     enable_thinking: bool | None  # the value given to the template (None: it has no switch)
     preserve_thinking: bool | None
     media: list[MediaInput] = field(default_factory=list)  # prepared items, once expanded (media_expansion.py)
+    media_stats: dict[str, int | float] = field(default_factory=dict)  # how they were prepared (request log)
 
 
 class PromptBuilder:

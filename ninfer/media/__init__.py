@@ -7,7 +7,7 @@ MediaError subclasses with a stable `code`; the caller adds the field path and H
 from ninfer.media.errors import InvalidMedia, MediaBudgetExceeded, MediaError, MediaFetchFailed, MediaFetchTimeout
 from ninfer.media.payload import PreparedMedia
 from ninfer.media.payload_cache import MediaRef
-from ninfer.media.preparer import MediaConfig, MediaPreparer, RequestMediaLimits
+from ninfer.media.preparer import MediaConfig, MediaPreparer, PreparationStats, RequestMediaLimits
 from ninfer.media.source import AcquiredMedia, Modality
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "MediaPreparer",
     "MediaRef",
     "Modality",
+    "PreparationStats",
     "PreparedMedia",
     "RequestMediaLimits",
 ]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,6 +62,21 @@ class MediaConfig:
 
 
 @dataclass
+class PreparationStats:
+    """One request's preparation, for the request log: how its items were served and the work."""
+
+    cache_hits: int = 0
+    cache_misses: int = 0  # built by this request
+    single_flight_waits: int = 0  # joined another request's build of the same payload
+    work_seconds: float = 0.0  # decode -> resize -> pack time summed over this request's builds
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add_work(self, seconds: float) -> None:
+        with self._lock:  # the request's builds run on several pool threads
+            self.work_seconds += seconds
+
+
+@dataclass
 class _Miss:
     claim: BuildClaim
     item: AcquiredMedia
@@ -82,7 +99,9 @@ class MediaPreparer:
         """The bytes of a data URL or an http(s) URL under the fetch policy."""
         return await acquire_media(url, modality, self.config.fetch, self._resolver)
 
-    async def prepare(self, items: Sequence[AcquiredMedia]) -> list[MediaRef]:
+    async def prepare(
+        self, items: Sequence[AcquiredMedia], stats: PreparationStats | None = None
+    ) -> list[MediaRef]:
         """One reference per item, in order. The caller releases each when the request is done.
 
         Raises MediaError subclasses (invalid_media, media_budget_exceeded); on any failure or
@@ -90,7 +109,7 @@ class MediaPreparer:
         """
         refs: list[MediaRef | None] = [None] * len(items)
         try:
-            await self._prepare_into(items, refs)
+            await self._prepare_into(items, refs, stats if stats is not None else PreparationStats())
         except BaseException:
             for ref in refs:
                 if ref is not None:
@@ -98,7 +117,9 @@ class MediaPreparer:
             raise
         return refs  # type: ignore[return-value]
 
-    async def _prepare_into(self, items: Sequence[AcquiredMedia], refs: list[MediaRef | None]) -> None:
+    async def _prepare_into(
+        self, items: Sequence[AcquiredMedia], refs: list[MediaRef | None], stats: PreparationStats
+    ) -> None:
         self._check_source_bytes(items)
         digests = await self._run(lambda: [hashlib.sha256(item.data).hexdigest() for item in items])
         pending = list(range(len(items)))
@@ -116,13 +137,16 @@ class MediaPreparer:
                 outcome = self.cache.begin(key)
                 if isinstance(outcome, Hit):
                     refs[index] = outcome.ref
+                    stats.cache_hits += 1
                 elif isinstance(outcome, Wait):
                     waits[index] = outcome.future
+                    stats.single_flight_waits += 1
                 else:
                     misses[key] = _Miss(outcome, item, digests[index])
+                    stats.cache_misses += 1
             try:
                 await self._plan_and_check(items, refs, misses, waits, digests)
-                built = await self._build_all(list(misses.values()))
+                built = await self._build_all(list(misses.values()), stats)
             except BaseException:
                 self._abandon_waits(waits)
                 raise
@@ -189,7 +213,7 @@ class MediaPreparer:
             return plan_image(item.data, self.config.image)
         return plan_video(item.data, self.config.video).patch_plan
 
-    async def _build_all(self, misses: list[_Miss]) -> dict[tuple, MediaRef]:
+    async def _build_all(self, misses: list[_Miss], stats: PreparationStats) -> dict[tuple, MediaRef]:
         if not misses:
             return {}
         geometry = self.config.image.geometry
@@ -199,7 +223,7 @@ class MediaPreparer:
             for miss in misses:
                 self.cache.abandon(miss.claim)
             raise
-        jobs = [self._pool.submit(self._build_one, miss, reservation) for miss in misses]
+        jobs = [self._pool.submit(self._build_one, miss, reservation, stats) for miss in misses]
         built: dict[tuple, MediaRef] = {}
         try:
             for miss, job in zip(misses, jobs):
@@ -220,9 +244,10 @@ class MediaPreparer:
             _release_when_all_done(jobs, reservation)
         return built
 
-    def _build_one(self, miss: _Miss, reservation) -> MediaRef:
+    def _build_one(self, miss: _Miss, reservation, stats: PreparationStats) -> MediaRef:
         """Pool job: decode → resize → pack, then publish to the cache (and to identical waiters)."""
         item = miss.item
+        started = time.perf_counter()
         try:
             if item.modality is Modality.IMAGE:
                 packed = prepare_image(item.data, self.config.image)
@@ -234,6 +259,8 @@ class MediaPreparer:
         except BaseException:
             self.cache.abandon(miss.claim)
             raise
+        finally:
+            stats.add_work(time.perf_counter() - started)
         media = PreparedMedia(item.modality, miss.sha256, packed.grid_thw, packed.patches, packed.timestamps_s)
         return self.cache.complete(miss.claim, media, reservation)
 

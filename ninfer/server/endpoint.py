@@ -109,16 +109,16 @@ async def prepare_prompt(
     """The rendered prompt's token ids, with its media acquired, prepared and expanded.
     deadline: time.monotonic() by which preparation must end (the request's pending deadline)."""
     media = serving.prompt_media
-    refs = []
+    refs, stats = [], {}
     if media is not None:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        refs = await media.prepare(conversation, left)
+        refs, stats = await media.prepare(conversation, left)
     try:
         try:
             prepared = await asyncio.to_thread(serving.prompt_builder.build, conversation, with_capture_hints)
         except PromptError as exc:
             raise APIError(400, str(exc), code="invalid_prompt", param=param) from exc
-        return media.expand(prepared, refs, param) if refs else prepared
+        return media.expand(prepared, refs, stats, param) if refs else prepared
     finally:
         for ref in refs:
             ref.release()

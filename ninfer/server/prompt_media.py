@@ -10,23 +10,20 @@ prompt's placeholders into each item's tokens. Media errors become field-specifi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
-from ninfer.frontend.conversation import Conversation, MediaPart
+from ninfer.frontend.conversation import Conversation
 from ninfer.frontend.media_expansion import MediaExpansion, VisionTokens
 from ninfer.frontend.prompt_builder import PreparedPrompt, PromptError
 from ninfer.frontend.tokenizer import Tokenizer
-from ninfer.media import MediaConfig, MediaError, MediaPreparer, MediaRef, Modality
+from ninfer.media import MediaConfig, MediaError, MediaPreparer, MediaRef, Modality, PreparationStats
 from ninfer.media.address_policy import AddressPolicy
 from ninfer.media.fetch import FetchPolicy
 from ninfer.server.errors import APIError
 
 _STATUS = {"invalid_media": 400, "media_budget_exceeded": 400, "media_fetch_failed": 502, "media_fetch_timeout": 504}
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-
-
-def media_parts(conversation: Conversation) -> list[MediaPart]:
-    """The conversation's media in prompt order (the order the template renders them)."""
-    return [part for message in conversation.messages for part in message.content if isinstance(part, MediaPart)]
 
 
 class PromptMedia:
@@ -56,15 +53,19 @@ class PromptMedia:
     def close(self) -> None:
         self.preparer.close()
 
-    async def prepare(self, conversation: Conversation, deadline_s: float | None) -> list[MediaRef]:
-        """Every media part's prepared payload, in prompt order; the caller releases them.
-        deadline_s: seconds left for preparation (the request's pending deadline)."""
-        parts = media_parts(conversation)
+    async def prepare(
+        self, conversation: Conversation, deadline_s: float | None
+    ) -> tuple[list[MediaRef], dict[str, int | float]]:
+        """Every media part's prepared payload, in prompt order (the caller releases them), and the
+        request log's media fields. deadline_s: seconds left (the request's pending deadline)."""
+        parts = conversation.media_parts
         if not parts:
-            return []
+            return [], {}
+        stats = PreparationStats()
         try:
             async with asyncio.timeout(deadline_s):
                 async with self._permit:
+                    started = time.perf_counter()
                     acquired = []
                     for part in parts:
                         modality = Modality.VIDEO if part.kind == "video" else Modality.IMAGE
@@ -72,18 +73,33 @@ class PromptMedia:
                             acquired.append(await self.preparer.acquire(part.url, modality))
                         except MediaError as error:
                             raise media_error(error, part.path) from None
+                    acquired_at = time.perf_counter()
                     try:
-                        return await self.preparer.prepare(acquired)
+                        refs = await self.preparer.prepare(acquired, stats)
                     except MediaError as error:
                         raise media_error(error, parts[0].path if len(parts) == 1 else "messages") from None
         except TimeoutError:
             raise APIError(
                 503, "the request was not admitted in time (media preparation included)", code="request_queue_timeout"
             ) from None
+        record = {
+            "items": len(parts),
+            "acquisition_seconds": acquired_at - started,
+            "preprocess_wall_seconds": time.perf_counter() - acquired_at,
+            "preprocess_work_seconds": stats.work_seconds,
+            "cache_hits": stats.cache_hits,
+            "cache_misses": stats.cache_misses,
+            "single_flight_waits": stats.single_flight_waits,
+            "payload_bytes": sum(ref.media.nbytes for ref in refs),
+        }
+        return refs, record
 
-    def expand(self, prompt: PreparedPrompt, refs: list[MediaRef], param: str) -> PreparedPrompt:
+    def expand(
+        self, prompt: PreparedPrompt, refs: list[MediaRef], stats: dict[str, int | float], param: str
+    ) -> PreparedPrompt:
         try:
-            return self.expansion.expand(prompt, [ref.media for ref in refs])
+            expanded = self.expansion.expand(prompt, [ref.media for ref in refs])
+            return dataclasses.replace(expanded, media_stats=stats)
         except PromptError as error:
             raise APIError(400, str(error), code="invalid_prompt", param=param) from error
 

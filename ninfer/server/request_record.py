@@ -36,6 +36,18 @@ SPECULATIVE_OFF = {
 }
 
 
+NO_MEDIA = {
+    "items": 0,
+    "acquisition_seconds": 0.0,
+    "preprocess_wall_seconds": 0.0,
+    "preprocess_work_seconds": 0.0,
+    "cache_hits": 0,
+    "cache_misses": 0,
+    "single_flight_waits": 0,
+    "payload_bytes": 0,
+}
+
+
 class RequestRecord:
     def __init__(self, events: RequestEvents, request_id: str, protocol: str, parsed: ParsedRequest):
         self.events = events
@@ -45,6 +57,7 @@ class RequestRecord:
         self.started = time.monotonic()  # preparation begins: the engine stamps share this clock
         self.prepared_at: float | None = None
         self.shape = _shape(parsed)
+        self.media_items = len(parsed.conversation.media_parts)
         self.finished = False
 
     def _emit(self, event: str, fields: dict[str, Any]) -> None:
@@ -63,7 +76,7 @@ class RequestRecord:
             "phase": "prepare",
             **self.shape,
             "resolved_reasoning_effort": None,
-            "media_items": 0,
+            "media_items": self.media_items,
             **_error_fields(error),
         })
 
@@ -92,9 +105,7 @@ class RequestRecord:
             "resolved_reasoning_effort": _resolved_effort(self.shape["requested_reasoning_effort"], prepared.thinking),
             "capture_hints": len(generation.engine_request.capture_hints),
             "responses_semantic_change": None,
-            "media": {"items": 0, "acquisition_seconds": 0.0, "preprocess_wall_seconds": 0.0,
-                      "preprocess_work_seconds": 0.0, "cache_hits": 0, "cache_misses": 0,
-                      "single_flight_waits": 0, "payload_bytes": 0},
+            "media": {**NO_MEDIA, **prepared.media_stats},
             "prepare_seconds": self.prepared_at - self.started,
         })
 
@@ -129,7 +140,7 @@ class RequestRecord:
                 "prepare": prepared_at - self.started,
                 "queue_wait": (admitted - prepared_at) if admitted is not None else None,
                 "ttft": (first - self.started) if first is not None else None,
-                "vision": 0.0,
+                "vision": stamps.vision_seconds if stamps is not None else 0.0,
                 "prefill": (prompt_done - admitted) if admitted is not None and prompt_done is not None else None,
                 "decode": (last - first) if first is not None and last is not None else None,
                 "total": now - self.started,

@@ -119,12 +119,14 @@ def test_prefix_reuse_through_an_image_skips_the_tower_and_a_different_image_doe
     ids, media = prompt_with([(png(5), 4)], text=[1000, 1001], tail=[2000])
     core = EngineCore(model, artifact.tokenizer, EngineConfig(max_concurrency=1, prefill_chunk=64, max_context=512),
                       vision_tower=tower)
-    first, _ = run_engine(core, {0: [request("t1", ids, media)]})["t1"]
+    first, final = run_engine(core, {0: [request("t1", ids, media)]})["t1"]
+    assert final.timings.vision_seconds > 0
     follow = ids + first + [2100, 2101]
     encoded = core.runner.media.num_encoded_items
     got, final = run_engine(core, {0: [request("t2", follow, media)]})["t2"]
     assert final.cached_tokens == len(ids) + len(first) - 1
     assert core.runner.media.num_encoded_items == encoded  # the image lay inside the reused prefix
+    assert final.timings.vision_seconds == 0.0
     assert got == hf_greedy(hf, follow, media, artifact.tokenizer.vocab_size)
 
     # Same size, other pixels: identical placeholder ids, but the cache compares media by content.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import http.server
 import io
+import json
 import threading
 
 import anthropic
@@ -169,3 +170,23 @@ def test_a_loopback_url_is_refused_by_default_and_served_with_the_private_networ
         assert served.json()["usage"]["prompt_tokens"] > IMAGE_TOKENS
     finally:
         opted.stop()
+
+
+def test_the_request_log_reports_media_preparation_and_tower_time(vl_artifact, tmp_path):
+    log_path = tmp_path / "requests.jsonl"
+    running = start_server(serve_config(vl_artifact, vision=True, request_log_jsonl=str(log_path)))
+    try:
+        client = sdk(running)
+        content = [{"type": "image_url", "image_url": {"url": data_url(5)}}, {"type": "text", "text": "Hi"}]
+        for _ in range(2):  # the same image twice: a payload-cache hit, then a full-prompt hit
+            chat(client, content)
+    finally:
+        running.stop()
+    events = [json.loads(line) for line in log_path.read_text().splitlines()]
+    starts = [e for e in events if e["event"] == "request_start"]
+    done = [e for e in events if e["event"] == "request_done"]
+    assert [s["media"]["items"] for s in starts] == [1, 1]
+    assert [(s["media"]["cache_misses"], s["media"]["cache_hits"]) for s in starts] == [(1, 0), (0, 1)]
+    assert starts[0]["media"]["payload_bytes"] == 4 * IMAGE_TOKENS * 1536 * 2  # bf16 patches, 4 per token
+    assert starts[0]["media"]["preprocess_work_seconds"] > 0
+    assert done[0]["timings_seconds"]["vision"] > 0 and done[1]["timings_seconds"]["vision"] == 0

@@ -401,6 +401,14 @@ class Scheduler:
                 if phase == "program_submit":
                     timing.decode.rounds += 1
 
+    def charge_vision(self, seconds_by_request: dict[str, float]) -> None:
+        """Add vision tower time to the requests whose media it encoded."""
+        by_id = {s.request_id: s for s in self.running}
+        for request_id, seconds in seconds_by_request.items():
+            seq = by_id.get(request_id) or self._draining.get(request_id)
+            if seq is not None:
+                seq.timings.vision_seconds += seconds
+
     # ---- commit --------------------------------------------------------------------
     def update(
         self, step: SchedulerStep, sampled: dict[str, int], verified: dict[str, VerifyOutcome] | None = None
