@@ -20,6 +20,7 @@ from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.media import MediaConfig, MediaError, MediaPreparer, MediaRef, Modality, PreparationStats
 from ninfer.media.address_policy import AddressPolicy
 from ninfer.media.fetch import FetchPolicy
+from ninfer.media.preparer import preprocess_worker_count
 from ninfer.server.errors import APIError
 
 _STATUS = {"invalid_media": 400, "media_budget_exceeded": 400, "media_fetch_failed": 502, "media_fetch_timeout": 504}
@@ -52,6 +53,18 @@ class PromptMedia:
 
     def close(self) -> None:
         self.preparer.close()
+
+    def describe(self) -> dict[str, int | bool]:
+        """server_start.vision_workspace: the bounds media are prepared under."""
+        config = self.preparer.config
+        return {
+            "max_prompt_vision_tokens": config.request_limits.max_vision_tokens,
+            "max_prompt_patches": config.request_limits.max_patch_rows,
+            "media_cache_bytes": config.cache_mib << 20,
+            "media_live_bytes": config.live_mib << 20,
+            "preprocess_threads": preprocess_worker_count(config.preprocess_threads),
+            "allow_private_networks": config.fetch.addresses.allow_private_networks,
+        }
 
     async def prepare(
         self, conversation: Conversation, deadline_s: float | None

@@ -123,7 +123,7 @@ class Serving:
             "max_pending_requests": config.engine.max_pending_requests,
             "pending_timeout_ms": config.engine.pending_timeout_ms,
             **info,
-            "vision_workspace": None,
+            "vision_workspace": self.prompt_media.describe() if self.prompt_media is not None else None,
             "argv": redacted_argv(config.argv, config.api_key),
         })
 

@@ -183,6 +183,9 @@ def test_the_request_log_reports_media_preparation_and_tower_time(vl_artifact, t
     finally:
         running.stop()
     events = [json.loads(line) for line in log_path.read_text().splitlines()]
+    (server_start,) = [e for e in events if e["event"] == "server_start"]
+    assert server_start["vision_workspace"]["max_prompt_vision_tokens"] == 32_768
+    assert server_start["vision_workspace"]["media_cache_bytes"] == 1024 << 20
     starts = [e for e in events if e["event"] == "request_start"]
     done = [e for e in events if e["event"] == "request_done"]
     assert [s["media"]["items"] for s in starts] == [1, 1]
