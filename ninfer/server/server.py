@@ -153,7 +153,7 @@ async def _run(serving: Serving, config: ServeConfig, started: float, sock: sock
     try:
         await serving.engine.start()
     except BaseException:
-        serving.events.close()
+        serving.close()
         raise
     serving.record_server_start()
     server = _Server(
@@ -167,5 +167,5 @@ async def _run(serving: Serving, config: ServeConfig, started: float, sock: sock
     finally:
         log.info("shutting down")
         await serving.engine.shutdown()
-        serving.events.close()
+        serving.close()
     log.info("stopped")

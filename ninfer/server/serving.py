@@ -127,6 +127,12 @@ class Serving:
             "argv": redacted_argv(config.argv, config.api_key),
         })
 
+    def close(self) -> None:
+        """Stop the request log's writer and the media workers (shutdown)."""
+        self.events.close()
+        if self.prompt_media is not None:
+            self.prompt_media.close()
+
     @property
     def request_context(self) -> RequestContext:
         return RequestContext(
