@@ -193,3 +193,17 @@ def test_the_request_log_reports_media_preparation_and_tower_time(vl_artifact, t
     assert starts[0]["media"]["payload_bytes"] == 4 * IMAGE_TOKENS * 1536 * 2  # bf16 patches, 4 per token
     assert starts[0]["media"]["preprocess_work_seconds"] > 0
     assert done[0]["timings_seconds"]["vision"] > 0 and done[1]["timings_seconds"]["vision"] == 0
+
+
+def test_chat_video_url_counts_one_time_stamped_block_per_temporal_patch(server):
+    from tests.media.media_samples import video_bytes
+
+    client = sdk(server)
+    video = "data:video/mp4;base64," + base64.b64encode(video_bytes(64, 48, fps=10, frame_count=30)).decode()
+    with_video = chat(client, [{"type": "video_url", "video_url": {"url": video}}, {"type": "text", "text": "Hi"}])
+    text_only = chat(client, [{"type": "text", "text": "Hi"}])
+    # 30 frames at 10 fps sampled at 2 fps: 6 frames, 3 temporal patches; each block is its time
+    # stamp, <|vision_start|>, 64x64 px -> 4x4 patches -> 4 pads, <|vision_end|>.
+    added = with_video.usage.prompt_tokens - text_only.usage.prompt_tokens
+    stamps = sum(len(server.serving.artifact.tokenizer.encode(f"<{t:.1f} seconds>")) for t in (0.3, 1.4, 2.6))
+    assert added == stamps + 3 * (1 + 4 + 1)
