@@ -170,3 +170,38 @@ def test_a_video_prompt_matches_transformers(vl):
     core = EngineCore(model, artifact.tokenizer, EngineConfig(prefill_chunk=32, max_context=1024), vision_tower=tower)
     got, _ = run_engine(core, {0: [request("v", ids, [item])]})["v"]
     assert got == expected
+
+
+def test_decode_graph_rows_add_the_rope_offset(vl, monkeypatch):
+    """The decode graphs' static buffers (each graph replaced by a direct call of its region, as
+    in tests/gpu/test_cuda_graphs.py) carry a request's rope offset: after every step the slot
+    logits equal an eager engine's."""
+    import ninfer.models.layers.attention as attention
+    from ninfer.kernels.paged_attention import ref as paged_ref
+    from tests.gpu.test_cuda_graphs import _count_replays, _DirectGraphs
+
+    def device_lengths_only(*args, prefetch_kv: bool = False, **kwargs):
+        return paged_ref.paged_attention(*args, **{**kwargs, "query_lens_cpu": None, "seq_lens_cpu": None})
+
+    monkeypatch.setattr(attention, "paged_attention", device_lengths_only)
+    artifact, model, tower, hf = vl
+    ids, media = prompt_with([(png(7), 3)], text=[1000], tail=[2000])
+    config = EngineConfig(prefill_chunk=64, max_context=512, prefix_reuse=False)
+    eager = EngineCore(model, artifact.tokenizer, config, vision_tower=tower)
+    graph = EngineCore(model, artifact.tokenizer, config, vision_tower=tower)
+    runner = graph.runner
+    runner.graphs = _DirectGraphs(
+        model, runner.kv_cache, runner.state_cache, runner.slot_logits, runner.num_valid_tokens,
+        (1,), -(-512 // runner.kv_cache.page_size), runner.sampler,
+    )
+    runner.graphs.capture()
+    replays = _count_replays(runner.graphs)
+    assert graph.add_request(request("g", ids, media)) == eager.add_request(request("g", ids, media)) == []
+    tokens = []
+    while graph.has_work:
+        outs_graph, outs_eager = graph.step(), eager.step()
+        assert [o.new_token_ids for o in outs_graph] == [o.new_token_ids for o in outs_eager]
+        torch.testing.assert_close(runner.slot_logits, eager.runner.slot_logits, rtol=0, atol=1e-5)
+        tokens += [t for o in outs_graph for t in o.new_token_ids]
+    assert replays.get(1, 0) >= MAX_NEW - 2  # the decode rounds went through the graph's buffers
+    assert tokens == hf_greedy(hf, ids, media, artifact.tokenizer.vocab_size)
