@@ -20,16 +20,21 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # noqa
 )
 
 
-@pytest.fixture(scope="module")
-def reference():
+def qwen_processor(longest_edge: int = 16777216) -> Qwen2VLImageProcessorPil:
+    """transformers' processor with Qwen3.5's preprocessor_config values."""
     return Qwen2VLImageProcessorPil(
-        size={"longest_edge": 16777216, "shortest_edge": 65536},
+        size={"longest_edge": longest_edge, "shortest_edge": 65536},
         patch_size=16,
         temporal_patch_size=2,
         merge_size=2,
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
     )
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return qwen_processor()
 
 
 @pytest.mark.parametrize(
@@ -61,14 +66,7 @@ def test_shrink_path_equals_transformers_with_a_smaller_pixel_ceiling():
     # The shrink branch at full scale needs a >16 M pixel image (the slow case above); a lower
     # ceiling exercises the same arithmetic on a small one.
     data = image_bytes(900, 700, "RGB", "JPEG")
-    small_ceiling = Qwen2VLImageProcessorPil(
-        size={"longest_edge": 200_000, "shortest_edge": 65536},
-        patch_size=16,
-        temporal_patch_size=2,
-        merge_size=2,
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-    )
+    small_ceiling = qwen_processor(longest_edge=200_000)
     ours = prepare_image(data, ImageSettings(max_pixels=200_000))
     expected = small_ceiling(Image.open(io.BytesIO(data)), return_tensors="pt")
     assert list(ours.grid_thw) == expected["image_grid_thw"][0].tolist()
