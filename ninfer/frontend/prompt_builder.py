@@ -231,8 +231,8 @@ class PromptBuilder:
         targets: list[tuple[str, int, int, bool]] = []
         for i, message in enumerate(conversation.messages):
             for j, part in enumerate(message.content):
-                if part.cache_breakpoint and isinstance(part, TextPart):
-                    targets.append(("part", i, j, False))
+                if part.cache_breakpoint:
+                    targets.append(("part" if isinstance(part, TextPart) else "media", i, j, False))
         for t, tool in enumerate(conversation.tools):
             if tool.cache_breakpoint and tool.description:
                 targets.append(("tool", t, 0, False))
@@ -247,6 +247,9 @@ class PromptBuilder:
             if kind == "part":
                 part = marked.messages[index].content[part_index]
                 part.text += _SENTINEL
+            elif kind == "media":
+                # After the item's placeholder: MediaExpansion moves the frontier past its tokens.
+                marked.messages[index].content.insert(part_index + 1, TextPart(_SENTINEL))
             else:
                 marked.tools[index].description += _SENTINEL
             try:

@@ -8,7 +8,7 @@ from ninfer.assets import chat_template_source
 from ninfer.assets.qwen_tokenizer import build_qwen3_5_tokenizer, qwen3_5_tokenizer_config
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.frontend.capabilities import TemplateCapabilities
-from ninfer.frontend.conversation import Conversation, Message, TextPart, Tool, ToolCall
+from ninfer.frontend.conversation import Conversation, MediaPart, Message, TextPart, Tool, ToolCall
 from ninfer.frontend.prompt_builder import PromptBuilder
 from ninfer.frontend.template import ChatTemplate
 from ninfer.frontend.tokenizer import Tokenizer
@@ -115,6 +115,13 @@ def test_cache_breakpoints_map_to_exact_frontiers(tokenizer):
     # a boundary the tokenizer merges across (a trailing space before the next word) is not representable
     split = Message("system", [TextPart("Be careful. ", cache_breakpoint=True), TextPart("Today is Monday.")])
     assert not [h for h in b.build(Conversation([split, user("x")])).capture_hints if h.path is ReusePath.SHARED_STABLE_PREFIX]
+
+
+def test_a_breakpoint_on_an_image_part_ends_after_its_placeholder(tokenizer):
+    image = MediaPart("image", "data:image/png;base64,AAAA", cache_breakpoint=True)
+    prepared = builder(tokenizer).build(Conversation([Message("user", [image, TextPart("Describe it.")])]))
+    (shared,) = [h.frontier for h in prepared.capture_hints if h.path is ReusePath.SHARED_STABLE_PREFIX]
+    assert tokenizer.decode(prepared.token_ids[:shared]).endswith("<|vision_start|><|image_pad|><|vision_end|>")
 
 
 def test_assistant_prefill_continues_the_message(tokenizer):
