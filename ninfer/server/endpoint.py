@@ -142,8 +142,10 @@ async def generate(request: Request, serving: Serving, protocol: Protocol) -> Re
     ticket = None
     try:
         ticket = reserve(serving)
-        prepared: PreparedPrompt = await prepare_prompt(
-            serving, parsed.conversation, protocol.prompt_param, deadline=ticket.deadline
+        preparing = prepare_prompt(serving, parsed.conversation, protocol.prompt_param, deadline=ticket.deadline)
+        # Fetching and preparing media can take seconds: a client gone meanwhile gives its place back.
+        prepared: PreparedPrompt = await (
+            race_disconnect(request.receive, preparing) if parsed.conversation.media_parts else preparing
         )
         generation = Generation(serving, request_id, prepared, parsed.options, ticket, record)
         generation.check_fits()

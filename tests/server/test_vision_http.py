@@ -10,7 +10,9 @@ import base64
 import http.server
 import io
 import json
+import socket
 import threading
+import time
 
 import anthropic
 import httpx
@@ -20,7 +22,7 @@ import pytest
 from PIL import Image
 
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
-from tests.server.conftest import serve_config, start_server
+from tests.server.conftest import serve_config, start_server, wait_until
 
 IMAGE_TOKENS = 72  # 300x260 px -> 288x256 -> 18x16 patches -> 72 merged tokens
 TEMPLATE_TOKENS = 3  # <|vision_start|><|image_pad|><|vision_end|>
@@ -136,6 +138,8 @@ def test_bad_media_names_its_field(server, url, status, code):
 
 class _ImageHandler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 - the stdlib's name
+        if self.path.startswith("/slow"):
+            time.sleep(3)
         data = png_bytes(4)
         self.send_response(200)
         self.send_header("content-type", "image/png")
@@ -153,6 +157,22 @@ def image_site():
     threading.Thread(target=site.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{site.server_address[1]}/cat.png?token=secret"
     site.shutdown()
+
+
+def test_a_client_gone_while_its_media_is_fetched_gives_its_place_back(vl_artifact, image_site):
+    slow = image_site.replace("/cat.png", "/slow.png")
+    running = start_server(serve_config(vl_artifact, vision=True, media_allow_private_networks=True))
+    try:
+        body = json.dumps({"model": running.serving.model_id, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": slow}}]}]}).encode()
+        with socket.create_connection(("127.0.0.1", running.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            wait_until(lambda: running.serving.engine.num_outstanding == 1, what="the request to take its place")
+        # Gone long before the 3 s fetch ends: the place is back as soon as the server sees it.
+        wait_until(lambda: running.serving.engine.num_outstanding == 0, timeout=2.5, what="the place to return")
+    finally:
+        running.stop()
 
 
 def test_a_loopback_url_is_refused_by_default_and_served_with_the_private_network_opt_in(server, vl_artifact, image_site):
