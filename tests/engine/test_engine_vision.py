@@ -205,3 +205,16 @@ def test_decode_graph_rows_add_the_rope_offset(vl, monkeypatch):
         tokens += [t for o in outs_graph for t in o.new_token_ids]
     assert replays.get(1, 0) >= MAX_NEW - 2  # the decode rounds went through the graph's buffers
     assert tokens == hf_greedy(hf, ids, media, artifact.tokenizer.vocab_size)
+
+
+def test_the_moe_trunk_with_an_image_matches_transformers(tmp_path_factory):
+    """The 35B-A3B layout: the same tower in front of the MoE trunk."""
+    path = make_tiny_qwen3_5(tmp_path_factory.mktemp("vl-moe"), moe=True, vision=True, dtype="float32")
+    artifact = open_artifact(path)
+    model = artifact.load_model(dtype=torch.float32, device="cpu")
+    tower = load_vision_tower(artifact, "cpu", torch.float32)
+    hf = tf.Qwen3_5MoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    ids, media = prompt_with([(png(8), 2)], text=[1000], tail=[2000])
+    core = EngineCore(model, artifact.tokenizer, EngineConfig(prefill_chunk=32, max_context=512), vision_tower=tower)
+    got, _ = run_engine(core, {0: [request("m", ids, media)]})["m"]
+    assert got == hf_greedy(hf, ids, media, artifact.tokenizer.vocab_size)
