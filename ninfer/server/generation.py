@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from ninfer.server.request_record import RequestRecord
 from ninfer.server.timings import Timings, compute_timings
 
+# The largest integer the engine process receives (msgpack signed 64-bit).
+MAX_WIRE_INT = 2**63 - 1
+
 log = logging.getLogger("ninfer.server")
 
 
@@ -122,10 +125,13 @@ class Generation:
             request_id=request_id,
             prompt_token_ids=prepared.token_ids,
             sampling=self.sampling,
-            max_new_tokens=self.max_tokens,
+            # Any limit past the context is clamped by the engine; past int64 it could not even be sent.
+            max_new_tokens=min(self.max_tokens, MAX_WIRE_INT),
             stop_token_ids=serving.stop_token_ids,
             stop_strings=options.stop,
-            thinking_budget=serving.thinking_budget(prepared.thinking, options.thinking_budget),
+            thinking_budget=serving.thinking_budget(
+                prepared.thinking, None if options.thinking_budget is None else min(options.thinking_budget, MAX_WIRE_INT)
+            ),
             capture_hints=[*prepared.capture_hints, *options.extra_capture_hints],
             session_key=options.session_key,
             endpoint_path=options.endpoint_path,

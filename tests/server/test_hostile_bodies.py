@@ -104,6 +104,22 @@ def test_huge_integer_literals(server):
     assert error_of(post(server, path, spliced(server, path, "seed", "9" * 5000)))[:2] == (400, "invalid_json")
 
 
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [("/v1/chat/completions", "max_tokens"), ("/v1/responses", "max_output_tokens"), ("/v1/messages", "max_tokens")],
+)
+def test_huge_output_limits_reach_the_engine_process_encodable(server, path, field, monkeypatch):
+    """An output limit past int64 (the fuzz found 10**36 on Responses: the engine-process message
+    could not be encoded, a 500) is clamped like any limit past the context."""
+    from ninfer.contract.messages import AddRequest, encode
+
+    engine = server.serving.engine
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda request: (encode(AddRequest(request)), generate(request))[1])
+    for literal in ("1" + "0" * 36, "1" + "0" * 1000):
+        assert post(server, path, spliced(server, path, field, literal)).status_code == 200, literal
+
+
 @pytest.mark.parametrize("path", BODY_ENDPOINTS)
 def test_invalid_utf8_is_invalid_json(server, path):
     body = spliced(server, path, "user", '"\xff"').replace("\xff".encode(), b"\xff\xfe")
