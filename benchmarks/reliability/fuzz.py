@@ -249,8 +249,8 @@ class Campaign:
 _worker: dict[str, Any] = {}
 
 
-def work_units(document: dict, paths: list[str] | None, cases: int, unit_cases: int,
-               seed: int) -> list[tuple[str, str, str, int, int]]:
+def work_units(document: dict, paths: list[str] | None, cases: int, unit_cases: int, seed: int,
+               labels: tuple[str, ...] = ("positive", "negative")) -> list[tuple[str, str, str, int, int]]:
     """(label, METHOD, path, cases, seed) per share of an operation's cases, each share its own seed,
     so the shares are different case streams and the total per operation is still `cases`."""
     unknown = set(paths or ()) - set(document["paths"])
@@ -258,6 +258,8 @@ def work_units(document: dict, paths: list[str] | None, cases: int, unit_cases: 
         raise SystemExit(f"--paths: not in the served document: {', '.join(sorted(unknown))}")
     units = []
     for label, share in (("positive", cases // 2), ("negative", cases - cases // 2)):
+        if label not in labels:
+            continue
         for path, methods in document["paths"].items():
             if paths and path not in paths:
                 continue
@@ -406,6 +408,8 @@ def main() -> None:
                         "(default 1)")
     parser.add_argument("--paths", help="comma-separated paths of the document to fuzz (default: all); the "
                         "hostile cases run on their own paths regardless")
+    parser.add_argument("--only", choices=["positive", "negative"], help="run only this half of the generated "
+                        "cases (same seeds as in a full run, e.g. to rerun what a fix touched)")
     parser.add_argument("--unit-cases", type=int, default=1000, help="cases per work unit: an operation's share "
                         "is split into units of this many, each with its own seed (default 1000)")
     parser.add_argument("--max-context", type=int, default=1024,
@@ -434,7 +438,8 @@ def main() -> None:
         model_id = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
         served["components"]["schemas"]["ModelId"] = {"type": "string", "enum": [model_id]}
         campaign = Campaign(base_url, processes[0], served)
-        units = work_units(served, args.paths and args.paths.split(","), args.cases, args.unit_cases, args.seed)
+        labels = (args.only,) if args.only else ("positive", "negative")
+        units = work_units(served, args.paths and args.paths.split(","), args.cases, args.unit_cases, args.seed, labels)
         print(f"{len(units)} work units over {args.workers} worker(s)", file=sys.stderr, flush=True)
         context = multiprocessing.get_context("spawn")
         port_queue = context.Queue()
@@ -469,6 +474,7 @@ def write_results(args, campaign: Campaign, started: float, units_done: int, uni
                    "server_args": args.server_args},
         "cases_per_operation": args.cases,
         "paths": args.paths.split(",") if args.paths else "all",
+        "only": args.only,
         "seed": args.seed,
         "units_done": f"{units_done}/{units}",
         "seconds": round(time.monotonic() - started),
