@@ -5,7 +5,7 @@ items.py, anthropic_messages/request.py and lowering.py, validation/*), so this 
 written beside it from the same constants and tested against it (tests/server/test_openapi.py):
 bodies generated from a request schema are accepted by its validator, and the bodies the
 validator accepts in the tests validate against the schema. A schema describes what is
-*accepted*: options that are only ever refused (n > 1, JSON modes, media while vision is off)
+*accepted*: options that are only ever refused (n > 1, JSON modes; media, as on a server without --vision)
 appear as their one neutral value, with the refusal in the description.
 
 What JSON Schema cannot say (cross-field rules, JSON text inside strings, state such as stored
@@ -178,7 +178,7 @@ CHAT: dict[str, Schema] = {
         ("type", "refusal"),
     ),
     "ChatContent": {
-        "description": "A string or text parts (image_url/video_url parts are 400 vision_disabled: no vision input).",
+        "description": "A string or text parts (image_url/video_url parts: 400 vision_disabled on a server without --vision; this document describes that server).",
         "anyOf": [STRING, {"type": "array", "items": ref("ChatTextPart")}],
     },
     "ChatToolCall": obj(
@@ -444,7 +444,7 @@ RESPONSES: dict[str, Schema] = {
             "phase": STRING,
         },
         ("role", "content"),
-        description="input_image/input_video parts are 400 vision_disabled (no vision input).",
+        description="input_image/input_video parts are 400 vision_disabled without --vision (this document describes a server without it).",
     ),
     "AssistantMessageItem": obj(
         {
@@ -767,7 +767,7 @@ MESSAGES: dict[str, Schema] = {
             },
         },
         ("role", "content"),
-        description="image blocks are 400 vision_disabled (no vision input).",
+        description="image blocks are 400 vision_disabled without --vision (this document describes a server without it).",
     ),
     "AssistantMessage": obj(
         {
