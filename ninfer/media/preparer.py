@@ -193,7 +193,13 @@ class MediaPreparer:
         for miss, plan in zip(misses.values(), plans):
             miss.plan = plan
         geometry = self.config.image.geometry
-        rows = sum(plan.patch_rows for plan in plans) + sum(ref.media.patch_rows for ref in refs if ref is not None)
+        # Patches (and vision tokens) count every item of the prompt, repeats included: the
+        # envelope bounds the prompt's media tokens, though a repeated payload is built once.
+        rows_by_key = {miss.claim.key: plan.patch_rows for miss, plan in zip(misses.values(), plans)}
+        rows_by_key.update({(items[index].modality, digests[index]): plan.patch_rows
+                            for index, plan in zip(waits, plans[len(misses):])})
+        rows_by_key.update({ref.media.key: ref.media.patch_rows for ref in refs if ref is not None})
+        rows = sum(rows_by_key.get((item.modality, digests[index]), 0) for index, item in enumerate(items))
         pixels = sum(plan.source_pixels for plan in plans)
         limits = self.config.request_limits
         problem = None

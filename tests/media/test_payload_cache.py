@@ -195,6 +195,22 @@ def test_request_budgets_refuse_and_release_everything():
         preparer.close()
 
 
+def test_a_repeated_item_counts_toward_the_vision_token_envelope_each_time():
+    """The envelope bounds the prompt's media tokens: the same image twice is 160 tokens (built once),
+    and a request that already holds it (a cache hit) counts it again too."""
+    limits = RequestMediaLimits(max_vision_tokens=100)  # one 256×320 image is 80 tokens
+    preparer = MediaPreparer(MediaConfig(preprocess_threads=1, request_limits=limits))
+    try:
+        with pytest.raises(MediaBudgetExceeded):
+            asyncio.run(preparer.prepare([image_item(320, 256), image_item(320, 256)]))
+        (held,) = asyncio.run(preparer.prepare([image_item(320, 256)]))
+        with pytest.raises(MediaBudgetExceeded):
+            asyncio.run(preparer.prepare([image_item(320, 256), image_item(320, 256)]))  # both hits now
+        held.release()
+    finally:
+        preparer.close()
+
+
 def test_live_limit_refuses_a_request_that_cannot_fit():
     preparer = MediaPreparer(MediaConfig(cache_mib=0, live_mib=1, preprocess_threads=1))
     try:
