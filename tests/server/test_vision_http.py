@@ -227,3 +227,48 @@ def test_chat_video_url_counts_one_time_stamped_block_per_temporal_patch(server)
     added = with_video.usage.prompt_tokens - text_only.usage.prompt_tokens
     stamps = sum(len(server.serving.artifact.tokenizer.encode(f"<{t:.1f} seconds>")) for t in (0.3, 1.4, 2.6))
     assert added == stamps + 3 * (1 + 4 + 1)
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height but whose pixels are one tiny deflate stream."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+
+
+def _gif_animation() -> bytes:
+    frames = [Image.new("RGB", (300, 260), color) for color in ("red", "blue")]
+    out = io.BytesIO()
+    frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:], duration=100)
+    return out.getvalue()
+
+
+def _b64(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize(
+    ("urls", "status", "code"),
+    [
+        ([_b64("image/png", _png_header_only(200_000, 200_000))], 400, "media_budget_exceeded"),  # a pixel bomb
+        ([_b64("image/png", png_bytes()[:200])], 400, "invalid_media"),  # truncated
+        ([_b64("image/svg+xml", b"<svg xmlns='http://www.w3.org/2000/svg'/>")], 400, "invalid_media"),
+        ([_b64("image/png", b"")], 400, "invalid_media"),
+        ([_b64("image/gif", _gif_animation())], 200, None),  # an animation: its first frame
+        ([data_url(9)] * 600, 400, "media_budget_exceeded"),  # 600 x 72 tokens: past the 32,768-token envelope
+    ],
+)
+def test_hostile_images_are_refused_by_code_never_a_500(server, urls, status, code):
+    content = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    body = {"model": server.serving.model_id, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == status, response.text[:300]
+    if code is not None:
+        error = response.json()["error"]
+        assert error["code"] == code and error["param"].startswith("messages")
+    assert server.serving.engine.num_outstanding == 0
