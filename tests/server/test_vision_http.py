@@ -272,3 +272,38 @@ def test_hostile_images_are_refused_by_code_never_a_500(server, urls, status, co
         error = response.json()["error"]
         assert error["code"] == code and error["param"].startswith("messages")
     assert server.serving.engine.num_outstanding == 0
+
+
+@pytest.mark.slow
+def test_ninfer_serve_with_its_engine_process_serves_an_image_and_reuses_it(vl_artifact):
+    """The real command: the prepared patches cross to the engine process with the request."""
+    import shutil
+    import subprocess
+
+    from tests.net import free_port
+
+    if shutil.which("ninfer-serve") is None:
+        pytest.skip("ninfer-serve is not installed")
+    port = free_port()
+    process = subprocess.Popen(["ninfer-serve", vl_artifact, "--vision", "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _healthy(base), timeout=120, what="ninfer-serve --vision to be ready")
+        model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        content = [{"type": "image_url", "image_url": {"url": data_url(10)}}, {"type": "text", "text": "What?"}]
+        body = {"model": model, "max_tokens": 3, "messages": [{"role": "user", "content": content}]}
+        first, second = (httpx.post(base + "/v1/chat/completions", json=body, timeout=120) for _ in range(2))
+        assert first.status_code == second.status_code == 200
+        assert first.json()["usage"]["prompt_tokens"] > IMAGE_TOKENS
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == first.json()["usage"]["prompt_tokens"]
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
