@@ -27,7 +27,6 @@ import json
 import multiprocessing
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys

@@ -3,9 +3,10 @@
 The API process acquires and prepares the media (decode, resize, patch packing) and expands
 each placeholder into the item's tokens; the engine runs the vision tower over the patches
 and puts its output rows in place of those tokens. Inside the engine a media token is known
-by an identity id (`media_identity_id`): a negative number derived from the item's digest and
-the token's index in the item, so a prompt's token list alone says which media it holds, and
-prefix reuse compares media by content exactly as it compares text.
+by an identity id (`MediaInput.identity_ids`): a negative number derived from the item's
+modality and digest (`identity_key`) and the token's index in the item, so a prompt's token
+list alone says which media it holds, and prefix reuse compares media by content exactly as
+it compares text.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import msgspec
 # Tokens per group of 2x2 merged patches.
 SPATIAL_MERGE = 2
 PATCH_VALUES = 3 * 2 * 16 * 16  # channels x temporal patch x patch height x patch width
-# Identity ids are -(FIRST + (digest key << INDEX_BITS | index)): below PENDING_TOKEN (-1), and
+# Identity ids are -(FIRST + (identity key << INDEX_BITS | index)): below PENDING_TOKEN (-1), and
 # an item of up to 2**INDEX_BITS tokens (the vision envelope is 32,768 per prompt).
 _FIRST_IDENTITY = 2
 _INDEX_BITS = 18

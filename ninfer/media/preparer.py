@@ -27,7 +27,7 @@ from ninfer.media.patches import PatchPlan
 from ninfer.media.payload import PreparedMedia
 from ninfer.media.payload_cache import BuildClaim, ClaimAbandoned, Hit, MediaRef, PayloadCache, Wait
 from ninfer.media.source import AcquiredMedia, Modality, acquire_media
-from ninfer.media.video import PreparationStopped, VideoSettings, plan_video, prepare_video
+from ninfer.media.video import VideoSettings, plan_video, prepare_video
 
 MIB = 1024 * 1024
 MAX_PREPROCESS_THREADS = 16
