@@ -1,4 +1,4 @@
-"""Open model artifacts: Hugging Face directories and GGUF files."""
+"""Open model artifacts: Hugging Face directories, GGUF files and .ninfer containers."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from ninfer.artifact.artifact import Artifact, ArtifactError
 from ninfer.artifact.default_model import default_model_path
 from ninfer.artifact.gguf_file import open_gguf
 from ninfer.artifact.hf_directory import open_hf_directory
+from ninfer.artifact.ninfer_file import is_container, open_ninfer_file
 
 GGUF_MAGIC = b"GGUF"
 
 
 def open_artifact(path: str | os.PathLike[str]) -> Artifact:
-    """Open an HF model directory or a GGUF file; ArtifactError names what is wrong."""
+    """Open an HF model directory, a GGUF file or a .ninfer container; ArtifactError names what is wrong."""
     path = Path(path).expanduser()
     if path.is_dir():
         return open_hf_directory(path)
@@ -25,9 +26,11 @@ def open_artifact(path: str | os.PathLike[str]) -> Artifact:
             magic = handle.read(len(GGUF_MAGIC))
     except OSError as error:
         raise ArtifactError(f"{path}: cannot read ({error.strerror or error})") from error
-    if magic != GGUF_MAGIC:
-        raise ArtifactError(f"{path}: neither a model directory nor a GGUF file")
-    return open_gguf(path)
+    if magic == GGUF_MAGIC:
+        return open_gguf(path)
+    if path.suffix == ".ninfer" or is_container(path):
+        return open_ninfer_file(path)
+    raise ArtifactError(f"{path}: neither a model directory, a GGUF file nor a .ninfer container")
 
 
 __all__ = ["Artifact", "ArtifactError", "default_model_path", "open_artifact"]

@@ -1,4 +1,4 @@
-"""Artifact: one opened model (HF directory or GGUF file) with everything the server needs.
+"""Artifact: one opened model (HF directory, GGUF file or .ninfer container) with everything the server needs.
 
 Opening reads only metadata (config, tokenizer, template, tensor headers) and checks
 that the tensors fill the model exactly, so a broken artifact fails at open naming the
@@ -22,6 +22,7 @@ from ninfer.models.loader import WeightLoadError, load_model
 
 HF_DIRECTORY = "hf_directory"
 GGUF = "gguf"
+NINFER = "ninfer"  # a .ninfer container (ninfer_file.py)
 
 # Manifest beside config.json (HF directory) or `<file>.ninfer.json` beside a GGUF file.
 MANIFEST_NAME = "ninfer.json"
@@ -45,6 +46,12 @@ class Artifact:
     read_weights: Callable[..., Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
     # Block-scaled FP8 weights (name -> shape) a model can keep in FP8; empty for other checkpoints.
     fp8_weights: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    # A container in runtime layout builds its model itself: (config, dtype, device, progress) -> model.
+    runtime_loader: Callable[..., CausalLM] | None = field(default=None, repr=False)
+    # A container's optional part ("vision/", "dflash/", ...): its tensors, prefix removed.
+    read_part: Callable[[str], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
+    manifest: dict[str, Any] = field(default_factory=dict, repr=False)  # a container's manifest.json
+    resources: dict[str, str] = field(default_factory=dict, repr=False)  # a container's named resources
 
     def weights(self, keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Lazily read (name, tensor) pairs in HF checkpoint naming (block-scaled FP8 weights
@@ -59,7 +66,10 @@ class Artifact:
         keep_fp8: bool | None = None,
     ) -> CausalLM:
         """keep_fp8 (default: on CUDA devices): FP8 checkpoint weights stay FP8 in Fp8Linear
-        layers (GEMV / tensor-core paths); otherwise they are dequantized to bf16 at load."""
+        layers (GEMV / tensor-core paths); otherwise they are dequantized to bf16 at load.
+        A .ninfer container loads as it was packed (its FP8 layers stay FP8; keep_fp8 is moot)."""
+        if self.runtime_loader is not None:
+            return self.runtime_loader(self.config, dtype, device, progress)
         if keep_fp8 is None:
             keep_fp8 = torch.device(device).type == "cuda"
         fp8_weights = self.fp8_weights if keep_fp8 else {}
@@ -77,11 +87,18 @@ class Artifact:
 
 def read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        return read_json_text(path.read_bytes().decode("utf-8"), str(path))
     except OSError as error:
         raise ArtifactError(f"{path}: cannot read ({error.strerror or error})") from error
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except UnicodeDecodeError as error:
         raise ArtifactError(f"{path}: invalid JSON ({error})") from error
+
+
+def read_json_text(text: str, source: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ArtifactError(f"{source}: invalid JSON ({error})") from error
 
 
 def read_model_id(manifest: Path, default: str) -> str:

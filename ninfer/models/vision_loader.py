@@ -11,8 +11,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ninfer.artifact.artifact import HF_DIRECTORY, Artifact, ArtifactError
+from ninfer.artifact.artifact import HF_DIRECTORY, NINFER, Artifact, ArtifactError
 from ninfer.artifact.hf_directory import SafetensorsWeights, fp8_block_size
+from ninfer.artifact.ninfer_file import VISION_PREFIX
 from ninfer.models.config import ConfigError
 from ninfer.models.family import WeightSlice
 from ninfer.models.loader import WeightLoadError, load_weights
@@ -84,13 +85,18 @@ def load_vision_tower(
     artifact has no vision_config or is not an HF directory; WeightLoadError when its
     tensors do not fill the tower (naming what is missing)."""
     source = str(artifact.path)
-    if artifact.kind != HF_DIRECTORY:
-        raise ArtifactError(f"{source}: a vision tower loads from an HF model directory, not a {artifact.kind}")
+    if artifact.kind not in (HF_DIRECTORY, NINFER):
+        raise ArtifactError(
+            f"{source}: a vision tower loads from an HF model directory or a .ninfer container, not a {artifact.kind}"
+        )
     try:
-        config = VisionConfig.from_hf(artifact.hf_config, source=str(artifact.path / "config.json"))
+        config = VisionConfig.from_hf(artifact.hf_config, source=f"{source}:config.json")
     except ConfigError as error:
         raise ArtifactError(str(error)) from error
-    weights = SafetensorsWeights(artifact.path, fp8_block_size(artifact.hf_config))
+    if artifact.read_part is not None:
+        tensors = artifact.read_part(VISION_PREFIX)
+    else:
+        tensors = SafetensorsWeights(artifact.path, fp8_block_size(artifact.hf_config)).read(only=is_vision_tensor)
     tower = build_vision_tower(config, dtype, device)
-    load_vision_weights(tower, weights.read(only=is_vision_tensor), source=source)
+    load_vision_weights(tower, tensors, source=source)
     return tower.eval()

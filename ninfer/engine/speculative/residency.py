@@ -34,7 +34,7 @@ def check_speculative(artifact, engine: EngineConfig) -> DraftCompanion | None:
             )
         return None
     try:
-        companion = open_draft_companion(artifact.path, engine.spec)
+        companion = open_draft_companion(artifact.path, engine.spec, artifact)
     except ArtifactError as error:
         raise ConfigValueError(f"--spec {engine.spec}: {where}: {error}") from error
     problem = companion_mismatch(companion.config, artifact.config, engine.num_draft_tokens)

@@ -1,0 +1,134 @@
+"""A model's runtime layout: the tensors a built model holds, by the names it holds them under.
+
+Checkpoints store projections separately and in their producer's format; the loader packs
+and converts them (loader.py). A model saved in its runtime layout (packed projections, FP8
+weights with their scales) loads back by plain copies: `runtime_tensors` names what to
+save, `quantized_modules` records which Linear layers were replaced by quantized modules
+(and their scales' shapes) so `build_runtime_model` can rebuild the same module tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ninfer.models.causal_lm import CausalLM
+from ninfer.models.config import ModelConfig
+from ninfer.models.loader import WeightLoadError, build_model
+from ninfer.models.quant.fp8 import Fp8Linear
+
+FP8_LINEAR = "fp8_linear"
+
+
+def runtime_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every stored tensor of `model` under its state-dict name: parameters (a tied one once,
+    under its first name) and persistent buffers (FP8 weights and scales); computed buffers
+    such as rotary tables are not state."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        tensors[name] = tensor.detach()
+    return tensors
+
+
+def quantized_modules(model: nn.Module) -> dict[str, dict[str, object]]:
+    """Module name -> how it is quantized, for every quantized Linear of `model`."""
+    return {
+        name: {"kind": FP8_LINEAR, "scale_shape": list(module.weight_scale.shape)}
+        for name, module in model.named_modules()
+        if isinstance(module, Fp8Linear)
+    }
+
+
+def build_runtime_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    modules: dict[str, dict[str, object]],
+    source: str,
+) -> CausalLM:
+    """An uninitialised model whose quantized Linear layers are those `modules` records.
+
+    Entries for modules the model lacks are skipped when they belong to an optional part the
+    config leaves out (the MTP head), else they are an error naming the module."""
+    model = build_model(config, dtype, "meta")
+    for module_name, entry in sorted(modules.items()):
+        if entry.get("kind") != FP8_LINEAR:
+            raise WeightLoadError(f"{source}: module {module_name!r} has unknown quantization {entry.get('kind')!r}")
+        try:
+            linear = model.get_submodule(module_name)
+        except AttributeError:
+            if _optional(module_name, config):
+                continue
+            raise WeightLoadError(f"{source}: quantized module {module_name!r} is not part of this model") from None
+        if not isinstance(linear, nn.Linear):
+            raise WeightLoadError(f"{source}: quantized module {module_name!r} is not a Linear layer here")
+        scale_shape = tuple(int(size) for size in entry.get("scale_shape", ()))  # type: ignore[union-attr]
+        parent_name, _, child_name = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child_name, _fp8_placeholder(linear, scale_shape, module_name, source))
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    return model
+
+
+def _fp8_placeholder(linear: nn.Linear, scale_shape: tuple[int, ...], module_name: str, source: str) -> Fp8Linear:
+    out_features, in_features = linear.weight.shape
+    per_channel = (out_features,)
+    row_blocks = (out_features, -(-in_features // 128))
+    if scale_shape not in (per_channel, row_blocks):
+        raise WeightLoadError(
+            f"{source}: FP8 module {module_name!r} has scales of shape {list(scale_shape)}; "
+            f"a [{out_features}, {in_features}] weight takes {list(per_channel)} or {list(row_blocks)}"
+        )
+    placeholder = Fp8Linear.placeholder(linear)
+    if scale_shape == per_channel:
+        placeholder.weight_scale = torch.empty(per_channel, dtype=torch.float32, device=linear.weight.device)
+    return placeholder
+
+
+def _optional(name: str, config: ModelConfig) -> bool:
+    return name.startswith("mtp.") and not config.mtp_num_hidden_layers
+
+
+def load_runtime_tensors(
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    source: str,
+) -> None:
+    """Copy saved runtime tensors into `model`: every tensor it holds written exactly once with
+    the saved shape; a saved tensor the model lacks is an error unless it belongs to an
+    optional part the model was built without (the MTP head)."""
+    targets = runtime_tensors(model)
+    config = getattr(model, "config", None)
+    written: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in tensors:
+            target = targets.get(name)
+            if target is None:
+                if config is not None and _optional(name, config):
+                    continue
+                raise WeightLoadError(f"{source}: tensor {name!r} is not part of this model")
+            if name in written:
+                raise WeightLoadError(f"{source}: tensor {name!r} appears twice")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise WeightLoadError(
+                    f"{source}: tensor {name!r} has shape {list(tensor.shape)}, the model expects {list(target.shape)}"
+                )
+            if (target.dtype == torch.float8_e4m3fn) != (tensor.dtype == torch.float8_e4m3fn):
+                raise WeightLoadError(f"{source}: tensor {name!r} is {tensor.dtype}, the model holds {target.dtype}")
+            target.copy_(tensor)
+            written.add(name)
+    missing = [name for name in targets if name not in written]
+    if missing:
+        shown = ", ".join(missing[:8]) + (" …" if len(missing) > 8 else "")
+        raise WeightLoadError(f"{source}: {len(missing)} tensors were not loaded: {shown}")
