@@ -39,7 +39,7 @@ def _kv_capacity(text: str) -> int | str:
 
 
 def add_serve_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("artifact", nargs="?", help="HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("artifact", nargs="?", help="HF model directory, GGUF file or .ninfer container (default: the embedded SmolLM2-135M-Instruct)")
     net = parser.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     net.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
@@ -58,6 +58,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--mixed-prefill-chunk", type=int, default=DEFAULT_MIXED_PREFILL_CHUNK, help=f"prompt tokens a step computes beside the decoding requests' rows: larger admits a burst sooner, smaller keeps their inter-token time closer to idle (default {DEFAULT_MIXED_PREFILL_CHUNK})")
     engine.add_argument("--device", type=int, default=0, help="CUDA device index (default 0; CPU when no GPU is present)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="weight dtype (default auto: the artifact's on GPU; on CPU float32 activations with float16 Linear weights where the CPU has AVX2)")
+    engine.add_argument("--quantize", choices=["fp8"], help="fp8: quantize the model's bf16 Linear layers to FP8 e4m3 at load, one scale per output channel (FP8 checkpoint layers stay as stored; embeddings, lm_head and MoE routers stay bf16); default: weights as stored")
     engine.add_argument("--no-prefix-reuse", action="store_true", help="disable compatible-prefix caching (default: reuse on)")
     engine.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly instead of replaying CUDA graphs captured at start-up (default: graphs on, CUDA only)")
     engine.add_argument("--no-decode-overlap", action="store_true", help="read each decode round's tokens before launching the next (default: the next round is launched first, hiding the host's work between rounds)")
@@ -200,6 +201,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         greedy=args.greedy,
         log_level=args.log_level,
         dtype=args.dtype,
+        quantize=args.quantize,
         engine_process=not args.in_process_engine,
         response_store_max_records=args.response_store_max_records,
         response_store_max_mib=args.response_store_max_mib,
@@ -255,6 +257,44 @@ def _run_write_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_pack(args: argparse.Namespace) -> int:
+    from ninfer.artifact import ArtifactError
+    from ninfer.artifact.packer import pack
+    from ninfer.log import setup_logging
+
+    setup_logging(args.log_level)
+    try:
+        report = pack(args.source, args.out, weights=args.weights, model_id=args.model_id, progress=sys.stderr.isatty())
+    except ArtifactError as error:
+        print(f"ninfer pack: error: {error}", file=sys.stderr)
+        return 2
+    parts = f", with {', '.join(report.parts)}" if report.parts else ""
+    print(
+        f"{report.path}: {report.model_id}, {report.weights} weights ({report.quantized_modules} quantized layers)"
+        f"{parts}; {report.num_tensors} tensors, {report.num_bytes / 1e9:.2f} GB, packed in {report.seconds:.1f} s"
+    )
+    return 0
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ninfer.artifact import ArtifactError
+    from ninfer.artifact.ninfer_file import verify_container
+
+    try:
+        mismatched = verify_container(Path(args.container), progress=sys.stderr.isatty())
+    except ArtifactError as error:
+        print(f"ninfer verify: error: {error}", file=sys.stderr)
+        return 2
+    if mismatched:
+        shown = ", ".join(mismatched[:8]) + (" …" if len(mismatched) > 8 else "")
+        print(f"ninfer verify: {args.container}: {len(mismatched)} tensors do not match their SHA-256: {shown}", file=sys.stderr)
+        return 1
+    print(f"{args.container}: every tensor matches its SHA-256")
+    return 0
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -305,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_options(serve_parser)
     chat = sub.add_parser("chat", help="one chat turn on an artifact, streamed to stdout")
     chat.add_argument("prompt", help="the user message")
-    chat.add_argument("--model", help="HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    chat.add_argument("--model", help="HF model directory, GGUF file or .ninfer container (default: the embedded SmolLM2-135M-Instruct)")
     chat.add_argument("--system", help="a system message")
     chat.add_argument("--max-tokens", type=int, default=256, help="output limit (default 256)")
     chat.add_argument("--temperature", type=float, help="sampling temperature (default: the model's)")
@@ -338,6 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--mtp", action="store_true", help="with the MTP head (mtp.* tensors) of the real checkpoints, for --spec mtp")
     write.add_argument("--device", help="where to build the weights (default: cuda when present, else cpu)")
     write.add_argument("--log-level", default="info", choices=list(LEVELS))
+    pack = sub.add_parser("pack", help="write an artifact (HF directory, GGUF file or .ninfer) as one .ninfer container")
+    pack.add_argument("source", help="the artifact to pack")
+    pack.add_argument("out", help="the container to write (conventionally NAME.ninfer)")
+    pack.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="bf16, or fp8: FP8 checkpoint weights as stored (128x128 blocks), every other Linear layer quantized per output channel (default bf16)")
+    pack.add_argument("--model-id", help="identity.model_id of the container (default: the source's model id)")
+    pack.add_argument("--log-level", default="info", choices=list(LEVELS))
+    verify = sub.add_parser("verify", help="check every tensor of a .ninfer container against its stored SHA-256")
+    verify.add_argument("container", help="the .ninfer file")
     report = sub.add_parser("report", help="summary tables and plots of a --request-log-jsonl file")
     report.add_argument("log", help="the JSONL file the server wrote (one or more server runs)")
     report.add_argument("--out", help="output folder for report.md and the PNG plots (default: <log stem>-report next to the log)")
@@ -348,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         return _run_serve(args, "ninfer serve")
     if args.command == "bench":
         return _run_bench(args)
+    if args.command == "pack":
+        return _run_pack(args)
+    if args.command == "verify":
+        return _run_verify(args)
     if args.command == "report":
         from ninfer.report import run_report
 

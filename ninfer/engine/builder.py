@@ -20,7 +20,7 @@ from ninfer.engine.host_kv import HostKV
 from ninfer.engine.speculative.residency import check_speculative
 from ninfer.engine.warm_up import run_warm_up
 from ninfer.kernels.backend import persist_compile_caches
-from ninfer.models.quant.fp8 import Fp8Linear
+from ninfer.models.quant.fp8 import Fp8Linear, quantize_fp8_
 from ninfer.models.quant.half_weights import store_half_weights_
 
 log = logging.getLogger("ninfer.engine")
@@ -34,6 +34,7 @@ class EngineSpec:
     artifact_path: str
     engine: EngineConfig
     dtype: str = "auto"
+    quantize: str | None = None  # "fp8": quantize_fp8_ at load
     kv_capacity_auto: bool = False
 
 
@@ -99,12 +100,13 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         f" ({torch.get_num_threads()} threads)" if on_cpu else "",
     )
     # The bar is a transient terminal line; redirected stderr gets only the milestone records.
-    model = artifact.load_model(dtype=dtype, device=device, progress=sys.stderr.isatty())
-    # FP8 weights are buffers of their Fp8Linear layers, not parameters.
-    num_params = sum(p.numel() for p in model.parameters()) + sum(
-        m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear)
-    )
+    # --quantize fp8 keeps an FP8 checkpoint's layers as stored, on any device.
+    keep_fp8 = True if spec.quantize == "fp8" else None
+    model = artifact.load_model(dtype=dtype, device=device, progress=sys.stderr.isatty(), keep_fp8=keep_fp8)
+    num_params = _num_weights(model)
     log.info("model loaded in %.1fs: %.2fB parameters", time.perf_counter() - started, num_params / 1e9)
+    if spec.quantize == "fp8":
+        log.info("--quantize fp8: %d Linear layers quantized to FP8 per output channel", quantize_fp8_(model))
     if cpu_half_weights(spec.dtype, dtype, device):
         log.info("Linear weights stored in float16 for decode: %d layers", store_half_weights_(model))
     draft_model = None
@@ -167,6 +169,13 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         run_warm_up(core)  # compiles and autotunes every step shape before /health turns ready
     install_faults(core.runner)  # tests only: nothing unless NINFER_TEST_FAULTS is set
     return core
+
+
+def _num_weights(model) -> int:
+    """Parameters plus FP8 weights, which are buffers of their Fp8Linear layers."""
+    return sum(p.numel() for p in model.parameters()) + sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear)
+    )
 
 
 def _auto_kv_tokens(model, tokenizer, engine: EngineConfig, draft_model=None) -> int:

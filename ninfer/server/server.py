@@ -94,6 +94,7 @@ def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Servin
         artifact_path=artifact_path,
         engine=config.engine,
         dtype=config.dtype,
+        quantize=config.quantize,
         kv_capacity_auto=kv_capacity_auto,
     )
     build = functools.partial(build_engine_core, spec)
