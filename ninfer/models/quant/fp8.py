@@ -21,6 +21,7 @@ from ninfer.kernels.fp8_quant import quantize_rows
 from ninfer.kernels.fp8_quant.ref import FP8_MAX
 from ninfer.kernels.gemv import MAX_ROWS, conv_first_columns, gemv, gemv_causal_conv1d_update, gemv_silu_and_mul
 from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, dequantize
+from ninfer.models.quant.linear_replacement import replace_linear_layers
 
 _ROW_MULTIPLE = 16  # _scaled_mm wants row counts in multiples of 16
 
@@ -124,15 +125,7 @@ def quantize_fp8_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> int
     """Replace every nn.Linear by an Fp8Linear in place, except those whose name ends in one of
     `skip` (whole dotted components: "mlp.gate" is not "mlp.gate_proj") or with fewer than 16
     outputs; returns how many."""
-    replaced = 0
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            full = f"{parent_name}.{child_name}" if parent_name else child_name
-            skipped = any(full == s or full.endswith("." + s) for s in skip)
-            if isinstance(child, nn.Linear) and not skipped and child.out_features >= 16:
-                setattr(parent, child_name, Fp8Linear.from_linear(child))
-                replaced += 1
-    return replaced
+    return replace_linear_layers(model, skip, Fp8Linear.from_linear, lambda linear: linear.out_features >= 16)
 
 
 def quantize_row_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ninfer.kernels.activation import silu_and_mul
 from ninfer.kernels.gemv import conv_first_columns, linear_half_weight
+from ninfer.models.quant.linear_replacement import replace_linear_layers
 
 FP16_MAX = torch.finfo(torch.float16).max
 DEFAULT_SKIP = ("embed_tokens", "mlp.gate")
@@ -63,17 +64,9 @@ def store_half_weights_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) 
     """Replace every float32 nn.Linear by a HalfWeightLinear in place, except those whose name
     ends in one of `skip` (whole dotted components) or whose weights leave float16's range;
     returns how many."""
-    replaced = 0
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            full = f"{parent_name}.{child_name}" if parent_name else child_name
-            skipped = any(full == s or full.endswith("." + s) for s in skip)
-            if (
-                isinstance(child, nn.Linear)
-                and not skipped
-                and child.weight.dtype == torch.float32
-                and child.weight.abs().amax() <= FP16_MAX
-            ):
-                setattr(parent, child_name, HalfWeightLinear.from_linear(child))
-                replaced += 1
-    return replaced
+    return replace_linear_layers(
+        model,
+        skip,
+        HalfWeightLinear.from_linear,
+        lambda linear: linear.weight.dtype == torch.float32 and linear.weight.abs().amax() <= FP16_MAX,
+    )
