@@ -168,7 +168,7 @@ class ServeConfig:
     greedy: bool = False
     log_level: str = "info"
     dtype: str = "auto"  # auto: the artifact's dtype on GPU; on CPU float32 with float16 Linear weights
-    quantize: str | None = None  # "fp8": bf16 Linear layers quantized per output channel at load
+    quantize: str | None = None  # "fp8" | "nvfp4": bf16 Linear layers quantized at load
     engine_process: bool = True  # False: the engine runs in a thread of the API process
     response_store_max_records: int = 1024
     response_store_max_mib: int = 256
@@ -198,7 +198,7 @@ class ServeConfig:
         check(self.response_store_max_records >= 0, "--response-store-max-records must be >= 0")
         check(self.response_store_max_mib >= 0, "--response-store-max-mib must be >= 0")
         check(self.dtype in ("auto", "bfloat16", "float16", "float32"), "--dtype must be auto, bfloat16, float16 or float32")
-        check(self.quantize in (None, "fp8"), "--quantize must be fp8")
+        check(self.quantize in (None, "fp8", "nvfp4"), "--quantize must be fp8 or nvfp4")
         check(self.media_cache_mib >= 0, "--media-cache-mib must be >= 0")
         check(self.media_live_mib >= 1, "--media-live-mib must be >= 1")
         check(self.media_cache_mib <= self.media_live_mib, "--media-cache-mib must not exceed --media-live-mib (retained payloads are live)")

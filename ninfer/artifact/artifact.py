@@ -46,6 +46,8 @@ class Artifact:
     read_weights: Callable[..., Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
     # Block-scaled FP8 weights (name -> shape) a model can keep in FP8; empty for other checkpoints.
     fp8_weights: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    # NVFP4 weights (name -> unpacked shape) a model can keep in NVFP4; empty for other checkpoints.
+    nvfp4_weights: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     # A container in runtime layout builds its model itself: (config, dtype, device, progress) -> model.
     runtime_loader: Callable[..., CausalLM] | None = field(default=None, repr=False)
     # A container's optional part ("vision/", "dflash/", ...): its tensors, prefix removed.
@@ -53,9 +55,12 @@ class Artifact:
     manifest: dict[str, Any] = field(default_factory=dict, repr=False)  # a container's manifest.json
     resources: dict[str, str] = field(default_factory=dict, repr=False)  # a container's named resources
 
-    def weights(self, keep_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, keep_fp8: bool = False, keep_nvfp4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Lazily read (name, tensor) pairs in HF checkpoint naming (block-scaled FP8 weights
-        dequantized to bf16, or with keep_fp8 as stored, each after its `_scale_inv` scales)."""
+        dequantized to bf16, or with keep_fp8 as stored, each after its `_scale_inv` scales;
+        NVFP4 weights likewise with keep_nvfp4, after `_scale` and `_scale_2`)."""
+        if keep_nvfp4:
+            return self.read_weights(keep_fp8, keep_nvfp4=True)
         return self.read_weights(keep_fp8) if keep_fp8 else self.read_weights()
 
     def load_model(
@@ -64,24 +69,30 @@ class Artifact:
         device: torch.device | str = "cpu",
         progress: bool = True,
         keep_fp8: bool | None = None,
+        keep_nvfp4: bool | None = None,
     ) -> CausalLM:
         """keep_fp8 (default: on CUDA devices): FP8 checkpoint weights stay FP8 in Fp8Linear
         layers (GEMV / tensor-core paths); otherwise they are dequantized to bf16 at load.
+        keep_nvfp4 (default: on CUDA devices): likewise NVFP4 checkpoint weights in Nvfp4Linear.
         A .ninfer container loads as it was packed (its FP8 layers stay FP8; keep_fp8 is moot)."""
         if self.runtime_loader is not None:
             return self.runtime_loader(self.config, dtype, device, progress)
         if keep_fp8 is None:
             keep_fp8 = torch.device(device).type == "cuda"
+        if keep_nvfp4 is None:
+            keep_nvfp4 = torch.device(device).type == "cuda"
         fp8_weights = self.fp8_weights if keep_fp8 else {}
+        nvfp4_weights = self.nvfp4_weights if keep_nvfp4 else {}
         return load_model(
             self.config,
-            self.weights(keep_fp8=bool(fp8_weights)),
+            self.weights(keep_fp8=bool(fp8_weights), keep_nvfp4=bool(nvfp4_weights)),
             dtype=dtype,
             device=device,
-            total=self.num_tensors + len(fp8_weights),
+            total=self.num_tensors + len(fp8_weights) + 2 * len(nvfp4_weights),
             progress=progress,
             source=str(self.path),
             fp8_weights=fp8_weights,
+            nvfp4_weights=nvfp4_weights,
         )
 
 

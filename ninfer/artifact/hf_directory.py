@@ -20,7 +20,9 @@ from ninfer.artifact.artifact import (
     read_model_id,
 )
 from ninfer.frontend.tokenizer import Tokenizer
+from ninfer.kernels.nvfp4_gemv import dequantize_nvfp4
 from ninfer.models.config import ConfigError, ModelConfig
+from ninfer.models.loader import NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +33,49 @@ _GENERATION_BOOKKEEPING = ("transformers_version", "_from_model_config")
 
 
 _SCALE_SUFFIX = "_scale_inv"
+HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's quantization description beside config.json
+# ModelOpt NVFP4: each uint8 weight of e2m1 codes has these companions (input_scale: W4A4 only).
+_NVFP4_COMPANIONS = (NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX, "input_scale")
 
 
 def fp8_block_size(hf_config: dict[str, Any]) -> tuple[int, int] | None:
     """Qwen's FP8 checkpoints: e4m3 weights with one inverse scale per weight_block_size block."""
-    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else {}
-    quant = hf_config.get("quantization_config") or text.get("quantization_config")
-    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+    quant = _quantization_config(hf_config)
+    if quant is None or quant.get("quant_method") != "fp8":
         return None
     block = quant.get("weight_block_size") or [128, 128]
     return int(block[0]), int(block[1])
+
+
+def _quantization_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
+    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else {}
+    quant = hf_config.get("quantization_config") or text.get("quantization_config")
+    return quant if isinstance(quant, dict) else None
+
+
+def nvfp4_checkpoint(hf_config: dict[str, Any], directory: Path) -> bool:
+    """Whether the directory holds a ModelOpt NVFP4 checkpoint (config.json's quantization_config
+    with quant_method "modelopt", or hf_quant_config.json); other ModelOpt algorithms and group
+    sizes other than 16 are refused, naming the file."""
+    quant = _quantization_config(hf_config)
+    source = directory / "config.json"
+    if quant is not None and quant.get("quant_method") == "modelopt":
+        settings = quant
+    elif (directory / HF_QUANT_CONFIG).is_file():
+        source = directory / HF_QUANT_CONFIG
+        data = read_json(source)
+        settings = data.get("quantization") if isinstance(data, dict) else None
+        if not isinstance(settings, dict):
+            raise ArtifactError(f'{source}: needs a "quantization" object')
+    else:
+        return False
+    algorithm = settings.get("quant_algo")
+    if algorithm != "NVFP4":
+        raise ArtifactError(f"{source}: ModelOpt quant_algo {algorithm!r} is not supported (NVFP4 is)")
+    group_size = settings.get("group_size", 16)
+    if group_size != 16:
+        raise ArtifactError(f"{source}: NVFP4 group_size {group_size!r}; only 16 (the format's block) is supported")
+    return True
 
 
 def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -58,10 +93,12 @@ class SafetensorsWeights:
     inverse-scale tensors are consumed with their weights and never reach the model.
     """
 
-    def __init__(self, directory: Path, fp8_block: tuple[int, int] | None = None):
+    def __init__(self, directory: Path, fp8_block: tuple[int, int] | None = None, nvfp4: bool = False):
         self.fp8_block = fp8_block
+        self.nvfp4 = nvfp4
         self.names_by_file: dict[Path, list[str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
         index_path = directory / INDEX_FILE
         if index_path.is_file():
             self._read_index(index_path)
@@ -93,7 +130,9 @@ class SafetensorsWeights:
             with safe_open(file, framework="pt", device="cpu") as handle:
                 names = set(handle.keys())
                 for name in names:
-                    self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+                    tensor_slice = handle.get_slice(name)
+                    self.shapes[name] = tuple(tensor_slice.get_shape())
+                    self.dtypes[name] = tensor_slice.get_dtype()
         except (SafetensorError, OSError) as error:
             raise ArtifactError(f"{file}: unreadable safetensors file ({error})") from error
         return names
@@ -101,9 +140,32 @@ class SafetensorsWeights:
     @property
     def names(self) -> list[str]:
         names = [name for names in self.names_by_file.values() for name in names]
-        if self.fp8_block is None:
-            return names
-        return [name for name in names if not name.endswith(_SCALE_SUFFIX)]
+        if self.fp8_block is not None:
+            names = [name for name in names if not name.endswith(_SCALE_SUFFIX)]
+        if self.nvfp4:
+            companions = {f"{weight}{suffix}" for weight in self.nvfp4_weights for suffix in _NVFP4_COMPANIONS}
+            companions |= {weight.removesuffix("weight") + "input_scale" for weight in self.nvfp4_weights}
+            names = [name for name in names if name not in companions]
+        return names
+
+    @property
+    def nvfp4_weights(self) -> dict[str, tuple[int, ...]]:
+        """NVFP4 weights (uint8 codes with both scales) -> their unpacked shape [.., out, in]."""
+        if not self.nvfp4:
+            return {}
+        return {
+            name: (*shape[:-1], shape[-1] * 2)
+            for name, shape in self.shapes.items()
+            if self.dtypes[name] == "U8"
+            and name + NVFP4_BLOCK_SUFFIX in self.shapes
+            and name + NVFP4_GLOBAL_SUFFIX in self.shapes
+        }
+
+    def logical_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every weight the model reads, NVFP4 ones unpacked."""
+        nvfp4 = self.nvfp4_weights
+        for name in self.names:
+            yield name, nvfp4.get(name, self.shapes[name])
 
     @property
     def fp8_weights(self) -> dict[str, tuple[int, ...]]:
@@ -114,23 +176,27 @@ class SafetensorsWeights:
         return {name: self.shapes[name] for name in self.names if name + _SCALE_SUFFIX in stored}
 
     def read(
-        self, keep_fp8: bool = False, only: Callable[[str], bool] | None = None
+        self, keep_fp8: bool = False, only: Callable[[str], bool] | None = None, keep_nvfp4: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """keep_fp8: yield each fp8_weights entry as stored, right after its `_scale_inv` scales;
-        otherwise block-scaled weights come dequantized exactly to bf16.
+        otherwise block-scaled weights come dequantized exactly to bf16. keep_nvfp4: likewise
+        each NVFP4 weight after its `_scale` and `_scale_2`; otherwise dequantized (fp32 products,
+        rounded once to bf16).
         only: read just the tensors whose names it accepts (e.g. the vision tower's)."""
         file_of = {name: file for file, names in self.names_by_file.items() for name in names}
         kept = self.fp8_weights if keep_fp8 else {}
+        nvfp4 = self.nvfp4_weights
+        wanted = set(self.names)
         for file, names in self.names_by_file.items():
-            if only is not None:
-                names = [name for name in names if only(name)]
-                if not names:
-                    continue
+            names = [name for name in names if name in wanted and (only is None or only(name))]
+            if not names:
+                continue
             with safe_open(file, framework="pt", device="cpu") as handle:
                 for name in names:
-                    if self.fp8_block is not None and name.endswith(_SCALE_SUFFIX):
-                        continue
                     tensor = handle.get_tensor(name)
+                    if name in nvfp4:
+                        yield from self._read_nvfp4(name, tensor, file_of, keep_nvfp4)
+                        continue
                     scale_name = name + _SCALE_SUFFIX
                     if self.fp8_block is not None and scale_name in file_of:
                         with safe_open(file_of[scale_name], framework="pt", device="cpu") as scales:
@@ -140,6 +206,24 @@ class SafetensorsWeights:
                         else:
                             tensor = dequantize_block_fp8(tensor, scale, self.fp8_block)
                     yield name, tensor
+
+    def _read_nvfp4(
+        self, name: str, codes: torch.Tensor, file_of: dict[str, Path], keep: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        scales = {}
+        for suffix in (NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX):
+            with safe_open(file_of[name + suffix], framework="pt", device="cpu") as handle:
+                scales[suffix] = handle.get_tensor(name + suffix)
+        if keep:
+            for suffix, scale in scales.items():
+                yield name + suffix, scale
+            yield name, codes
+            return
+        flat = codes.reshape(-1, codes.shape[-1])
+        rows = flat.shape[0]
+        row_scale = scales[NVFP4_GLOBAL_SUFFIX].float().reshape(-1)[:1].expand(rows)
+        dense = dequantize_nvfp4(flat, scales[NVFP4_BLOCK_SUFFIX].reshape(rows, -1), row_scale)
+        yield name, dense.reshape(*codes.shape[:-1], codes.shape[-1] * 2).to(torch.bfloat16)
 
 
 def _tokenizer(directory: Path) -> tuple[Tokenizer, dict[str, Any]]:
@@ -212,7 +296,7 @@ def open_hf_directory(directory: Path) -> Artifact:
     except ConfigError as error:
         raise ArtifactError(str(error)) from error
 
-    weights = SafetensorsWeights(directory, fp8_block_size(hf_config))
+    weights = SafetensorsWeights(directory, fp8_block_size(hf_config), nvfp4_checkpoint(hf_config, directory))
     if config.mtp_num_hidden_layers and not any(name.startswith("mtp.") for name in weights.shapes):
         # Published checkpoints often strip the MTP head; serve without speculative MTP.
         log.info(
@@ -221,7 +305,7 @@ def open_hf_directory(directory: Path) -> Artifact:
             config.mtp_num_hidden_layers,
         )
         config = config.replace(mtp_num_hidden_layers=0)
-    check_weights(config, ((name, weights.shapes[name]) for name in weights.names), str(directory))
+    check_weights(config, weights.logical_shapes(), str(directory))
 
     tokenizer, tokenizer_config = _tokenizer(directory)
     return Artifact(
@@ -236,4 +320,5 @@ def open_hf_directory(directory: Path) -> Artifact:
         num_tensors=len(weights.names),
         read_weights=weights.read,
         fp8_weights=weights.fp8_weights,
+        nvfp4_weights=weights.nvfp4_weights,
     )

@@ -1,8 +1,9 @@
 """`ninfer pack SRC OUT`: write any artifact as one .ninfer container (see ninfer_file.py).
 
 The source model is loaded on the CPU as the server would build it: projections packed,
-FP8 checkpoint weights kept as stored (with --weights fp8) and every other Linear layer
-quantized per output channel. Its runtime tensors, the tokenizer, the chat template
+and with --weights fp8 (nvfp4) the checkpoint's FP8 (NVFP4) weights kept as stored and
+every other Linear layer quantized (FP8: per output channel; NVFP4: e4m3 scales per 16
+values and an fp32 scale per row). Its runtime tensors, the tokenizer, the chat template
 byte for byte, generation defaults, the vision tower and any DFlash / DFlash2 companion
 of the source go into the container. Packing holds the model's weights in host memory once
 (a 27B model in FP8: ~28 GB; in bf16: ~54 GB) and streams them to the file.
@@ -36,11 +37,12 @@ from ninfer.artifact.ninfer_file import (
 )
 from ninfer.artifact.safetensors_writer import write_safetensors
 from ninfer.models.quant.fp8 import quantize_fp8_
+from ninfer.models.quant.nvfp4 import quantize_nvfp4_
 from ninfer.models.runtime_layout import quantized_modules, runtime_tensors
 
 log = logging.getLogger("ninfer.pack")
 
-WEIGHT_FORMATS = ("bf16", "fp8")
+WEIGHT_FORMATS = ("bf16", "fp8", "nvfp4")
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,13 @@ def pack(
         raise ArtifactError(f"{out.parent}: no such directory")
     artifact = open_artifact(source)
     log.info("packing %s (%s) as %s weights", artifact.path, artifact.kind, weights)
-    model = artifact.load_model(dtype=torch.bfloat16, device="cpu", progress=progress, keep_fp8=weights == "fp8")
+    model = artifact.load_model(
+        dtype=torch.bfloat16, device="cpu", progress=progress, keep_fp8=weights == "fp8", keep_nvfp4=weights == "nvfp4"
+    )
     if weights == "fp8":
         quantize_fp8_(model)
+    elif weights == "nvfp4":
+        quantize_nvfp4_(model)
     tensors = runtime_tensors(model)
     parts: list[str] = []
     vision = _vision_tensors(artifact)

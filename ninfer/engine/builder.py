@@ -21,6 +21,7 @@ from ninfer.engine.speculative.residency import check_speculative
 from ninfer.engine.warm_up import run_warm_up
 from ninfer.kernels.backend import persist_compile_caches
 from ninfer.models.quant.fp8 import Fp8Linear, quantize_fp8_
+from ninfer.models.quant.nvfp4 import Nvfp4Linear, quantize_nvfp4_
 from ninfer.models.quant.half_weights import store_half_weights_
 
 log = logging.getLogger("ninfer.engine")
@@ -34,7 +35,7 @@ class EngineSpec:
     artifact_path: str
     engine: EngineConfig
     dtype: str = "auto"
-    quantize: str | None = None  # "fp8": quantize_fp8_ at load
+    quantize: str | None = None  # "fp8" | "nvfp4": the model's Linear layers quantized at load
     kv_capacity_auto: bool = False
 
 
@@ -100,13 +101,18 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         f" ({torch.get_num_threads()} threads)" if on_cpu else "",
     )
     # The bar is a transient terminal line; redirected stderr gets only the milestone records.
-    # --quantize fp8 keeps an FP8 checkpoint's layers as stored, on any device.
+    # --quantize keeps a checkpoint already in that format as stored, on any device.
     keep_fp8 = True if spec.quantize == "fp8" else None
-    model = artifact.load_model(dtype=dtype, device=device, progress=sys.stderr.isatty(), keep_fp8=keep_fp8)
+    keep_nvfp4 = True if spec.quantize == "nvfp4" else None
+    model = artifact.load_model(
+        dtype=dtype, device=device, progress=sys.stderr.isatty(), keep_fp8=keep_fp8, keep_nvfp4=keep_nvfp4
+    )
     num_params = _num_weights(model)
     log.info("model loaded in %.1fs: %.2fB parameters", time.perf_counter() - started, num_params / 1e9)
     if spec.quantize == "fp8":
         log.info("--quantize fp8: %d Linear layers quantized to FP8 per output channel", quantize_fp8_(model))
+    elif spec.quantize == "nvfp4":
+        log.info("--quantize nvfp4: %d Linear layers quantized to NVFP4", quantize_nvfp4_(model))
     if cpu_half_weights(spec.dtype, dtype, device):
         log.info("Linear weights stored in float16 for decode: %d layers", store_half_weights_(model))
     draft_model = None
@@ -172,9 +178,11 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
 
 
 def _num_weights(model) -> int:
-    """Parameters plus FP8 weights, which are buffers of their Fp8Linear layers."""
-    return sum(p.numel() for p in model.parameters()) + sum(
-        m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear)
+    """Parameters plus quantized weights, which are buffers of their modules (two NVFP4 codes a byte)."""
+    return (
+        sum(p.numel() for p in model.parameters())
+        + sum(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear))
+        + sum(2 * m.weight.numel() for m in model.modules() if isinstance(m, Nvfp4Linear))
     )
 
 

@@ -18,12 +18,18 @@ from tqdm import tqdm
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
 from ninfer.models.layers.linear import packed_parts, rows_within
+from ninfer.kernels.nvfp4_gemv import dequantize_nvfp4, quantize_nvfp4
 from ninfer.models.quant.fp8 import FP8, SCALE_BLOCK, Fp8Linear, expand_block_rows, quantize_row_blocks
+from ninfer.models.quant.nvfp4 import Nvfp4Linear
 from ninfer.models.registry import CheckpointRule, checkpoint_rule, model_class
 
 log = logging.getLogger(__name__)
 
 FP8_SCALE_SUFFIX = "_scale_inv"  # Qwen FP8 checkpoints: "<weight name>_scale_inv" holds its block scales
+# ModelOpt NVFP4 checkpoints: "<weight name>_scale" (e4m3 per 16 values) and "<weight name>_scale_2"
+# (the tensor's fp32 global scale) accompany each uint8 weight of packed e2m1 codes.
+NVFP4_BLOCK_SUFFIX = "_scale"
+NVFP4_GLOBAL_SUFFIX = "_scale_2"
 
 
 class WeightLoadError(ValueError):
@@ -35,19 +41,23 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     fp8_weights: dict[str, tuple[int, ...]] | None = None,
+    nvfp4_weights: dict[str, tuple[int, ...]] | None = None,
 ) -> CausalLM:
     """An uninitialised model with storage allocated on `device` (no weights read).
 
     fp8_weights: stored names and shapes of block-scaled FP8 checkpoint weights; the Linear
     layers they fill become Fp8Linear (row-block scales) before any storage is allocated.
+    nvfp4_weights: likewise for NVFP4 checkpoint weights (their unpacked shapes) -> Nvfp4Linear.
     """
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config).to(dtype)
-    for module_name in sorted(fp8_linear_names(model, config, fp8_weights or {})):
-        parent_name, _, child_name = module_name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child_name, Fp8Linear.placeholder(getattr(parent, child_name)))
+    placeholders = [(Fp8Linear, fp8_weights or {}), (Nvfp4Linear, nvfp4_weights or {})]
+    for module_type, stored in placeholders:
+        for module_name in sorted(fp8_linear_names(model, config, stored)):
+            parent_name, _, child_name = module_name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, child_name, module_type.placeholder(getattr(parent, child_name)))
     model = model.to_empty(device=device)
     model.tie_weights()
     # Buffers (rotary tables) are computed, not loaded: rebuild them on the real device.
@@ -59,7 +69,8 @@ def build_model(
 
 
 def fp8_linear_names(model: nn.Module, config: ModelConfig, fp8_weights: dict[str, tuple[int, ...]]) -> set[str]:
-    """The Linear layers (packed or not) that stored FP8 weights write into (MoE experts stay bf16)."""
+    """The Linear layers (packed or not) that stored quantized weights write into (MoE experts,
+    which are not Linear layers, stay bf16)."""
     rule = checkpoint_rule(config)
     packed = packed_parts(model)
     modules = dict(model.named_modules())
@@ -86,8 +97,11 @@ def load_weights(
     rule = rule or checkpoint_rule(model.config)
     params = dict(model.named_parameters())
     fp8_modules = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    nvfp4_modules = {name: m for name, m in model.named_modules() if isinstance(m, Nvfp4Linear)}
     params.update({f"{name}.weight": m.weight for name, m in fp8_modules.items()})  # FP8 weights are buffers
+    params.update({f"{name}.weight": m.weight for name, m in nvfp4_modules.items()})
     pending_scales: dict[str, torch.Tensor] = {}  # a block-scaled FP8 weight's scales arrive just before it
+    pending_nvfp4: dict[str, dict[str, torch.Tensor]] = {}  # an NVFP4 weight's two scales, likewise
     # Tied parameters (lm_head.weight = embed_tokens.weight) appear once; a checkpoint may store both.
     aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
     packed = packed_parts(model)
@@ -98,6 +112,16 @@ def load_weights(
         for stored_name, tensor in tensors:
             if stored_name.endswith(FP8_SCALE_SUFFIX):
                 pending_scales[stored_name.removesuffix(FP8_SCALE_SUFFIX)] = tensor
+                bar.update(1)
+                continue
+            nvfp4_suffix = _nvfp4_scale_suffix(stored_name)
+            if nvfp4_suffix is not None:
+                pending_nvfp4.setdefault(stored_name.removesuffix(nvfp4_suffix), {})[nvfp4_suffix] = tensor
+                bar.update(1)
+                continue
+            if tensor.dtype == torch.uint8 and stored_name in pending_nvfp4:
+                _load_nvfp4(stored_name, tensor, pending_nvfp4.pop(stored_name), model, rule, params, packed,
+                            nvfp4_modules, written, parts_written, source)
                 bar.update(1)
                 continue
             row_scales: list | None = None
@@ -122,6 +146,20 @@ def load_weights(
                 if param is None:
                     raise WeightLoadError(f"{source}: tensor {stored_name!r} maps to unknown parameter {param_name!r}")
                 target = param if index is None else param[index]
+                nvfp4_module = nvfp4_modules.get(param_name.removesuffix(".weight"))
+                if nvfp4_module is not None and param_name.endswith(".weight"):
+                    # An unquantized part of a projection whose other parts are NVFP4.
+                    if value.dim() != 2 or (target.shape[0], target.shape[1] * 2) != tuple(value.shape):
+                        raise WeightLoadError(
+                            f"{source}: tensor {stored_name!r} has shape {tuple(value.shape)}, parameter "
+                            f"{param_name!r} expects {(target.shape[0], target.shape[1] * 2)}"
+                        )
+                    codes, block_scale, row_scale = quantize_nvfp4(value)
+                    target.copy_(codes)
+                    (nvfp4_module.block_scale if index is None else nvfp4_module.block_scale[index]).copy_(block_scale)
+                    (nvfp4_module.row_scale if index is None else nvfp4_module.row_scale[index]).copy_(row_scale)
+                    written[param_name] += codes.numel()
+                    continue
                 if tuple(target.shape) != tuple(value.shape):
                     raise WeightLoadError(
                         f"{source}: tensor {stored_name!r} has shape {tuple(value.shape)}, "
@@ -160,6 +198,74 @@ def load_weights(
         raise WeightLoadError(f"{source}: parameters written more than once: {', '.join(over[:8])}")
 
 
+def _nvfp4_scale_suffix(stored_name: str) -> str | None:
+    for suffix in (NVFP4_GLOBAL_SUFFIX, NVFP4_BLOCK_SUFFIX):
+        if stored_name.endswith(".weight" + suffix):
+            return suffix
+    return None
+
+
+def _load_nvfp4(
+    stored_name: str,
+    codes: torch.Tensor,
+    scales: dict[str, torch.Tensor],
+    model: CausalLM,
+    rule: CheckpointRule,
+    params: dict[str, torch.Tensor],
+    packed: dict[str, tuple[str, slice]],
+    nvfp4_modules: dict[str, Nvfp4Linear],
+    written: dict[str, int],
+    parts_written: dict[str, int],
+    source: str,
+) -> None:
+    """Write one NVFP4 checkpoint weight: as stored into an Nvfp4Linear (its global scale becomes
+    the rows' scale), else dequantized exactly (MoE experts, or a model built without NVFP4)."""
+    if NVFP4_BLOCK_SUFFIX not in scales or NVFP4_GLOBAL_SUFFIX not in scales:
+        missing = NVFP4_BLOCK_SUFFIX if NVFP4_BLOCK_SUFFIX not in scales else NVFP4_GLOBAL_SUFFIX
+        raise WeightLoadError(f"{source}: NVFP4 weight {stored_name!r} has no {stored_name}{missing} before it")
+    block_scale = scales[NVFP4_BLOCK_SUFFIX]
+    if block_scale.shape != (*codes.shape[:-1], codes.shape[-1] * 2 // 16):
+        raise WeightLoadError(
+            f"{source}: NVFP4 weight {stored_name!r} {list(codes.shape)} has block scales "
+            f"{list(block_scale.shape)}; expected {[*codes.shape[:-1], codes.shape[-1] * 2 // 16]}"
+        )
+    row_scale = scales[NVFP4_GLOBAL_SUFFIX].float().reshape(-1)[:1].expand(codes.shape[:-1]).unsqueeze(-1)
+    # The scales follow the rule's row slicing exactly as the codes do.
+    block_parts = [value for _, _, value in rule(stored_name, block_scale, model.config)]
+    row_parts = [value for _, _, value in rule(stored_name, row_scale, model.config)]
+    for write, (param_name, index, value) in enumerate(rule(stored_name, codes, model.config)):
+        if param_name in packed:
+            parts_written[param_name] = parts_written.get(param_name, 0) + value.numel()
+            param_name, part_rows = packed[param_name]
+            index = rows_within(part_rows, index)
+        param = params.get(param_name)
+        if param is None:
+            raise WeightLoadError(f"{source}: tensor {stored_name!r} maps to unknown parameter {param_name!r}")
+        target = param if index is None else param[index]
+        module = nvfp4_modules.get(param_name.removesuffix(".weight"))
+        if module is not None:
+            if tuple(target.shape) != tuple(value.shape):
+                raise WeightLoadError(
+                    f"{source}: NVFP4 tensor {stored_name!r} has shape {tuple(value.shape)}, "
+                    f"parameter {param_name!r} expects {tuple(target.shape)}"
+                )
+            target.copy_(value)
+            (module.block_scale if index is None else module.block_scale[index]).copy_(block_parts[write])
+            (module.row_scale if index is None else module.row_scale[index]).copy_(row_parts[write].reshape(-1))
+        else:
+            flat_codes = value.reshape(-1, value.shape[-1])
+            dense = dequantize_nvfp4(
+                flat_codes, block_parts[write].reshape(flat_codes.shape[0], -1), row_parts[write].reshape(-1)
+            ).reshape(*value.shape[:-1], value.shape[-1] * 2)
+            if tuple(target.shape) != tuple(dense.shape):
+                raise WeightLoadError(
+                    f"{source}: tensor {stored_name!r} has shape {tuple(dense.shape)}, "
+                    f"parameter {param_name!r} expects {tuple(target.shape)}"
+                )
+            target.copy_(dense)
+        written[param_name] += value.numel() if module is not None else target.numel()
+
+
 def load_model(
     config: ModelConfig,
     tensors: Iterable[tuple[str, torch.Tensor]],
@@ -170,11 +276,12 @@ def load_model(
     progress: bool = True,
     source: str = "checkpoint",
     fp8_weights: dict[str, tuple[int, ...]] | None = None,
+    nvfp4_weights: dict[str, tuple[int, ...]] | None = None,
 ) -> CausalLM:
-    """fp8_weights: see build_model; `tensors` then yields each such weight's scales
-    (`<name>_scale_inv`) right before the e4m3 weight itself."""
+    """fp8_weights, nvfp4_weights: see build_model; `tensors` then yields each such weight's
+    scales (`<name>_scale_inv`; `<name>_scale` and `<name>_scale_2`) right before the weight."""
     dtype = dtype or getattr(torch, config.torch_dtype, torch.bfloat16)
-    model = build_model(config, dtype, device, fp8_weights)
+    model = build_model(config, dtype, device, fp8_weights, nvfp4_weights)
     load_weights(model, tensors, total=total, progress=progress, source=source)
     model.eval()
     return model

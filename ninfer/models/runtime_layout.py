@@ -2,7 +2,7 @@
 
 Checkpoints store projections separately and in their producer's format; the loader packs
 and converts them (loader.py). A model saved in its runtime layout (packed projections, FP8
-weights with their scales) loads back by plain copies: `runtime_tensors` names what to
+weights with their scales, NVFP4 codes with theirs) loads back by plain copies: `runtime_tensors` names what to
 save, `quantized_modules` records which Linear layers were replaced by quantized modules
 (and their scales' shapes) so `build_runtime_model` can rebuild the same module tree.
 """
@@ -18,8 +18,12 @@ from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
 from ninfer.models.loader import WeightLoadError, build_model
 from ninfer.models.quant.fp8 import Fp8Linear
+from ninfer.models.quant.nvfp4 import Nvfp4Linear
 
 FP8_LINEAR = "fp8_linear"
+NVFP4_LINEAR = "nvfp4_linear"
+# Stored bits that must arrive as they are; floating tensors may widen (bf16 stored, fp32 model).
+_EXACT_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
 
 def runtime_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -38,11 +42,13 @@ def runtime_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def quantized_modules(model: nn.Module) -> dict[str, dict[str, object]]:
     """Module name -> how it is quantized, for every quantized Linear of `model`."""
-    return {
-        name: {"kind": FP8_LINEAR, "scale_shape": list(module.weight_scale.shape)}
-        for name, module in model.named_modules()
-        if isinstance(module, Fp8Linear)
-    }
+    modules: dict[str, dict[str, object]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            modules[name] = {"kind": FP8_LINEAR, "scale_shape": list(module.weight_scale.shape)}
+        elif isinstance(module, Nvfp4Linear):
+            modules[name] = {"kind": NVFP4_LINEAR}
+    return modules
 
 
 def build_runtime_model(
@@ -58,8 +64,9 @@ def build_runtime_model(
     config leaves out (the MTP head), else they are an error naming the module."""
     model = build_model(config, dtype, "meta")
     for module_name, entry in sorted(modules.items()):
-        if entry.get("kind") != FP8_LINEAR:
-            raise WeightLoadError(f"{source}: module {module_name!r} has unknown quantization {entry.get('kind')!r}")
+        kind = entry.get("kind")
+        if kind not in (FP8_LINEAR, NVFP4_LINEAR):
+            raise WeightLoadError(f"{source}: module {module_name!r} has unknown quantization {kind!r}")
         try:
             linear = model.get_submodule(module_name)
         except AttributeError:
@@ -68,10 +75,17 @@ def build_runtime_model(
             raise WeightLoadError(f"{source}: quantized module {module_name!r} is not part of this model") from None
         if not isinstance(linear, nn.Linear):
             raise WeightLoadError(f"{source}: quantized module {module_name!r} is not a Linear layer here")
-        scale_shape = tuple(int(size) for size in entry.get("scale_shape", ()))  # type: ignore[union-attr]
+        if kind == FP8_LINEAR:
+            scale_shape = tuple(int(size) for size in entry.get("scale_shape", ()))  # type: ignore[union-attr]
+            replacement: nn.Module = _fp8_placeholder(linear, scale_shape, module_name, source)
+        else:
+            try:
+                replacement = Nvfp4Linear.placeholder(linear)
+            except ValueError as error:
+                raise WeightLoadError(f"{source}: NVFP4 module {module_name!r}: {error}") from None
         parent_name, _, child_name = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child_name, _fp8_placeholder(linear, scale_shape, module_name, source))
+        setattr(parent, child_name, replacement)
     model = model.to_empty(device=device)
     model.tie_weights()
     for module in model.modules():
@@ -124,7 +138,8 @@ def load_runtime_tensors(
                 raise WeightLoadError(
                     f"{source}: tensor {name!r} has shape {list(tensor.shape)}, the model expects {list(target.shape)}"
                 )
-            if (target.dtype == torch.float8_e4m3fn) != (tensor.dtype == torch.float8_e4m3fn):
+            exact = target.dtype in _EXACT_DTYPES or tensor.dtype in _EXACT_DTYPES
+            if exact and target.dtype != tensor.dtype:
                 raise WeightLoadError(f"{source}: tensor {name!r} is {tensor.dtype}, the model holds {target.dtype}")
             target.copy_(tensor)
             written.add(name)

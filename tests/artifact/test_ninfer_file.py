@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ninfer import cli
 from ninfer.artifact import ArtifactError, default_model_path, open_artifact
@@ -27,6 +27,7 @@ from ninfer.models.runtime_layout import runtime_tensors
 from ninfer.models.vision_loader import load_vision_tower
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from ninfer.testing.tiny_dflash import make_tiny_dflash
+from ninfer.testing.tiny_quantized import qwen_fp8_copy
 
 
 @pytest.fixture(scope="module")
@@ -101,34 +102,8 @@ def test_the_mtp_head_loads_only_for_spec_mtp(packed_vl_mtp) -> None:
     assert len(_greedy(core, list(range(500, 520)), 6)) == 6
 
 
-def _qwen_fp8_copy(source: Path, out: Path) -> Path:
-    """The tiny artifact in Qwen's FP8 layout: every projection e4m3 with one inverse scale per
-    128x128 block (`<name>_scale_inv`), the rest as stored."""
-    out.mkdir()
-    for item in source.iterdir():
-        if item.name != "model.safetensors" and item.is_file():
-            (out / item.name).write_bytes(item.read_bytes())
-    stored = {}
-    for name, tensor in load_file(source / "model.safetensors").items():
-        if tensor.dim() == 2 and "proj" in name and "visual" not in name:
-            rows, cols = tensor.shape
-            blocks = torch.nn.functional.pad(tensor.float(), (0, -cols % 128, 0, -rows % 128))
-            blocks = blocks.view(-(-rows // 128), 128, -(-cols // 128), 128)
-            scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448
-            expanded = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
-            stored[name] = (tensor.float() / expanded).clamp(-448, 448).to(torch.float8_e4m3fn)
-            stored[name + "_scale_inv"] = scale_inv
-        else:
-            stored[name] = tensor
-    save_file(stored, out / "model.safetensors")
-    config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
 def test_fp8_packing_keeps_checkpoint_fp8_as_stored_and_equals_quantize_fp8(root, tiny_vl_mtp) -> None:
-    fp8_dir = _qwen_fp8_copy(tiny_vl_mtp, root / "tiny-fp8")
+    fp8_dir = qwen_fp8_copy(tiny_vl_mtp, root / "tiny-fp8")
     out = root / "tiny-fp8.ninfer"
     report = pack(fp8_dir, out, weights="fp8", progress=False)
     packed = open_artifact(out)

@@ -1,0 +1,90 @@
+"""NVFP4 weights: the torch reference of their layout, quantization and product.
+
+A weight [N, K] is stored as
+  weight       uint8 [N, K/2]: two e2m1 codes a byte, element 2j in the low nibble, 2j+1 in
+               the high one (NVIDIA ModelOpt's packing); code bit 3 is the sign, bits 0-2
+               index E2M1_VALUES;
+  block_scale  float8_e4m3fn [N, K/16]: one scale per 16 consecutive elements of a row;
+  row_scale    float32 [N]: a per-row factor. ModelOpt stores one global `weight_scale_2`
+               per tensor; a packed projection's parts keep theirs, so it becomes per row.
+and the weight is  value(code) * block_scale * row_scale  (exact in fp32).
+
+Hopper has no FP4 tensor cores: decode widens the codes in registers (weight-only GEMV),
+prefill dequantizes to the activation dtype for the tensor cores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+BLOCK = 16  # elements per block scale
+
+
+def _code_values(device: torch.device) -> torch.Tensor:
+    """The 16 codes' values: 0-7 positive, 8-15 their negatives."""
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return torch.cat([magnitudes, -magnitudes])
+
+
+def unpack_codes(weight: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> int64 codes [..., K] (low nibble first)."""
+    low = weight & 0x0F
+    high = weight >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2).long()
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int codes [..., K] (0..15) -> uint8 [..., K/2]."""
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def dequantize_nvfp4(weight: torch.Tensor, block_scale: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """-> float32 [N, K]."""
+    values = _code_values(weight.device)[unpack_codes(weight)]
+    rows, cols = values.shape
+    scales = block_scale.float() * row_scale.float().reshape(-1, 1)
+    return (values.view(rows, cols // BLOCK, BLOCK) * scales.unsqueeze(-1)).view(rows, cols)
+
+
+def gemv_nvfp4(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_scale: torch.Tensor,
+    row_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, accumulated in float32."""
+    out = x.float() @ dequantize_nvfp4(weight, block_scale, row_scale).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+@torch.no_grad()
+def quantize_nvfp4(
+    weight: torch.Tensor, row_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] (K a multiple of 16) -> (packed, block_scale, row_scale), ModelOpt's recipe
+    with the global scale per row: row_scale = row amax / (6 * 448), each block's scale its amax / 6
+    in units of row_scale (rounded to e4m3), each value the nearest e2m1 code of value / scale.
+    row_scale: given scales instead (ModelOpt's one per tensor, repeated per row)."""
+    rows, cols = weight.shape
+    if cols % BLOCK:
+        raise ValueError(f"NVFP4 needs a multiple of {BLOCK} input features, not {cols}")
+    w = weight.float()
+    if row_scale is None:
+        row_scale = w.abs().amax(dim=1) / (E2M1_MAX * E4M3_MAX)
+    row_scale = row_scale.float().clamp(min=torch.finfo(torch.float32).tiny)
+    blocks = w.view(rows, cols // BLOCK, BLOCK)
+    block_amax = blocks.abs().amax(dim=-1)
+    block_scale = (block_amax / E2M1_MAX / row_scale[:, None]).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = block_scale.float() * row_scale[:, None]
+    scaled = torch.where(scale[..., None] > 0, blocks / scale[..., None].clamp(min=1e-30), torch.zeros_like(blocks))
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
+    nearest = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
+    codes = nearest + 8 * ((scaled < 0) & (nearest > 0)).long()
+    return pack_codes(codes.view(rows, cols)), block_scale, row_scale

@@ -1,0 +1,102 @@
+"""NVFP4 weights on GPUs without FP4 tensor cores: 4.5 bits a weight, widened where they are used.
+
+A weight is e2m1 codes, an e4m3 scale per 16 values and an fp32 scale per row
+(kernels/nvfp4_gemv/ref.py has the layout). Decode streams a quarter of the bf16 bytes
+through the weight-only GEMV, which widens codes in registers. Larger batches (prefill)
+dequantize the weight to the activation dtype and run the dense GEMM: correct, but one
+transient full-size weight per product until a dequantizing GEMM kernel replaces it.
+Embeddings, lm_head and MoE routers stay bf16, as in ModelOpt's NVFP4 checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ninfer.kernels.activation import silu_and_mul
+from ninfer.kernels.gemv import MAX_ROWS, conv_first_columns
+from ninfer.kernels.nvfp4_gemv import BLOCK, dequantize_nvfp4, gemv_nvfp4, quantize_nvfp4
+from ninfer.models.quant.linear_replacement import replace_linear_layers
+
+DEFAULT_SKIP = ("lm_head", "embed_tokens", "mlp.gate")
+
+
+class Nvfp4Linear(nn.Module):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        block_scale: torch.Tensor,
+        row_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        parts: dict[str, int] | None = None,
+    ):
+        """weight uint8 [out, in/2], block_scale e4m3 [out, in/16], row_scale fp32 [out];
+        parts: a PackedLinear's (each part keeps its checkpoint's global scale in its rows)."""
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("block_scale", block_scale)
+        self.register_buffer("row_scale", row_scale)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.parts = parts
+
+    @classmethod
+    def placeholder(cls, linear: nn.Linear) -> Nvfp4Linear:
+        """An unfilled module shaped like `linear` (on its device, e.g. meta), for a loader to fill."""
+        device = linear.weight.device
+        out_features, in_features = linear.weight.shape
+        if in_features % BLOCK:
+            raise ValueError(f"NVFP4 needs a multiple of {BLOCK} input features, not {in_features}")
+        return cls(
+            torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device),
+            torch.empty(out_features, in_features // BLOCK, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(out_features, dtype=torch.float32, device=device),
+            None if linear.bias is None else linear.bias.detach(),
+            getattr(linear, "parts", None),
+        )
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> Nvfp4Linear:
+        weight, block_scale, row_scale = quantize_nvfp4(linear.weight)
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(weight, block_scale, row_scale, bias, getattr(linear, "parts", None))
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1] * 2
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_nvfp4(self.weight, self.block_scale, self.row_scale).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if rows.shape[0] <= MAX_ROWS:
+            out = gemv_nvfp4(rows, self.weight, self.block_scale, self.row_scale, self.bias)
+            return out.reshape(*shape[:-1], self.out_features)
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a packed gate | up projection."""
+        return silu_and_mul(self.forward(x))
+
+    def forward_causal_conv1d_update(
+        self, x: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
+    ) -> torch.Tensor:
+        """The product of one decode token per request with the conv's decode step on its
+        first conv_weight.shape[0] columns."""
+        return conv_first_columns(self.forward(x), conv_weight, conv_state, state_slots)
+
+
+def quantize_nvfp4_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> int:
+    """Replace every nn.Linear whose input features are a multiple of 16 by an Nvfp4Linear in
+    place, except those named by `skip` (whole dotted components) or with fewer than 16
+    outputs; returns how many."""
+    return replace_linear_layers(
+        model, skip, Nvfp4Linear.from_linear, lambda linear: linear.out_features >= 16 and linear.in_features % BLOCK == 0
+    )
