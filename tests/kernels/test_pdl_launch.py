@@ -31,6 +31,7 @@ KERNEL_MODULES = {
     "paged_attention": ("_paged_attention_kernel", "_merge_splits_kernel"),
     "moe": ("_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_combine_kernel"),
     "gemv": ("_gemv_kernel", "_split_sum_kernel"),
+    "nvfp4_gemv": ("_nvfp4_gemv_kernel",),
 }
 ALL_KERNELS = {name for names in KERNEL_MODULES.values() for name in names}
 
@@ -120,6 +121,9 @@ def _call_every_wrapper(k) -> None:
     conv = (r(256, 4), r(4, 256, 3))
     k["gemv"].gemv_causal_conv1d_update(r(1, 2048), fp8_weight, r(1024, dtype=f32).abs(), None, *conv, slots[:1])
     k["gemv"].gemv_causal_conv1d_update(r(3, 2048), fp8_weight, r(1024, dtype=f32).abs(), None, *conv, slots)
+    nvfp4_codes = torch.randint(0, 256, (1024, 1024), dtype=torch.uint8, generator=gen)
+    nvfp4_scales = r(1024, 128).abs().to(torch.float8_e4m3fn)
+    k["nvfp4_gemv"].gemv_nvfp4(r(1, 2048), nvfp4_codes, nvfp4_scales, r(1024, dtype=f32).abs())
 
 
 def _name(fn) -> str:
@@ -178,6 +182,7 @@ PRE_WAIT_LOADS = {
     "_rms_norm_kernel", "_add_rms_norm_kernel", "_gated_rms_norm_kernel",
     "_conv_update_kernel", "_recurrent_kernel",  # the slot, weights / gate parameters, the state
     "_gemv_kernel",  # the first weight tile (FMA path); with a conv epilogue the slots, conv weights and state
+    "_nvfp4_gemv_kernel",  # the first tile of codes
     "_paged_attention_kernel",  # prefetch_kv: the step's lengths and page table (then L2 prefetches)
 }  # fmt: skip
 _WRITE_OR_BRANCH = re.compile(r"\b(st\.global|atom\.|red\.|cp\.async|bra|ret|exit)\b")

@@ -7,7 +7,9 @@ A weight [N, K] is stored as
   block_scale  float8_e4m3fn [N, K/16]: one scale per 16 consecutive elements of a row;
   row_scale    float32 [N]: a per-row factor. ModelOpt stores one global `weight_scale_2`
                per tensor; a packed projection's parts keep theirs, so it becomes per row.
-and the weight is  value(code) * block_scale * row_scale  (exact in fp32).
+and the weight is  value(code) * block_scale * row_scale, computed in fp32 (block_scale *
+row_scale may need more than fp32's 24 bits, so products in another order can differ in the
+last bit).
 
 Hopper has no FP4 tensor cores: decode widens the codes in registers (weight-only GEMV),
 prefill dequantizes to the activation dtype for the tensor cores.
@@ -70,7 +72,8 @@ def quantize_nvfp4(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K] (K a multiple of 16) -> (packed, block_scale, row_scale), ModelOpt's recipe
     with the global scale per row: row_scale = row amax / (6 * 448), each block's scale its amax / 6
-    in units of row_scale (rounded to e4m3), each value the nearest e2m1 code of value / scale.
+    in units of row_scale (rounded to e4m3), each value the nearest e2m1 code of value / scale
+    (ties to the even code).
     row_scale: given scales instead (ModelOpt's one per tensor, repeated per row)."""
     rows, cols = weight.shape
     if cols % BLOCK:
@@ -85,6 +88,10 @@ def quantize_nvfp4(
     scale = block_scale.float() * row_scale[:, None]
     scaled = torch.where(scale[..., None] > 0, blocks / scale[..., None].clamp(min=1e-30), torch.zeros_like(blocks))
     magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
-    nearest = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
+    distance = (scaled.abs().unsqueeze(-1) - magnitudes).abs()
+    # Round to nearest, ties to the even code (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0), as FP casts do.
+    nearest_codes = distance == distance.amin(dim=-1, keepdim=True)
+    preference = nearest_codes * (2 - torch.arange(8, device=w.device) % 2)
+    nearest = preference.argmax(dim=-1)
     codes = nearest + 8 * ((scaled < 0) & (nearest > 0)).long()
     return pack_codes(codes.view(rows, cols)), block_scale, row_scale

@@ -1,0 +1,289 @@
+"""Weight-only NVFP4 GEMV out[M, N] = x[M, K] @ W[N, K]^T for decode batches (M <= 16).
+
+Layout and exact semantics: ref.py (uint8 [N, K/2] e2m1 codes, low nibble first; e4m3 scale
+per 16 codes of a row; fp32 scale per row). Untuned: written without a GPU, so the tile
+sizes in `_config` come from register counts and instruction counts of the sm_90 build
+(Triton compiles for sm_90 on a CPU machine), not from a measurement.
+
+At M <= 16 the product is a weight stream (0.5 byte per weight, plus 1/16 byte of block
+scale), so the goal is to read W once at HBM bandwidth. As gemv/triton.py's FMA path: each
+program owns BLOCK_N whole output columns for all M rows and walks K in BLOCK_K steps, so
+every output is one fixed-order fp32 sum (no atomics, the same bits every run). A thread
+reads one vector of VEC_BYTES bytes (2 * VEC_BYTES codes, inside one 16-code scale block)
+of each of its program's weight rows per step, and the matching x values of every row as
+16-byte loads (X_PIECES of them); the few x rows stay in L1/L2.
+
+Decoding a code in registers, exactly: the code's sign bit goes to fp16's sign bit and its
+3 magnitude bits (2 exponent, 1 mantissa) to the bottom of fp16's exponent field and the
+top of its mantissa, giving the e2m1 value times 2^-14 (code 1, 0.5, becomes fp16's
+subnormal 2^-15), then fp16 -> fp32. Per byte, with b sign-extended to 32 bits:
+low nibble ((b << 28) >> 19) & 0x8E00, high nibble (b << 5) & 0x8E00. The products of
+each vector with x are summed in registers, that sum is multiplied by the vector's block
+scale (M multiplies per vector, not one per code), and the 2^14 goes into the row scale
+that multiplies each column's total at the end.
+
+Expected cost (sm_90 build, bf16 x, not measured): the K loop issues 13.6 / 17 / 26 / 43 /
+90 instructions per weight byte at M = 1 / 2 / 4 / 8 / 16 (decode ~8 per byte, then about
+3 per byte and row of x, and x's bf16 -> fp32 conversion shared by only 2-8 weight rows).
+At 4.3 TB/s an H200 SM must take ~16.5 bytes per clock and issues 128 thread-instructions
+per clock, ~7.8 per byte: even M = 1 is issue-bound (roughly half the copy bandwidth,
+still ahead of FP8 weights per weight), and from M = 4 far more so. Next steps, to be
+measured: decoding 32-bit words (PTX prmt lookups, packed fp16x2 conversion), and a
+tensor-core path for M >= 2 (code times block scale is exact in bf16 and fp16, so a
+dequantized tile can feed tl.dot at a cost per weight that does not grow with M).
+
+No split-K: the 27B shapes give >= 640 programs at the default tiles. Launch shapes come
+from shapes only (cached) and the output is torch.empty, so the launch is capture-safe for
+CUDA graphs. PDL (ninfer.kernels.pdl) where allowed: the first weight tile is loaded
+before the wait (the weight is read-only for the launch chain), x after it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.gemv.ref import MAX_ROWS
+from ninfer.kernels.nvfp4_gemv import ref
+from ninfer.kernels.nvfp4_gemv.ref import BLOCK
+from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+
+E4M3 = torch.float8_e4m3fn
+
+
+class Config(NamedTuple):
+    """One launch shape. block_n: weight rows per program; block_k: codes per row and step;
+    vec_bytes: bytes of a row one thread reads per step (2 * vec_bytes codes, dividing 16
+    so that a vector never straddles a scale block)."""
+
+    block_n: int
+    block_k: int
+    vec_bytes: int = 8
+    num_warps: int = 2
+
+
+@triton.jit
+def _fp16_bits_to_fp32(bits):
+    """int32 holding an fp16 bit pattern in its low 16 bits -> that value in fp32 (exact)."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _decode(packed):
+    """uint8 bytes -> (low-nibble, high-nibble) e2m1 values times 2^-14, fp32.
+
+    Sign-extending the byte puts copies of bit 7 above it, so after the shift bit 15 of the
+    high code's pattern is its sign; the low code is first moved to the top of the word so
+    that its sign bit gets the same copies (arithmetic shift back down).
+    """
+    b = packed.to(tl.int8, bitcast=True).to(tl.int32)
+    low = ((b << 28) >> 19) & 0x8E00
+    high = (b << 5) & 0x8E00
+    return _fp16_bits_to_fp32(low), _fp16_bits_to_fp32(high)
+
+
+@triton.jit
+def _load_tile(w_ptrs, k0, r, K, VEC: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, 1, R, VEC_BYTES] packed weight tile of step k0 (zero codes past K)."""
+    if EVEN_K:
+        return tl.load(w_ptrs + k0 // 2)
+    valid = (k0 + r * VEC) < K
+    return tl.load(w_ptrs + k0 // 2, mask=valid[None, None, :, None], other=0)
+
+
+@triton.jit
+def _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step: the loaded tile times x -> [BLOCK_N, BLOCK_M, R] block-scaled vector sums."""
+    BLOCK_N: tl.constexpr = packed.shape[0]
+    R: tl.constexpr = packed.shape[2]
+    VEC_BYTES: tl.constexpr = packed.shape[3]
+    BLOCK_M: tl.constexpr = x_ptrs.shape[1]
+    PIECE: tl.constexpr = 2 * VEC_BYTES // X_PIECES  # x elements of one 16-byte load
+    # A thread's vector as X_PIECES pieces, each meeting one x load: (n, 1, piece, r, byte).
+    packed = tl.permute(tl.reshape(packed, [BLOCK_N, 1, R, X_PIECES, PIECE // 2]), [0, 1, 3, 2, 4])
+    low, high = _decode(packed)
+    if EVEN_K:
+        xt = tl.load(x_ptrs + k0)
+        s = tl.load(s_ptrs + k0 // 16)
+    else:
+        # K is a multiple of 16 and a vector lies inside one 16-code block: whole vectors are in or out.
+        valid = (k0 + r * 2 * VEC_BYTES) < K
+        xt = tl.load(x_ptrs + k0, mask=valid[None, None, None, :, None], other=0.0)
+        s = tl.load(s_ptrs + k0 // 16, mask=valid[None, None, :], other=0.0)
+    # x's even elements meet the low nibbles, odd ones the high: a split in registers.
+    x_even, x_odd = tl.split(tl.reshape(xt.to(tl.float32), [1, BLOCK_M, X_PIECES, R, PIECE // 2, 2]))
+    part = tl.sum(tl.sum(x_even * low + x_odd * high, axis=4), axis=2)
+    return part * s.to(tl.float32)
+
+
+@triton.jit
+def _nvfp4_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    block_scale_ptr,
+    row_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    VEC_BYTES: tl.constexpr,
+    X_PIECES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    VEC: tl.constexpr = 2 * VEC_BYTES  # codes per vector
+    PIECE: tl.constexpr = VEC // X_PIECES
+    R: tl.constexpr = BLOCK_K // VEC  # vectors of a row per step
+    FOLD: tl.constexpr = 16384.0  # 2^14: the decoded codes are their values times 2^-14
+    m = tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Clamped indices: rows past M or N re-read the last real one, so loads need no row masks;
+    # only the store is masked.
+    m_load = tl.minimum(m, M - 1)
+    n_load = tl.minimum(n, N - 1).to(tl.int64)
+    r = tl.arange(0, R)
+    # Tiles over (column n, row m, [x piece], vector r, element): Triton gives a load's threads
+    # to the dimensions next to its contiguous one first, so r comes last but one: threads
+    # spread along K alike for the weight and x, and each thread keeps its vector.
+    byte = r[None, None, :, None] * VEC_BYTES + tl.arange(0, VEC_BYTES)[None, None, None, :]
+    w_ptrs = w_ptr + n_load[:, None, None, None] * stride_wn + byte
+    piece = tl.arange(0, X_PIECES)[None, None, :, None, None] * PIECE
+    code = r[None, None, None, :, None] * VEC + piece + tl.arange(0, PIECE)[None, None, None, None, :]
+    x_ptrs = x_ptr + m_load[None, :, None, None, None] * stride_xm + code
+    s_ptrs = block_scale_ptr + n_load[:, None, None] * stride_sn + (r * VEC // 16)[None, None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M, R], dtype=tl.float32)
+    first = _load_tile(w_ptrs, 0, r, K, VEC, EVEN_K)
+    pdl_sync(USE_PDL)  # x comes from the previous kernel
+    acc += _step(first, x_ptrs, s_ptrs, 0, r, K, X_PIECES, EVEN_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        packed = _load_tile(w_ptrs, k0, r, K, VEC, EVEN_K)
+        acc += _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES, EVEN_K)
+    out = tl.sum(acc, axis=2) * (tl.load(row_scale_ptr + n_load) * FOLD)[:, None]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n_load).to(tl.float32)[:, None]
+    mask = (n[:, None] < N) & (m[None, :] < M)
+    tl.store(out_ptr + m[None, :] * stride_om + n[:, None], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _config(M: int, N: int, K: int, num_sms: int) -> Config:
+    """Default launch shape, untuned (no GPU measurement yet): chosen by register and
+    bytes-in-flight arithmetic for the H200 and the 27B shapes (K = 5120, 6144, 17408).
+
+    - vec_bytes: 8 (16 codes, one scale block, an 8-byte load) up to M = 4; above, 4, as a
+      thread holds 2 * vec_bytes x values per row of x (16 rows x 16 would take 256 registers).
+    - block_k: one vector per thread and row on at most 4 warps, so 2048 codes (1 KiB of a
+      row) with 16-code vectors, 1024 with 8-code ones, where it divides K, else halved
+      (down to one warp); num_warps = block_k / (2 * vec_bytes * 32). With 16-code vectors
+      K = 5120 and 17408 take 1024 codes on 2 warps, 6144 takes 2048 on 4.
+    - block_n: 8 rows at M <= 2, 4 at M <= 8, 2 above: per thread 2 * vec_bytes * block_n
+      decoded weights and block_m * block_n sums; the widest tiles without spills (M = 16
+      with 4 rows spilled 112 bytes). At M = 1 a 5120 x 5120 step reads 8 x 512 bytes per
+      program, 640 programs (~5 per SM, ~20 KiB in flight per SM).
+    - then fewer rows per program while the grid is under 4 programs per SM (as gemv).
+    """
+    vec_bytes = 8 if M <= 4 else 4
+    vec = 2 * vec_bytes
+    block_k = min(vec * 32 * 4, max(vec * 32, triton.next_power_of_2(K)))
+    while K % block_k and block_k > vec * 32:
+        block_k //= 2
+    num_warps = block_k // (vec * 32)
+    block_n = 8 if M <= 2 else 4 if M <= 8 else 2
+    while block_n > 1 and triton.cdiv(N, block_n) < 4 * num_sms:
+        block_n //= 2
+    return Config(block_n, block_k, vec_bytes, num_warps)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # CPU interpreter runs: pretend an H200
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def gemv_nvfp4(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_scale: torch.Tensor,
+    row_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """Same contract as ref.gemv_nvfp4; config overrides the heuristic (tests, benchmarks).
+    K must be a multiple of 16 (the block size); above MAX_ROWS rows the reference runs."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > MAX_ROWS or K == 0:
+        # The weight stream costs M FMAs per code: beyond decode sizes, one dense product of
+        # the dequantized weight (the reference) is the better route. (K = 0: no step to run.)
+        return ref.gemv_nvfp4(x, weight, block_scale, row_scale, bias)
+    if K % BLOCK:
+        raise ValueError(f"NVFP4 GEMV needs K a multiple of {BLOCK}, got x {tuple(x.shape)}")
+    if weight.dtype != torch.uint8 or tuple(weight.shape) != (N, K // 2) or weight.stride(1) != 1:
+        raise ValueError(f"weight must be uint8 [N, {K // 2}] with unit last stride, got {weight.dtype} {tuple(weight.shape)}")
+    if block_scale.dtype != E4M3 or tuple(block_scale.shape) != (N, K // BLOCK) or block_scale.stride(1) != 1:
+        raise ValueError(
+            f"block_scale must be float8_e4m3fn {(N, K // BLOCK)} with unit last stride,"
+            f" got {block_scale.dtype} {tuple(block_scale.shape)}"
+        )
+    if tuple(row_scale.shape) != (N,):
+        raise ValueError(f"row_scale must be [{N}], got {tuple(row_scale.shape)}")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
+    row_scale = row_scale.float().contiguous()  # no copy for the usual fp32 scales
+    bias = None if bias is None else bias.contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    cfg = config or _config(M, N, K, _device_sms(x.device))
+    vec = 2 * cfg.vec_bytes
+    if 16 % vec or cfg.block_k % vec or cfg.block_k % 16 or cfg.block_n < 1:
+        raise ValueError(f"invalid config {cfg}")
+    use_pdl = pdl_enabled(x)
+    _nvfp4_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x,
+        weight,
+        block_scale,
+        row_scale,
+        out if bias is None else bias,  # never read without HAS_BIAS
+        out,
+        M,
+        N,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        block_scale.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=triton.next_power_of_2(M),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        VEC_BYTES=cfg.vec_bytes,
+        X_PIECES=max(1, 2 * cfg.vec_bytes * x.element_size() // 16),  # x read as 16-byte loads
+        EVEN_K=K % cfg.block_k == 0,
+        USE_PDL=use_pdl,
+        num_warps=cfg.num_warps,
+        num_stages=1,  # the loop's loads are not pipelined by Triton: resident programs hide latency
+        launch_pdl=use_pdl,  # the interpreter's launcher drops launch options it does not know
+    )
+    return out

@@ -1,0 +1,341 @@
+"""The NVFP4 weight-only GEMV: ref.py's layout and quantization on the CPU, the Triton kernel
+against it under Triton's CPU interpreter, and (marked gpu) compiled on CUDA at the 27B shapes.
+
+Interpreter shapes are small and N = 37 is no multiple of a tile (clamped rows, a masked
+store); K = 32 and 160 end in a half-masked step with the configs used, and the default
+launch takes K = 48 as 3 vectors of a 32-vector step. Codes are random bytes (all 16 codes,
+-0 included), block scales span e4m3 from subnormals to 448 with a fifth of the blocks zero,
+row scales span 2^-6..2^2.
+
+Tolerances, against a float64 product of the reference's dequantized weight: the kernel
+sums in fp32 in its own order and multiplies row_scale * (block_scale * value) where the
+reference rounds block_scale * row_scale first, so fp32 outputs agree to ~1e-6 of the terms'
+magnitude (atol 1e-5 of the largest output); bf16 outputs are rounded once, which the
+interpreter may do toward zero: one unit in the last place (2^-7) relative.
+
+The interpreter module skips itself where a GPU is present, which would take the gpu tests
+with it; so this file imports it only on CPU-only machines, and marks which tests need which.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.kernels import nvfp4_gemv as nvfp4_op
+from ninfer.kernels.gemv.ref import MAX_ROWS
+from ninfer.kernels.nvfp4_gemv import ref
+
+ON_GPU = torch.cuda.is_available()
+if ON_GPU:
+    pytest.importorskip("triton")
+    from ninfer.kernels.nvfp4_gemv import triton as fast
+else:
+    from tests.kernels.interpreter import cpu_interpreter, interpreted  # noqa: F401 (autouse fixture)
+
+    fast = interpreted("ninfer.kernels.nvfp4_gemv.triton")
+
+Config = fast.Config
+E4M3 = torch.float8_e4m3fn
+ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 0.0}
+interpreter_only = pytest.mark.skipif(ON_GPU, reason="the CPU interpreter runs where no GPU is; the gpu tests cover the kernel")
+
+N = 37
+# Few programs per launch keep the interpreter fast: 16 rows per program, 64-code steps.
+# 16-code vectors (one scale block) as the default launch takes up to M = 4, 8-code above.
+NARROW = Config(block_n=16, block_k=64, vec_bytes=8, num_warps=1)
+HALF_VECTORS = Config(block_n=16, block_k=64, vec_bytes=4, num_warps=1)
+
+
+def _weights(n: int, k: int, seed: int, device: str = "cpu"):
+    """(packed, block_scale, row_scale): random codes and scales over their whole ranges."""
+    gen = torch.Generator(device).manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8, device=device)
+    exponent = torch.randint(-9, 9, (n, k // ref.BLOCK), generator=gen, device=device)
+    scale = (1 + torch.rand(n, k // ref.BLOCK, generator=gen, device=device)) * 2.0**exponent
+    scale[torch.rand(scale.shape, generator=gen, device=device) < 0.2] = 0.0  # zero blocks
+    block_scale = scale.clamp(max=ref.E4M3_MAX).to(E4M3)
+    row_scale = 2.0 ** torch.empty(n, device=device).uniform_(-6, 2, generator=gen)
+    return packed, block_scale, row_scale
+
+
+def _activations(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+
+
+def _check(out: torch.Tensor, x, packed, block_scale, row_scale, bias=None) -> None:
+    exact = x.double() @ ref.dequantize_nvfp4(packed, block_scale, row_scale).double().T
+    if bias is not None:
+        exact = exact + bias.double()
+    assert out.shape == (x.shape[0], packed.shape[0]) and out.dtype == x.dtype
+    torch.testing.assert_close(out.double(), exact, rtol=ULP[x.dtype], atol=1e-5 * exact.abs().max().item())
+
+
+# --- ref.py on the CPU ---------------------------------------------------------------------
+
+
+def test_known_codes_decode_to_the_e2m1_table() -> None:
+    # Byte 0x9A: low nibble 0xA (sign, magnitude 2) = -1.0, element 0; high 0x9 = -0.5, element 1.
+    one_byte = torch.full((1, 8), 0x9A, dtype=torch.uint8)
+    ones = torch.ones(1, 1).to(E4M3)
+    assert ref.dequantize_nvfp4(one_byte, ones, torch.ones(1)).tolist() == [[-1.0, -0.5] * 8]
+    # Codes 0..15 in order, two a byte (low nibble first): 0x10, 0x32, ..., 0xFE.
+    every_code = torch.tensor([[(2 * i) | ((2 * i + 1) << 4) for i in range(8)]], dtype=torch.uint8)
+    table = [*ref.E2M1_VALUES, *(-v for v in ref.E2M1_VALUES)]
+    decoded = ref.dequantize_nvfp4(every_code, ones, torch.ones(1))
+    assert decoded.tolist() == [table]
+    assert torch.signbit(decoded[0, 8]) and not torch.signbit(decoded[0, 0])  # code 8 is -0
+    # Both scales multiply every value of their block and row.
+    scaled = ref.dequantize_nvfp4(every_code, torch.full((1, 1), 3.0).to(E4M3), torch.tensor([0.25]))
+    assert scaled.tolist() == [[0.75 * v for v in table]]
+    assert torch.equal(ref.pack_codes(ref.unpack_codes(every_code)), every_code)
+
+
+def _normal_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """Gaussian rows of different magnitudes, every fifth 16-block zero."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen) * 10
+    w.view(n, k // ref.BLOCK, ref.BLOCK)[:, ::5] = 0.0
+    return w
+
+
+def test_quantize_of_the_dequantized_weight_gives_the_same_bytes() -> None:
+    packed, block_scale, row_scale = ref.quantize_nvfp4(_normal_weight(64, 256, seed=0))
+    assert (block_scale.float() == 0).any()  # zero blocks take a zero scale
+    dequantized = ref.dequantize_nvfp4(packed, block_scale, row_scale)
+    packed2, block_scale2, row_scale2 = ref.quantize_nvfp4(dequantized)
+    assert torch.equal(packed2, packed)
+    assert torch.equal(block_scale2.view(torch.uint8), block_scale.view(torch.uint8))
+    # The row scale is recomputed from the dequantized row's amax (6 * 448 * row_scale, rounded
+    # in fp32), so it comes back within a few fp32 units, not always bit for bit.
+    torch.testing.assert_close(row_scale2, row_scale, rtol=2**-21, atol=0.0)
+
+
+def test_quantization_error_is_within_half_an_e2m1_step() -> None:
+    w = _normal_weight(48, 512, seed=1)
+    packed, block_scale, row_scale = ref.quantize_nvfp4(w)
+    error = (ref.dequantize_nvfp4(packed, block_scale, row_scale) - w).abs()
+    scale = (block_scale.float() * row_scale[:, None]).repeat_interleave(ref.BLOCK, dim=1)
+    # e2m1 steps are 0.5 up to 2, 1 up to 4, 2 up to 6; a block's largest value may exceed
+    # 6 * scale (its e4m3 scale rounded down by up to 2^-4), still within the last half step.
+    units = w.abs() / scale.clamp(min=1e-30)
+    half_step = torch.where(units <= 2, 0.25, torch.where(units <= 4, 0.5, 1.0))
+    assert (units <= 6 / (1 - 2**-4)).all()
+    assert (error <= half_step * scale * (1 + 1e-6)).all()
+    assert (error[scale == 0] == 0).all()  # zero blocks come back exactly
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ref_gemv_is_x_times_the_dequantized_weight(dtype: torch.dtype) -> None:
+    packed, block_scale, row_scale = _weights(N, 64, seed=2)
+    x, bias = _activations(3, N, 64, dtype, seed=2)
+    weight = ref.dequantize_nvfp4(packed, block_scale, row_scale)
+    assert weight.dtype == torch.float32 and weight.shape == (N, 64)
+    assert torch.equal(ref.gemv_nvfp4(x, packed, block_scale, row_scale), (x.float() @ weight.T).to(dtype))
+    expected = (x.float() @ weight.T + bias.float()).to(dtype)
+    assert torch.equal(ref.gemv_nvfp4(x, packed, block_scale, row_scale, bias), expected)
+    assert torch.equal(nvfp4_op.gemv_nvfp4(x, packed, block_scale, row_scale, bias), expected)  # CPU: the reference
+
+
+# --- the Triton kernel under the CPU interpreter ---------------------------------------------
+
+
+@interpreter_only
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [32, 64, 160])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_matches_reference(m: int, k: int, dtype: torch.dtype, with_bias: bool) -> None:
+    packed, block_scale, row_scale = _weights(N, k, seed=k + m)
+    x, bias = _activations(m, N, k, dtype, seed=m)
+    bias = bias if with_bias else None
+    config = NARROW if m <= 4 else HALF_VECTORS
+    _check(fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias, config=config), x, packed, block_scale, row_scale, bias)
+
+
+@interpreter_only
+@pytest.mark.parametrize("m, k, dtype", [(2, 48, torch.float32), (8, 64, torch.float16)])
+def test_default_config(m: int, k: int, dtype: torch.dtype) -> None:
+    # The heuristic's own launch; at this small N it takes one row per program (37 programs).
+    # K = 48: a masked last step. fp16: row scales cut by 2^-10 to keep the sums in its range.
+    packed, block_scale, row_scale = _weights(N, k, seed=30 + m)
+    if dtype == torch.float16:
+        row_scale = row_scale * 2**-10
+    x, bias = _activations(m, N, k, dtype, seed=30 + m)
+    _check(fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias), x, packed, block_scale, row_scale, bias)
+
+
+@interpreter_only
+def test_strided_rows() -> None:
+    # x, weight and block_scale as column slices of wider buffers: row strides are honoured.
+    k = 64
+    packed, block_scale, row_scale = _weights(N, k + 32, seed=40)
+    packed, block_scale = packed[:, : k // 2], block_scale[:, : k // ref.BLOCK]
+    x = _activations(3, N, k + 24, torch.bfloat16, seed=40)[0][:, :k]
+    assert packed.stride(0) == (k + 32) // 2 and x.stride(0) == k + 24
+    _check(fast.gemv_nvfp4(x, packed, block_scale, row_scale, config=NARROW), x, packed, block_scale, row_scale)
+
+
+@interpreter_only
+def test_decode_of_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The in-register decode on all 256 bytes: both nibbles exactly their e2m1 values times
+    # 2^-14, -0 (code 8) included.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel below, built for the interpreter
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(packed_ptr, low_ptr, high_ptr):
+        i = tl.arange(0, 256)
+        low, high = fast._decode(tl.load(packed_ptr + i))
+        tl.store(low_ptr + i, low)
+        tl.store(high_ptr + i, high)
+
+    packed = torch.arange(256, dtype=torch.uint8)
+    low, high = torch.empty(256), torch.empty(256)
+    decode[(1,)](packed, low, high)
+    expected = ref.dequantize_nvfp4(packed.view(16, 16), torch.ones(16, 2).to(E4M3), torch.ones(16))
+    expected = expected.view(256, 2)
+    assert torch.equal(torch.stack((low, high), dim=1) * 2**14, expected)
+    assert torch.equal(torch.signbit(low), torch.signbit(expected[:, 0]))
+    assert torch.equal(torch.signbit(high), torch.signbit(expected[:, 1]))
+
+
+@interpreter_only
+def test_invalid_inputs() -> None:
+    packed, block_scale, row_scale = _weights(N, 64, seed=50)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fast.gemv_nvfp4(torch.randn(2, 40), packed[:, :20], block_scale[:, :2], row_scale)
+    with pytest.raises(ValueError, match="weight"):
+        fast.gemv_nvfp4(x, packed.view(torch.int8), block_scale, row_scale)
+    with pytest.raises(ValueError, match="weight"):
+        fast.gemv_nvfp4(x, packed[:, :16], block_scale, row_scale)
+    with pytest.raises(ValueError, match="block_scale"):
+        fast.gemv_nvfp4(x, packed, block_scale.float(), row_scale)
+    with pytest.raises(ValueError, match="block_scale"):
+        fast.gemv_nvfp4(x, packed, block_scale[:, :2], row_scale)
+    with pytest.raises(ValueError, match="row_scale"):
+        fast.gemv_nvfp4(x, packed, block_scale, row_scale[:-1])
+    with pytest.raises(ValueError, match="bias"):
+        fast.gemv_nvfp4(x, packed, block_scale, row_scale, torch.zeros(N + 1))
+    with pytest.raises(ValueError, match="config"):
+        fast.gemv_nvfp4(x, packed, block_scale, row_scale, config=Config(block_n=4, block_k=64, vec_bytes=16))
+
+
+@interpreter_only
+def test_beyond_max_rows_and_empty_shapes() -> None:
+    packed, block_scale, row_scale = _weights(N, 32, seed=60)
+    x, bias = _activations(MAX_ROWS + 1, N, 32, torch.bfloat16, seed=60)
+    expected = ref.gemv_nvfp4(x, packed, block_scale, row_scale, bias)
+    assert torch.equal(fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias), expected)
+    assert fast.gemv_nvfp4(x[:0], packed, block_scale, row_scale).shape == (0, N)
+    empty = fast.gemv_nvfp4(x[:2], packed[:0], block_scale[:0], row_scale[:0])
+    assert empty.shape == (2, 0)
+    no_k = fast.gemv_nvfp4(x[:2, :0], packed[:, :0], block_scale[:, :0], row_scale, bias)
+    assert torch.equal(no_k, bias.expand(2, N))
+
+
+SHAPES_27B = {
+    "27b_gdn_in_proj": (16480, 5120),
+    "27b_gdn_out_proj": (5120, 6144),
+    "27b_attn_qkv": (14336, 5120),
+    "27b_mlp_gate_up": (34816, 5120),
+    "27b_mlp_down": (5120, 17408),
+}
+
+
+def test_heuristic_on_real_shapes() -> None:
+    for n, k in SHAPES_27B.values():
+        for m in range(1, MAX_ROWS + 1):
+            cfg = fast._config(m, n, k, 132)
+            vec = 2 * cfg.vec_bytes
+            assert 16 % vec == 0 and k % cfg.block_k == 0  # whole vectors in a block, no masked step
+            assert cfg.block_k == vec * 32 * cfg.num_warps  # one vector per thread and row per step
+            assert -(-n // cfg.block_n) >= 4 * 132  # at least 4 programs per SM
+    assert fast._config(1, 5120, 5120, 132) is fast._config(1, 5120, 5120, 132)
+
+
+# --- compiled on the GPU ---------------------------------------------------------------------
+
+
+def _exact_fp32(x, packed, block_scale, row_scale, bias=None) -> torch.Tensor:
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        out = x.float() @ ref.dequantize_nvfp4(packed, block_scale, row_scale).T
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    return out if bias is None else out + bias.float()
+
+
+def _check_gpu(out: torch.Tensor, expected: torch.Tensor) -> None:
+    # Both sum in fp32 (other orders, and the kernel scales the block sums where the reference
+    # scales each weight), then one rounding to bf16: within half a bf16 unit (2^-8 relative,
+    # with margin for the fp32 order) plus 1e-3 of the largest output for outputs near zero.
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-3 * expected.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+class TestOnGpu:
+    @pytest.fixture(scope="class")
+    def weights(self):
+        cache = {}
+
+        def get(name: str):
+            if name not in cache:
+                cache.clear()  # one shape's weights at a time
+                n, k = SHAPES_27B[name]
+                w = torch.randn(n, k, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * k**-0.5
+                cache[name] = ref.quantize_nvfp4(w)
+            return cache[name]
+
+        return get
+
+    @pytest.mark.parametrize("name", list(SHAPES_27B))
+    @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+    def test_matches_reference(self, name: str, m: int, weights) -> None:
+        n, k = SHAPES_27B[name]
+        packed, block_scale, row_scale = weights(name)
+        x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
+        out = nvfp4_op.gemv_nvfp4(x, packed, block_scale, row_scale)
+        cfg = fast._config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        print(f"METRIC gemv_nvfp4 {name} M={m} config={tuple(cfg)}")
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        _check_gpu(out, _exact_fp32(x, packed, block_scale, row_scale))
+        # The dispatcher's choice for CUDA tensors, and the same bits on every run.
+        assert torch.equal(fast.gemv_nvfp4(x, packed, block_scale, row_scale), out)
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+    @pytest.mark.parametrize("m", [3, 16])
+    def test_bias_strided_rows_and_random_scales(self, dtype: torch.dtype, m: int) -> None:
+        # Random codes and scales (zero and subnormal blocks) at a real shape, x rows strided;
+        # row scales cut by 2^-12 to keep fp16 sums of 6144 terms in range.
+        n, k = SHAPES_27B["27b_gdn_out_proj"]
+        packed, block_scale, row_scale = _weights(n, k, seed=m, device="cuda")
+        row_scale = row_scale * 2**-12
+        gen = torch.Generator("cuda").manual_seed(100 + m)
+        x = torch.randn(m, k + 64, device="cuda", generator=gen).to(dtype)[:, :k]
+        bias = torch.randn(n, device="cuda", generator=gen).to(dtype)
+        out = nvfp4_op.gemv_nvfp4(x, packed, block_scale, row_scale, bias)
+        expected = _exact_fp32(x, packed, block_scale, row_scale, bias)
+        if dtype == torch.bfloat16:
+            _check_gpu(out, expected)
+        else:
+            torch.testing.assert_close(out.float(), expected, rtol=ULP[dtype] / 2 + 1e-5, atol=1e-5 * expected.abs().max().item())
+
+    def test_cuda_graph_replay(self, weights) -> None:
+        packed, block_scale, row_scale = weights("27b_mlp_down")
+        x = torch.randn(2, 17408, device="cuda").bfloat16()
+        eager = fast.gemv_nvfp4(x, packed, block_scale, row_scale)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fast.gemv_nvfp4(x, packed, block_scale, row_scale)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, fast.gemv_nvfp4(x, packed, block_scale, row_scale))
+        assert not torch.equal(captured, eager)
