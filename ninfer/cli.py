@@ -58,6 +58,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--mixed-prefill-chunk", type=int, default=DEFAULT_MIXED_PREFILL_CHUNK, help=f"prompt tokens a step computes beside the decoding requests' rows: larger admits a burst sooner, smaller keeps their inter-token time closer to idle (default {DEFAULT_MIXED_PREFILL_CHUNK})")
     engine.add_argument("--device", type=int, default=0, help="CUDA device index (default 0; CPU when no GPU is present)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="weight dtype (default auto: the artifact's on GPU; on CPU float32 activations with float16 Linear weights where the CPU has AVX2)")
+    engine.add_argument("--kv-dtype", default="bf16", choices=["bf16", "int8", "fp8", "nvfp4", "k8v4"], help="KV-cache storage: bf16 (unquantized, the model's dtype), int8 or fp8 (one fp32 scale per token and head), nvfp4 (e2m1 with e4m3 scales per 16 values), k8v4 (int8 keys, nvfp4 values); smaller formats hold more tokens in the same memory (default bf16)")
     engine.add_argument("--quantize", choices=["fp8", "nvfp4"], help="quantize the model's bf16 Linear layers at load: fp8 (e4m3, one scale per output channel) or nvfp4 (e2m1, e4m3 scales per 16 values, an fp32 scale per row); a checkpoint's layers already in that format stay as stored; embeddings, lm_head, MoE routers and experts stay bf16 (default: weights as stored)")
     engine.add_argument("--no-prefix-reuse", action="store_true", help="disable compatible-prefix caching (default: reuse on)")
     engine.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly instead of replaying CUDA graphs captured at start-up (default: graphs on, CUDA only)")
@@ -182,6 +183,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         lm_head_draft=args.lm_head_draft,
         adaptive_drafts=not args.no_adaptive_drafts,
         vision=args.vision,
+        kv_dtype=args.kv_dtype,
     )
     config = ServeConfig(
         engine=engine,
@@ -326,6 +328,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         profile_dir=args.out if args.profile else None,
         verify_drafts=ints(args.verify_drafts),
         lm_head_draft=not args.no_lm_head_draft,
+        kv_dtypes=args.kv_dtypes.split(","),
     )
     results = Suite(options).run()
     results["command"] = "ninfer bench " + " ".join(sys.argv[2:])
@@ -357,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--log-level", default="warning", choices=list(LEVELS))
     bench = sub.add_parser("bench", help="GPU benchmark: random-weight Qwen3.5 shapes vs roofline and HF transformers")
     bench.add_argument("--shapes", default="27b,35b-a3b", help="comma list of 27b, 35b-a3b, tiny (default 27b,35b-a3b)")
-    bench.add_argument("--weights", default="bf16,fp8", help="comma list of bf16, fp8 (default both)")
+    bench.add_argument("--weights", default="bf16,fp8", help="comma list of bf16, fp8, nvfp4 (default bf16,fp8)")
+    bench.add_argument("--kv-dtypes", default="bf16", help="comma list of --kv-dtype formats to run our cases with: bf16, int8, fp8, nvfp4, k8v4 (default bf16)")
     bench.add_argument("--batches", default="1,2,4,8", help="decode batch sizes (default 1,2,4,8)")
     bench.add_argument("--contexts", default="4096,131072", help="decode context lengths (default 4096,131072)")
     bench.add_argument("--prefill", default="8192,65536", help="prefill prompt lengths (default 8192,65536)")

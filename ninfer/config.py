@@ -29,6 +29,9 @@ class ConfigValueError(ValueError):
     """An option value or combination is invalid; the message names the option."""
 
 
+KV_DTYPE_NAMES = ("bf16", "int8", "fp8", "nvfp4", "k8v4")  # models/kv_cache.py's KV_DTYPES
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_concurrency: int = 1  # active lanes, 1..8
@@ -61,12 +64,14 @@ class EngineConfig:
     # --no-adaptive-drafts verifies K drafts every round.
     adaptive_drafts: bool = True
     vision: bool = False  # load the vision tower: prompts may carry images and videos
+    kv_dtype: str = "bf16"  # KV storage: bf16 (plain, the model's dtype) | int8 | fp8 | nvfp4 | k8v4
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
                 raise ConfigValueError(message)
 
+        check(self.kv_dtype in KV_DTYPE_NAMES, f"--kv-dtype must be one of {', '.join(KV_DTYPE_NAMES)}")
         check(self.spec is None or self.spec in SPEC_DRAFT_RANGES, "--spec must be mtp, dflash or dflash2")
         if self.spec is None:
             check(self.draft_tokens is None, "--draft-tokens needs --spec mtp|dflash|dflash2")

@@ -33,10 +33,16 @@ def markdown_table(results: dict[str, Any]) -> str:
         frac = f"{100 * r['fraction_of_roofline']:.0f}%" if r["fraction_of_roofline"] is not None else "–"
         clock = f"{r['sm_clock_mhz']:.0f}" if r.get("sm_clock_mhz") else "–"
         lines.append(
-            f"| {r['shape']} | {r['weights']} | {r['kind']} | {r['batch']} | {r['tokens']:,} | "
+            f"| {r['shape']} | {_weights_label(r)} | {r['kind']} | {r['batch']} | {r['tokens']:,} | "
             f"{r['tokens_per_s']:,.2f} {unit} | {roof} | {frac} | {r['peak_memory_gib']:.1f} | {clock} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _weights_label(result: dict[str, Any]) -> str:
+    """The weights, and the KV format when it is not bf16 (older result files have none)."""
+    kv = result.get("kv_dtype", "bf16")
+    return result["weights"] if kv == "bf16" else f"{result['weights']}, KV {kv}"
 
 
 def write_markdown(results: dict[str, Any], out: Path) -> Path:
@@ -57,7 +63,7 @@ def write_plot(results: dict[str, Any], out: Path) -> Path | None:
     decode = [r for r in results["results"] if r["kind"] in ("decode", "hf_decode")]
     if not decode:
         return None
-    labels = [f"{r['shape']} {r['weights']}\n{'HF ' if r['kind'] == 'hf_decode' else ''}b{r['batch']} "
+    labels = [f"{r['shape']} {_weights_label(r)}\n{'HF ' if r['kind'] == 'hf_decode' else ''}b{r['batch']} "
               f"{r['tokens'] // 1024}K" for r in decode]
     ours = [r["tokens_per_s"] for r in decode]
     roofs = [r["roofline_tokens_per_s"] or 0 for r in decode]

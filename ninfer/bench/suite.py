@@ -83,6 +83,7 @@ class BenchOptions:
     profile_dir: str | None = None  # profile-, increments-, trace-* for the smallest decode case and the shortest prefill
     verify_drafts: list[int] = field(default_factory=list)  # speculative verify rounds of K drafts (none: no cases)
     lm_head_draft: bool = True  # verify cases draft through the reduced-vocabulary proposal head
+    kv_dtypes: list[str] = field(default_factory=lambda: ["bf16"])  # --kv-dtype formats: a runner each
 
 
 @dataclass
@@ -100,6 +101,29 @@ class CaseResult:
     sm_clock_mhz: float | None = None  # median SM clock over the timed part (None without NVML)
     draft_tokens: int = 0  # verify cases: drafts per request a round
     round_ratio: float | None = None  # verify cases: round time / the plain decode round's at the same B and L
+    kv_dtype: str = "bf16"  # the KV cache's --kv-dtype
+
+
+_KV_CASES = ("decode", "prefill", "ttft", "verify")  # our cases, which run on the runner's KV format
+
+
+def fill_kv_(cache, head_dim: int) -> None:
+    """Random keys and values in the cache's formats: one page per layer, copied to every page
+    (quantizing the whole pool at once would need it in fp32)."""
+    from ninfer.kernels.kv_quant import format_of, quantize_rows
+
+    for store in (cache.k, cache.v):
+        fmt = format_of(store)
+        values = torch.randn(store.shape[0], 1, *store.shape[2:-1], head_dim, device=store.device)
+        page = values.to(store.dtype) if fmt is None else quantize_rows(values, fmt)
+        raw = store.view(torch.uint8)
+        raw.copy_(page.view(torch.uint8).expand_as(raw))
+
+
+def kv_element_bytes(cache, config) -> float:
+    """Bytes the cache holds per K or V element, scales included (2 for bf16)."""
+    num_layers, _, _, num_kv_heads, _ = cache.k.shape
+    return cache.bytes_per_token / (2 * num_layers * num_kv_heads * config.head_dim)
 
 
 # Prefill timings per case: the rate moves with the SM clock, so short prompts get more repeats.
@@ -123,7 +147,8 @@ class Suite:
         self.results: list[CaseResult] = []
         self.ceilings: DeviceCeilings | None = None
         self.clocks = ClockSampler(None)
-        self._plain_rounds: dict[tuple, float] = {}  # (shape, weights, batch, context) -> decode round seconds
+        self._plain_rounds: dict[tuple, float] = {}  # (shape, weights, kv, batch, context) -> decode round seconds
+        self.kv_dtype = "bf16"  # the KV format of the runner being measured
 
     def run(self) -> dict[str, Any]:
         self.clocks = ClockSampler(nvml_sm_clock_reader(self.device)).start()
@@ -181,27 +206,39 @@ class Suite:
             torch.cuda.empty_cache()
             weight_bytes = 1.0  # e4m3; per-channel scales are negligible
             log.info("[%s fp8] %d Linear layers quantized (experts, routers, embedding and lm_head stay bf16)", shape, replaced)
+        elif weights == "nvfp4":
+            from ninfer.models.quant.nvfp4 import quantize_nvfp4_
+
+            replaced = quantize_nvfp4_(model)
+            torch.cuda.empty_cache()
+            weight_bytes = 0.5 + 1 / 16  # e2m1 codes and an e4m3 scale per 16; row scales are negligible
+            log.info("[%s nvfp4] %d Linear layers quantized (experts, routers, embedding and lm_head stay bf16)", shape, replaced)
         options = self.options
         max_batch = max(options.batches)
         max_tokens = max([max(options.contexts) + 1, *options.prefill_lengths])
         page_size = SERVER_DEFAULTS.page_size
         num_pages = max_batch * (-(-max(options.contexts) // page_size) + 1)
         num_pages = max(num_pages, -(-max_tokens // page_size) + 1)
-        runner = self._runner(model, num_pages, max_batch, shape, weights)
-        for context in options.contexts:
-            for batch in options.batches:
-                self._decode_case(shape, weights, config, runner, batch, context, weight_bytes)
-        for prompt in options.prefill_lengths:
-            self._prefill_case(shape, weights, config, runner, prompt, weight_bytes)
-        for num_drafts in options.verify_drafts:
-            # One runner at a time: each holds a KV pool for the longest context at every batch.
+        for kv_dtype in options.kv_dtypes:
+            self.kv_dtype = kv_dtype
+            runner = self._runner(model, num_pages, max_batch, shape, weights)
+            for context in options.contexts:
+                for batch in options.batches:
+                    self._decode_case(shape, weights, config, runner, batch, context, weight_bytes)
+            for prompt in options.prefill_lengths:
+                self._prefill_case(shape, weights, config, runner, prompt, weight_bytes)
+            for num_drafts in options.verify_drafts:
+                # One runner at a time: each holds a KV pool for the longest context at every batch.
+                del runner
+                gc.collect()
+                torch.cuda.empty_cache()
+                runner = self._runner(model, num_pages, max_batch, shape, weights, num_drafts)
+                for context in options.contexts:
+                    for batch in options.batches:
+                        self._verify_case(shape, weights, config, runner, batch, context, weight_bytes)
             del runner
             gc.collect()
             torch.cuda.empty_cache()
-            runner = self._runner(model, num_pages, max_batch, shape, weights, num_drafts)
-            for context in options.contexts:
-                for batch in options.batches:
-                    self._verify_case(shape, weights, config, runner, batch, context, weight_bytes)
 
     def _runner(self, model, num_pages: int, max_batch: int, shape: str, weights: str, num_drafts: int = 0) -> ModelRunner:
         options = self.options
@@ -210,15 +247,15 @@ class Suite:
         runner = ModelRunner(model, num_pages, SERVER_DEFAULTS.page_size, num_state_slots=max_batch + 1,
                              cuda_graph_batch_sizes=options.batches if options.cuda_graphs else (),
                              max_context=max(options.contexts) + 1, num_draft_tokens=num_drafts,
-                             lm_head_draft=options.lm_head_draft, max_batch=max_batch)
+                             lm_head_draft=options.lm_head_draft, max_batch=max_batch, kv_format=self.kv_dtype)
         graphs = "on" if runner.graphs is not None else "off"
         if num_drafts:
             graphs += f", verify graphs {'on' if runner.verify_graphs is not None else 'off'}"
-        log.info("[%s %s] %sKV pool %d pages; CUDA graphs %s (%.1fs)", shape, weights,
-                 f"{num_drafts} drafts: " if num_drafts else "", num_pages, graphs, time.perf_counter() - started)
+        log.info("[%s %s] %sKV pool %d pages (%s); CUDA graphs %s (%.1fs)", shape, weights,
+                 f"{num_drafts} drafts: " if num_drafts else "", num_pages, self.kv_dtype, graphs,
+                 time.perf_counter() - started)
         with torch.no_grad():
-            runner.kv_cache.k.normal_()
-            runner.kv_cache.v.normal_()
+            fill_kv_(runner.kv_cache, model.cache_spec().head_dim)
             if runner.state_cache is not None:
                 runner.state_cache.conv.normal_()
                 runner.state_cache.recurrent.normal_(std=0.01)
@@ -252,14 +289,14 @@ class Suite:
         if self.options.profile_dir and batch == min(self.options.batches) and context == min(self.options.contexts):
             self._profile(f"{shape}-{weights}-b{batch}-{context}", lambda: runner.execute(step), 5, "decode rounds")
         tps = batch / per_round
-        mb = model_bytes(config, weight_bytes, runner.kv_cache.k.element_size(), batch)
+        mb = model_bytes(config, weight_bytes, kv_element_bytes(runner.kv_cache, config), batch)
         roof = decode_roofline_tokens_per_s(mb, batch, context, self.ceilings)
         if self.options.decode_overlap:
             note = f"decode overlap on; host waiting for each round: {batch / sync_per_round:,.1f} tok/s"
         else:
             note = f"decode overlap off; with it: {batch / statistics.median(overlapped):,.1f} tok/s"
         self._record(shape, weights, "decode", batch, context, tps, roof, note=note, window=window)
-        self._plain_rounds[(shape, weights, batch, context)] = per_round
+        self._plain_rounds[(shape, weights, self.kv_dtype, batch, context)] = per_round
 
     def _verify_case(self, shape, weights, config, runner, batch, context, weight_bytes) -> None:
         num_drafts = runner.speculator.num_draft_tokens
@@ -286,9 +323,9 @@ class Suite:
         if self.options.profile_dir and batch == min(self.options.batches) and context == min(self.options.contexts):
             label = f"{shape}-{weights}-verify{num_drafts}-b{batch}-{context}"
             self._profile(label, lambda: runner.execute(step), 5, "verify rounds")
-        plain = self._plain_rounds.get((shape, weights, batch, context))
+        plain = self._plain_rounds.get((shape, weights, self.kv_dtype, batch, context))
         ratio = per_round / plain if plain else None
-        mb = model_bytes(config, weight_bytes, runner.kv_cache.k.element_size(), batch)
+        mb = model_bytes(config, weight_bytes, kv_element_bytes(runner.kv_cache, config), batch)
         roof = decode_roofline_tokens_per_s(mb, batch, context, self.ceilings)
         note = (f"{num_drafts} drafts, {'graphs' if graphed else 'eager'}; round {per_round * 1e3:.2f} ms"
                 + (f" = {ratio:.3f}x the plain round" if ratio else "")
@@ -336,7 +373,7 @@ class Suite:
         started = time.perf_counter()
         elapsed = statistics.median(_sync_time(prefill) for _ in range(repeats))
         window = (started, time.perf_counter())
-        mb = model_bytes(config, weight_bytes, runner.kv_cache.k.element_size(), 1)
+        mb = model_bytes(config, weight_bytes, kv_element_bytes(runner.kv_cache, config), 1)
         roof = prefill_roofline_tokens_per_s(mb, config, prompt, self.ceilings)
         self._record(shape, weights, "prefill", 1, prompt, prompt / elapsed, roof, window=window,
                      note=f"chunk {chunk}, median of {repeats}; roofline = measured bf16 matmul rate / FLOPs per token")
@@ -416,13 +453,14 @@ class Suite:
         fraction = value / roof if roof else None
         clock = self.clocks.median_mhz(*window) if window is not None else None
         result = CaseResult(shape, weights, kind, batch, tokens, value, roof, fraction, peak, note, clock,
-                            draft_tokens, round_ratio)
+                            draft_tokens, round_ratio, self.kv_dtype if kind in _KV_CASES else "bf16")
         self.results.append(result)
         pct = f" ({100 * fraction:.0f}% of {roof:,.1f})" if fraction is not None else ""
         unit = "s" if kind == "ttft" else "tok/s"
         sm = f" · SM {clock:.0f} MHz" if clock else ""
         drafts = f" k={draft_tokens}" if draft_tokens else ""
         ratio = f" · round {round_ratio:.3f}x plain" if round_ratio else ""
-        log.info(f"[{shape} {weights}] {kind}{drafts} batch {batch} @ {tokens}: {value:,.2f} {unit}{pct}{ratio}"
+        kv = f" kv {result.kv_dtype}" if result.kv_dtype != "bf16" else ""
+        log.info(f"[{shape} {weights}{kv}] {kind}{drafts} batch {batch} @ {tokens}: {value:,.2f} {unit}{pct}{ratio}"
                  f" · peak {peak:.1f} GiB{sm}")
 

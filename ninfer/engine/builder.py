@@ -13,13 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.assets.qwen_tokenizer import cache_dir
-from ninfer.config import EngineConfig
+from ninfer.config import ConfigValueError, EngineConfig
 from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
 from ninfer.engine.host_kv import HostKV
 from ninfer.engine.speculative.residency import check_speculative
 from ninfer.engine.warm_up import run_warm_up
 from ninfer.kernels.backend import persist_compile_caches
+from ninfer.kernels.kv_quant import check_head_dim
+from ninfer.models.config import ModelConfig
+from ninfer.models.kv_cache import KV_DTYPES
 from ninfer.models.quant.fp8 import Fp8Linear, quantize_fp8_
 from ninfer.models.quant.nvfp4 import Nvfp4Linear, quantize_nvfp4_
 from ninfer.models.quant.half_weights import store_half_weights_
@@ -76,11 +79,20 @@ def cpu_threads() -> int:
     return max(1, available // 2)
 
 
+def check_kv_dtype(config: ModelConfig, engine: EngineConfig) -> None:
+    """ConfigValueError when the model's attention heads cannot be stored in --kv-dtype's formats."""
+    for fmt in KV_DTYPES[engine.kv_dtype]:
+        problem = None if fmt is None else check_head_dim(fmt, config.head_dim)
+        if problem is not None:
+            raise ConfigValueError(f"--kv-dtype {engine.kv_dtype}: {problem}")
+
+
 def build_engine_core(spec: EngineSpec) -> EngineCore:
     from ninfer.artifact import open_artifact
 
     started = time.perf_counter()
     artifact = open_artifact(spec.artifact_path)
+    check_kv_dtype(artifact.config, spec.engine)
     companion = check_speculative(artifact, spec.engine)  # a DFlash / DFlash2 drafter, still unread
     if artifact.config.mtp_num_hidden_layers and spec.engine.spec != "mtp":
         # The MTP head's weights and KV layer are loaded only when speculation uses them.
@@ -135,7 +147,7 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
             engine, kv_capacity=_auto_kv_tokens(model, artifact.tokenizer, engine, draft_model)
         )
     core = EngineCore(model, artifact.tokenizer, engine, draft_model=draft_model, vision_tower=vision_tower)
-    kv_bytes = sum(cache.k.numel() * cache.k.element_size() * 2 for cache in core.runner.paged_caches)
+    kv_bytes = sum(cache.nbytes for cache in core.runner.paged_caches)
     core.memory_ledger.update(_AUTO_LEDGER if spec.kv_capacity_auto else {})
     core.memory_ledger.update(
         kv_pool=kv_bytes,
@@ -194,7 +206,7 @@ def _auto_kv_tokens(model, tokenizer, engine: EngineConfig, draft_model=None) ->
     if not engine.device.startswith("cuda"):
         return engine.max_context
     device = torch.device(engine.device)
-    page_bytes = kv_page_bytes(model, engine.page_size, draft_model)
+    page_bytes = kv_page_bytes(model, engine.page_size, draft_model, engine.kv_dtype)
     slot_bytes = state_image_bytes(model)  # a StateImage slot with its stored logits
     probe_config = dataclasses.replace(
         engine,

@@ -32,6 +32,7 @@ from ninfer.engine.stop_checker import StopChecker
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.dflash import DflashDraftModel
+from ninfer.models.kv_cache import kv_bytes_per_token
 
 log = logging.getLogger("ninfer.engine")
 
@@ -47,16 +48,18 @@ def _work_class(step: SchedulerStep) -> str:
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
-def kv_page_bytes(model: CausalLM, page_size: int, draft_model: DflashDraftModel | None = None) -> int:
-    """One KV page of every attention layer, keys and values, in the model's dtype; with a DFlash
-    drafter, its context KV under the same page id too."""
+def kv_page_bytes(
+    model: CausalLM, page_size: int, draft_model: DflashDraftModel | None = None, kv_dtype: str = "bf16"
+) -> int:
+    """One KV page of every attention layer, keys and values, in --kv-dtype's formats (plain: the
+    model's dtype); with a DFlash drafter, its context KV (plain) under the same page id too."""
     spec = model.cache_spec()
     element = next(model.parameters()).element_size()
-    per_token = spec.num_attention_layers * spec.num_kv_heads * spec.head_dim
+    per_token = kv_bytes_per_token(spec.num_attention_layers, spec.num_kv_heads, spec.head_dim, element, kv_dtype)
     if draft_model is not None:
         draft = draft_model.config
-        per_token += draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim
-    return 2 * per_token * page_size * element
+        per_token += kv_bytes_per_token(draft.num_hidden_layers, draft.num_key_value_heads, draft.head_dim, element)
+    return per_token * page_size
 
 
 def state_image_bytes(model: CausalLM) -> int:
@@ -86,7 +89,7 @@ class EngineCore:
         self.clock = clock
         self.kv_pool = KVPool(config.num_kv_pages, config.page_size)
         self.state_pool = StatePool(config.num_state_slots)
-        page_bytes = kv_page_bytes(model, config.page_size, draft_model)
+        page_bytes = kv_page_bytes(model, config.page_size, draft_model, config.kv_dtype)
         # Every checkpoint holds a StateImage slot, so checkpoints can never hold more pages than
         # this; a larger host tier would only be empty bookkeeping.
         max_checkpoint_pages = (config.num_state_slots + config.num_host_state_slots) * (
@@ -146,6 +149,7 @@ class EngineCore:
             spec_backend=config.spec or "mtp",
             draft_model=draft_model,
             vision_tower=vision_tower,
+            kv_format=config.kv_dtype,
         )
         self.failed: str | None = None
         overlap = config.decode_overlap
@@ -397,6 +401,7 @@ class EngineCore:
                 "max_shared_prefixes": config.num_shared_prefixes,
                 "max_long_anchors_per_continuation": config.num_long_anchors,
                 "prefix_reuse": config.prefix_reuse,
+                "kv_dtype": config.kv_dtype,
             },
             "cuda_graph_batch_sizes": sorted(self.runner.graphs.batch_sizes) if self.runner.graphs else [],
             "decode_overlap": self.decode_overlap,

@@ -31,13 +31,13 @@ class HostKV:
         self.kv = kv
         self.num_pages = num_pages
         pin = kv.k.is_cuda
-        shape = (num_pages, *kv.k[:, 0].shape)
-        self.k = torch.empty(shape, dtype=kv.k.dtype, pin_memory=pin)
-        self.v = torch.empty(shape, dtype=kv.v.dtype, pin_memory=pin)
+        # Keys and values may be in different formats (--kv-dtype k8v4): each keeps its own row width.
+        self.k = torch.empty((num_pages, *kv.k[:, 0].shape), dtype=kv.k.dtype, pin_memory=pin)
+        self.v = torch.empty((num_pages, *kv.v[:, 0].shape), dtype=kv.v.dtype, pin_memory=pin)
 
     @staticmethod
     def page_bytes(kv: KVCache) -> int:
-        return 2 * kv.k[:, 0].numel() * kv.k.element_size()
+        return kv.page_bytes
 
     def spill(self, device_pages: tuple[int, ...], host_pages: tuple[int, ...]) -> None:
         index = torch.tensor(device_pages, dtype=torch.long, device=self.kv.k.device)

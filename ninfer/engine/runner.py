@@ -83,8 +83,10 @@ class ModelRunner:
         spec_backend: str = "mtp",
         draft_model: DflashDraftModel | None = None,
         vision_tower: torch.nn.Module | None = None,
+        kv_format: str = "bf16",
     ):
-        """cuda_graph_batch_sizes: decode batch sizes to capture a CUDA graph for (on CUDA,
+        """kv_format: the --kv-dtype of the model's KV (a DFlash drafter's stays plain).
+        cuda_graph_batch_sizes: decode batch sizes to capture a CUDA graph for (on CUDA,
         when the model allows it; other sizes decode eagerly); max_context bounds the
         page-table width they are captured with (default: the whole KV pool).
         num_draft_tokens > 0: speculative decoding with spec_backend's drafter (the model's MTP
@@ -95,7 +97,9 @@ class ModelRunner:
         self.model = model
         param = next(model.parameters())
         self.device = param.device
-        self.kv_cache, self.state_cache = model.allocate_caches(num_pages, page_size, num_state_slots, kv_dtype)
+        self.kv_cache, self.state_cache = model.allocate_caches(
+            num_pages, page_size, num_state_slots, kv_dtype, kv_format=kv_format
+        )
         # A DFlash drafter's context KV lives in pages of its own shape under the same page ids.
         self.draft_kv_cache = draft_model.allocate_kv(num_pages, page_size, kv_dtype) if draft_model else None
         self.paged_caches = [c for c in (self.kv_cache, self.draft_kv_cache) if c is not None]

@@ -76,14 +76,21 @@ class CausalLM(nn.Module):
         )
 
     def allocate_caches(
-        self, num_pages: int, page_size: int, num_state_slots: int, dtype: torch.dtype | None = None
+        self,
+        num_pages: int,
+        page_size: int,
+        num_state_slots: int,
+        dtype: torch.dtype | None = None,
+        kv_format: str = "bf16",
     ) -> tuple[KVCache, StateCache | None]:
-        """Storage for num_pages KV pages and num_state_slots StateImages on the model's device."""
+        """Storage for num_pages KV pages (kv_format: a KV_DTYPES name) and num_state_slots
+        StateImages on the model's device."""
         spec = self.cache_spec()
         param = next(self.parameters())
         dtype = dtype or param.dtype
         kv = KVCache.allocate(
-            spec.num_attention_layers, num_pages, page_size, spec.num_kv_heads, spec.head_dim, dtype, param.device
+            spec.num_attention_layers, num_pages, page_size, spec.num_kv_heads, spec.head_dim, dtype, param.device,
+            kv_format,
         )
         if not spec.num_linear_layers:
             return kv, None

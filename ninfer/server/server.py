@@ -21,7 +21,7 @@ import uvicorn
 from ninfer.artifact import ArtifactError, open_artifact
 from ninfer.artifact.default_model import open_default_model
 from ninfer.config import ServeConfig
-from ninfer.engine.builder import EngineSpec, build_engine_core
+from ninfer.engine.builder import EngineSpec, build_engine_core, check_kv_dtype
 from ninfer.engine.speculative.residency import check_speculative
 from ninfer.log import setup_logging
 from ninfer.server.app import create_app
@@ -88,6 +88,7 @@ def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Servin
         artifact_path = config.artifact
         artifact = open_artifact(artifact_path)
     check_speculative(artifact, config.engine)  # before the model loads: a missing drafter fails at once
+    check_kv_dtype(artifact.config, config.engine)
     if config.engine.vision and not artifact.hf_config.get("vision_config"):
         raise ArtifactError(f"--vision: {artifact_path} has no vision tower (its config has no vision_config)")
     spec = EngineSpec(

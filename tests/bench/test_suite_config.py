@@ -59,3 +59,25 @@ def test_verify_cases_time_speculative_rounds_against_plain_rounds(monkeypatch):
         round_s = float(r.note.split("round ")[1].split(" ms")[0]) / 1e3
         assert r.tokens_per_s == pytest.approx(r.batch * 3 / round_s, rel=1e-2)
         assert "eager" in r.note
+
+
+def test_decode_cases_run_each_kv_format_and_nvfp4_weights(monkeypatch):
+    """Every --kv-dtypes format gets its own runner and its own decode cases, labelled with it,
+    with the format's bytes in the roofline; NVFP4 weights stream 0.5625 bytes an element."""
+    from ninfer.bench.report import markdown_table
+    from ninfer.bench.roofline import DeviceCeilings
+
+    for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args, **kwargs: 0)
+    options = BenchOptions(shapes=["tiny"], weights=["nvfp4"], batches=[1], contexts=[64], prefill_lengths=[],
+                           decode_rounds=2, cuda_graphs=False, decode_overlap=False, kv_dtypes=["bf16", "int8"])
+    bench = Suite(options, device="cpu")
+    bench.ceilings = DeviceCeilings(copy_bytes_per_s=1e12, bf16_flops_per_s=1e14, name="cpu")
+    bench._run_ours("tiny", "nvfp4")
+    decode = [r for r in bench.results if r.kind == "decode"]
+    assert [r.kv_dtype for r in decode] == ["bf16", "int8"]
+    assert decode[1].roofline_tokens_per_s > decode[0].roofline_tokens_per_s  # fewer KV bytes per round
+    table = markdown_table({"device": "cpu", "ceilings": dataclasses.asdict(bench.ceilings), "torch": "",
+                            "results": [dataclasses.asdict(r) for r in decode]})
+    assert "| tiny | nvfp4, KV int8 | decode |" in table and "| tiny | nvfp4 | decode |" in table

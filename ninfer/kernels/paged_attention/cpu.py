@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ninfer.kernels.paged_attention.ref import cached_values
+
 
 def paged_attention(
     q: torch.Tensor,
@@ -33,16 +35,16 @@ def paged_attention(
         query_lens_cpu = tuple(query_start_loc.diff().tolist())
     if seq_lens_cpu is None:
         seq_lens_cpu = tuple(seq_lens.tolist())
-    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    num_heads = q.shape[1]
+    page_size, num_kv_heads = k_cache.shape[1:3]
+    num_heads, head_dim = q.shape[1:]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     start = 0
     for b, (query_len, seq_len) in enumerate(zip(query_lens_cpu, seq_lens_cpu)):
         pages = page_table[b, : (seq_len + page_size - 1) // page_size]
         # index_select copies whole pages (contiguous blocks), unlike advanced indexing's element gather.
-        keys = k_cache.index_select(0, pages).view(-1, num_kv_heads, head_dim)[:seq_len].float()
-        values = v_cache.index_select(0, pages).view(-1, num_kv_heads, head_dim)[:seq_len].float()
+        keys = cached_values(k_cache, pages, seq_len, head_dim)
+        values = cached_values(v_cache, pages, seq_len, head_dim)
         q_b = q[start : start + query_len].float()
         if query_len == 1:
             # [Hk, group, D] @ [Hk, D, S]: the strided K/V views go to BLAS as transposes, no copy.

@@ -8,13 +8,31 @@ every cached key at or before it.
 import torch
 import torch.nn.functional as F
 
+from ninfer.kernels.kv_quant.ref import dequantize_rows, format_of, quantize_rows
+
 
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """k, v: [T, Hk, D]; caches: [P, page_size, Hk, D]; slot_mapping: [T] = page * page_size + offset."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """k, v: [T, Hk, D]; caches: [P, page_size, Hk, W]; slot_mapping: [T] = page * page_size + offset.
+    A plain cache (W = D) takes the values cast to its dtype; a quantized one (kernels/kv_quant)
+    each row's codes and scale."""
+    for values, cache in ((k, k_cache), (v, v_cache)):
+        fmt = format_of(cache)
+        if fmt is None:
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))
+        else:  # as bytes: index_copy_ has no float8 kernel on every device
+            rows = quantize_rows(values, fmt).view(torch.uint8)
+            cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
+
+
+def cached_values(cache: torch.Tensor, pages: torch.Tensor, num_tokens: int, head_dim: int) -> torch.Tensor:
+    """The first num_tokens rows of the given pages as float32 [num_tokens, Hk, head_dim]
+    (dequantized from a quantized cache)."""
+    if format_of(cache) is None:
+        return cache.index_select(0, pages).reshape(-1, *cache.shape[2:])[:num_tokens].float()
+    rows = cache.view(torch.uint8).index_select(0, pages).reshape(-1, *cache.shape[2:])[:num_tokens]
+    return dequantize_rows(rows.view(cache.dtype), head_dim)
 
 
 def paged_attention(
@@ -30,7 +48,8 @@ def paged_attention(
     query_lens_cpu: tuple[int, ...] | None = None,
     seq_lens_cpu: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D] flat over requests -> [T, Hq, D]. GQA: Hq is a multiple of Hk.
+    """q: [T, Hq, D] flat over requests -> [T, Hq, D]. GQA: Hq is a multiple of Hk. The caches
+    hold plain or quantized rows (store_kv).
 
     Request b owns rows [query_start_loc[b], query_start_loc[b+1]) and has seq_lens[b]
     tokens in the cache (this step's included); page_table[b] lists its pages. The host
@@ -48,8 +67,8 @@ def paged_attention(
     for b, (query_len, seq_len) in enumerate(zip(query_lens_cpu, seq_lens_cpu)):
         num_pages = (seq_len + page_size - 1) // page_size
         pages = page_table[b, :num_pages].long()
-        keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:seq_len]
-        values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:seq_len]
+        keys = cached_values(k_cache, pages, seq_len, q.shape[-1])
+        values = cached_values(v_cache, pages, seq_len, q.shape[-1])
         q_b = q[start : start + query_len]
         first_pos = seq_len - query_len
         q_pos = torch.arange(first_pos, seq_len, device=q.device)
@@ -57,8 +76,8 @@ def paged_attention(
         mask = k_pos[None, :] <= q_pos[:, None]  # [query_len, seq_len]
         o = F.scaled_dot_product_attention(
             q_b.transpose(0, 1).float(),
-            keys.transpose(0, 1).float(),
-            values.transpose(0, 1).float(),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
             attn_mask=mask,
             scale=scale,
             enable_gqa=True,
