@@ -78,6 +78,13 @@ def test_quantized_pages_spill_to_the_host_and_return_byte_for_byte() -> None:
     assert torch.equal(cache.v[:, [2, 5]].view(torch.uint8), before_v.view(torch.uint8))
 
 
+def test_the_option_names_are_the_cache_formats() -> None:
+    from ninfer.config import KV_DTYPE_NAMES
+    from ninfer.models.kv_cache import KV_DTYPES
+
+    assert KV_DTYPE_NAMES == tuple(KV_DTYPES)
+
+
 def test_a_head_dim_a_format_cannot_hold_is_refused_naming_the_option(tmp_path) -> None:
     tiny = make_tiny_qwen3_5(tmp_path)  # head_dim 32
     config = EngineConfig(max_context=128, log_stats_interval_ms=0, kv_dtype="nvfp4")
