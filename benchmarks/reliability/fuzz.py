@@ -50,7 +50,12 @@ from ninfer.artifact.default_model import open_default_model  # noqa: E402
 from ninfer.frontend.capabilities import TemplateCapabilities  # noqa: E402
 from ninfer.frontend.template import ChatTemplate  # noqa: E402
 from ninfer.server.serving import FALLBACK_TEMPLATE  # noqa: E402
-from ninfer.testing.openapi_cases import PROMPT_LIMIT_CODES, accepted_document, integer_literals  # noqa: E402
+from ninfer.testing.openapi_cases import (  # noqa: E402
+    MEDIA_SOURCE_CODES,
+    PROMPT_LIMIT_CODES,
+    accepted_document,
+    integer_literals,
+)
 
 CAPACITY_STATUSES = {429, 503, 504, 529}
 # Positive cases of these must be served; other operations answer 404 for made-up ids, or always refuse.
@@ -96,11 +101,15 @@ def wait_ready(process: subprocess.Popen, port: int, deadline: float) -> None:
     raise SystemExit(f"the server on port {port} was not ready in time; see its log")
 
 
+MEDIA_SOURCE_PATH = re.compile(r"^\S*(\.source(\.data|\.url)?|image_url|video_url)(\.url)?: ")
+
+
 class Campaign:
     def __init__(self, base_url: str, process: subprocess.Popen | None, document: dict):
         self.base_url = base_url
         self.process = process
         self.document = document
+        self.vision = "ChatImagePart" in document["components"]["schemas"]  # a --vision server's document
         self.client = httpx.Client(base_url=base_url, timeout=120)
         self.tallies: dict[str, dict[str, collections.Counter]] = collections.defaultdict(
             lambda: collections.defaultdict(collections.Counter))
@@ -134,12 +143,13 @@ class Campaign:
         where = f"{method} {template} ({label})"
         media = response.headers.get("content-type", "").split(";")[0]
         documented = str(status) in self.document["paths"][template][method.lower()]["responses"]
-        if status >= 500 and status not in CAPACITY_STATUSES:
+        if status >= 500 and status not in CAPACITY_STATUSES and not self.media_refused(response):
             self.finding("5xx", where, f"{status} {response.text[:300]}", body)
             return
         if not documented:
             self.finding("undocumented status", where, str(status), body)
         served = status == 200 or status in CAPACITY_STATUSES or self.prompt_too_long(response)
+        served = served or self.media_refused(response)
         if label == "positive" and template in GENERATED_BODY_PATHS and not served:
             self.finding("positive case refused", where, response.text[:300], body)
         if 400 <= status < 500:
@@ -161,6 +171,19 @@ class Campaign:
             return str(error.get("code") or error["type"])
         except (ValueError, KeyError, TypeError, AttributeError):
             return "unparsed"
+
+    def media_refused(self, response: httpx.Response) -> bool:
+        """On a --vision server: a generated media source that could not be fetched or decoded
+        (Anthropic errors carry no code: their message leads with the source's path)."""
+        if not self.vision or response.status_code not in (400, 502, 504):
+            return False
+        if self.error_code(response) in MEDIA_SOURCE_CODES:
+            return True
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return False
+        return MEDIA_SOURCE_PATH.match(message) is not None
 
     def prompt_too_long(self, response: httpx.Response) -> bool:
         # Anthropic errors carry no code: the message (generation.check_fits) tells.
@@ -276,9 +299,10 @@ def worker_start(ports, caps: TemplateCapabilities, model_id: str) -> None:
     base_url = f"http://127.0.0.1:{port}"
     served = httpx.get(base_url + "/openapi.json").json()
     served["components"]["schemas"]["ModelId"] = {"type": "string", "enum": [model_id]}
+    vision = "ChatImagePart" in served["components"]["schemas"]  # a --vision server documents media parts
     _worker["campaign"] = Campaign(base_url, None, served)
     _worker["schemas"] = {
-        "positive": schemathesis.openapi.from_dict(accepted_document(caps, model_id, MAX_OUTPUT_TOKENS)),
+        "positive": schemathesis.openapi.from_dict(accepted_document(caps, model_id, MAX_OUTPUT_TOKENS, vision=vision)),
         "negative": schemathesis.openapi.from_dict(served),
     }
 

@@ -60,7 +60,7 @@ def create_app(serving: Serving):
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "reason": serving.engine.failure}, status_code=503)
 
-    openapi = openapi_document()
+    openapi = openapi_document(vision=serving.config.engine.vision)
 
     @app.get("/openapi.json")
     async def openapi_json() -> Response:

@@ -944,7 +944,24 @@ def _generation(summary: str, request: str, aggregate: str, errors: dict[str, Sc
     }
 
 
-def _paths() -> dict[str, Schema]:
+MEDIA_PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens", "/v1/messages",
+               "/v1/messages/count_tokens")
+
+
+def _paths(vision: bool = False) -> dict[str, Schema]:
+    paths = _text_paths()
+    if vision:  # media URLs are fetched: their failures are server errors of their own
+        for path in MEDIA_PATHS:
+            responses = paths[path]["post"]["responses"]
+            anthropic = path.startswith("/v1/messages")
+            for status, code in ((502, "media_fetch_failed"), (504, "media_fetch_timeout")):
+                described = responses.get(str(status), {}).get("description")
+                description = f"{described}; or {code}" if described else code
+                responses.update(_errors({status: description}, anthropic))
+    return paths
+
+
+def _text_paths() -> dict[str, Schema]:
     public = {"security": []}
     return {
         "/health": {
@@ -1100,8 +1117,90 @@ MODEL = obj(
 )
 
 
+# ---- media (--vision) -----------------------------------------------------------------------------
+# A server with --vision documents its media parts; without it they are 400 vision_disabled and the
+# document leaves them out (their descriptions say so).
+
+MEDIA_URL: Schema = {
+    "type": "string",
+    "pattern": "^([hH][tT][tT][pP][sS]?://|[dD][aA][tT][aA]:)",
+    "description": "an http(s) URL (fetched under the server's address rules) or a data: URI",
+}
+
+
+def _chat_media_part(kind: str) -> Schema:
+    source = {"anyOf": [MEDIA_URL, obj({"url": MEDIA_URL, "detail": const("auto")}, ("url",))]}
+    return obj({"type": const(kind), kind: source, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT}, ("type", kind))
+
+
+VISION: dict[str, Schema] = {
+    "ChatImagePart": _chat_media_part("image_url"),
+    "ChatVideoPart": _chat_media_part("video_url"),
+    "ChatUserContent": {
+        "anyOf": [STRING, {"type": "array", "items": {"anyOf": [ref("ChatTextPart"), ref("ChatImagePart"),
+                                                                ref("ChatVideoPart")]}}],
+    },
+    "InputImagePart": obj(
+        {"type": const("input_image"), "image_url": MEDIA_URL, "detail": const("auto"),
+         "file_id": unprovidable(NULL, "file-id images"), "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
+        ("type", "image_url"),
+    ),
+    "InputVideoPart": obj(
+        {"type": const("input_video"), "video_url": MEDIA_URL, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
+        ("type", "video_url"),
+        description="NInfer extension",
+    ),
+    "ImageBlock": obj(
+        {
+            "type": const("image"),
+            "source": {
+                "anyOf": [
+                    obj({"type": const("base64"), "media_type": enum(messages_lowering.IMAGE_MEDIA_TYPES),
+                         "data": STRING}, ("type", "media_type", "data")),
+                    obj({"type": const("url"), "url": MEDIA_URL}, ("type", "url")),
+                ]
+            },
+            "cache_control": ref("CacheControl"),
+        },
+        ("type", "source"),
+    ),
+}
+
+
+def _with_vision(schemas: dict[str, Schema]) -> None:
+    """Media parts where the validators take them with --vision: user and tool messages (Chat),
+    user messages and function_call_output (Responses), user messages and tool_result (Messages)."""
+    schemas.update(copy.deepcopy(VISION))
+    user = copy.deepcopy(schemas["ChatInstructionMessage"])
+    user["properties"]["role"] = const("user")
+    user["properties"]["content"] = ref("ChatUserContent")
+    user.pop("description", None)
+    schemas["ChatUserMessage"] = user
+    schemas["ChatMessage"]["anyOf"].insert(1, ref("ChatUserMessage"))
+    schemas["ChatToolMessage"]["properties"]["content"] = ref("ChatUserContent")
+    schemas["ChatContent"]["description"] = "A string or text parts (media parts: user and tool messages)."
+    item = copy.deepcopy(schemas["InstructionMessageItem"])
+    item["properties"]["role"] = const("user")
+    item["properties"]["content"] = {"anyOf": [STRING, {"type": "array", "items": {"anyOf": [
+        ref("InputTextPart"), ref("InputImagePart"), ref("InputVideoPart")]}}]}
+    item.pop("description", None)
+    schemas["UserMessageItem"] = item
+    schemas["InputItem"]["anyOf"].insert(1, ref("UserMessageItem"))
+    schemas["InstructionMessageItem"]["description"] = "Text parts; a user message with media is a UserMessageItem."
+    output = schemas["FunctionCallOutputItem"]["properties"]["output"]["anyOf"][1]
+    output["items"] = {"anyOf": [ref("InputTextPart"), ref("InputImagePart")]}
+    content = schemas["UserMessage"]["properties"]["content"]["anyOf"][1]
+    content["items"]["anyOf"].append(ref("ImageBlock"))
+    schemas["UserMessage"]["description"] = "Text, tool_result and image blocks."
+    result = schemas["ToolResultBlock"]["properties"]["content"]["anyOf"][0]["anyOf"][1]
+    result["items"]["anyOf"].append(ref("ImageBlock"))
+
+
 @functools.cache
-def _document() -> Schema:
+def _document(vision: bool) -> Schema:
+    schemas = copy.deepcopy({**SHARED, **CHAT, **RESPONSES, **MESSAGES, "Model": MODEL})
+    if vision:
+        _with_vision(schemas)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -1112,17 +1211,17 @@ def _document() -> Schema:
             "ninfer/testing/openapi_cases.py.",
         },
         "components": {
-            "schemas": {**SHARED, **CHAT, **RESPONSES, **MESSAGES, "Model": MODEL},
+            "schemas": schemas,
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer", "description": "--api-key"},
                 "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key", "description": "--api-key"},
             },
         },
         "security": [{"bearer": []}, {"x-api-key": []}],
-        "paths": _paths(),
+        "paths": _paths(vision),
     }
 
 
-def openapi_document() -> Schema:
-    """A fresh copy of the document (callers may narrow it for testing)."""
-    return copy.deepcopy(_document())
+def openapi_document(vision: bool = False) -> Schema:
+    """A fresh copy of the document (callers may narrow it for testing); vision: a --vision server's."""
+    return copy.deepcopy(_document(vision))

@@ -134,6 +134,9 @@ INEXPRESSIBLE: list[Narrowing] = [
 # The one refusal a body of the narrowed document may still get from a server: its prompt, in tokens,
 # past --max-context (string lengths in the schema cannot bound tokens).
 PROMPT_LIMIT_CODES = frozenset({"context_length_exceeded"})
+# With --vision, a generated media source is an arbitrary URL or data: URI: the server may fail to
+# fetch it, refuse its address or find its bytes no image; those refusals answer a valid body.
+MEDIA_SOURCE_CODES = frozenset({"invalid_media", "media_fetch_failed", "media_fetch_timeout"})
 
 
 def _capability_narrowings(caps: TemplateCapabilities) -> list[Narrowing]:
@@ -172,14 +175,33 @@ def _capability_narrowings(caps: TemplateCapabilities) -> list[Narrowing]:
     return narrowings
 
 
-def accepted_document(caps: TemplateCapabilities, model_id: str, max_output_tokens: int | None = None) -> dict:
+# With --vision the narrowings above keep the user messages that carry media.
+VISION_NARROWINGS: list[Narrowing] = [
+    Narrowing(
+        "with --vision: user messages with media parts stay among the messages and Items the narrowings keep; "
+        "at most four blocks carry cache_control (image blocks too)",
+        _edits(
+            ("ChatMessage.anyOf", [ref("ChatInstructionMessage"), ref("ChatUserMessage"), ref("ChatAssistantMessage"),
+                                   ref("ChatToolMessage")]),
+            ("UserMessageItem.properties.id", NULL),
+            ("InputItem.anyOf", [ref("InstructionMessageItem"), ref("UserMessageItem"), ref("AssistantMessageItem")]),
+            ("UserMessage.properties.content.anyOf.1.items", {"anyOf": [ref("TextBlock"), ref("ImageBlock")]}),
+            ("ImageBlock.properties.cache_control", NULL),
+        ),
+    ),
+]
+
+
+def accepted_document(
+    caps: TemplateCapabilities, model_id: str, max_output_tokens: int | None = None, vision: bool = False
+) -> dict:
     """The OpenAPI document narrowed (INEXPRESSIBLE and the template's capabilities) so that every
-    body it generates is accepted by a server serving `model_id` with `caps`; max_output_tokens
-    bounds the output limits (cheap generation for fuzzing)."""
-    document = openapi_document()
+    body it generates is accepted by a server serving `model_id` with `caps` (with --vision when
+    `vision`); max_output_tokens bounds the output limits (cheap generation for fuzzing)."""
+    document = openapi_document(vision=vision)
     schemas = document["components"]["schemas"]
     schemas["ModelId"] = {"type": "string", "enum": [model_id]}
-    for narrowing in [*INEXPRESSIBLE, *_capability_narrowings(caps)]:
+    for narrowing in [*INEXPRESSIBLE, *(VISION_NARROWINGS if vision else ()), *_capability_narrowings(caps)]:
         narrowing.apply(schemas)
     if max_output_tokens is not None:
         for name, key, low in (("ChatCompletionRequest", "max_tokens", 0),

@@ -101,14 +101,15 @@ def test_served_without_the_key_and_covering_every_route(tiny_qwen, served_docum
 # Bodies per endpoint and template: a quick pass in the fast suite, more in the slow one.
 @pytest.mark.parametrize("examples", [20, pytest.param(150, marks=pytest.mark.slow)], ids=["quick", "thorough"])
 @pytest.mark.parametrize("caps", [QWEN38, pytest.param(CHATML, marks=pytest.mark.slow)], ids=["qwen3.8", "chatml"])
+@pytest.mark.parametrize("vision", [False, True], ids=["text", "vision"])
 @pytest.mark.parametrize("path", REQUEST_SCHEMAS)
-def test_generated_bodies_are_accepted(path, caps, examples, served_document):
+def test_generated_bodies_are_accepted(path, vision, caps, examples):
     hypothesis = pytest.importorskip("hypothesis")
     schemathesis = pytest.importorskip("schemathesis")
 
-    operation = schemathesis.openapi.from_dict(accepted_document(caps, MODEL))[path]["POST"]
-    served = schema_validator(served_document, REQUEST_SCHEMAS[path])
-    context = RequestContext(model_id=MODEL, capabilities=caps)
+    operation = schemathesis.openapi.from_dict(accepted_document(caps, MODEL, vision=vision))[path]["POST"]
+    served = schema_validator(openapi_document(vision=vision), REQUEST_SCHEMAS[path])
+    context = RequestContext(model_id=MODEL, capabilities=caps, vision_enabled=vision)
 
     @hypothesis.settings(max_examples=examples, deadline=None, database=None,
                          suppress_health_check=list(hypothesis.HealthCheck))
@@ -176,3 +177,47 @@ def test_bodies_the_validators_accept_in_the_tests_match_the_schema(tmp_path, se
             if errors:
                 mismatches.append(f"{path}: {errors}\n  {json.dumps(body)[:500]}")
     assert not mismatches, f"{len(mismatches)} accepted bodies off the schema:\n" + "\n".join(mismatches[:20])
+
+
+PNG = "data:image/png;base64,iVBORw0KGgo="
+MEDIA_BODIES = {
+    "/v1/chat/completions": {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Compare"},
+                                     {"type": "image_url", "image_url": {"url": PNG, "detail": "auto"}},
+                                     {"type": "image_url", "image_url": "https://example.com/a.png"},
+                                     {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}]},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "shot", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "image_url", "image_url": PNG}]}],
+        "tools": [{"type": "function", "function": {"name": "shot", "parameters": {"type": "object"}}}]},
+    "/v1/responses": {"model": MODEL, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "What is shown?"},
+                                     {"type": "input_image", "image_url": PNG, "detail": "auto"},
+                                     {"type": "input_video", "video_url": "https://example.com/v.mp4"}]},
+        {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_image", "image_url": PNG}]}],
+        "tools": [{"type": "function", "name": "shot", "parameters": {"type": "object"}}]},
+    "/v1/messages": {"model": MODEL, "max_tokens": 8, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": "iVBORw0KGgo="}},
+                                     {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+                                     {"type": "text", "text": "Describe"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/b.png"}}]}]}],
+        "tools": [{"name": "shot", "input_schema": {"type": "object"}}]},
+}
+
+
+@pytest.mark.parametrize("path", MEDIA_BODIES)
+def test_media_parts_are_documented_on_a_vision_server_only(path):
+    """Every media shape the validators take with --vision matches the vision document, and the
+    text-only document (a server without --vision, which refuses them) leaves them out."""
+    body = MEDIA_BODIES[path]
+    name = REQUEST_SCHEMAS[path]
+    assert not list(schema_validator(openapi_document(vision=True), name).iter_errors(body))
+    assert list(schema_validator(openapi_document(), name).iter_errors(body))
+    VALIDATORS[path](body, RequestContext(model_id=MODEL, capabilities=QWEN38, vision_enabled=True))
+    with pytest.raises(APIError) as refused:
+        VALIDATORS[path](body, RequestContext(model_id=MODEL, capabilities=QWEN38))
+    assert refused.value.code == "vision_disabled"

@@ -63,6 +63,13 @@ def chat(client, content, **kwargs):
     )
 
 
+def test_the_served_openapi_document_is_the_vision_one(server):
+    from ninfer.server.openapi import openapi_document
+
+    document = httpx.get(server.base_url + "/openapi.json").json()
+    assert document == openapi_document(vision=True) and "ChatImagePart" in document["components"]["schemas"]
+
+
 def test_chat_with_an_image_streams_what_it_answers_and_counts_the_image_tokens(server):
     client = sdk(server)
     image = {"type": "image_url", "image_url": {"url": data_url()}}
