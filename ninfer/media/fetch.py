@@ -62,6 +62,10 @@ def _parse(url: str) -> tuple[str, str, int, str]:
         raise InvalidMedia(f"URL scheme {scheme!r} is not http or https")
     if not parts.hostname:
         raise InvalidMedia("URL has no host")
+    try:
+        parts.hostname.encode("idna")  # what the resolver will do: a host it cannot encode is no host
+    except UnicodeError:
+        raise InvalidMedia("URL host is not a valid host name") from None
     if parts.username is not None or parts.password is not None:
         raise InvalidMedia("URL must not carry credentials")
     path = parts.path or "/"

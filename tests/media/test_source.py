@@ -165,6 +165,15 @@ def test_each_redirect_target_is_checked(server):
     assert resolved == ["public.test", "internal.test"]
 
 
+@pytest.mark.parametrize("url", ["HtTps://\x8b/a.png", "http://a..b/x", "https://" + "x" * 64 + ".test/"])
+def test_a_host_no_resolver_can_encode_is_invalid_media(url):
+    """Found by fuzzing a --vision server: a control character in the host made the resolver's IDNA
+    encoding raise UnicodeError, which surfaced as a 500."""
+    with pytest.raises(InvalidMedia) as caught:
+        asyncio.run(fetch_media(url, FetchPolicy()))
+    assert caught.value.code == "invalid_media" and "host" in caught.value.message
+
+
 def test_http_errors_and_size_caps(server):
     with pytest.raises(MediaFetchFailed) as caught:
         asyncio.run(fetch_media(server + "/missing", LOCAL))
