@@ -1,6 +1,6 @@
 """A block-scaled FP8 checkpoint loaded natively on the GPU: packed projections become
-row-block-scaled Fp8Linear layers whose GEMV (decode rows) and dequantized GEMM (prefill
-rows) equal the same layers loaded dequantized on the CPU."""
+row-block-scaled Fp8Linear layers whose GEMV (decode rows) and block-scaled FP8 GEMM (prefill
+rows, kernels/fp8_gemm) equal the same layers loaded dequantized on the CPU."""
 
 from __future__ import annotations
 
@@ -59,9 +59,11 @@ def test_native_fp8_layers_equal_the_dequantized_cpu_layers() -> None:
         module_gpu, module_cpu = layer_gpu.get_submodule(name), layer_cpu.get_submodule(name)
         assert isinstance(module_gpu, Fp8Linear) and module_gpu.weight_scale.shape[0] == module_gpu.weight.shape[0]
         assert torch.equal(module_gpu.weight.cpu().view(torch.uint8), module_cpu.weight.view(torch.uint8))
-        for num_rows in (1, 8, 40):  # GEMV (FMA, tensor cores) and the dequantized GEMM
+        for num_rows in (1, 8, 40):  # GEMV (FMA, tensor cores) and the FP8 GEMM
             x = torch.randn(num_rows, module_cpu.in_features, generator=torch.Generator().manual_seed(num_rows))
             expected = x @ module_cpu.dequantized(torch.float32).T
             out = module_gpu(x.cuda().bfloat16()).float().cpu()
             error = (out - expected).abs().max().item()
-            assert error <= 2**-7 * expected.abs().max().item() + 1e-3, (name, num_rows, error)
+            # The GEMM also quantizes x per 128-column group to e4m3 (2^-4 of each value).
+            tolerance = 2**-7 if num_rows <= 16 else 2**-3
+            assert error <= tolerance * expected.abs().max().item() + 1e-3, (name, num_rows, error)

@@ -4,8 +4,9 @@ or 128x128 block scales (Qwen's FP8 checkpoints).
 Decode streams every weight once per step, so halving weight bytes nearly doubles the
 bandwidth roofline. Up to gemv.MAX_ROWS tokens the product is a weight-only GEMV (FP8
 bytes widened in registers, bf16 activations); larger batches (prefill) quantize
-activations per token and run on Hopper's FP8 matrix units through torch._scaled_mm
-(row-wise scales), or dequantize block-scaled weights for a bf16 GEMM. The embedding and
+activations per token and run on Hopper's FP8 matrix units: through torch._scaled_mm
+(row-wise scales) for per-channel weights, through kernels/fp8_gemm (per 128-column group,
+block scales applied in the K loop) for block-scaled ones. The embedding and
 lm_head stay in bf16 (the embedding reads one row per token; lm_head precision drives
 sampling), and so do MoE routers and, for now, the 3-D fused MoE experts.
 """
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.kernels.activation import silu_and_mul
+from ninfer.kernels.fp8_gemm import fp8_linear
 from ninfer.kernels.fp8_quant import quantize_rows
 from ninfer.kernels.fp8_quant.ref import FP8_MAX
 from ninfer.kernels.gemv import MAX_ROWS, conv_first_columns, gemv, gemv_causal_conv1d_update, gemv_silu_and_mul
@@ -104,8 +106,11 @@ class Fp8Linear(nn.Module):
         if rows.shape[0] <= MAX_ROWS:
             out = gemv(rows, self.weight, self.weight_scale, self.bias)
             return out.reshape(*shape[:-1], self.out_features)
-        if not rows.is_cuda or self.block_scaled:
-            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        if not rows.is_cuda:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)  # the CPU has no FP8 matmul
+        if self.block_scaled:
+            out = fp8_linear(rows, self.weight, self.weight_scale, self.bias)
+            return out.reshape(*shape[:-1], self.out_features)
         num_rows = rows.shape[0]
         x_fp8, x_scale = quantize_rows(rows, _ROW_MULTIPLE)
         out = torch._scaled_mm(
