@@ -12,8 +12,10 @@ and needs no change. The cache tensor's dtype names its format:
                            | D/16 e4m3 block scales | s (fp32)               148
 
 s is the row's scale: amax / 127 (int8), amax / 448 (fp8), amax / (6 * 448) (nvfp4, whose
-block scales are in units of s). Scales are stored as raw little-endian fp32 bytes. Plain
-caches (bf16, fp16, fp32) hold values as they are.
+block scales are in units of s), each computed as amax times the fp32 reciprocal: torch on
+CUDA divides by a Python scalar that way and on the CPU exactly, so the product is what gives
+the same bits on both (and in the Triton kernels). Scales are stored as raw little-endian fp32
+bytes. Plain caches (bf16, fp16, fp32) hold values as they are.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ STORAGE_DTYPES = {INT8: torch.int8, FP8: torch.float8_e4m3fn, NVFP4: torch.uint8
 FORMATS = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 SCALE_BYTES = 4
 INT8_MAX = 127.0
+# The scales' factors (fp32 in torch and in Triton alike): amax times these.
+INV_INT8_MAX = 1.0 / INT8_MAX
+INV_FP8_MAX = 1.0 / E4M3_MAX
+INV_NVFP4_MAX = 1.0 / (E2M1_MAX * E4M3_MAX)
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -69,15 +75,15 @@ def quantize_rows(x: torch.Tensor, fmt: str) -> torch.Tensor:
     rows = x.reshape(-1, shape[-1]).float()
     amax = rows.abs().amax(dim=-1)
     if fmt == NVFP4:
-        scale = (amax / (E2M1_MAX * E4M3_MAX)).clamp(min=_TINY)
+        scale = (amax * INV_NVFP4_MAX).clamp(min=_TINY)
         codes, block_scale, scale = quantize_nvfp4(rows, scale)
         parts = [codes, block_scale.view(torch.uint8), _scale_bytes(scale)]
     elif fmt == INT8:
-        scale = (amax / INT8_MAX).clamp(min=_TINY)
+        scale = (amax * INV_INT8_MAX).clamp(min=_TINY)
         codes = torch.round(rows / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         parts = [codes.view(torch.uint8), _scale_bytes(scale)]
     elif fmt == FP8:
-        scale = (amax / E4M3_MAX).clamp(min=_TINY)
+        scale = (amax * INV_FP8_MAX).clamp(min=_TINY)
         codes = (rows / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         parts = [codes.view(torch.uint8), _scale_bytes(scale)]
     else:

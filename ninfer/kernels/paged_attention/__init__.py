@@ -32,7 +32,7 @@ def paged_attention(
     for the fast path (see its docstring): same result.
     """
     impl = fast_impl(__name__, "paged_attention", q)
-    if impl is not None and dense_prefill.eligible(q, k_cache, query_lens_cpu, seq_lens_cpu):
+    if impl is not None and dense_prefill.eligible(q, k_cache, query_lens_cpu, seq_lens_cpu, v_cache):
         return dense_prefill.paged_attention(q, k_cache, v_cache, page_table, scale, seq_lens_cpu[0])
     args = (q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale)
     lens = {"max_query_len": max_query_len, "query_lens_cpu": query_lens_cpu, "seq_lens_cpu": seq_lens_cpu}

@@ -13,7 +13,8 @@ a power of two) share every K/V tile, so each KV byte is read once per program. 
 gathered token by token through the page table, so any page size works and BLOCK_N may
 span several pages. Softmax is online in fp32 in the log2 domain (scale * log2(e) folded
 into the scores); P is rounded to the cache dtype for the P @ V product, as in
-FlashAttention.
+FlashAttention. Quantized caches (kernels/kv_quant, a format per cache) are read as codes and
+scales and widened in registers to q's dtype, which then takes the cache dtype's place.
 
 Split-K: program `split` of a q-block covers keys [split * L, (split + 1) * L) with
 L = ceil(kv_hi / num_splits) rounded up to BLOCK_N but at least min_split, computed on
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.kv_quant.ref import check_head_dim, format_of, row_bytes
 from ninfer.kernels.l2_prefetch import prefetch_l2
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
@@ -42,6 +44,94 @@ SPLIT_WAVES = 4  # split programs per SM at long contexts
 SHORT_CONTEXT = 4096  # a context this long gets about two split programs per SM
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_M_D256 = 128
+
+
+@triton.jit
+def _e2m1_over_2_pow_14(code):
+    """e2m1 codes (0..15, sign in bit 3) -> fp32 values times 2^-14. The three magnitude bits
+    as an fp16's two low exponent bits and top mantissa bit give that exactly (0.5: a subnormal)."""
+    c = code.to(tl.uint16)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _row_scales(ptr, off, k_pos, hi, SCALE_AT: tl.constexpr, MASKED: tl.constexpr):
+    """Each row's fp32 scale, stored at byte SCALE_AT of the row (keys at or past hi read 0)."""
+    scale_ptr = (ptr + off + SCALE_AT).to(tl.pointer_type(tl.float32), bitcast=True)
+    if MASKED:
+        return tl.load(scale_ptr, mask=k_pos < hi, other=0.0)
+    return tl.load(scale_ptr)
+
+
+@triton.jit
+def _nvfp4_rows(
+    ptr, off, k_pos, hi, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr
+):
+    """[BLOCK_N, BLOCK_D] fp32 code * block scale of the nvfp4 rows at byte offsets `off` (exact:
+    at most 6 significant bits), before their row scales."""
+    j = tl.arange(0, BLOCK_D // 2)  # byte j holds elements 2j (low nibble) and 2j + 1
+    blk = tl.arange(0, BLOCK_D // 16)
+    j_valid = j < HEAD_DIM // 2
+    blk_valid = blk < HEAD_DIM // 16
+    if MASKED:
+        key_valid = k_pos < hi
+        packed = tl.load(ptr + off[:, None] + j[None, :], mask=key_valid[:, None] & j_valid[None, :], other=0)
+        block_scale = tl.load(
+            ptr + off[:, None] + HEAD_DIM // 2 + blk[None, :], mask=key_valid[:, None] & blk_valid[None, :], other=0
+        )
+    else:
+        packed = tl.load(ptr + off[:, None] + j[None, :], mask=j_valid[None, :], other=0)
+        block_scale = tl.load(ptr + off[:, None] + HEAD_DIM // 2 + blk[None, :], mask=blk_valid[None, :], other=0)
+    # 2^14 undoes _e2m1_over_2_pow_14's factor; a block's 16 values are 8 bytes.
+    block_scale = block_scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+    per_byte = tl.broadcast_to(block_scale[:, :, None], (BLOCK_N, BLOCK_D // 16, 8))
+    per_byte = tl.reshape(per_byte, (BLOCK_N, BLOCK_D // 2))
+    low = _e2m1_over_2_pow_14(packed & 15) * per_byte
+    high = _e2m1_over_2_pow_14(packed >> 4) * per_byte
+    return tl.interleave(low, high)
+
+
+@triton.jit
+def _quantized_keys(
+    k_ptr, k_off, k_pos, hi, d, d_valid, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, FMT: tl.constexpr, MASKED: tl.constexpr,
+):
+    """A [BLOCK_D, BLOCK_N] key tile without its row scales, in `dtype` (exact: int8 and e4m3
+    codes, nvfp4 code * block scale fit a 16-bit float), and the row scales [BLOCK_N]."""
+    if FMT == "nvfp4":
+        k = tl.trans(_nvfp4_rows(k_ptr, k_off, k_pos, hi, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED).to(dtype))
+        scale_at: tl.constexpr = HEAD_DIM // 2 + HEAD_DIM // 16
+    else:
+        if MASKED:
+            k_valid = k_pos < hi
+            k = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=d_valid[:, None], other=0.0)
+        k = k.to(dtype)
+        scale_at: tl.constexpr = HEAD_DIM
+    return k, _row_scales(k_ptr, k_off, k_pos, hi, scale_at, MASKED)
+
+
+@triton.jit
+def _quantized_values(
+    v_ptr, v_off, k_pos, hi, d, d_valid, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, FMT: tl.constexpr, MASKED: tl.constexpr,
+):
+    """A [BLOCK_N, BLOCK_D] value tile, dequantized in fp32 and rounded once to `dtype` (the row
+    scale varies along P @ V's reduction, so it cannot wait until after the product)."""
+    if FMT == "nvfp4":
+        v = _nvfp4_rows(v_ptr, v_off, k_pos, hi, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED)
+        scale_at: tl.constexpr = HEAD_DIM // 2 + HEAD_DIM // 16
+    else:
+        if MASKED:
+            k_valid = k_pos < hi
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=d_valid[None, :], other=0.0)
+        v = v.to(tl.float32)
+        scale_at: tl.constexpr = HEAD_DIM
+    return (v * _row_scales(v_ptr, v_off, k_pos, hi, scale_at, MASKED)[:, None]).to(dtype)
 
 
 @triton.jit
@@ -70,11 +160,17 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
 ):
     """One BLOCK_N tile of keys [start, start + BLOCK_N) into the online softmax.
 
     MASKED=False is for tiles every row sees whole (below the causal diagonal, inside the
-    range): no key masks, no causal compare, no -inf guard."""
+    range): no key masks, no causal compare, no -inf guard. A quantized K or V (K_FMT,
+    other than "plain") is read as codes and scales and widened to q's dtype; the key
+    rows' scales multiply the scores, after Q @ K."""
     k_pos = start + tl.arange(0, BLOCK_N)
     if MASKED:
         k_valid = k_pos < hi
@@ -84,11 +180,23 @@ def _attend_tile(
     in_page = k_pos % PAGE_SIZE
     k_off = page * stride_kp + in_page * stride_ko + kv_head * stride_kh
     v_off = page * stride_vp + in_page * stride_vo + kv_head * stride_vh
-    if MASKED:
-        k = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0)
+    # Quantized rows start 4-byte aligned (cache_format checks): codes load a word at a time.
+    # (Here, not in the helpers: a hint on a function's argument is lost.)
+    if K_FMT != "plain":
+        k_off = tl.multiple_of(k_off, 4)
+    if V_FMT != "plain":
+        v_off = tl.multiple_of(v_off, 4)
+    if K_FMT == "plain":
+        if MASKED:
+            k = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=d_valid[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
     else:
-        k = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=d_valid[:, None], other=0.0)
-    s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        k, k_scale = _quantized_keys(
+            k_ptr, k_off, k_pos, hi, d, d_valid, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_N, K_FMT, MASKED
+        )
+        s = tl.dot(q, k, input_precision=PRECISION) * (k_scale * scale_log2)[None, :]
     if MASKED:
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -101,10 +209,13 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0)
+    if V_FMT == "plain":
+        if MASKED:
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=k_valid[:, None] & d_valid[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=d_valid[None, :], other=0.0)
     else:
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=d_valid[None, :], other=0.0)
+        v = _quantized_values(v_ptr, v_off, k_pos, hi, d, d_valid, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_N, V_FMT, MASKED)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -147,10 +258,17 @@ def _paged_attention_kernel(
     EARLY_KV: tl.constexpr,
     KV_LINES: tl.constexpr,
     USE_PDL: tl.constexpr,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+    K_ROW: tl.constexpr,
+    V_ROW: tl.constexpr,
 ):
     """EARLY_KV (needs USE_PDL): the step's metadata (query starts, lengths, page table) are
     read before pdl_sync, and the K/V lines of this program's first tile that hold keys
-    before the request's new queries are prefetched into L2 there; see paged_attention."""
+    before the request's new queries are prefetched into L2 there; see paged_attention.
+
+    K_FMT, V_FMT: each cache's format, "plain" or kv_quant's int8 / fp8 / nvfp4; K_ROW,
+    V_ROW: elements of one cache row (HEAD_DIM when plain, its bytes when quantized)."""
     q_block = tl.program_id(0)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -186,11 +304,16 @@ def _paged_attention_kernel(
         in_page = k_pos % PAGE_SIZE
         LINE: tl.constexpr = 1024 // k_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
         lines = tl.arange(0, KV_LINES) * LINE
-        fetch = settled[:, None] & (lines < HEAD_DIM)[None, :]
+        fetch = settled[:, None] & (lines < K_ROW)[None, :]
         k_off = page * stride_kp + in_page * stride_ko + kv_head * stride_kh
         v_off = page * stride_vp + in_page * stride_vo + kv_head * stride_vh
         prefetch_l2(k_ptr + k_off[:, None] + lines[None, :], fetch)
-        prefetch_l2(v_ptr + v_off[:, None] + lines[None, :], fetch)
+        V_LINE: tl.constexpr = 1024 // v_ptr.dtype.element_ty.primitive_bitwidth
+        if V_LINE == LINE and V_ROW == K_ROW:
+            prefetch_l2(v_ptr + v_off[:, None] + lines[None, :], fetch)
+        else:  # k8v4: value rows narrower than key rows
+            v_lines = tl.arange(0, KV_LINES) * V_LINE
+            prefetch_l2(v_ptr + v_off[:, None] + v_lines[None, :], settled[:, None] & (v_lines < V_ROW)[None, :])
         pdl_sync(USE_PDL)  # q and the new keys are the previous launch's
     if block_start >= q_len:
         return
@@ -216,7 +339,8 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
-    q = q.to(k_ptr.dtype.element_ty)
+    if K_FMT == "plain":
+        q = q.to(k_ptr.dtype.element_ty)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -227,13 +351,13 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, start, hi, q_pos, page_row, k_ptr, v_ptr, kv_head, d, d_valid, scale_log2,
             stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
-            PAGE_SIZE, BLOCK_N, False, PRECISION,
+            PAGE_SIZE, BLOCK_N, False, PRECISION, HEAD_DIM, BLOCK_D, K_FMT, V_FMT,
         )
     for start in range(unmasked_hi, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, start, hi, q_pos, page_row, k_ptr, v_ptr, kv_head, d, d_valid, scale_log2,
             stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
-            PAGE_SIZE, BLOCK_N, True, PRECISION,
+            PAGE_SIZE, BLOCK_N, True, PRECISION, HEAD_DIM, BLOCK_D, K_FMT, V_FMT,
         )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -308,14 +432,34 @@ def split_plan(num_requests: int, num_kv_heads: int, num_q_blocks: int, block_n:
     return num_splits, max(block_n, min_split)
 
 
-def _block_config(head_dim: int, group: int, max_query_len: int) -> tuple[int, int, int, int, int]:
-    """-> (BLOCK_Q, BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+def cache_format(cache: torch.Tensor, head_dim: int) -> str:
+    """The kernel's format constexpr for a cache: "plain" or kv_quant's name; checks a quantized
+    cache's rows (width, 4-byte alignment of every row for the word loads and fp32 scales)."""
+    fmt = format_of(cache)
+    if fmt is None:
+        return "plain"
+    problem = check_head_dim(fmt, head_dim)
+    if problem is None and cache.shape[-1] != row_bytes(fmt, head_dim):
+        problem = f"{fmt} rows of head_dim {head_dim} are {row_bytes(fmt, head_dim)} bytes, not {cache.shape[-1]}"
+    if problem is None and (cache.data_ptr() % 4 or any(stride % 4 for stride in cache.stride()[:-1])):
+        problem = f"{fmt} rows must start 4-byte aligned, strides {cache.stride()}"
+    if problem is not None:
+        raise ValueError(problem)
+    return fmt
+
+
+def _block_config(
+    head_dim: int, group: int, max_query_len: int, quantized: bool = False
+) -> tuple[int, int, int, int, int]:
+    """-> (BLOCK_Q, BLOCK_M, BLOCK_N, num_warps, num_stages). quantized: K or V is."""
     if max_query_len <= SPLIT_MAX_QUERY_LEN:
         block_q = triton.next_power_of_2(max_query_len)  # few compiled variants: 1, 2, 4, 8, 16
         block_m = max(16, triton.next_power_of_2(block_q * group))
         if head_dim > 128:
-            # A [256, 64] bf16 K tile plus its V tile is 64 KB per pipeline stage.
-            return block_q, block_m, 64 if block_m <= 16 else 32, 4 if block_m <= 16 else 8, 2
+            # A [256, 64] bf16 K tile plus its V tile is 64 KB per pipeline stage. Quantized rows
+            # are widened in registers: 4 warps spill there (ptxas, sm_90), 8 do not.
+            num_warps = 4 if block_m <= 16 and not quantized else 8
+            return block_q, block_m, 64 if block_m <= 16 else 32, num_warps, 2
         return block_q, block_m, 64, 4, 2
     # Prefill tiles, best of the H200 sweep (docs/kernels.md): head_dim 256 at 128 x 32 with
     # 8 warps (310 TFLOP/s vs 140 at 64 x 32), head_dim <= 128 at 64 x 64 with 4 warps.
@@ -366,7 +510,11 @@ def paged_attention(
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or page_table.stride(-1) != 1:
         raise ValueError("paged_attention needs unit-stride head_dim in the caches and a row-major page table")
-    block_q, default_m, default_n, default_warps, default_stages = _block_config(head_dim, group, max_query_len)
+    k_fmt, v_fmt = cache_format(k_cache, head_dim), cache_format(v_cache, head_dim)
+    quantized = (k_fmt, v_fmt) != ("plain", "plain")
+    block_q, default_m, default_n, default_warps, default_stages = _block_config(
+        head_dim, group, max_query_len, quantized
+    )
     if block_m is not None and max_query_len > SPLIT_MAX_QUERY_LEN:
         block_q = max(1, block_m // group)
     else:
@@ -386,9 +534,12 @@ def paged_attention(
     else:
         part_out = part_lse = out  # never touched without SPLIT_K
     block_d = max(16, triton.next_power_of_2(head_dim))
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    # Quantized rows are widened to q's dtype for the products.
+    dot_dtypes = (k_cache.dtype if k_fmt == "plain" else q.dtype, v_cache.dtype if v_fmt == "plain" else q.dtype)
+    precision = "ieee" if torch.float32 in dot_dtypes else "tf32"
     grid = (num_q_blocks, num_requests * num_kv_heads, splits)
     use_pdl = pdl_enabled(q)
+    k_row_bytes, v_row_bytes = (c.shape[-1] * c.element_size() for c in (k_cache, v_cache))
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -424,8 +575,12 @@ def paged_attention(
         SPLIT_K=splits > 1,
         PRECISION=precision,
         EARLY_KV=prefetch_kv and use_pdl,
-        KV_LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
+        KV_LINES=triton.next_power_of_2(triton.cdiv(max(k_row_bytes, v_row_bytes), 128)),
         USE_PDL=use_pdl,
+        K_FMT=k_fmt,
+        V_FMT=v_fmt,
+        K_ROW=k_cache.shape[-1],
+        V_ROW=v_cache.shape[-1],
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=use_pdl,
