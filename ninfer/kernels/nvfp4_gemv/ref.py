@@ -80,11 +80,13 @@ def quantize_nvfp4(
         raise ValueError(f"NVFP4 needs a multiple of {BLOCK} input features, not {cols}")
     w = weight.float()
     if row_scale is None:
-        row_scale = w.abs().amax(dim=1) / (E2M1_MAX * E4M3_MAX)
+        row_scale = w.abs().amax(dim=1) * (1.0 / (E2M1_MAX * E4M3_MAX))
     row_scale = row_scale.float().clamp(min=torch.finfo(torch.float32).tiny)
     blocks = w.view(rows, cols // BLOCK, BLOCK)
     block_amax = blocks.abs().amax(dim=-1)
-    block_scale = (block_amax / E2M1_MAX / row_scale[:, None]).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    # Times the fp32 reciprocal, not / 6: torch on CUDA divides by a Python scalar that way and the
+    # CPU exactly, so only the product gives the same scale bits on every device and in the kernels.
+    block_scale = (block_amax * (1.0 / E2M1_MAX) / row_scale[:, None]).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     scale = block_scale.float() * row_scale[:, None]
     scaled = torch.where(scale[..., None] > 0, blocks / scale[..., None].clamp(min=1e-30), torch.zeros_like(blocks))
     magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
