@@ -32,6 +32,7 @@ KERNEL_MODULES = {
     "moe": ("_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_combine_kernel"),
     "gemv": ("_gemv_kernel", "_split_sum_kernel"),
     "nvfp4_gemv": ("_nvfp4_gemv_kernel",),
+    "nvfp4_gemm": ("_nvfp4_gemm_kernel",),  # decode batches above 16 rows, and prefill
 }
 ALL_KERNELS = {name for names in KERNEL_MODULES.values() for name in names}
 
@@ -124,6 +125,7 @@ def _call_every_wrapper(k) -> None:
     nvfp4_codes = torch.randint(0, 256, (1024, 1024), dtype=torch.uint8, generator=gen)
     nvfp4_scales = r(1024, 128).abs().to(torch.float8_e4m3fn)
     k["nvfp4_gemv"].gemv_nvfp4(r(1, 2048), nvfp4_codes, nvfp4_scales, r(1024, dtype=f32).abs())
+    k["nvfp4_gemm"].nvfp4_matmul(r(40, 2048), nvfp4_codes, nvfp4_scales, r(1024, dtype=f32).abs())
 
 
 def _name(fn) -> str:
@@ -145,7 +147,7 @@ def test_no_pdl_on_cpu_tensors(launches) -> None:
         assert kwargs.get("USE_PDL") is False and kwargs.get("launch_pdl") is False, _name(fn)
 
 
-_DTYPES = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+_DTYPES = {torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 
 
 def _ptx(fn, args, kwargs) -> str:

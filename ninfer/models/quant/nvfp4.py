@@ -3,19 +3,20 @@
 A weight is e2m1 codes, an e4m3 scale per 16 values and an fp32 scale per row
 (kernels/nvfp4_gemv/ref.py has the layout). Decode streams a quarter of the bf16 bytes
 through the weight-only GEMV, which widens codes in registers. Larger batches (prefill)
-dequantize the weight to the activation dtype and run the dense GEMM: correct, but one
-transient full-size weight per product until a dequantizing GEMM kernel replaces it.
+run the NVFP4 GEMM (kernels/nvfp4_gemm), which dequantizes weight tiles in registers for
+the tensor cores on CUDA; on the CPU its reference dequantizes the weight and runs one
+fp32 matmul.
 Embeddings, lm_head and MoE routers stay bf16, as in ModelOpt's NVFP4 checkpoints.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ninfer.kernels.activation import silu_and_mul
 from ninfer.kernels.gemv import MAX_ROWS, conv_first_columns
+from ninfer.kernels.nvfp4_gemm import nvfp4_matmul
 from ninfer.kernels.nvfp4_gemv import BLOCK, dequantize_nvfp4, gemv_nvfp4, quantize_nvfp4
 from ninfer.models.quant.linear_replacement import replace_linear_layers
 
@@ -76,10 +77,9 @@ class Nvfp4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if rows.shape[0] <= MAX_ROWS:
-            out = gemv_nvfp4(rows, self.weight, self.block_scale, self.row_scale, self.bias)
-            return out.reshape(*shape[:-1], self.out_features)
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+        product = gemv_nvfp4 if rows.shape[0] <= MAX_ROWS else nvfp4_matmul
+        out = product(rows, self.weight, self.block_scale, self.row_scale, self.bias)
+        return out.reshape(*shape[:-1], self.out_features)
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a packed gate | up projection."""
