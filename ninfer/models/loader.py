@@ -58,9 +58,14 @@ def build_model(
             parent_name, _, child_name = module_name.rpartition(".")
             parent = model.get_submodule(parent_name)
             setattr(parent, child_name, module_type.placeholder(getattr(parent, child_name)))
+    return materialize(model, device)
+
+
+def materialize(model: CausalLM, device: torch.device | str) -> CausalLM:
+    """A meta-device model with (uninitialised) storage on `device`: tied weights shared again,
+    computed buffers (rotary tables) rebuilt there, since they are computed, not loaded."""
     model = model.to_empty(device=device)
     model.tie_weights()
-    # Buffers (rotary tables) are computed, not loaded: rebuild them on the real device.
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):

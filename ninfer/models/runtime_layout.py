@@ -16,7 +16,7 @@ from torch import nn
 
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
-from ninfer.models.loader import WeightLoadError, build_model
+from ninfer.models.loader import WeightLoadError, build_model, materialize
 from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
 
@@ -86,13 +86,7 @@ def build_runtime_model(
         parent_name, _, child_name = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child_name, replacement)
-    model = model.to_empty(device=device)
-    model.tie_weights()
-    for module in model.modules():
-        reset = getattr(module, "reset_buffers", None)
-        if callable(reset):
-            reset()
-    return model
+    return materialize(model, device)
 
 
 def _fp8_placeholder(linear: nn.Linear, scale_shape: tuple[int, ...], module_name: str, source: str) -> Fp8Linear:

@@ -43,6 +43,7 @@ from ninfer.kernels.fp8_gemm import ref
 from ninfer.kernels.fp8_gemm.ref import num_groups
 from ninfer.kernels.fp8_quant.ref import FP8, FP8_MAX, INV_FP8_MAX, MIN_AMAX
 from ninfer.kernels.gemv.ref import SCALE_BLOCK, scale_rows_per_block
+from ninfer.kernels.sm_count import device_sms
 
 GROUPS_PER_PROGRAM = 8  # quantize_groups: 1024 columns per program, 16-byte bf16 loads on 4 warps
 
@@ -128,15 +129,6 @@ def _config(M: int, N: int, num_sms: int) -> Config:
     return TILES[-1]
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # CPU interpreter runs: pretend an H200
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @triton.jit
@@ -222,7 +214,7 @@ def block_fp8_matmul(
         raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
     if rows == 0 or N == 0 or cols == 0:
         return ref.block_fp8_matmul(x_fp8, x_scale, weight, weight_scale, out_dtype, bias)  # no K step to run
-    cfg = config or _config(rows, N, _device_sms(x_fp8.device))
+    cfg = config or _config(rows, N, device_sms(x_fp8.device))
     if cfg.block_m < 16 or cfg.block_n < 16 or cfg.band_m < 1:
         raise ValueError(f"invalid config {cfg}")
     x_fp8 = x_fp8 if x_fp8.stride(1) == 1 else x_fp8.contiguous()

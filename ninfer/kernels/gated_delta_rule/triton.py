@@ -35,6 +35,7 @@ import triton.language as tl
 from ninfer.kernels.gated_delta_rule import ref
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.varlen import start_offsets
+from ninfer.kernels.sm_count import device_sms
 
 # Programs own BLOCK_V state columns (dk * BLOCK_V * 4 bytes). H200 sweep (docs/kernels.md):
 # at batch 1 the narrowest strips win (27B: 384 programs of 8 KiB, 3.95 us vs 4.5 at 32
@@ -45,15 +46,10 @@ PROGRAMS_PER_SM = 3
 NUM_WARPS = 4
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _block_v(device: torch.device, num_requests: int, num_v_heads: int, v_dim: int) -> int:
     if device.type != "cuda":
         return 32  # the CPU interpreter: any width is correct
-    target = PROGRAMS_PER_SM * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    target = PROGRAMS_PER_SM * device_sms(device)
     for block_v in BLOCK_V_CHOICES:
         if num_requests * num_v_heads * triton.cdiv(v_dim, block_v) >= target:
             return block_v

@@ -58,6 +58,7 @@ from ninfer.kernels.activation.triton import silu_and_mul, silu_mul
 from ninfer.kernels.gemv import conv_first_columns
 from ninfer.kernels.gemv.ref import FP8, MAX_ROWS, SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+from ninfer.kernels.sm_count import device_sms
 
 DOT_ROWS = 16  # DOT programs with 16-bit weights pad x to 16 rows (the MMA's M)
 FP8_DOT_ROWS = 8  # ... with FP8 weights to 8 (x^T is the MMA's N operand)
@@ -615,15 +616,6 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
     return Config(block_n, block_k, num_warps, num_stages, use_dot, split_k, prefetch=not use_dot)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # CPU interpreter runs: pretend an H200
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def gemv(
@@ -715,7 +707,7 @@ def _gemv(x, weight, weight_scale, bias, config, glu: bool, conv=None) -> torch.
         if weight_scale.stride(-1) != 1:
             weight_scale = weight_scale.contiguous()
         stride_sn = weight_scale.stride(0) if scale_kind == _SCALE_BLOCK else 0
-    cfg = config or _config(M, N, K, weight.dtype, _device_sms(x.device), 2 if glu else 1)
+    cfg = config or _config(M, N, K, weight.dtype, device_sms(x.device), 2 if glu else 1)
     # 16-byte weight vectors, at most two 16-byte x loads per vector (fp32 x with FP8: 8-byte weight vectors)
     vec_x = 16 // x.element_size()
     vec = min(16 // weight.element_size(), 2 * vec_x)

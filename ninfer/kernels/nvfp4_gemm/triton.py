@@ -51,11 +51,11 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.nvfp4_gemm import ref
-from ninfer.kernels.nvfp4_gemv.ref import BLOCK
+from ninfer.kernels.nvfp4_gemv.ref import BLOCK, kernel_operands
 from ninfer.kernels.nvfp4_gemv.triton import _decode
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+from ninfer.kernels.sm_count import device_sms
 
-E4M3 = torch.float8_e4m3fn
 
 
 class Config(NamedTuple):
@@ -186,15 +186,6 @@ def _config(M: int, N: int, K: int, num_sms: int) -> Config:
     return Config(128, 128, block_k, num_warps=8, num_stages=3)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # CPU interpreter runs: pretend an H200
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def nvfp4_matmul(
@@ -213,27 +204,11 @@ def nvfp4_matmul(
     if x.dtype not in (torch.bfloat16, torch.float16) or K == 0:
         # fp32: see the module docstring. K = 0: no step to run.
         return ref.nvfp4_matmul(x, weight, block_scale, row_scale, bias)
-    if K % BLOCK:
-        raise ValueError(f"NVFP4 GEMM needs K a multiple of {BLOCK}, got x {tuple(x.shape)}")
-    if weight.dtype != torch.uint8 or tuple(weight.shape) != (N, K // 2) or weight.stride(1) != 1:
-        raise ValueError(f"weight must be uint8 [N, {K // 2}] with unit last stride, got {weight.dtype} {tuple(weight.shape)}")
-    if block_scale.dtype != E4M3 or tuple(block_scale.shape) != (N, K // BLOCK) or block_scale.stride(1) != 1:
-        raise ValueError(
-            f"block_scale must be float8_e4m3fn {(N, K // BLOCK)} with unit last stride,"
-            f" got {block_scale.dtype} {tuple(block_scale.shape)}"
-        )
-    if tuple(row_scale.shape) != (N,):
-        raise ValueError(f"row_scale must be [{N}], got {tuple(row_scale.shape)}")
-    if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
-    row_scale = row_scale.float().contiguous()  # no copy for the usual fp32 scales
-    bias = None if bias is None else bias.contiguous()
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x, row_scale, bias = kernel_operands("GEMM", x, weight, block_scale, row_scale, bias)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = config or _config(M, N, K, _device_sms(x.device))
+    cfg = config or _config(M, N, K, device_sms(x.device))
     if cfg.block_k % BLOCK or min(cfg.block_m, cfg.block_n, cfg.block_k) < 16 or cfg.group_m < 1:
         raise ValueError(f"invalid config {cfg}")
     use_pdl = pdl_enabled(x)

@@ -97,3 +97,34 @@ def quantize_nvfp4(
     nearest = preference.argmax(dim=-1)
     codes = nearest + 8 * ((scaled < 0) & (nearest > 0)).long()
     return pack_codes(codes.view(rows, cols)), block_scale, row_scale
+
+
+def kernel_operands(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_scale: torch.Tensor,
+    row_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The fast kernels' preconditions on x [M, K] and the layout above (ValueError naming the
+    operand that does not fit) -> (x, row_scale, bias) in the strides the kernels read."""
+    rows, cols = x.shape
+    num_out = weight.shape[0]
+    if cols % BLOCK:
+        raise ValueError(f"NVFP4 {op} needs K a multiple of {BLOCK}, got x {tuple(x.shape)}")
+    if weight.dtype != torch.uint8 or tuple(weight.shape) != (num_out, cols // 2) or weight.stride(1) != 1:
+        raise ValueError(f"weight must be uint8 [N, {cols // 2}] with unit last stride, got {weight.dtype} {tuple(weight.shape)}")
+    expected_scales = (num_out, cols // BLOCK)
+    if block_scale.dtype != torch.float8_e4m3fn or tuple(block_scale.shape) != expected_scales or block_scale.stride(1) != 1:
+        raise ValueError(
+            f"block_scale must be float8_e4m3fn {expected_scales} with unit last stride,"
+            f" got {block_scale.dtype} {tuple(block_scale.shape)}"
+        )
+    if tuple(row_scale.shape) != (num_out,):
+        raise ValueError(f"row_scale must be [{num_out}], got {tuple(row_scale.shape)}")
+    if bias is not None and tuple(bias.shape) != (num_out,):
+        raise ValueError(f"bias must be [{num_out}], got {tuple(bias.shape)}")
+    row_scale = row_scale.float().contiguous()  # no copy for the usual fp32 scales
+    bias = None if bias is None else bias.contiguous()
+    return (x if x.stride(1) == 1 else x.contiguous()), row_scale, bias

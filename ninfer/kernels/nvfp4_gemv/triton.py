@@ -49,10 +49,10 @@ import triton.language as tl
 
 from ninfer.kernels.gemv.ref import MAX_ROWS
 from ninfer.kernels.nvfp4_gemv import ref
-from ninfer.kernels.nvfp4_gemv.ref import BLOCK
+from ninfer.kernels.nvfp4_gemv.ref import kernel_operands
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+from ninfer.kernels.sm_count import device_sms
 
-E4M3 = torch.float8_e4m3fn
 
 
 class Config(NamedTuple):
@@ -207,15 +207,6 @@ def _config(M: int, N: int, K: int, num_sms: int) -> Config:
     return Config(block_n, block_k, vec_bytes, num_warps)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # CPU interpreter runs: pretend an H200
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def gemv_nvfp4(
@@ -235,27 +226,11 @@ def gemv_nvfp4(
         # The weight stream costs M FMAs per code: beyond decode sizes, one dense product of
         # the dequantized weight (the reference) is the better route. (K = 0: no step to run.)
         return ref.gemv_nvfp4(x, weight, block_scale, row_scale, bias)
-    if K % BLOCK:
-        raise ValueError(f"NVFP4 GEMV needs K a multiple of {BLOCK}, got x {tuple(x.shape)}")
-    if weight.dtype != torch.uint8 or tuple(weight.shape) != (N, K // 2) or weight.stride(1) != 1:
-        raise ValueError(f"weight must be uint8 [N, {K // 2}] with unit last stride, got {weight.dtype} {tuple(weight.shape)}")
-    if block_scale.dtype != E4M3 or tuple(block_scale.shape) != (N, K // BLOCK) or block_scale.stride(1) != 1:
-        raise ValueError(
-            f"block_scale must be float8_e4m3fn {(N, K // BLOCK)} with unit last stride,"
-            f" got {block_scale.dtype} {tuple(block_scale.shape)}"
-        )
-    if tuple(row_scale.shape) != (N,):
-        raise ValueError(f"row_scale must be [{N}], got {tuple(row_scale.shape)}")
-    if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
-    row_scale = row_scale.float().contiguous()  # no copy for the usual fp32 scales
-    bias = None if bias is None else bias.contiguous()
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x, row_scale, bias = kernel_operands("GEMV", x, weight, block_scale, row_scale, bias)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = config or _config(M, N, K, _device_sms(x.device))
+    cfg = config or _config(M, N, K, device_sms(x.device))
     vec = 2 * cfg.vec_bytes
     if 16 % vec or cfg.block_k % vec or cfg.block_k % 16 or cfg.block_n < 1:
         raise ValueError(f"invalid config {cfg}")

@@ -15,15 +15,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ninfer.kernels.activation import silu_and_mul
-from ninfer.kernels.gemv import conv_first_columns, linear_half_weight
-from ninfer.models.quant.linear_replacement import replace_linear_layers
+from ninfer.kernels.gemv import linear_half_weight
+from ninfer.models.quant.linear_replacement import UnfusedEpilogues, replace_linear_layers
 
 FP16_MAX = torch.finfo(torch.float16).max
 DEFAULT_SKIP = ("embed_tokens", "mlp.gate")
 
 
-class HalfWeightLinear(nn.Module):
+class HalfWeightLinear(UnfusedEpilogues, nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: dict[str, int] | None = None):
         """weight [out, in] float16; bias (float32) stays as given; parts: a PackedLinear's."""
         super().__init__()
@@ -47,17 +46,6 @@ class HalfWeightLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_half_weight(x, self.weight, self.bias)
-
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of a packed gate | up projection."""
-        return silu_and_mul(self.forward(x))
-
-    def forward_causal_conv1d_update(
-        self, x: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
-    ) -> torch.Tensor:
-        """The product of one decode token per request with the conv's decode step on its
-        first conv_weight.shape[0] columns."""
-        return conv_first_columns(self.forward(x), conv_weight, conv_state, state_slots)
 
 
 def store_half_weights_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> int:

@@ -4,7 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
+
+from ninfer.kernels.activation import silu_and_mul
+from ninfer.kernels.gemv import conv_first_columns
+
+
+class UnfusedEpilogues:
+    """The epilogues models ask of a packed projection, for modules whose product has no fused
+    version of them: the product, then the epilogue."""
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a packed gate | up projection."""
+        return silu_and_mul(self.forward(x))
+
+    def forward_causal_conv1d_update(
+        self, x: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
+    ) -> torch.Tensor:
+        """The product of one decode token per request with the conv's decode step on its
+        first conv_weight.shape[0] columns."""
+        return conv_first_columns(self.forward(x), conv_weight, conv_state, state_slots)
 
 
 def replace_linear_layers(

@@ -14,16 +14,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ninfer.kernels.activation import silu_and_mul
-from ninfer.kernels.gemv import MAX_ROWS, conv_first_columns
+from ninfer.kernels.gemv import MAX_ROWS
 from ninfer.kernels.nvfp4_gemm import nvfp4_matmul
 from ninfer.kernels.nvfp4_gemv import BLOCK, dequantize_nvfp4, gemv_nvfp4, quantize_nvfp4
-from ninfer.models.quant.linear_replacement import replace_linear_layers
+from ninfer.models.quant.linear_replacement import UnfusedEpilogues, replace_linear_layers
 
 DEFAULT_SKIP = ("lm_head", "embed_tokens", "mlp.gate")
 
 
-class Nvfp4Linear(nn.Module):
+class Nvfp4Linear(UnfusedEpilogues, nn.Module):
     def __init__(
         self,
         weight: torch.Tensor,
@@ -80,17 +79,6 @@ class Nvfp4Linear(nn.Module):
         product = gemv_nvfp4 if rows.shape[0] <= MAX_ROWS else nvfp4_matmul
         out = product(rows, self.weight, self.block_scale, self.row_scale, self.bias)
         return out.reshape(*shape[:-1], self.out_features)
-
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of a packed gate | up projection."""
-        return silu_and_mul(self.forward(x))
-
-    def forward_causal_conv1d_update(
-        self, x: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
-    ) -> torch.Tensor:
-        """The product of one decode token per request with the conv's decode step on its
-        first conv_weight.shape[0] columns."""
-        return conv_first_columns(self.forward(x), conv_weight, conv_state, state_slots)
 
 
 def quantize_nvfp4_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> int:
