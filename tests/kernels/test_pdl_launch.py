@@ -42,7 +42,9 @@ def kernels(monkeypatch: pytest.MonkeyPatch):
     """The kernel modules built for compilation (not the interpreter), whatever other test
     modules imported before; sys.modules is restored afterwards."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    names = ["ninfer.kernels.pdl"] + [f"ninfer.kernels.{m}.triton" for m in KERNEL_MODULES]
+    # With the shared @triton.jit helpers: an interpreter test may have imported them first, as
+    # interpreted functions a compilation cannot reference.
+    names = ["ninfer.kernels.pdl", "ninfer.kernels.l2_prefetch"] + [f"ninfer.kernels.{m}.triton" for m in KERNEL_MODULES]
     for name in names:
         monkeypatch.delitem(sys.modules, name, raising=False)
     modules = {name: importlib.import_module(name) for name in names}
