@@ -34,6 +34,7 @@ from ninfer.kernels import nvfp4_gemm as gemm_op
 from ninfer.kernels.gemv.ref import MAX_ROWS
 from ninfer.kernels.nvfp4_gemm import ref
 from ninfer.kernels.nvfp4_gemv import ref as nvfp4_ref
+from tests.kernels.nvfp4_samples import exact_product, random_activations, random_weights
 
 ON_GPU = torch.cuda.is_available()
 if ON_GPU:
@@ -59,27 +60,10 @@ N = 200
 SMALL = Config(block_m=16, block_n=64, block_k=64, num_warps=4, group_m=2)
 
 
-def _weights(n: int, k: int, seed: int, device: str = "cpu"):
-    """(packed, block_scale, row_scale): random codes and scales over their whole ranges."""
-    gen = torch.Generator(device).manual_seed(seed)
-    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8, device=device)
-    exponent = torch.randint(-9, 9, (n, k // nvfp4_ref.BLOCK), generator=gen, device=device)
-    scale = (1 + torch.rand(n, k // nvfp4_ref.BLOCK, generator=gen, device=device)) * 2.0**exponent
-    scale[torch.rand(scale.shape, generator=gen, device=device) < 0.2] = 0.0  # zero blocks
-    block_scale = scale.clamp(max=nvfp4_ref.E4M3_MAX).to(E4M3)
-    row_scale = 2.0 ** torch.empty(n, device=device).uniform_(-6, 2, generator=gen)
-    return packed, block_scale, row_scale
-
-
-def _activations(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
 
 
 def _check(out: torch.Tensor, x, packed, block_scale, row_scale, bias=None) -> None:
-    exact = x.double() @ nvfp4_ref.dequantize_nvfp4(packed, block_scale, row_scale).double().T
-    if bias is not None:
-        exact = exact + bias.double()
+    exact = exact_product(x, packed, block_scale, row_scale, bias)
     assert out.shape == (x.shape[0], packed.shape[0]) and out.dtype == x.dtype
     assert torch.isfinite(exact).all()  # the test keeps sums in the output dtype's range
     torch.testing.assert_close(out.double(), exact, rtol=ULP[x.dtype] / 2, atol=1e-5 * exact.abs().max().item())
@@ -134,8 +118,8 @@ def test_code_times_block_scale_is_exact_in_16_bits(dtype: torch.dtype) -> None:
 
 
 def test_ref_is_the_fp32_product_with_the_dequantized_weight() -> None:
-    packed, block_scale, row_scale = _weights(N, 80, seed=1)
-    x, bias = _activations(40, N, 80, torch.bfloat16, seed=1)
+    packed, block_scale, row_scale = random_weights(N, 80, seed=1)
+    x, bias = random_activations(40, N, 80, torch.bfloat16, seed=1)
     weight = nvfp4_ref.dequantize_nvfp4(packed, block_scale, row_scale)
     expected = (x.float() @ weight.T + bias.float()).to(torch.bfloat16)
     assert torch.equal(ref.nvfp4_matmul(x, packed, block_scale, row_scale, bias), expected)
@@ -149,8 +133,8 @@ def test_linear_routes_rows_above_max_rows_to_the_gemm(monkeypatch: pytest.Monke
     # dequantize, one fp32 matmul), for any leading shape.
     from ninfer.models.quant import nvfp4 as nvfp4_module
 
-    packed, block_scale, row_scale = _weights(N, 64, seed=3)
-    x, bias = _activations(2 * (MAX_ROWS + 1), N, 64, torch.float32, seed=3)
+    packed, block_scale, row_scale = random_weights(N, 64, seed=3)
+    x, bias = random_activations(2 * (MAX_ROWS + 1), N, 64, torch.float32, seed=3)
     layer = nvfp4_module.Nvfp4Linear(packed, block_scale, row_scale, bias)
     calls = []
     for name in ("nvfp4_matmul", "gemv_nvfp4"):
@@ -204,10 +188,10 @@ def test_weight_tile_of_every_code_and_scale(dtype: torch.dtype, monkeypatch: py
 @pytest.mark.parametrize("k", [80, 256])
 @pytest.mark.parametrize("m", [17, 40])
 def test_matches_reference(m: int, k: int, dtype: torch.dtype, with_bias: bool) -> None:
-    packed, block_scale, row_scale = _weights(N, k, seed=k + m)
+    packed, block_scale, row_scale = random_weights(N, k, seed=k + m)
     if dtype == torch.float16:
         row_scale = row_scale * 2**-10
-    x, bias = _activations(m, N, k, dtype, seed=m)
+    x, bias = random_activations(m, N, k, dtype, seed=m)
     bias = bias if with_bias else None
     out = fast.nvfp4_matmul(x, packed, block_scale, row_scale, bias, config=SMALL)
     _check(out, x, packed, block_scale, row_scale, bias)
@@ -220,9 +204,9 @@ def test_default_config_and_strided_rows() -> None:
     # K is no multiple of 256, the second step masked), with x, weight and block_scale column
     # slices of wider buffers.
     k = 80
-    packed, block_scale, row_scale = _weights(N, k + 32, seed=7)
+    packed, block_scale, row_scale = random_weights(N, k + 32, seed=7)
     packed, block_scale = packed[:, : k // 2], block_scale[:, : k // nvfp4_ref.BLOCK]
-    x, bias = _activations(40, N, k + 24, torch.bfloat16, seed=7)
+    x, bias = random_activations(40, N, k + 24, torch.bfloat16, seed=7)
     x = x[:, :k]
     assert packed.stride(0) == (k + 32) // 2 and x.stride(0) == k + 24
     assert fast._config(40, N, k, 132) == Config(64, 64, 64, num_warps=4, num_stages=4)
@@ -231,8 +215,8 @@ def test_default_config_and_strided_rows() -> None:
 
 @interpreter_only
 def test_fp32_empty_and_invalid_inputs() -> None:
-    packed, block_scale, row_scale = _weights(N, 32, seed=8)
-    x, bias = _activations(20, N, 32, torch.float32, seed=8)
+    packed, block_scale, row_scale = random_weights(N, 32, seed=8)
+    x, bias = random_activations(20, N, 32, torch.float32, seed=8)
     # fp32 x runs the reference; so does K = 0 (bias only).
     expected = ref.nvfp4_matmul(x, packed, block_scale, row_scale, bias)
     assert torch.equal(fast.nvfp4_matmul(x, packed, block_scale, row_scale, bias), expected)
@@ -344,7 +328,7 @@ class TestOnGpu:
         # Random codes and scales (zero and subnormal blocks), x rows strided, N and K no tile
         # multiples; row scales cut by 2^-12 to keep fp16 sums in range.
         n, k = 200 + 5120, 80 + 6144
-        packed, block_scale, row_scale = _weights(n, k, seed=m, device="cuda")
+        packed, block_scale, row_scale = random_weights(n, k, seed=m, device="cuda")
         row_scale = row_scale * 2**-12
         gen = torch.Generator("cuda").manual_seed(100 + m)
         x = torch.randn(m, k + 64, device="cuda", generator=gen).to(dtype)[:, :k]

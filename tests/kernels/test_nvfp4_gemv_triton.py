@@ -25,6 +25,7 @@ import torch
 from ninfer.kernels import nvfp4_gemv as nvfp4_op
 from ninfer.kernels.gemv.ref import MAX_ROWS
 from ninfer.kernels.nvfp4_gemv import ref
+from tests.kernels.nvfp4_samples import exact_product, random_activations, random_weights
 
 ON_GPU = torch.cuda.is_available()
 if ON_GPU:
@@ -47,27 +48,10 @@ NARROW = Config(block_n=16, block_k=64, vec_bytes=8, num_warps=1)
 HALF_VECTORS = Config(block_n=16, block_k=64, vec_bytes=4, num_warps=1)
 
 
-def _weights(n: int, k: int, seed: int, device: str = "cpu"):
-    """(packed, block_scale, row_scale): random codes and scales over their whole ranges."""
-    gen = torch.Generator(device).manual_seed(seed)
-    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8, device=device)
-    exponent = torch.randint(-9, 9, (n, k // ref.BLOCK), generator=gen, device=device)
-    scale = (1 + torch.rand(n, k // ref.BLOCK, generator=gen, device=device)) * 2.0**exponent
-    scale[torch.rand(scale.shape, generator=gen, device=device) < 0.2] = 0.0  # zero blocks
-    block_scale = scale.clamp(max=ref.E4M3_MAX).to(E4M3)
-    row_scale = 2.0 ** torch.empty(n, device=device).uniform_(-6, 2, generator=gen)
-    return packed, block_scale, row_scale
-
-
-def _activations(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
 
 
 def _check(out: torch.Tensor, x, packed, block_scale, row_scale, bias=None) -> None:
-    exact = x.double() @ ref.dequantize_nvfp4(packed, block_scale, row_scale).double().T
-    if bias is not None:
-        exact = exact + bias.double()
+    exact = exact_product(x, packed, block_scale, row_scale, bias)
     assert out.shape == (x.shape[0], packed.shape[0]) and out.dtype == x.dtype
     torch.testing.assert_close(out.double(), exact, rtol=ULP[x.dtype], atol=1e-5 * exact.abs().max().item())
 
@@ -128,8 +112,8 @@ def test_quantization_error_is_within_half_an_e2m1_step() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_ref_gemv_is_x_times_the_dequantized_weight(dtype: torch.dtype) -> None:
-    packed, block_scale, row_scale = _weights(N, 64, seed=2)
-    x, bias = _activations(3, N, 64, dtype, seed=2)
+    packed, block_scale, row_scale = random_weights(N, 64, seed=2)
+    x, bias = random_activations(3, N, 64, dtype, seed=2)
     weight = ref.dequantize_nvfp4(packed, block_scale, row_scale)
     assert weight.dtype == torch.float32 and weight.shape == (N, 64)
     assert torch.equal(ref.gemv_nvfp4(x, packed, block_scale, row_scale), (x.float() @ weight.T).to(dtype))
@@ -147,8 +131,8 @@ def test_ref_gemv_is_x_times_the_dequantized_weight(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("k", [32, 64, 160])
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_matches_reference(m: int, k: int, dtype: torch.dtype, with_bias: bool) -> None:
-    packed, block_scale, row_scale = _weights(N, k, seed=k + m)
-    x, bias = _activations(m, N, k, dtype, seed=m)
+    packed, block_scale, row_scale = random_weights(N, k, seed=k + m)
+    x, bias = random_activations(m, N, k, dtype, seed=m)
     bias = bias if with_bias else None
     config = NARROW if m <= 4 else HALF_VECTORS
     _check(fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias, config=config), x, packed, block_scale, row_scale, bias)
@@ -159,10 +143,10 @@ def test_matches_reference(m: int, k: int, dtype: torch.dtype, with_bias: bool) 
 def test_default_config(m: int, k: int, dtype: torch.dtype) -> None:
     # The heuristic's own launch; at this small N it takes one row per program (37 programs).
     # K = 48: a masked last step. fp16: row scales cut by 2^-10 to keep the sums in its range.
-    packed, block_scale, row_scale = _weights(N, k, seed=30 + m)
+    packed, block_scale, row_scale = random_weights(N, k, seed=30 + m)
     if dtype == torch.float16:
         row_scale = row_scale * 2**-10
-    x, bias = _activations(m, N, k, dtype, seed=30 + m)
+    x, bias = random_activations(m, N, k, dtype, seed=30 + m)
     _check(fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias), x, packed, block_scale, row_scale, bias)
 
 
@@ -170,9 +154,9 @@ def test_default_config(m: int, k: int, dtype: torch.dtype) -> None:
 def test_strided_rows() -> None:
     # x, weight and block_scale as column slices of wider buffers: row strides are honoured.
     k = 64
-    packed, block_scale, row_scale = _weights(N, k + 32, seed=40)
+    packed, block_scale, row_scale = random_weights(N, k + 32, seed=40)
     packed, block_scale = packed[:, : k // 2], block_scale[:, : k // ref.BLOCK]
-    x = _activations(3, N, k + 24, torch.bfloat16, seed=40)[0][:, :k]
+    x = random_activations(3, N, k + 24, torch.bfloat16, seed=40)[0][:, :k]
     assert packed.stride(0) == (k + 32) // 2 and x.stride(0) == k + 24
     _check(fast.gemv_nvfp4(x, packed, block_scale, row_scale, config=NARROW), x, packed, block_scale, row_scale)
 
@@ -204,7 +188,7 @@ def test_decode_of_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @interpreter_only
 def test_invalid_inputs() -> None:
-    packed, block_scale, row_scale = _weights(N, 64, seed=50)
+    packed, block_scale, row_scale = random_weights(N, 64, seed=50)
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="multiple of 16"):
         fast.gemv_nvfp4(torch.randn(2, 40), packed[:, :20], block_scale[:, :2], row_scale)
@@ -226,8 +210,8 @@ def test_invalid_inputs() -> None:
 
 @interpreter_only
 def test_beyond_max_rows_and_empty_shapes() -> None:
-    packed, block_scale, row_scale = _weights(N, 32, seed=60)
-    x, bias = _activations(MAX_ROWS + 1, N, 32, torch.bfloat16, seed=60)
+    packed, block_scale, row_scale = random_weights(N, 32, seed=60)
+    x, bias = random_activations(MAX_ROWS + 1, N, 32, torch.bfloat16, seed=60)
     expected = ref.gemv_nvfp4(x, packed, block_scale, row_scale, bias)
     assert torch.equal(fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias), expected)
     assert fast.gemv_nvfp4(x[:0], packed, block_scale, row_scale).shape == (0, N)
@@ -315,7 +299,7 @@ class TestOnGpu:
         # Random codes and scales (zero and subnormal blocks) at a real shape, x rows strided;
         # row scales cut by 2^-12 to keep fp16 sums of 6144 terms in range.
         n, k = SHAPES_27B["27b_gdn_out_proj"]
-        packed, block_scale, row_scale = _weights(n, k, seed=m, device="cuda")
+        packed, block_scale, row_scale = random_weights(n, k, seed=m, device="cuda")
         row_scale = row_scale * 2**-12
         gen = torch.Generator("cuda").manual_seed(100 + m)
         x = torch.randn(m, k + 64, device="cuda", generator=gen).to(dtype)[:, :k]
