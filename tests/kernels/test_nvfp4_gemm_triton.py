@@ -60,8 +60,6 @@ N = 200
 SMALL = Config(block_m=16, block_n=64, block_k=64, num_warps=4, group_m=2)
 
 
-
-
 def _check(out: torch.Tensor, x, packed, block_scale, row_scale, bias=None) -> None:
     exact = exact_product(x, packed, block_scale, row_scale, bias)
     assert out.shape == (x.shape[0], packed.shape[0]) and out.dtype == x.dtype

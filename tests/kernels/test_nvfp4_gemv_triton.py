@@ -48,8 +48,6 @@ NARROW = Config(block_n=16, block_k=64, vec_bytes=8, num_warps=1)
 HALF_VECTORS = Config(block_n=16, block_k=64, vec_bytes=4, num_warps=1)
 
 
-
-
 def _check(out: torch.Tensor, x, packed, block_scale, row_scale, bias=None) -> None:
     exact = exact_product(x, packed, block_scale, row_scale, bias)
     assert out.shape == (x.shape[0], packed.shape[0]) and out.dtype == x.dtype
