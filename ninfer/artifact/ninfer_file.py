@@ -82,9 +82,12 @@ def read_header(path: Path) -> dict[str, Any]:
         raise ArtifactError(f"{path}: not a .ninfer container (header is not JSON: {error})") from error
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
         raise ArtifactError(f"{path}: not a .ninfer container (malformed header)")
-    data_bytes = max(
-        (entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0
-    )
+    try:
+        data_bytes = max(
+            (int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"), default=0
+        )
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise ArtifactError(f"{path}: not a .ninfer container (a tensor entry has no data_offsets)") from None
     if size != 8 + header_bytes + data_bytes:
         raise ArtifactError(
             f"{path}: truncated or padded: {size} bytes, the header describes {8 + header_bytes + data_bytes}"

@@ -227,6 +227,10 @@ def test_broken_containers_fail_at_open_naming_the_problem(root, packed_vl_mtp) 
     with pytest.raises(ArtifactError, match="down_proj.*unknown quantization 'fp4'"):
         open_artifact(_rewrite_metadata(packed_vl_mtp, root / "kind.ninfer", manifest_json=json.dumps(unknown_kind)))
     # Not a container at all.
+    entry = json.dumps({"w": {"dtype": "F32", "shape": [1]}}).encode()
+    (root / "no-offsets.ninfer").write_bytes(struct.pack("<Q", len(entry)) + entry)
+    with pytest.raises(ArtifactError, match="no data_offsets"):
+        open_artifact(root / "no-offsets.ninfer")
     stranger = root / "stranger.bin"
     stranger.write_bytes(struct.pack("<Q", 2) + b"{}")
     with pytest.raises(ArtifactError, match="neither a model directory, a GGUF file nor a .ninfer container"):
