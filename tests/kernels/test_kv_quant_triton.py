@@ -104,25 +104,11 @@ def _reference(case) -> torch.Tensor:
 def _interpreted_call(kwargs: dict, cache_dtypes: dict):
     """Runs in the worker, whose triton was imported with TRITON_INTERPRET=1. The caches come as
     bytes (fp8 tensors do not pickle) and are viewed back in their dtypes."""
-    import triton
-    from triton.runtime import interpreter
+    # Imported here: that module skips itself on a GPU machine, where this file's gpu tests run.
+    from tests.kernels.test_paged_attention_triton import _interpreted_call as call
 
-    from ninfer.kernels.paged_attention import triton as kernels
-
-    assert triton.knobs.runtime.interpret, "the worker must run Triton's interpreter"
-    if not getattr(interpreter, "_ninfer_index_patch", False):
-        # The interpreter keeps scalars as 1-element arrays and converts them for range()
-        # with int(array), which numpy >= 2.4 refuses for arrays of ndim > 0.
-        patch_tensor = interpreter._patch_lang_tensor
-
-        def _patch_lang_tensor(tensor, scope):
-            patch_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        interpreter._patch_lang_tensor = _patch_lang_tensor
-        interpreter._ninfer_index_patch = True
     kwargs = {**kwargs, **{name: kwargs[name].view(dtype) for name, dtype in cache_dtypes.items()}}
-    return kernels.paged_attention(**kwargs)
+    return call("paged_attention", kwargs)
 
 
 class _Interpreted:
