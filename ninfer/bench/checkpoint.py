@@ -4,7 +4,9 @@
 holds (config.json, safetensors shards with their index, the Qwen3.5 tokenizer and chat
 template) with the deterministic random weights of random_weights.py, so `ninfer-serve DIR`
 loads and serves it exactly as it would the published model: same shapes, same tensor
-names, same load path. Write it to tmpfs (e.g. /dev/shm) when disk is slow.
+names, same load path. `--weights fp8|nvfp4` stores them as the published quantized
+checkpoints do (Qwen's block-scaled FP8, ModelOpt's NVFP4), quantized from the same bf16
+weights. Write it to tmpfs (e.g. /dev/shm) when disk is slow.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ninfer.assets.qwen_tokenizer import write_qwen3_5_tokenizer
 from ninfer.bench.random_weights import fill_random_, stored_parameters
 from ninfer.bench.shapes import shape_config
 from ninfer.models.loader import build_model
+from ninfer.models.quant.stored_formats import describe_quantization, stored_tensors
 
 log = logging.getLogger("ninfer.bench")
 
@@ -29,10 +32,11 @@ SHARD_BYTES = 4 << 30  # the hub's shards are a few GB each
 
 def write_random_checkpoint(
     shape: str, directory: str | Path, *, seed: int = 0, device: str = "cuda", shard_bytes: int = SHARD_BYTES,
-    mtp: bool = False,
+    mtp: bool = False, weights: str = "bf16",
 ) -> Path:
     """Build `shape` with random bf16 weights on `device` and write it under `directory`; mtp:
-    with the published checkpoints' one-layer MTP head."""
+    with the published checkpoints' one-layer MTP head; weights: the stored format (bf16, fp8,
+    nvfp4), each shard quantized on `device` as it is written."""
     from safetensors.torch import save_file
 
     hf_config, config = shape_config(shape)
@@ -59,20 +63,27 @@ def write_random_checkpoint(
         shard_size += size
     weight_map: dict[str, str] = {}
     written = 0
+    stored_bytes = 0
     for index, shard in enumerate(shards, start=1):
         file_name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file({name: t.detach().to("cpu").contiguous() for name, t in shard}, out / file_name,
-                  metadata={"format": "pt"})
-        weight_map.update({name: file_name for name, _ in shard})
+        stored: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, tensor in shard:
+                stored.update({key: value.to("cpu").contiguous() for key, value in stored_tensors(weights, name, tensor).items()})
+        save_file(stored, out / file_name, metadata={"format": "pt"})
+        weight_map.update({name: file_name for name in stored})
         written += sum(t.numel() * t.element_size() for _, t in shard)
-        log.info("wrote %s (%.1f / %.1f GB)", file_name, written / 1e9, total_bytes / 1e9)
-    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        stored_bytes += sum(t.numel() * t.element_size() for t in stored.values())
+        log.info("wrote %s (%.1f / %.1f GB of bf16 weights)", file_name, written / 1e9, total_bytes / 1e9)
+    index = {"metadata": {"total_size": stored_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     hf = {**hf_config, "architectures": [ARCHITECTURES[hf_config["model_type"]]], "torch_dtype": "bfloat16"}
+    hf = describe_quantization(weights, hf, out)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     write_qwen3_5_tokenizer(out)
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    log.info("%s: random-weight checkpoint in %s (%.1fs)", shape, out, time.perf_counter() - started)
+    log.info("%s: random-weight %s checkpoint in %s (%.1f GB, %.1fs)", shape, weights, out, stored_bytes / 1e9,
+             time.perf_counter() - started)
     return out

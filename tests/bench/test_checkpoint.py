@@ -1,0 +1,77 @@
+"""`ninfer write-checkpoint --weights bf16|fp8|nvfp4`: a random-weight checkpoint in the stored
+layout of the published quantized checkpoints, sharded with its index, holding the bf16
+weights within each format's rounding and opened by the same loader as the downloads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ninfer.artifact import open_artifact
+from ninfer.bench.checkpoint import write_random_checkpoint
+from ninfer.kernels.nvfp4_gemv import dequantize_nvfp4
+from ninfer.models.quant.fp8 import Fp8Linear
+from ninfer.models.quant.nvfp4 import Nvfp4Linear
+from tests.models.helpers import run_full
+
+PROMPT = torch.arange(100, 140)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("random-checkpoints")
+    # Small shards, so the index spreads the quantized tensors' scales over several files.
+    return {weights: write_random_checkpoint("tiny", root / weights, device="cpu", shard_bytes=1 << 20,
+                                             weights=weights)
+            for weights in ("bf16", "fp8", "nvfp4")}
+
+
+def _stored(directory) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for shard in sorted(directory.glob("model-*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors
+
+
+def test_the_index_names_every_stored_tensor_and_its_shard(checkpoints) -> None:
+    for weights, directory in checkpoints.items():
+        index = json.loads((directory / "model.safetensors.index.json").read_text())
+        shards = {directory / name for name in index["weight_map"].values()}
+        assert len(shards) > 1 and all(shard.exists() for shard in shards), weights
+        assert index["metadata"]["total_size"] == sum(shard.stat().st_size for shard in shards) - sum(
+            8 + int.from_bytes(shard.read_bytes()[:8], "little") for shard in shards)
+        assert set(index["weight_map"]) == set(_stored(directory)), weights
+    assert "model.layers.0.mlp.down_proj.weight_scale_inv" in _stored(checkpoints["fp8"])
+    assert "model.layers.3.self_attn.q_proj.weight_scale_2" in _stored(checkpoints["nvfp4"])
+    assert (checkpoints["nvfp4"] / "hf_quant_config.json").exists()
+
+
+def test_the_stored_weights_are_the_bf16_weights_within_each_formats_rounding(checkpoints) -> None:
+    # Relative RMS error of one rounding: e4m3 (3 mantissa bits) about 2.6%, e2m1 about 10%.
+    bf16 = _stored(checkpoints["bf16"])
+    fp8, nvfp4 = _stored(checkpoints["fp8"]), _stored(checkpoints["nvfp4"])
+    quantized = [name for name in bf16 if name + "_scale_inv" in fp8]
+    assert len(quantized) > 20 and "lm_head.weight" not in quantized
+    for name in quantized:
+        weight = bf16[name].float()
+        rows, cols = weight.shape
+        scale = fp8[name + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+        fp8_error = (fp8[name].float() * scale - weight).norm() / weight.norm()
+        nvfp4_weight = dequantize_nvfp4(nvfp4[name], nvfp4[name + "_scale"], nvfp4[name + "_scale_2"].expand(rows))
+        nvfp4_error = (nvfp4_weight - weight).norm() / weight.norm()
+        assert 0 < fp8_error < 0.035 and 0 < nvfp4_error < 0.12, (name, fp8_error, nvfp4_error)
+    for name in set(bf16) - set(quantized):
+        assert torch.equal(fp8[name], bf16[name]) and torch.equal(nvfp4[name], bf16[name]), name
+
+
+def test_each_format_loads_into_its_native_layers(checkpoints) -> None:
+    for weights, layer_type, keep in (("fp8", Fp8Linear, "keep_fp8"), ("nvfp4", Nvfp4Linear, "keep_nvfp4")):
+        model = open_artifact(checkpoints[weights]).load_model(dtype=torch.float32, progress=False, **{keep: True})
+        assert isinstance(model.model.layers[0].mlp.down_proj, layer_type), weights
+        assert isinstance(model.model.layers[3].self_attn.qkv_proj, layer_type), weights
+        assert not isinstance(model.lm_head, layer_type), weights
+        with torch.no_grad():
+            assert torch.isfinite(run_full(model, PROMPT)).all(), weights
