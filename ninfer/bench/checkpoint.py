@@ -6,7 +6,9 @@ template) with the deterministic random weights of random_weights.py, so `ninfer
 loads and serves it exactly as it would the published model: same shapes, same tensor
 names, same load path. `--weights fp8|nvfp4` stores them as the published quantized
 checkpoints do (Qwen's block-scaled FP8, ModelOpt's NVFP4), quantized from the same bf16
-weights. Write it to tmpfs (e.g. /dev/shm) when disk is slow.
+weights. `--vision` adds the VLM's vision tower (`model.visual.*`, `vision_config`), so
+`ninfer-serve DIR --vision` serves images and video. Write it to tmpfs (e.g. /dev/shm) when
+disk is slow.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import torch
 
 from ninfer.assets.qwen_tokenizer import write_qwen3_5_tokenizer
 from ninfer.bench.random_weights import fill_random_, stored_parameters
-from ninfer.bench.shapes import shape_config
+from ninfer.bench.shapes import shape_config, vision_shape_config
 from ninfer.models.loader import build_model
 from ninfer.models.quant.stored_formats import describe_quantization, stored_tensors
+from ninfer.models.vision_config import VisionConfig
+from ninfer.models.vision_loader import build_vision_tower
 
 log = logging.getLogger("ninfer.bench")
 
@@ -32,11 +36,12 @@ SHARD_BYTES = 4 << 30  # the hub's shards are a few GB each
 
 def write_random_checkpoint(
     shape: str, directory: str | Path, *, seed: int = 0, device: str = "cuda", shard_bytes: int = SHARD_BYTES,
-    mtp: bool = False, weights: str = "bf16",
+    mtp: bool = False, weights: str = "bf16", vision: bool = False,
 ) -> Path:
     """Build `shape` with random bf16 weights on `device` and write it under `directory`; mtp:
     with the published checkpoints' one-layer MTP head; weights: the stored format (bf16, fp8,
-    nvfp4), each shard quantized on `device` as it is written."""
+    nvfp4), each shard quantized on `device` as it is written; vision: with the VLM's vision tower
+    (kept in bf16, as the published quantized checkpoints keep it)."""
     from safetensors.torch import save_file
 
     hf_config, config = shape_config(shape)
@@ -49,6 +54,12 @@ def write_random_checkpoint(
     model = build_model(config, torch.bfloat16, device)
     fill_random_(stored_parameters(model), seed)
     tensors = list(stored_parameters(model))
+    if vision:
+        hf_config = {**hf_config, "vision_config": vision_shape_config(shape)}
+        tower = build_vision_tower(VisionConfig.from_hf(hf_config), torch.bfloat16, device)
+        tower_tensors = [("model.visual." + name, param) for name, param in tower.named_parameters()]
+        fill_random_(tower_tensors, seed)
+        tensors += tower_tensors
     total_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
     log.info("%s: %d tensors, %.1f GB of random weights built in %.1fs", shape, len(tensors), total_bytes / 1e9,
              time.perf_counter() - started)

@@ -73,6 +73,29 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+# The vision tower of every Qwen3.5/3.6/3.8 VLM (out_hidden_size is the trunk's hidden size),
+# and a small stand-in for the tiny shape.
+VISION_SHAPES: dict[str, dict[str, Any]] = {
+    "27b": {
+        "depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh", "intermediate_size": 4304,
+        "num_heads": 16, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "num_position_embeddings": 2304, "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+    },
+}
+VISION_SHAPES["35b-a3b"] = VISION_SHAPES["27b"]
+VISION_SHAPES["tiny"] = {
+    **VISION_SHAPES["27b"], "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+    "num_position_embeddings": 16,
+}
+
+
+def vision_shape_config(name: str) -> dict[str, Any]:
+    """The HF vision_config of shape `name`'s VLM, its merger emitting the trunk's hidden size."""
+    if name not in VISION_SHAPES:
+        raise ValueError(f"unknown shape {name!r}; choose from {', '.join(VISION_SHAPES)}")
+    return {**VISION_SHAPES[name], "out_hidden_size": SHAPES[name]["hidden_size"]}
+
+
 def shape_config(name: str) -> tuple[dict[str, Any], ModelConfig]:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")

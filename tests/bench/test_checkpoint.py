@@ -15,6 +15,7 @@ from ninfer.bench.checkpoint import write_random_checkpoint
 from ninfer.kernels.nvfp4_gemv import dequantize_nvfp4
 from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
+from ninfer.models.vision_loader import load_vision_tower
 from tests.models.helpers import run_full
 
 PROMPT = torch.arange(100, 140)
@@ -75,3 +76,14 @@ def test_each_format_loads_into_its_native_layers(checkpoints) -> None:
         assert not isinstance(model.lm_head, layer_type), weights
         with torch.no_grad():
             assert torch.isfinite(run_full(model, PROMPT)).all(), weights
+
+
+def test_vision_adds_the_tower_which_loads_complete(tmp_path) -> None:
+    directory = write_random_checkpoint("tiny", tmp_path / "vl", device="cpu", weights="fp8", vision=True)
+    artifact = open_artifact(directory)
+    tower = load_vision_tower(artifact, "cpu", torch.float32)  # raises on a missing or extra tensor
+    assert tower.config.out_hidden_size == artifact.config.hidden_size
+    stored = _stored(directory)
+    qkv = "model.visual.blocks.0.attn.qkv.weight"
+    assert stored[qkv].dtype == torch.bfloat16 and qkv + "_scale_inv" not in stored  # the tower stays bf16
+    assert torch.equal(tower.blocks[0].attn.qkv.weight, stored[qkv].float())
