@@ -17,6 +17,22 @@ GGUF_MAGIC = b"GGUF"
 def open_artifact(path: str | os.PathLike[str]) -> Artifact:
     """Open an HF model directory, a GGUF file or a .ninfer container; ArtifactError names what is wrong."""
     path = Path(path).expanduser()
+    artifact = _open(path)
+    _check_vocabulary(artifact, path)
+    return artifact
+
+
+def _check_vocabulary(artifact: Artifact, path: Path) -> None:
+    # A token id past the embedding's rows would fail inside an engine step; refuse at start-up instead.
+    token_ids, rows = artifact.tokenizer.vocab_size, artifact.config.vocab_size
+    if token_ids > rows:
+        raise ArtifactError(
+            f"{path}: the tokenizer has {token_ids} token ids but the model embeds only {rows} (vocab_size); "
+            "the tokenizer does not belong to these weights"
+        )
+
+
+def _open(path: Path) -> Artifact:
     if path.is_dir():
         return open_hf_directory(path)
     if not path.exists():

@@ -54,11 +54,11 @@ SHAPES: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512,
     },
-    # Small stand-in with the same structure, for CPU smoke runs of the harness itself.
+    # Small stand-in with the same structure, for CPU smoke runs of the harness itself; the real
+    # vocabulary (from _COMMON), so its written checkpoint serves with the real tokenizer.
     "tiny": {
         **_COMMON,
         "model_type": "qwen3_5_text",
-        "vocab_size": 4096,
         "hidden_size": 128,
         "num_hidden_layers": 4,
         "num_attention_heads": 4,

@@ -87,3 +87,14 @@ def test_vision_adds_the_tower_which_loads_complete(tmp_path) -> None:
     qkv = "model.visual.blocks.0.attn.qkv.weight"
     assert stored[qkv].dtype == torch.bfloat16 and qkv + "_scale_inv" not in stored  # the tower stays bf16
     assert torch.equal(tower.blocks[0].attn.qkv.weight, stored[qkv].float())
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_at_open(tmp_path, monkeypatch) -> None:
+    from ninfer.artifact import ArtifactError
+    from ninfer.bench.shapes import SHAPES
+
+    # Weights of 4096 rows beside the 248k-id tokenizer: a token past row 4095 would fail a step.
+    monkeypatch.setitem(SHAPES, "tiny", {**SHAPES["tiny"], "vocab_size": 4096})
+    directory = write_random_checkpoint("tiny", tmp_path / "small-vocab", device="cpu")
+    with pytest.raises(ArtifactError, match="tokenizer has .* token ids but the model embeds only 4096"):
+        open_artifact(directory)
