@@ -133,8 +133,6 @@ def encode_table(model: str, repeats: int) -> list[dict]:
         print(f"{case['item']}: grid {case['grid']}, {case['tokens']} tokens, encode {case['encode_ms']:.1f} ms "
               f"(transformers {case['peer_encode_ms']:.1f} ms), peak +{case['encode_peak_mib']:.0f} MiB",
               file=sys.stderr, flush=True)
-    del tower, peer
-    torch.cuda.empty_cache()
     return cases
 
 
@@ -260,6 +258,7 @@ def main() -> int:
         if not torch.cuda.is_available():
             raise SystemExit("the encode table needs a CUDA GPU (--skip-encode to time the server only)")
         result["encode"] = encode_table(args.model, args.repeats)
+        torch.cuda.empty_cache()  # the tower and its peer are gone; the server needs the memory
     if not args.skip_serve:
         result["serve"] = serve_cases(args)
     (out / "vision.json").write_text(json.dumps(result, indent=2) + "\n")
