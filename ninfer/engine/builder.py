@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import math
 import os
 import sys
 import time
@@ -144,7 +145,7 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     engine = spec.engine
     if spec.kv_capacity_auto:
         engine = dataclasses.replace(
-            engine, kv_capacity=_auto_kv_tokens(model, artifact.tokenizer, engine, draft_model)
+            engine, kv_capacity=_auto_kv_tokens(model, artifact.tokenizer, engine, draft_model, vision_tower)
         )
     core = EngineCore(model, artifact.tokenizer, engine, draft_model=draft_model, vision_tower=vision_tower)
     kv_bytes = sum(cache.nbytes for cache in core.runner.paged_caches)
@@ -198,11 +199,37 @@ def _num_weights(model) -> int:
     )
 
 
-def _auto_kv_tokens(model, tokenizer, engine: EngineConfig, draft_model=None) -> int:
+def _vision_reserve(tower, device: torch.device) -> tuple[int, int]:
+    """(encode peak, kept rows) in bytes: the tower's measured peak over one prompt's whole media
+    envelope as one image (its attention spans every row), and the encoded rows MediaEmbeddings
+    keeps at most."""
+    from ninfer.engine.media_embeddings import DEFAULT_CAPACITY_TOKENS
+    from ninfer.media.preparer import RequestMediaLimits
+
+    config = tower.config
+    merge = config.spatial_merge_size
+    side = merge * math.isqrt(RequestMediaLimits().max_patch_rows // merge**2)  # a square grid of merged tokens
+    dtype = next(tower.parameters()).dtype
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.no_grad():
+        patches = torch.zeros(side * side, config.patch_dim, device=device, dtype=dtype)
+        tower(patches, [(1, side, side)])
+        del patches
+    torch.cuda.synchronize(device)
+    peak = max(0, torch.cuda.max_memory_reserved(device) - base)
+    torch.cuda.empty_cache()
+    kept_rows = DEFAULT_CAPACITY_TOKENS * config.out_hidden_size * dtype.itemsize
+    return peak, kept_rows
+
+
+def _auto_kv_tokens(model, tokenizer, engine: EngineConfig, draft_model=None, vision_tower=None) -> int:
     """The KV pool that leaves room for everything else the runtime needs at its worst, measured:
     a probe engine with a small pool captures the decode graphs and runs the warm-up (whose
     largest step is a whole --prefill-chunk); its peak beyond its own pools is set aside with
-    the state slots and 1 GiB of headroom. CPU follows --max-context."""
+    the state slots and 1 GiB of headroom, and with --vision the tower's encode peak and the
+    encoded rows kept. CPU follows --max-context."""
     if not engine.device.startswith("cuda"):
         return engine.max_context
     device = torch.device(engine.device)
@@ -226,20 +253,26 @@ def _auto_kv_tokens(model, tokenizer, engine: EngineConfig, draft_model=None) ->
     del probe
     gc.collect()
     torch.cuda.empty_cache()
+    vision_encode, media_rows = _vision_reserve(vision_tower, device) if vision_tower is not None else (0, 0)
     free, _ = torch.cuda.mem_get_info(device)
     states = engine.num_state_slots * slot_bytes
-    budget = free - KV_HEADROOM_BYTES - worst_step - graphs - states
+    budget = free - KV_HEADROOM_BYTES - worst_step - graphs - states - vision_encode - media_rows
     tokens = max(engine.page_size, budget // page_bytes * engine.page_size)
     # Running requests and device checkpoints each hold a state slot and at most max_context tokens.
     usable = engine.num_state_slots * (engine.max_context + engine.spare_kv_tokens)
     gib = 1 << 30
     log.info(
         "KV sizing (--kv-capacity auto): %.2f GiB free after the weights − worst step (%d tokens) %.2f GiB"
-        " − decode graphs %.2f GiB − %d state slots %.2f GiB − headroom %.2f GiB = %.2f GiB: %d KV tokens%s",
+        " − decode graphs %.2f GiB − %d state slots %.2f GiB%s − headroom %.2f GiB = %.2f GiB: %d KV tokens%s",
         free / gib, report.worst_step_tokens, worst_step / gib, graphs / gib, engine.num_state_slots,
-        states / gib, KV_HEADROOM_BYTES / gib, max(0, budget) / gib, min(tokens, usable),
+        states / gib,
+        f" − vision encode {vision_encode / gib:.2f} GiB − encoded media rows {media_rows / gib:.2f} GiB"
+        if vision_tower is not None else "",
+        KV_HEADROOM_BYTES / gib, max(0, budget) / gib, min(tokens, usable),
         f" (all that {engine.num_state_slots} slots x --max-context can use)" if usable < tokens else "",
     )
     _AUTO_LEDGER.update(free_after_weights=free, worst_step=worst_step, decode_graphs=graphs, state_slots=states,
                         headroom=KV_HEADROOM_BYTES, kv_budget=max(0, budget))
+    if vision_tower is not None:
+        _AUTO_LEDGER.update(vision_encode=vision_encode, media_rows=media_rows)
     return min(tokens, usable)

@@ -66,3 +66,20 @@ def test_bf16_tower_on_the_gpu_is_as_close_to_fp32_as_transformers_bf16(vl):
     ours_error = (ours.float().cpu() - want).abs().max().item()
     ref_error = (ref_bf16.float().cpu() - want).abs().max().item()
     assert ours_error <= 1.5 * ref_error + 1e-3, (ours_error, ref_error)
+
+
+def test_kv_capacity_auto_sets_aside_the_towers_encode_peak_and_the_kept_rows(tmp_path_factory):
+    from ninfer.engine.builder import EngineSpec, build_engine_core
+    from ninfer.engine.media_embeddings import DEFAULT_CAPACITY_TOKENS
+
+    path = make_tiny_qwen3_5(tmp_path_factory.mktemp("vl-auto"), vision=True, dtype="bfloat16")
+    engine = EngineConfig(device="cuda", max_context=4096, max_concurrency=2, vision=True)
+    core = build_engine_core(EngineSpec(str(path), engine, kv_capacity_auto=True))
+    ledger = core.memory_ledger
+    hidden = open_artifact(path).config.hidden_size
+    assert ledger["media_rows"] == DEFAULT_CAPACITY_TOKENS * hidden * 2
+    # 131,072 patch rows of 1536 bf16 values are 384 MiB before the tower's first layer.
+    assert ledger["vision_encode"] >= 131_044 * 1536 * 2
+    assert ledger["kv_budget"] == max(0, ledger["free_after_weights"] - ledger["headroom"] - ledger["worst_step"]
+                                      - ledger["decode_graphs"] - ledger["state_slots"] - ledger["vision_encode"]
+                                      - ledger["media_rows"])
