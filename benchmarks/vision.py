@@ -39,6 +39,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels.timing import median_seconds  # noqa: E402
 from serve_process import start_server, stop_server, words  # noqa: E402
 
 MEGAPIXELS = (1, 2, 3, 4)
@@ -64,19 +65,7 @@ def screenshot_png(megapixels: float, seed: int) -> bytes:
 
 
 def _median_ms(run, repeats: int) -> float:
-    import torch
-
-    for _ in range(2):
-        run()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_seconds(run, replays=repeats, graph=False) * 1e3  # the tower syncs for its layout
 
 
 def encode_table(model: str, repeats: int) -> list[dict]:
