@@ -70,9 +70,12 @@ class ModelBytes:
     active_params: float  # parameters touched per token (for prefill FLOPs)
 
 
-def model_bytes(config: ModelConfig, weight_bytes: float, kv_element_bytes: int, batch: int) -> ModelBytes:
-    """weight_bytes: bytes per Linear weight element (2 for bf16, 1 for FP8); lm_head and the
-    3-D MoE experts and routers stay bf16 in every mode."""
+def model_bytes(
+    config: ModelConfig, weight_bytes: float, kv_element_bytes: int, batch: int, expert_bytes: float = 2.0
+) -> ModelBytes:
+    """weight_bytes: bytes per Linear weight element (2 for bf16, 1 for FP8); expert_bytes: per
+    routed-expert weight element (FP8 experts: 1; NVFP4 keeps them bf16); lm_head and the MoE
+    routers stay bf16 in every mode."""
     h = config.hidden_size
     attn_layers = len(config.attention_layer_ids)
     linear_layers = len(config.linear_layer_ids)
@@ -102,14 +105,15 @@ def model_bytes(config: ModelConfig, weight_bytes: float, kv_element_bytes: int,
     layers = config.num_hidden_layers
     streamed = attn_layers * attn_params + linear_layers * gdn_params + layers * ffn_streamed + lm_head
     active = attn_layers * attn_params + linear_layers * gdn_params + layers * ffn_active + lm_head
-    # Under FP8 only the shared expert's projections are FP8 in an MoE layer; its gate (one
-    # output) and the router stay bf16 with the experts.
-    bf16_only = lm_head + (layers * (ffn_streamed - 3 * h * config.shared_expert_intermediate_size) if config.is_moe else 0)
+    # In an MoE layer the shared expert's projections take weight_bytes and the routed experts
+    # expert_bytes; the router and the shared expert's gate (one output) stay bf16.
+    routed = layers * (ffn_streamed - shared - router) if config.is_moe else 0
+    bf16_only = lm_head + (layers * (router + h) if config.is_moe else 0)
     kv = 2 * attn_layers * config.num_key_value_heads * config.head_dim * kv_element_bytes
     recurrent = linear_layers * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
     conv = linear_layers * config.linear_conv_dim * (config.linear_conv_kernel_dim - 1) * 2
     return ModelBytes(
-        weight_bytes_per_token=(streamed - bf16_only) * weight_bytes + bf16_only * 2,
+        weight_bytes_per_token=(streamed - bf16_only - routed) * weight_bytes + routed * expert_bytes + bf16_only * 2,
         kv_bytes_per_context_token=kv,
         state_bytes_per_sequence=2 * (recurrent + conv),
         active_params=active,

@@ -149,6 +149,7 @@ class Suite:
         self.clocks = ClockSampler(None)
         self._plain_rounds: dict[tuple, float] = {}  # (shape, weights, kv, batch, context) -> decode round seconds
         self.kv_dtype = "bf16"  # the KV format of the runner being measured
+        self.expert_bytes = 2.0  # bytes per routed-expert weight of the model being measured
 
     def run(self) -> dict[str, Any]:
         self.clocks = ClockSampler(nvml_sm_clock_reader(self.device)).start()
@@ -199,13 +200,14 @@ class Suite:
         fill_random_(stored_parameters(model), self.options.seed)
         model.eval()
         weight_bytes = 2.0
+        self.expert_bytes = 2.0  # routed MoE experts: FP8 under quantize_fp8_, bf16 otherwise (NVFP4 too)
         if weights == "fp8":
             from ninfer.models.quant.fp8 import quantize_fp8_
 
             replaced = quantize_fp8_(model)
             torch.cuda.empty_cache()
-            weight_bytes = 1.0  # e4m3; per-channel scales are negligible
-            log.info("[%s fp8] %d Linear layers quantized (experts, routers, embedding and lm_head stay bf16)", shape, replaced)
+            weight_bytes = self.expert_bytes = 1.0  # e4m3; per-channel scales are negligible
+            log.info("[%s fp8] %d modules quantized (Linear layers and routed experts; routers, embedding and lm_head stay bf16)", shape, replaced)
         elif weights == "nvfp4":
             from ninfer.models.quant.nvfp4 import quantize_nvfp4_
 
@@ -289,7 +291,7 @@ class Suite:
         if self.options.profile_dir and batch == min(self.options.batches) and context == min(self.options.contexts):
             self._profile(f"{shape}-{weights}-b{batch}-{context}", lambda: runner.execute(step), 5, "decode rounds")
         tps = batch / per_round
-        mb = model_bytes(config, weight_bytes, kv_element_bytes(runner.kv_cache, config), batch)
+        mb = model_bytes(config, weight_bytes, kv_element_bytes(runner.kv_cache, config), batch, self.expert_bytes)
         roof = decode_roofline_tokens_per_s(mb, batch, context, self.ceilings)
         if self.options.decode_overlap:
             note = f"decode overlap on; host waiting for each round: {batch / sync_per_round:,.1f} tok/s"
@@ -325,7 +327,7 @@ class Suite:
             self._profile(label, lambda: runner.execute(step), 5, "verify rounds")
         plain = self._plain_rounds.get((shape, weights, self.kv_dtype, batch, context))
         ratio = per_round / plain if plain else None
-        mb = model_bytes(config, weight_bytes, kv_element_bytes(runner.kv_cache, config), batch)
+        mb = model_bytes(config, weight_bytes, kv_element_bytes(runner.kv_cache, config), batch, self.expert_bytes)
         roof = decode_roofline_tokens_per_s(mb, batch, context, self.ceilings)
         note = (f"{num_drafts} drafts, {'graphs' if graphed else 'eager'}; round {per_round * 1e3:.2f} ms"
                 + (f" = {ratio:.3f}x the plain round" if ratio else "")
@@ -373,7 +375,7 @@ class Suite:
         started = time.perf_counter()
         elapsed = statistics.median(_sync_time(prefill) for _ in range(repeats))
         window = (started, time.perf_counter())
-        mb = model_bytes(config, weight_bytes, kv_element_bytes(runner.kv_cache, config), 1)
+        mb = model_bytes(config, weight_bytes, kv_element_bytes(runner.kv_cache, config), 1, self.expert_bytes)
         roof = prefill_roofline_tokens_per_s(mb, config, prompt, self.ceilings)
         self._record(shape, weights, "prefill", 1, prompt, prompt / elapsed, roof, window=window,
                      note=f"chunk {chunk}, median of {repeats}; roofline = measured bf16 matmul rate / FLOPs per token")

@@ -25,6 +25,7 @@ from ninfer.kernels.kv_quant import check_head_dim
 from ninfer.models.config import ModelConfig
 from ninfer.models.kv_cache import KV_DTYPES
 from ninfer.models.quant.fp8 import Fp8Linear, quantize_fp8_
+from ninfer.models.quant.fp8_experts import Fp8Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear, quantize_nvfp4_
 from ninfer.models.quant.half_weights import store_half_weights_
 
@@ -123,7 +124,7 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     num_params = _num_weights(model)
     log.info("model loaded in %.1fs: %.2fB parameters", time.perf_counter() - started, num_params / 1e9)
     if spec.quantize == "fp8":
-        log.info("--quantize fp8: %d Linear layers quantized to FP8 per output channel", quantize_fp8_(model))
+        log.info("--quantize fp8: %d Linear layers and expert groups quantized to FP8 per output row", quantize_fp8_(model))
     elif spec.quantize == "nvfp4":
         log.info("--quantize nvfp4: %d Linear layers quantized to NVFP4", quantize_nvfp4_(model))
     if cpu_half_weights(spec.dtype, dtype, device):
@@ -195,6 +196,7 @@ def _num_weights(model) -> int:
     return (
         sum(p.numel() for p in model.parameters())
         + sum(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear))
+        + sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in model.modules() if isinstance(m, Fp8Experts))
         + sum(2 * m.weight.numel() for m in model.modules() if isinstance(m, Nvfp4Linear))
     )
 

@@ -18,8 +18,12 @@ from tqdm import tqdm
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
 from ninfer.models.layers.linear import packed_parts, rows_within
+from ninfer.models.layers.moe import Experts
 from ninfer.kernels.nvfp4_gemv import dequantize_nvfp4, quantize_nvfp4
-from ninfer.models.quant.fp8 import FP8, SCALE_BLOCK, Fp8Linear, expand_block_rows, quantize_row_blocks
+from ninfer.models.quant.fp8 import (
+    FP8, SCALE_BLOCK, Fp8Linear, expand_block_rows, quantize_blocks, quantize_row_blocks,
+)  # fmt: skip
+from ninfer.models.quant.fp8_experts import PROJECTIONS, Fp8Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
 from ninfer.models.registry import CheckpointRule, checkpoint_rule, model_class
 
@@ -46,7 +50,8 @@ def build_model(
     """An uninitialised model with storage allocated on `device` (no weights read).
 
     fp8_weights: stored names and shapes of block-scaled FP8 checkpoint weights; the Linear
-    layers they fill become Fp8Linear (row-block scales) before any storage is allocated.
+    layers they fill become Fp8Linear (row-block scales) and the fused experts Fp8Experts
+    (fp8_expert_layouts) before any storage is allocated.
     nvfp4_weights: likewise for NVFP4 checkpoint weights (their unpacked shapes) -> Nvfp4Linear.
     """
     cls = model_class(config)
@@ -55,10 +60,16 @@ def build_model(
     placeholders = [(Fp8Linear, fp8_weights or {}), (Nvfp4Linear, nvfp4_weights or {})]
     for module_type, stored in placeholders:
         for module_name in sorted(fp8_linear_names(model, config, stored)):
-            parent_name, _, child_name = module_name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            setattr(parent, child_name, module_type.placeholder(getattr(parent, child_name)))
+            _replace(model, module_name, module_type.placeholder)
+    for module_name, rows_per_block in sorted(fp8_expert_layouts(model, config, fp8_weights or {}).items()):
+        _replace(model, module_name, lambda experts: Fp8Experts.placeholder(experts, rows_per_block))
     return materialize(model, device)
+
+
+def _replace(model: nn.Module, module_name: str, convert) -> None:
+    parent_name, _, child_name = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    setattr(parent, child_name, convert(getattr(parent, child_name)))
 
 
 def materialize(model: CausalLM, device: torch.device | str) -> CausalLM:
@@ -74,19 +85,44 @@ def materialize(model: CausalLM, device: torch.device | str) -> CausalLM:
 
 
 def fp8_linear_names(model: nn.Module, config: ModelConfig, fp8_weights: dict[str, tuple[int, ...]]) -> set[str]:
-    """The Linear layers (packed or not) that stored quantized weights write into (MoE experts,
-    which are not Linear layers, stay bf16)."""
-    rule = checkpoint_rule(config)
-    packed = packed_parts(model)
+    """The Linear layers (packed or not) that stored quantized weights write into."""
     modules = dict(model.named_modules())
     names: set[str] = set()
-    for stored_name, shape in fp8_weights.items():
-        for param_name, _, _ in rule(stored_name, torch.empty(shape, dtype=FP8, device="meta"), config):
-            param_name = packed.get(param_name, (param_name, None))[0]
-            module_name = param_name.removesuffix(".weight")
-            if param_name.endswith(".weight") and isinstance(modules.get(module_name), nn.Linear):
-                names.add(module_name)
+    for param_name, _ in _stored_writes(model, config, fp8_weights):
+        module_name = param_name.removesuffix(".weight")
+        if param_name.endswith(".weight") and isinstance(modules.get(module_name), nn.Linear):
+            names.add(module_name)
     return names
+
+
+def fp8_expert_layouts(model: nn.Module, config: ModelConfig, fp8_weights: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Fused experts that stored FP8 weights write into -> weight rows per scale row: 128 (the
+    checkpoint's 128 x 128 blocks, as stored) unless a stored part's rows start inside a block
+    (per-expert gate and up with I not a multiple of 128), then 1 (row blocks)."""
+    modules = dict(model.named_modules())
+    layouts: dict[str, int] = {}
+    for param_name, index in _stored_writes(model, config, fp8_weights):
+        module_name, _, projection = param_name.rpartition(".")
+        if projection in PROJECTIONS and isinstance(modules.get(module_name), Experts):
+            aligned = _first_row(index) % SCALE_BLOCK == 0 and layouts.get(module_name, SCALE_BLOCK) == SCALE_BLOCK
+            layouts[module_name] = SCALE_BLOCK if aligned else 1
+    return layouts
+
+
+def _stored_writes(model: nn.Module, config: ModelConfig, stored: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, object]]:
+    """(parameter name, index) of each write the stored weights make, packed parts as their packed parameter."""
+    rule = checkpoint_rule(config)
+    packed = packed_parts(model)
+    for stored_name, shape in stored.items():
+        for param_name, index, _ in rule(stored_name, torch.empty(shape, dtype=FP8, device="meta"), config):
+            yield packed.get(param_name, (param_name, None))[0], index
+
+
+def _first_row(index) -> int:
+    """The first weight row of an expert write's index: None (all), an expert, or (expert, rows)."""
+    if isinstance(index, tuple):
+        return index[1].start or 0
+    return 0
 
 
 def load_weights(
@@ -102,8 +138,10 @@ def load_weights(
     rule = rule or checkpoint_rule(model.config)
     params = dict(model.named_parameters())
     fp8_modules = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    fp8_experts = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Experts)}
     nvfp4_modules = {name: m for name, m in model.named_modules() if isinstance(m, Nvfp4Linear)}
     params.update({f"{name}.weight": m.weight for name, m in fp8_modules.items()})  # FP8 weights are buffers
+    params.update({f"{name}.{p}": getattr(m, p) for name, m in fp8_experts.items() for p in PROJECTIONS})
     params.update({f"{name}.weight": m.weight for name, m in nvfp4_modules.items()})
     pending_scales: dict[str, torch.Tensor] = {}  # a block-scaled FP8 weight's scales arrive just before it
     pending_nvfp4: dict[str, dict[str, torch.Tensor]] = {}  # an NVFP4 weight's two scales, likewise
@@ -172,7 +210,13 @@ def load_weights(
                         f"expects {tuple(target.shape)}"
                     )
                 fp8_module = fp8_modules.get(param_name.removesuffix(".weight"))
-                if fp8_module is not None and param_name.endswith(".weight"):
+                experts_name, _, projection = param_name.rpartition(".")
+                if experts_name in fp8_experts and projection in PROJECTIONS:
+                    _load_fp8_experts(
+                        fp8_experts[experts_name], projection, index, target, value, value_scales,
+                        f"{source}: tensor {stored_name!r}",
+                    )  # fmt: skip
+                elif fp8_module is not None and param_name.endswith(".weight"):
                     if value_scales is not None:
                         quantized, scales = value, value_scales
                     else:  # an unquantized part of a projection whose other parts are FP8
@@ -181,7 +225,7 @@ def load_weights(
                     scale_rows = fp8_module.weight_scale if index is None else fp8_module.weight_scale[index]
                     scale_rows.copy_(scales)
                 elif value_scales is not None:
-                    # FP8 stored, unquantized here (e.g. MoE experts): dequantize exactly.
+                    # FP8 stored, unquantized here (a model built without FP8 modules): dequantize exactly.
                     columns = value_scales.repeat_interleave(SCALE_BLOCK, dim=-1)[..., : value.shape[-1]]
                     target.copy_(value.float() * columns)
                 else:
@@ -201,6 +245,46 @@ def load_weights(
     over = [n for n, p in params.items() if written[n] > p.numel()]
     if over:
         raise WeightLoadError(f"{source}: parameters written more than once: {', '.join(over[:8])}")
+
+
+def _load_fp8_experts(
+    module: Fp8Experts,
+    projection: str,
+    index,
+    target: torch.Tensor,
+    value: torch.Tensor,
+    row_scales: torch.Tensor | None,
+    source: str,
+) -> None:
+    """One write into FP8 experts: the stored e4m3 bits and their block scales (row_scales: expanded
+    per row) in the module's layout, row blocks or 128 x 128 blocks (their slice of the fused
+    scales). An unquantized tensor (row_scales None) is quantized into that layout."""
+    rows_per_block = module.rows_per_block(projection)
+    scale_index = index if rows_per_block == 1 else _block_index(index, source)
+    if row_scales is None:
+        value, scales = quantize_blocks(value, rows_per_block)
+    else:  # a write starting on a block's first row: every 128th row is the next block's scales
+        scales = row_scales[..., ::rows_per_block, :]
+    scale = module.scale_of(projection)
+    scale_target = scale if scale_index is None else scale[scale_index]
+    if tuple(scale_target.shape) != tuple(scales.shape):
+        raise WeightLoadError(
+            f"{source} has scales of shape {tuple(scales.shape)} for {projection}, whose scales there "
+            f"take {tuple(scale_target.shape)}"
+        )
+    target.copy_(value)
+    scale_target.copy_(scales)
+
+
+def _block_index(index, source: str):
+    """An expert write's index into the weight [E, N, K] -> into its 128 x 128 block scales."""
+    if not isinstance(index, tuple):
+        return index  # all experts, or one
+    expert, rows = index
+    first = rows.start or 0
+    if first % SCALE_BLOCK:
+        raise WeightLoadError(f"{source}: its rows from {first} do not start a {SCALE_BLOCK}-row scale block")
+    return expert, slice(first // SCALE_BLOCK, -(-rows.stop // SCALE_BLOCK))
 
 
 def _nvfp4_scale_suffix(stored_name: str) -> str | None:

@@ -3,8 +3,9 @@
 Checkpoints store projections separately and in their producer's format; the loader packs
 and converts them (loader.py). A model saved in its runtime layout (packed projections, FP8
 weights with their scales, NVFP4 codes with theirs) loads back by plain copies: `runtime_tensors` names what to
-save, `quantized_modules` records which Linear layers were replaced by quantized modules
-(and their scales' shapes) so `build_runtime_model` can rebuild the same module tree.
+save, `quantized_modules` records which Linear layers (and fused MoE experts) were replaced
+by quantized modules (and their scales' layout) so `build_runtime_model` can rebuild the same
+module tree.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from torch import nn
 
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
+from ninfer.models.layers.moe import Experts
 from ninfer.models.loader import WeightLoadError, build_model, materialize
-from ninfer.models.quant.fp8 import Fp8Linear
+from ninfer.models.quant.fp8 import SCALE_BLOCK, Fp8Linear
+from ninfer.models.quant.fp8_experts import Fp8Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
 
 FP8_LINEAR = "fp8_linear"
 NVFP4_LINEAR = "nvfp4_linear"
+# FP8 experts record weight rows per scale row: null (per output row), 128 (128 x 128 blocks) or 1.
+FP8_EXPERTS = "fp8_experts"
 # Stored bits that must arrive as they are; floating tensors may widen (bf16 stored, fp32 model).
 _EXACT_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
@@ -41,11 +46,13 @@ def runtime_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def quantized_modules(model: nn.Module) -> dict[str, dict[str, object]]:
-    """Module name -> how it is quantized, for every quantized Linear of `model`."""
+    """Module name -> how it is quantized, for every quantized Linear and fused experts of `model`."""
     modules: dict[str, dict[str, object]] = {}
     for name, module in model.named_modules():
         if isinstance(module, Fp8Linear):
             modules[name] = {"kind": FP8_LINEAR, "scale_shape": list(module.weight_scale.shape)}
+        elif isinstance(module, Fp8Experts):
+            modules[name] = {"kind": FP8_EXPERTS, "rows_per_block": module.rows_per_block("gate_up_proj")}
         elif isinstance(module, Nvfp4Linear):
             modules[name] = {"kind": NVFP4_LINEAR}
     return modules
@@ -58,29 +65,31 @@ def build_runtime_model(
     modules: dict[str, dict[str, object]],
     source: str,
 ) -> CausalLM:
-    """An uninitialised model whose quantized Linear layers are those `modules` records.
+    """An uninitialised model whose quantized Linear layers and experts are those `modules` records.
 
     Entries for modules the model lacks are skipped when they belong to an optional part the
     config leaves out (the MTP head), else they are an error naming the module."""
     model = build_model(config, dtype, "meta")
     for module_name, entry in sorted(modules.items()):
         kind = entry.get("kind")
-        if kind not in (FP8_LINEAR, NVFP4_LINEAR):
+        if kind not in (FP8_LINEAR, NVFP4_LINEAR, FP8_EXPERTS):
             raise WeightLoadError(f"{source}: module {module_name!r} has unknown quantization {kind!r}")
         try:
-            linear = model.get_submodule(module_name)
+            module = model.get_submodule(module_name)
         except AttributeError:
             if _optional(module_name, config):
                 continue
             raise WeightLoadError(f"{source}: quantized module {module_name!r} is not part of this model") from None
-        if not isinstance(linear, nn.Linear):
+        if kind == FP8_EXPERTS:
+            replacement: nn.Module = _fp8_experts_placeholder(module, entry.get("rows_per_block"), module_name, source)
+        elif not isinstance(module, nn.Linear):
             raise WeightLoadError(f"{source}: quantized module {module_name!r} is not a Linear layer here")
-        if kind == FP8_LINEAR:
+        elif kind == FP8_LINEAR:
             scale_shape = tuple(int(size) for size in entry.get("scale_shape", ()))  # type: ignore[union-attr]
-            replacement: nn.Module = _fp8_placeholder(linear, scale_shape, module_name, source)
+            replacement = _fp8_placeholder(module, scale_shape, module_name, source)
         else:
             try:
-                replacement = Nvfp4Linear.placeholder(linear)
+                replacement = Nvfp4Linear.placeholder(module)
             except ValueError as error:
                 raise WeightLoadError(f"{source}: NVFP4 module {module_name!r}: {error}") from None
         parent_name, _, child_name = module_name.rpartition(".")
@@ -102,6 +111,16 @@ def _fp8_placeholder(linear: nn.Linear, scale_shape: tuple[int, ...], module_nam
     if scale_shape == per_channel:
         placeholder.weight_scale = torch.empty(per_channel, dtype=torch.float32, device=linear.weight.device)
     return placeholder
+
+
+def _fp8_experts_placeholder(experts: nn.Module, rows_per_block, module_name: str, source: str) -> Fp8Experts:
+    if not isinstance(experts, Experts):
+        raise WeightLoadError(f"{source}: FP8 experts {module_name!r} are not fused experts here")
+    if rows_per_block not in (None, 1, SCALE_BLOCK):
+        raise WeightLoadError(
+            f"{source}: FP8 experts {module_name!r} have {rows_per_block!r} rows per scale; expected null, 1 or {SCALE_BLOCK}"
+        )
+    return Fp8Experts.placeholder(experts, rows_per_block)
 
 
 def _optional(name: str, config: ModelConfig) -> bool:

@@ -14,6 +14,7 @@ from ninfer.bench.shapes import shape_config
 from ninfer.models.layers.moe import Experts
 from ninfer.models.loader import build_model
 from ninfer.models.quant.fp8 import Fp8Linear, quantize_fp8_
+from ninfer.models.quant.fp8_experts import Fp8Experts
 
 
 def _streamed_weight_bytes_at_batch_1(model: nn.Module, experts_per_token: int) -> int:
@@ -23,7 +24,7 @@ def _streamed_weight_bytes_at_batch_1(model: nn.Module, experts_per_token: int) 
             total += module.weight.numel() * module.weight.element_size()
         elif isinstance(module, Fp8Linear):
             total += module.weight.numel() * module.weight.element_size()  # scales: under 0.1%
-        elif isinstance(module, Experts):
+        elif isinstance(module, (Experts, Fp8Experts)):
             num_experts = module.gate_up_proj.shape[0]
             per_expert = (module.gate_up_proj.numel() + module.down_proj.numel()) // num_experts
             total += experts_per_token * per_expert * module.gate_up_proj.element_size()
@@ -39,5 +40,6 @@ def test_weight_bytes_per_round_match_the_built_model(shape: str, weights: str) 
         assert quantize_fp8_(model) > 0
     experts_per_token = config.num_experts_per_tok if config.is_moe else 0
     counted = _streamed_weight_bytes_at_batch_1(model, experts_per_token)
-    predicted = model_bytes(config, 2.0 if weights == "bf16" else 1.0, kv_element_bytes=2, batch=1)
+    weight_bytes = 2.0 if weights == "bf16" else 1.0
+    predicted = model_bytes(config, weight_bytes, kv_element_bytes=2, batch=1, expert_bytes=weight_bytes)
     assert predicted.weight_bytes_per_token == counted

@@ -1,7 +1,15 @@
-"""Routed mixture-of-experts reference: softmax router, top-k, SwiGLU experts."""
+"""Routed mixture-of-experts reference: softmax router, top-k, SwiGLU experts.
+
+Experts come in x's dtype or as FP8 (weight-only): e4m3 weights with fp32 scales in one of
+gemv.ref's layouts, per expert: per output row (scales [E, N]), 128 x 128 blocks
+([E, ceil(N/128), ceil(K/128)], Qwen's checkpoints) or row blocks ([E, N, ceil(K/128)]: a
+checkpoint's per-expert gate and up whose 128-row blocks do not line up once fused).
+"""
 
 import torch
 import torch.nn.functional as F
+
+from ninfer.kernels.gemv.ref import dequantize
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,15 +27,29 @@ def fused_experts(
     expert_ids: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x: [T, H]; gate_up_proj: [E, 2I, H] (gate rows then up rows); down_proj: [E, H, I]."""
+    """x: [T, H]; gate_up_proj: [E, 2I, H] (gate rows then up rows); down_proj: [E, H, I].
+
+    FP8 experts: e4m3 weights with gate_up_scale and down_scale (layouts above). Each chosen
+    expert's weights are dequantized in fp32, its products computed in fp32 (or x's dtype if
+    wider) and rounded to x's dtype where the unquantized path's products are.
+    """
     out = torch.zeros_like(x)
     num_experts = gate_up_proj.shape[0]
     hit = torch.bincount(expert_ids.flatten(), minlength=num_experts).nonzero().flatten().tolist()
     for e in hit:
         token_idx, slot = torch.where(expert_ids == e)
-        h = F.linear(x[token_idx], gate_up_proj[e])
+        h = _expert_product(x[token_idx], gate_up_proj[e], None if gate_up_scale is None else gate_up_scale[e])
         gate, up = h.chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, down_proj[e])
+        h = _expert_product(F.silu(gate) * up, down_proj[e], None if down_scale is None else down_scale[e])
         out.index_add_(0, token_idx, (h * weights[token_idx, slot, None]).to(out.dtype))
     return out
+
+
+def _expert_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    if scale is None:
+        return F.linear(x, weight)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    return F.linear(x.to(compute), dequantize(weight, scale).to(compute)).to(x.dtype)

@@ -27,15 +27,27 @@ How a program finds its rows:
   cost bytes, not just FLOPs.
 - prefill on sm_90+ in bf16: the two matmuls run on torch's grouped GEMM instead (CUTLASS,
   2.4x our Triton kernels' rate at 8K tokens), see _grouped_mm_experts.
+
+FP8 experts (weight-only, ref.py's scale layouts), in decode and prefill alike: the same
+kernels load e4m3 weight tiles (half the bytes: decode streams weights) and widen them in
+registers by gemv's exact bit moves (_e4m3_bits: the value times 2^-120 into bf16's fields),
+with the activation tile times 2^64 (exact) so products stay clear of fp32's subnormals. A
+per-row scale multiplies each output column's sum once at the end; block scales multiply
+each K step's product (BLOCK_K divides 128, so a step lies in one 128-wide K block). The
+fold 2^56 rides with the scales. Activations stay in x's dtype.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ninfer.kernels.activation import silu_and_mul
+from ninfer.kernels.gemv.ref import SCALE_BLOCK, scale_rows_per_block
+from ninfer.kernels.gemv.triton import _bits_exp, _e4m3_bits, _x_exp
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 DECODE_MAX_PAIRS = 128
@@ -47,6 +59,14 @@ TILES = {
     16: ((32, 128, 4, 4), (32, 128, 4, 4)),
     32: ((64, 128, 4, 3), (64, 64, 4, 4)),
     64: ((64, 128, 4, 3), (64, 64, 4, 4)),
+}
+# FP8 experts: BLOCK_K 128, one 128-wide scale block per K step. At BLOCK_M 16 wider tiles
+# than bf16's keep as many bytes in flight (H200, 35B-A3B, graph-replayed: B = 1 / 2 took
+# 18.8 / 22.7 us against 22.6 / 26.7 with the bf16 tiles); larger BLOCK_M: not yet tuned.
+FP8_TILES = {
+    16: ((64, 128, 4, 4), (64, 128, 4, 4)),
+    32: ((64, 128, 4, 3), (64, 128, 4, 3)),
+    64: ((64, 128, 4, 3), (64, 128, 4, 3)),
 }
 Tile = tuple[int, int, int, int]
 
@@ -151,10 +171,56 @@ def _group_rows(
     return expert, tl.minimum(pairs, num_pairs - 1), row_mask
 
 
+@triton.constexpr_function
+def _fold(dtype):
+    """What the fp32 sums of bit-moved e4m3 weights times 2^_x_exp-scaled activations are short of."""
+    return 2.0 ** (_bits_exp(dtype) - _x_exp(dtype))
+
+
+@triton.jit
+def _fp8_lhs(a, FP8: tl.constexpr):
+    """The activation tile as FP8 products want it: times 2^_x_exp (exact), so that each product
+    with a bit-moved e4m3 weight stays clear of fp32's subnormal range (gemv's _dot_tile)."""
+    if FP8:
+        a = a * (2.0 ** _x_exp(a.dtype))
+    return a
+
+
+@triton.jit
+def _scale_ptrs(scale_ptr, expert, rows, stride_se, stride_sn, SCALE_ROWS: tl.constexpr):
+    """[BLOCK_N] pointers to the scales of weight rows `rows` of `expert`: a per-row scale, or
+    K block 0 of their block-scale row, row // SCALE_ROWS (128 x 128 blocks, or row blocks)."""
+    return scale_ptr + expert.to(tl.int64) * stride_se + (rows // SCALE_ROWS) * stride_sn
+
+
+@triton.jit
+def _weight_dot(acc, a, w, s_ptrs, k0, BLOCK_SCALES: tl.constexpr, FP8_ASM: tl.constexpr):
+    """acc + a @ w over the K step at k0. An e4m3 w is widened exactly to a's dtype (times
+    2^-_bits_exp); block scales, times the fold, multiply this step's product."""
+    if w.dtype != tl.float8e4nv:
+        acc = tl.dot(a, w, acc)
+    elif BLOCK_SCALES:
+        w = _e4m3_bits(w, a.dtype, FP8_ASM)
+        acc += tl.dot(a, w) * (tl.load(s_ptrs + k0 // 128) * _fold(a.dtype))[None, :]
+    else:
+        acc = tl.dot(a, _e4m3_bits(w, a.dtype, FP8_ASM), acc)
+    return acc
+
+
+@triton.jit
+def _true_sums(acc, s_ptrs, dtype: tl.constexpr, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr):
+    """The fp32 sums in true units: per-row scales (times the fold) applied once per column;
+    block scales already were, step by step."""
+    if FP8 and not BLOCK_SCALES:
+        acc = acc * (tl.load(s_ptrs) * _fold(dtype))[None, :]
+    return acc
+
+
 @triton.jit
 def _moe_up_kernel(
     x_ptr,
     w_ptr,
+    scale_ptr,
     act_ptr,
     ids_ptr,
     sorted_pairs_ptr,
@@ -163,6 +229,8 @@ def _moe_up_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_ap,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
@@ -171,6 +239,9 @@ def _moe_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    FP8_ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)  # before the first global load or store (_group_rows loads the expert ids)
@@ -184,6 +255,9 @@ def _moe_up_kernel(
         p_x = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt + kk[None, :]
         p_gate = w_ptr + expert.to(tl.int64) * stride_we + n_load[None, :] * stride_wn + kk[:, None]
         p_up = p_gate + INTER * stride_wn
+        s_gate = _scale_ptrs(scale_ptr, expert, n_load, stride_se, stride_sn, SCALE_ROWS)
+        s_up = _scale_ptrs(scale_ptr, expert, INTER + n_load, stride_se, stride_sn, SCALE_ROWS)
+        fp8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, HIDDEN, BLOCK_K):
@@ -196,11 +270,15 @@ def _moe_up_kernel(
                 b_x = tl.load(p_x, mask=mask_k[None, :], other=0.0)
                 b_gate = tl.load(p_gate, mask=mask_k[:, None], other=0.0)
                 b_up = tl.load(p_up, mask=mask_k[:, None], other=0.0)
-            acc_gate = tl.dot(b_x, b_gate, acc_gate)
-            acc_up = tl.dot(b_x, b_up, acc_up)
+            b_x = _fp8_lhs(b_x, fp8)
+            acc_gate = _weight_dot(acc_gate, b_x, b_gate, s_gate, k0, BLOCK_SCALES, FP8_ASM)
+            acc_up = _weight_dot(acc_up, b_x, b_up, s_up, k0, BLOCK_SCALES, FP8_ASM)
             p_x += BLOCK_K
             p_gate += BLOCK_K
             p_up += BLOCK_K
+        x_dtype: tl.constexpr = x_ptr.dtype.element_ty
+        acc_gate = _true_sums(acc_gate, s_gate, x_dtype, fp8, BLOCK_SCALES)
+        acc_up = _true_sums(acc_up, s_up, x_dtype, fp8, BLOCK_SCALES)
         act = acc_gate * tl.sigmoid(acc_gate) * acc_up
         tl.store(
             act_ptr + pairs.to(tl.int64)[:, None] * stride_ap + n[None, :],
@@ -213,6 +291,7 @@ def _moe_up_kernel(
 def _moe_down_kernel(
     act_ptr,
     w_ptr,
+    scale_ptr,
     part_ptr,
     route_w_ptr,
     ids_ptr,
@@ -222,6 +301,8 @@ def _moe_down_kernel(
     stride_ap,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_pp,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
@@ -229,6 +310,9 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    FP8_ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)  # before the first global load or store (_group_rows loads the expert ids)
@@ -240,6 +324,8 @@ def _moe_down_kernel(
         kk = tl.arange(0, BLOCK_K)
         p_act = act_ptr + pairs.to(tl.int64)[:, None] * stride_ap + kk[None, :]
         p_w = w_ptr + expert.to(tl.int64) * stride_we + n_load[None, :] * stride_wn + kk[:, None]
+        s_w = _scale_ptrs(scale_ptr, expert, n_load, stride_se, stride_sn, SCALE_ROWS)
+        fp8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             if INTER % BLOCK_K == 0:
@@ -249,9 +335,10 @@ def _moe_down_kernel(
                 mask_k = (k0 + kk) < INTER
                 b_act = tl.load(p_act, mask=mask_k[None, :], other=0.0)
                 b_w = tl.load(p_w, mask=mask_k[:, None], other=0.0)
-            acc = tl.dot(b_act, b_w, acc)
+            acc = _weight_dot(acc, _fp8_lhs(b_act, fp8), b_w, s_w, k0, BLOCK_SCALES, FP8_ASM)
             p_act += BLOCK_K
             p_w += BLOCK_K
+        acc = _true_sums(acc, s_w, act_ptr.dtype.element_ty, fp8, BLOCK_SCALES)
         route_w = tl.load(route_w_ptr + pairs).to(tl.float32)
         acc = acc * route_w[:, None]
         tl.store(
@@ -457,12 +544,39 @@ def _sort_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
     return sorted_pairs, block_expert, num_blocks
 
 
+class _Scales(NamedTuple):
+    """An expert weight's scales as the kernels take them."""
+
+    ptr: torch.Tensor  # the weight itself (an unused pointer) for 16-bit weights
+    stride_expert: int
+    stride_row: int
+    block_scales: bool  # False: one scale per output row, or none
+    scale_rows: int  # weight rows per scale row: 128 (128 x 128 blocks) or 1
+
+
+def _scales(weight: torch.Tensor, scale: torch.Tensor | None) -> _Scales:
+    """weight [E, N, K]'s scales: none, per output row [E, N], or blocks [E, ceil(N/128) or N,
+    ceil(K/128)] (ref.py's layouts)."""
+    if scale is None:
+        return _Scales(weight, 0, 0, False, 1)
+    if scale.dtype != torch.float32 or scale.stride(-1) != 1:
+        raise ValueError("expert scales must be float32 with contiguous rows")
+    if scale.dim() == 2 and scale.shape == weight.shape[:2]:
+        return _Scales(scale, scale.stride(0), scale.stride(1), False, 1)
+    rows = scale_rows_per_block(weight[0], scale[0]) if scale.dim() == 3 and len(scale) == len(weight) else None
+    if rows is None:
+        raise ValueError(f"scales {tuple(scale.shape)} fit no layout of expert weights {tuple(weight.shape)}")
+    return _Scales(scale, scale.stride(0), scale.stride(1), True, rows)
+
+
 def fused_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     expert_ids: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
     tiles: tuple[Tile, Tile] | None = None,
@@ -471,8 +585,8 @@ def fused_experts(
     """Same contract as ref.fused_experts. Capture-safe when T * top_k <= DECODE_MAX_PAIRS.
 
     Prefill runs on torch's grouped GEMM where it is supported (grouped_mm None: decide by
-    grouped_mm_supported), else on the Triton grouped kernels. block_m (Triton prefill only)
-    and tiles override the tile choice; for the benchmark.
+    grouped_mm_supported; 16-bit experts only), else on the Triton grouped kernels. block_m
+    (Triton prefill only) and tiles override the tile choice; for the benchmark.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up_proj.shape
@@ -484,8 +598,12 @@ def fused_experts(
         return out
     if x.stride(1) != 1 or gate_up_proj.stride(2) != 1 or down_proj.stride(2) != 1:
         raise ValueError("x rows and expert weight rows must be contiguous")
+    fp8 = gate_up_proj.dtype == torch.float8_e4m3fn
+    if fp8 != (gate_up_scale is not None) or fp8 != (down_scale is not None) or down_proj.dtype != gate_up_proj.dtype:
+        raise ValueError("FP8 experts take e4m3 gate_up_proj and down_proj with both scales; others neither")
+    up_scales, down_scales = _scales(gate_up_proj, gate_up_scale), _scales(down_proj, down_scale)
     decode = num_pairs <= DECODE_MAX_PAIRS
-    if not decode and (grouped_mm if grouped_mm is not None else grouped_mm_supported(x, gate_up_proj)):
+    if not decode and not fp8 and (grouped_mm if grouped_mm is not None else grouped_mm_supported(x, gate_up_proj)):
         return _grouped_mm_experts(x, weights, expert_ids, gate_up_proj, down_proj)
     ids = expert_ids.reshape(-1).contiguous()
     route_w = weights.reshape(-1).contiguous()
@@ -500,16 +618,20 @@ def fused_experts(
         # Rows per expert on average decide how full a block is; weights are read once per block.
         block_m = block_m or min(64, max(16, triton.next_power_of_2(triton.cdiv(num_pairs, num_experts))))
         sorted_pairs, block_expert, num_programs = _sort_by_expert(expert_ids, num_experts, block_m)
-    up_cfg, down_cfg = tiles or TILES[min(block_m, 64)]
+    up_cfg, down_cfg = tiles or (FP8_TILES if fp8 else TILES)[min(block_m, 64)]
+    if (up_scales.block_scales and SCALE_BLOCK % up_cfg[1]) or (down_scales.block_scales and SCALE_BLOCK % down_cfg[1]):
+        raise ValueError(f"block-scaled experts need a BLOCK_K that divides {SCALE_BLOCK}, not {up_cfg[1]} / {down_cfg[1]}")
     # fp32 operands take twice the shared memory per pipeline stage; two stages keep the
     # tiles under the 227 KB a block may have.
     max_stages = 2 if x.element_size() > 2 else 8
     use_pdl = pdl_enabled(x)
+    fp8_asm = x.is_cuda  # inline PTX for the e4m3 bit moves: not for the CPU interpreter
 
     bn, bk, warps, stages = up_cfg
     _moe_up_kernel[(num_programs, triton.cdiv(inter, bn))](
         x,
         gate_up_proj,
+        up_scales.ptr,
         act,
         ids,
         sorted_pairs,
@@ -518,6 +640,8 @@ def fused_experts(
         x.stride(0),
         gate_up_proj.stride(0),
         gate_up_proj.stride(1),
+        up_scales.stride_expert,
+        up_scales.stride_row,
         act.stride(0),
         HIDDEN=hidden,
         INTER=inter,
@@ -526,6 +650,9 @@ def fused_experts(
         BLOCK_M=block_m,
         BLOCK_N=bn,
         BLOCK_K=bk,
+        BLOCK_SCALES=up_scales.block_scales,
+        SCALE_ROWS=up_scales.scale_rows,
+        FP8_ASM=fp8_asm,
         USE_PDL=use_pdl,
         num_warps=warps,
         num_stages=min(stages, max_stages),
@@ -535,6 +662,7 @@ def fused_experts(
     _moe_down_kernel[(num_programs, triton.cdiv(hidden, bn))](
         act,
         down_proj,
+        down_scales.ptr,
         part,
         route_w,
         ids,
@@ -544,6 +672,8 @@ def fused_experts(
         act.stride(0),
         down_proj.stride(0),
         down_proj.stride(1),
+        down_scales.stride_expert,
+        down_scales.stride_row,
         part.stride(0),
         HIDDEN=hidden,
         INTER=inter,
@@ -551,6 +681,9 @@ def fused_experts(
         BLOCK_M=block_m,
         BLOCK_N=bn,
         BLOCK_K=bk,
+        BLOCK_SCALES=down_scales.block_scales,
+        SCALE_ROWS=down_scales.scale_rows,
+        FP8_ASM=fp8_asm,
         USE_PDL=use_pdl,
         num_warps=warps,
         num_stages=min(stages, max_stages),

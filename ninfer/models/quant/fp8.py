@@ -6,9 +6,9 @@ bandwidth roofline. Up to gemv.MAX_ROWS tokens the product is a weight-only GEMV
 bytes widened in registers, bf16 activations); larger batches (prefill) quantize
 activations per token and run on Hopper's FP8 matrix units: through torch._scaled_mm
 (row-wise scales) for per-channel weights, through kernels/fp8_gemm (per 128-column group,
-block scales applied in the K loop) for block-scaled ones. The embedding and
-lm_head stay in bf16 (the embedding reads one row per token; lm_head precision drives
-sampling), and so do MoE routers and, for now, the 3-D fused MoE experts.
+block scales applied in the K loop) for block-scaled ones. The 3-D fused MoE experts
+become Fp8Experts (fp8_experts.py). The embedding and lm_head stay in bf16 (the embedding
+reads one row per token; lm_head precision drives sampling), and so do MoE routers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from ninfer.kernels.fp8_quant import quantize_rows
 from ninfer.kernels.fp8_quant.ref import FP8_MAX
 from ninfer.kernels.gemv import MAX_ROWS, conv_first_columns, gemv, gemv_causal_conv1d_update, gemv_silu_and_mul
 from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, dequantize
-from ninfer.models.quant.linear_replacement import replace_linear_layers
+from ninfer.models.layers.moe import Experts
+from ninfer.models.quant.fp8_experts import Fp8Experts
+from ninfer.models.quant.linear_replacement import replace_linear_layers, replace_modules
 
 _ROW_MULTIPLE = 16  # _scaled_mm wants row counts in multiples of 16
 
@@ -127,21 +129,31 @@ DEFAULT_SKIP = ("lm_head", "embed_tokens", "mlp.gate")
 
 
 def quantize_fp8_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> int:
-    """Replace every nn.Linear by an Fp8Linear in place, except those whose name ends in one of
-    `skip` (whole dotted components: "mlp.gate" is not "mlp.gate_proj") or with fewer than 16
-    outputs; returns how many."""
-    return replace_linear_layers(model, skip, Fp8Linear.from_linear, lambda linear: linear.out_features >= 16)
+    """Replace every nn.Linear by an Fp8Linear and every fused Experts by an Fp8Experts in place
+    (per output row scales), except those whose name ends in one of `skip` (whole dotted
+    components: "mlp.gate" is not "mlp.gate_proj") and Linear layers with fewer than 16
+    outputs; returns how many modules it replaced."""
+    linears = replace_linear_layers(model, skip, Fp8Linear.from_linear, lambda linear: linear.out_features >= 16)
+    return linears + replace_modules(model, Experts, skip, Fp8Experts.from_experts)
 
 
 def quantize_row_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (e4m3 [N, K], fp32 scales [N, ceil(K/128)]): one scale per row and
     128 columns, for unquantized parts of a packed projection whose other parts are FP8."""
-    rows, cols = weight.shape
-    blocks = -(-cols // SCALE_BLOCK)
-    padded = torch.nn.functional.pad(weight.float(), (0, blocks * SCALE_BLOCK - cols)).view(rows, blocks, SCALE_BLOCK)
-    scale = padded.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    quantized = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(rows, -1)[:, :cols].to(FP8)
-    return quantized, scale
+    return quantize_blocks(weight, 1)
+
+
+def quantize_blocks(weight: torch.Tensor, rows_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., N, K] -> (e4m3 [..., N, K], fp32 scales [..., ceil(N/rows_per_block),
+    ceil(K/128)]): one scale per block of rows_per_block rows x 128 columns (edge blocks padded
+    with zeros for their amax)."""
+    *lead, rows, cols = weight.shape
+    row_blocks, col_blocks = -(-rows // rows_per_block), -(-cols // SCALE_BLOCK)
+    padded = F.pad(weight.float(), (0, col_blocks * SCALE_BLOCK - cols, 0, row_blocks * rows_per_block - rows))
+    blocks = padded.view(*lead, row_blocks, rows_per_block, col_blocks, SCALE_BLOCK)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / FP8_MAX
+    quantized = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    return quantized.view(padded.shape)[..., :rows, :cols].to(FP8), scale
 
 
 def expand_block_rows(block_scale: torch.Tensor, rows: int) -> torch.Tensor:

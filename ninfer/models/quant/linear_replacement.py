@@ -1,4 +1,5 @@
-"""Swap a model's nn.Linear layers for quantized or half-precision modules, in place."""
+"""Swap a model's nn.Linear layers (or other modules, e.g. MoE experts) for quantized or half-precision
+modules, in place."""
 
 from __future__ import annotations
 
@@ -36,11 +37,22 @@ def replace_linear_layers(
     """Replace each nn.Linear that `accept`s by convert(linear), except those whose name is or
     ends in one of `skip` (whole dotted components: "mlp.gate" is not "mlp.gate_proj");
     returns how many."""
+    return replace_modules(model, nn.Linear, skip, convert, accept)
+
+
+def replace_modules(
+    model: nn.Module,
+    kind: type[nn.Module],
+    skip: tuple[str, ...],
+    convert: Callable[[nn.Module], nn.Module],
+    accept: Callable[[nn.Module], bool] = lambda module: True,
+) -> int:
+    """replace_linear_layers for modules of any `kind` (e.g. fused MoE experts)."""
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{parent_name}.{child_name}" if parent_name else child_name
-            if not isinstance(child, nn.Linear) or any(full == s or full.endswith("." + s) for s in skip):
+            if not isinstance(child, kind) or any(full == s or full.endswith("." + s) for s in skip):
                 continue
             if accept(child):
                 setattr(parent, child_name, convert(child))

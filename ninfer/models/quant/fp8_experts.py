@@ -1,0 +1,90 @@
+"""FP8 e4m3 routed experts: the fused expert weights of an MoE layer in half the bytes.
+
+Decode reads each chosen expert's weights once per step, so the 35B-A3B's experts (most of
+its streamed bytes) halve with them. Weight-only: the kernels widen e4m3 tiles in registers
+and keep activations in x's dtype (kernels/moe). Scales, like Fp8Linear's:
+- per output row ([E, 2I], [E, H]): quantize_fp8_ on bf16 experts (--quantize fp8, the bench);
+- 128 x 128 blocks ([E, ceil(2I/128), ceil(H/128)], [E, ceil(H/128), ceil(I/128)]): Qwen's FP8
+  checkpoints, as stored;
+- row blocks ([E, 2I, ceil(H/128)], [E, H, ceil(I/128)]): a checkpoint's per-expert gate and up
+  whose 128-row blocks do not line up once fused (I not a multiple of 128), each row carrying
+  its part's block scales.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ninfer.kernels.fp8_quant.ref import quantize_rows
+from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK
+from ninfer.kernels.moe import fused_experts
+from ninfer.models.layers.moe import Experts
+
+PROJECTIONS = ("gate_up_proj", "down_proj")  # the fused weights; each has "<name>_scale"
+_EXPERTS_PER_STEP = 16  # from_experts' fp32 temporaries: 128 MB at the 35B-A3B shapes
+
+
+class Fp8Experts(nn.Module):
+    def __init__(
+        self, gate_up_proj: torch.Tensor, gate_up_scale: torch.Tensor, down_proj: torch.Tensor, down_scale: torch.Tensor
+    ):
+        """gate_up_proj [E, 2I, H] and down_proj [E, H, I] float8_e4m3fn; float32 scales in one
+        of the layouts above (kernels/moe/ref.py)."""
+        super().__init__()
+        self.register_buffer("gate_up_proj", gate_up_proj)
+        self.register_buffer("gate_up_proj_scale", gate_up_scale)
+        self.register_buffer("down_proj", down_proj)
+        self.register_buffer("down_proj_scale", down_scale)
+
+    @classmethod
+    def placeholder(cls, experts: Experts, rows_per_block: int | None) -> Fp8Experts:
+        """An unfilled module shaped like `experts` (on its device, e.g. meta) with scales per output
+        row (rows_per_block None) or per block of rows_per_block rows (128 or 1) x 128 columns."""
+        weights = [getattr(experts, name) for name in PROJECTIONS]
+        device = weights[0].device
+        fp8 = [torch.empty(w.shape, dtype=FP8, device=device) for w in weights]
+        scales = [torch.empty(scale_shape(w.shape, rows_per_block), dtype=torch.float32, device=device) for w in weights]
+        return cls(fp8[0], scales[0], fp8[1], scales[1])
+
+    @classmethod
+    @torch.no_grad()
+    def from_experts(cls, experts: Experts) -> Fp8Experts:
+        """Scales per output row, quantized a few experts at a time: an fp32 copy of all of them
+        would be 2 GB per 35B-A3B layer."""
+        quantized = []
+        for name in PROJECTIONS:
+            weight = getattr(experts, name)
+            codes = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+            scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+            for start in range(0, weight.shape[0], _EXPERTS_PER_STEP):
+                chunk = weight[start : start + _EXPERTS_PER_STEP]
+                chunk_codes, chunk_scale = quantize_rows(chunk.reshape(-1, chunk.shape[-1]), row_multiple=1)
+                codes[start : start + len(chunk)] = chunk_codes.view(chunk.shape)
+                scale[start : start + len(chunk)] = chunk_scale.view(chunk.shape[:2])
+            quantized += [codes, scale]
+        return cls(*quantized)
+
+    def scale_of(self, projection: str) -> torch.Tensor:
+        return getattr(self, projection + "_scale")
+
+    def rows_per_block(self, projection: str) -> int | None:
+        """Weight rows per scale row of `projection`: None (per output row), 128 or 1."""
+        weight, scale = getattr(self, projection), self.scale_of(projection)
+        if scale.dim() == 2:
+            return None
+        return 1 if scale.shape[1] == weight.shape[1] else SCALE_BLOCK
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(
+            x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale, self.down_proj_scale
+        )
+
+
+def scale_shape(weight_shape: tuple[int, ...], rows_per_block: int | None) -> tuple[int, ...]:
+    """The scales of an expert weight [E, N, K]: [E, N] per output row, else one per block of
+    rows_per_block rows x 128 columns."""
+    num_experts, rows, cols = weight_shape
+    if rows_per_block is None:
+        return (num_experts, rows)
+    return (num_experts, -(-rows // rows_per_block), -(-cols // SCALE_BLOCK))
