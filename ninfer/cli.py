@@ -59,7 +59,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device", type=int, default=0, help="CUDA device index (default 0; CPU when no GPU is present)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="weight dtype (default auto: the artifact's on GPU; on CPU float32 activations with float16 Linear weights where the CPU has AVX2)")
     engine.add_argument("--kv-dtype", default="bf16", choices=["bf16", "int8", "fp8", "nvfp4", "k8v4"], help="KV-cache storage: bf16 (unquantized, the model's dtype), int8 or fp8 (one fp32 scale per token and head), nvfp4 (e2m1 with e4m3 scales per 16 values), k8v4 (int8 keys, nvfp4 values); smaller formats hold more tokens in the same memory (default bf16)")
-    engine.add_argument("--quantize", choices=["fp8", "nvfp4"], help="quantize the model's bf16 Linear layers at load: fp8 (e4m3, one scale per output channel) or nvfp4 (e2m1, e4m3 scales per 16 values, an fp32 scale per row); a checkpoint's layers already in that format stay as stored; embeddings, lm_head, MoE routers and experts stay bf16 (default: weights as stored)")
+    engine.add_argument("--quantize", choices=["fp8", "nvfp4"], help="quantize the model's bf16 Linear layers at load: fp8 (e4m3, one scale per output channel) or nvfp4 (e2m1, e4m3 scales per 16 values, an fp32 scale per row); a checkpoint's layers already in that format stay as stored; fp8 also quantizes the routed MoE experts; embeddings, lm_head and MoE routers stay bf16 (default: weights as stored)")
     engine.add_argument("--no-prefix-reuse", action="store_true", help="disable compatible-prefix caching (default: reuse on)")
     engine.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly instead of replaying CUDA graphs captured at start-up (default: graphs on, CUDA only)")
     engine.add_argument("--no-decode-overlap", action="store_true", help="read each decode round's tokens before launching the next (default: the next round is launched first, hiding the host's work between rounds)")
@@ -315,22 +315,26 @@ def _run_bench(args: argparse.Namespace) -> int:
     def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x]
 
-    options = BenchOptions(
-        shapes=args.shapes.split(","),
-        weights=args.weights.split(","),
-        batches=ints(args.batches),
-        contexts=ints(args.contexts),
-        prefill_lengths=ints(args.prefill),
-        prefill_chunk=args.prefill_chunk,
-        decode_rounds=args.decode_rounds,
-        peer=args.peer,
-        cuda_graphs=not args.no_cuda_graph,
-        decode_overlap=not args.no_decode_overlap,
-        profile_dir=args.out if args.profile else None,
-        verify_drafts=ints(args.verify_drafts),
-        lm_head_draft=not args.no_lm_head_draft,
-        kv_dtypes=args.kv_dtypes.split(","),
-    )
+    try:
+        options = BenchOptions(
+            shapes=args.shapes.split(","),
+            weights=args.weights.split(","),
+            batches=ints(args.batches),
+            contexts=ints(args.contexts),
+            prefill_lengths=ints(args.prefill),
+            prefill_chunk=args.prefill_chunk,
+            decode_rounds=args.decode_rounds,
+            peer=args.peer,
+            cuda_graphs=not args.no_cuda_graph,
+            decode_overlap=not args.no_decode_overlap,
+            profile_dir=args.out if args.profile else None,
+            verify_drafts=ints(args.verify_drafts),
+            lm_head_draft=not args.no_lm_head_draft,
+            kv_dtypes=args.kv_dtypes.split(","),
+        )
+    except ValueError as error:
+        print(f"ninfer bench: error: {error}", file=sys.stderr)
+        return 2
     results = Suite(options).run()
     results["command"] = "ninfer bench " + " ".join(sys.argv[2:])
     out = Path(args.out)
@@ -361,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--log-level", default="warning", choices=list(LEVELS))
     bench = sub.add_parser("bench", help="GPU benchmark: random-weight Qwen3.5 shapes vs roofline and HF transformers")
     bench.add_argument("--shapes", default="27b,35b-a3b", help="comma list of 27b, 35b-a3b, tiny (default 27b,35b-a3b)")
-    bench.add_argument("--weights", default="bf16,fp8", help="comma list of bf16, fp8, nvfp4 (default bf16,fp8)")
+    bench.add_argument("--weights", default="bf16,fp8", help="comma list of bf16, fp8 (per output channel), fp8-block (Qwen's 128x128 block scales), nvfp4 (default bf16,fp8)")
     bench.add_argument("--kv-dtypes", default="bf16", help="comma list of --kv-dtype formats to run our cases with: bf16, int8, fp8, nvfp4, k8v4 (default bf16)")
     bench.add_argument("--batches", default="1,2,4,8", help="decode batch sizes (default 1,2,4,8)")
     bench.add_argument("--contexts", default="4096,131072", help="decode context lengths (default 4096,131072)")

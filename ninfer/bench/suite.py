@@ -63,6 +63,7 @@ log = logging.getLogger("ninfer.bench")
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 # The server's defaults, so a figure measured here is what ninfer-serve runs.
 SERVER_DEFAULTS = EngineConfig()
+WEIGHT_FORMATS = ("bf16", "fp8", "fp8-block", "nvfp4")  # fp8: per output channel; fp8-block: Qwen's 128x128 blocks
 
 
 @dataclass
@@ -84,6 +85,11 @@ class BenchOptions:
     verify_drafts: list[int] = field(default_factory=list)  # speculative verify rounds of K drafts (none: no cases)
     lm_head_draft: bool = True  # verify cases draft through the reduced-vocabulary proposal head
     kv_dtypes: list[str] = field(default_factory=lambda: ["bf16"])  # --kv-dtype formats: a runner each
+
+    def __post_init__(self) -> None:
+        unknown = [w for w in self.weights if w not in WEIGHT_FORMATS]
+        if unknown:
+            raise ValueError(f"unknown --weights {', '.join(unknown)}; choose from {', '.join(WEIGHT_FORMATS)}")
 
 
 @dataclass
@@ -208,6 +214,15 @@ class Suite:
             torch.cuda.empty_cache()
             weight_bytes = self.expert_bytes = 1.0  # e4m3; per-channel scales are negligible
             log.info("[%s fp8] %d modules quantized (Linear layers and routed experts; routers, embedding and lm_head stay bf16)", shape, replaced)
+        elif weights == "fp8-block":
+            from ninfer.models.quant.fp8 import quantize_fp8_blocks_
+
+            replaced = quantize_fp8_blocks_(model)
+            torch.cuda.empty_cache()
+            # Linear layers hold row-block scales (4 bytes per row and 128 weights, read with them);
+            # the experts' 128x128 block scales are negligible.
+            weight_bytes, self.expert_bytes = 1.0 + 4 / 128, 1.0
+            log.info("[%s fp8-block] %d modules quantized in Qwen's 128x128 blocks (routers, embedding and lm_head stay bf16)", shape, replaced)
         elif weights == "nvfp4":
             from ninfer.models.quant.nvfp4 import quantize_nvfp4_
 

@@ -98,3 +98,46 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_at_open(tmp_path, monk
     directory = write_random_checkpoint("tiny", tmp_path / "small-vocab", device="cpu")
     with pytest.raises(ArtifactError, match="tokenizer has .* token ids but the model embeds only 4096"):
         open_artifact(directory)
+
+
+def test_bench_fp8_blocks_hold_what_the_loader_makes_of_the_qwen_fp8_checkpoint(checkpoints) -> None:
+    from ninfer.models.quant.fp8 import quantize_fp8_blocks_
+
+    # `ninfer bench --weights fp8-block` quantizes in memory; the server loads the checkpoint.
+    loaded = open_artifact(checkpoints["fp8"]).load_model(dtype=torch.float32, progress=False, keep_fp8=True)
+    quantized = open_artifact(checkpoints["bf16"]).load_model(dtype=torch.float32, progress=False)
+    assert quantize_fp8_blocks_(quantized) > 0
+    modules = dict(quantized.named_modules())
+    compared = 0
+    for name, module in loaded.named_modules():
+        if isinstance(module, Fp8Linear):
+            ours = modules[name]
+            assert isinstance(ours, Fp8Linear) and ours.block_scaled, name
+            assert torch.equal(ours.weight.view(torch.uint8), module.weight.view(torch.uint8)), name
+            assert torch.equal(ours.weight_scale, module.weight_scale), name
+            compared += 1
+    assert compared == sum(isinstance(m, Fp8Linear) for m in quantized.modules()) > 0
+
+
+def test_fp8_block_experts_keep_128x128_scales_and_the_weights_within_e4m3_rounding() -> None:
+    from ninfer.models.layers.moe import Experts
+    from ninfer.models.quant.fp8_experts import Fp8Experts
+
+    experts = Experts(num_experts=4, hidden_size=256, intermediate_size=192)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.05)
+    torch.nn.init.normal_(experts.down_proj, std=0.05)
+    fp8 = Fp8Experts.from_experts_blocks(experts)
+    assert fp8.gate_up_proj_scale.shape == (4, 3, 2) and fp8.down_proj_scale.shape == (4, 2, 2)
+    assert fp8.rows_per_block("gate_up_proj") == 128
+    for name in ("gate_up_proj", "down_proj"):
+        weight, scale = getattr(experts, name).detach(), fp8.scale_of(name)
+        expanded = scale.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, : weight.shape[1], : weight.shape[2]]
+        error = (getattr(fp8, name).float() * expanded - weight).norm() / weight.norm()
+        assert 0 < error < 0.035, (name, error)
+
+
+def test_bench_options_refuse_an_unknown_weight_format() -> None:
+    from ninfer.bench.suite import BenchOptions
+
+    with pytest.raises(ValueError, match="unknown --weights fp9"):
+        BenchOptions(weights=["bf16", "fp9"])

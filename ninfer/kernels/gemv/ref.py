@@ -18,6 +18,7 @@ import torch
 
 from ninfer.kernels.activation.ref import silu_and_mul
 from ninfer.kernels.causal_conv1d.ref import causal_conv1d_update
+from ninfer.kernels.fp8_quant.ref import FP8_MAX
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # rows and columns per block scale in Qwen's FP8 checkpoints
@@ -55,6 +56,19 @@ def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> torch
     n, k = w.shape
     per_row = weight_scale.float().repeat_interleave(rows, dim=0)[:n]
     return w * per_row.repeat_interleave(SCALE_BLOCK, dim=1)[:, :k]
+
+
+def quantize_blocks(weight: torch.Tensor, rows_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., N, K] -> (e4m3 [..., N, K], fp32 scales [..., ceil(N/rows_per_block),
+    ceil(K/128)]): one scale per block of rows_per_block rows x 128 columns (edge blocks padded
+    with zeros for their amax)."""
+    *lead, rows, cols = weight.shape
+    row_blocks, col_blocks = -(-rows // rows_per_block), -(-cols // SCALE_BLOCK)
+    padded = torch.nn.functional.pad(weight.float(), (0, col_blocks * SCALE_BLOCK - cols, 0, row_blocks * rows_per_block - rows))
+    blocks = padded.view(*lead, row_blocks, rows_per_block, col_blocks, SCALE_BLOCK)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / FP8_MAX
+    quantized = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    return quantized.view(padded.shape)[..., :rows, :cols].to(FP8), scale
 
 
 def gemv(

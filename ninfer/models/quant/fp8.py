@@ -22,7 +22,7 @@ from ninfer.kernels.fp8_gemm import fp8_linear
 from ninfer.kernels.fp8_quant import quantize_rows
 from ninfer.kernels.fp8_quant.ref import FP8_MAX
 from ninfer.kernels.gemv import MAX_ROWS, conv_first_columns, gemv, gemv_causal_conv1d_update, gemv_silu_and_mul
-from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, dequantize
+from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, dequantize, quantize_blocks
 from ninfer.models.layers.moe import Experts
 from ninfer.models.quant.fp8_experts import Fp8Experts
 from ninfer.models.quant.linear_replacement import replace_linear_layers, replace_modules
@@ -65,6 +65,21 @@ class Fp8Linear(nn.Module):
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
         quantized = (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         return cls(quantized, scale, None if linear.bias is None else linear.bias.detach(), getattr(linear, "parts", None))
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear_blocks(cls, linear: nn.Linear) -> Fp8Linear:
+        """As Qwen's FP8 checkpoints store it: each stored part in 128x128 blocks, whose scales
+        then become row blocks (parts need not start on a 128-row boundary), as the loader does."""
+        parts = getattr(linear, "parts", None) or {"weight": linear.out_features}
+        codes, scales, start = [], [], 0
+        for num_rows in parts.values():
+            part_codes, block_scale = quantize_blocks(linear.weight[start : start + num_rows], SCALE_BLOCK)
+            codes.append(part_codes)
+            scales.append(expand_block_rows(block_scale, num_rows))
+            start += num_rows
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(torch.cat(codes), torch.cat(scales), bias, getattr(linear, "parts", None))
 
     @property
     def in_features(self) -> int:
@@ -137,23 +152,17 @@ def quantize_fp8_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> int
     return linears + replace_modules(model, Experts, skip, Fp8Experts.from_experts)
 
 
+def quantize_fp8_blocks_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> int:
+    """quantize_fp8_ in the layout of Qwen's FP8 checkpoints: 128x128 block scales for Linear
+    layers (per stored part) and routed experts; returns how many modules it replaced."""
+    linears = replace_linear_layers(model, skip, Fp8Linear.from_linear_blocks, lambda linear: linear.out_features >= 16)
+    return linears + replace_modules(model, Experts, skip, Fp8Experts.from_experts_blocks)
+
+
 def quantize_row_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (e4m3 [N, K], fp32 scales [N, ceil(K/128)]): one scale per row and
     128 columns, for unquantized parts of a packed projection whose other parts are FP8."""
     return quantize_blocks(weight, 1)
-
-
-def quantize_blocks(weight: torch.Tensor, rows_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [..., N, K] -> (e4m3 [..., N, K], fp32 scales [..., ceil(N/rows_per_block),
-    ceil(K/128)]): one scale per block of rows_per_block rows x 128 columns (edge blocks padded
-    with zeros for their amax)."""
-    *lead, rows, cols = weight.shape
-    row_blocks, col_blocks = -(-rows // rows_per_block), -(-cols // SCALE_BLOCK)
-    padded = F.pad(weight.float(), (0, col_blocks * SCALE_BLOCK - cols, 0, row_blocks * rows_per_block - rows))
-    blocks = padded.view(*lead, row_blocks, rows_per_block, col_blocks, SCALE_BLOCK)
-    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / FP8_MAX
-    quantized = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
-    return quantized.view(padded.shape)[..., :rows, :cols].to(FP8), scale
 
 
 def expand_block_rows(block_scale: torch.Tensor, rows: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ninfer.kernels.fp8_quant.ref import quantize_rows
-from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK
+from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, quantize_blocks
 from ninfer.kernels.moe import fused_experts
 from ninfer.models.layers.moe import Experts
 
@@ -62,6 +62,22 @@ class Fp8Experts(nn.Module):
                 chunk_codes, chunk_scale = quantize_rows(chunk.reshape(-1, chunk.shape[-1]), row_multiple=1)
                 codes[start : start + len(chunk)] = chunk_codes.view(chunk.shape)
                 scale[start : start + len(chunk)] = chunk_scale.view(chunk.shape[:2])
+            quantized += [codes, scale]
+        return cls(*quantized)
+
+    @classmethod
+    @torch.no_grad()
+    def from_experts_blocks(cls, experts: Experts) -> Fp8Experts:
+        """128 x 128 block scales, as Qwen's FP8 checkpoints store fused experts."""
+        quantized = []
+        for name in PROJECTIONS:
+            weight = getattr(experts, name)
+            codes = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+            scale = torch.empty(scale_shape(weight.shape, SCALE_BLOCK), dtype=torch.float32, device=weight.device)
+            for start in range(0, weight.shape[0], _EXPERTS_PER_STEP):
+                codes[start : start + _EXPERTS_PER_STEP], scale[start : start + _EXPERTS_PER_STEP] = quantize_blocks(
+                    weight[start : start + _EXPERTS_PER_STEP], SCALE_BLOCK
+                )
             quantized += [codes, scale]
         return cls(*quantized)
 

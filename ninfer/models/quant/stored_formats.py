@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
+from ninfer.kernels.gemv.ref import SCALE_BLOCK, quantize_blocks
 from ninfer.kernels.nvfp4_gemv.ref import E2M1_MAX, E4M3_MAX, quantize_nvfp4
 
 STORED_FORMATS = ("bf16", "fp8", "nvfp4")
-FP8_BLOCK = 128
 QUANTIZATION_CONFIGS = {
-    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [FP8_BLOCK, FP8_BLOCK]},
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [SCALE_BLOCK, SCALE_BLOCK]},
     "nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]},
 }
 HF_QUANT_CONFIG_NVFP4 = {
@@ -36,14 +36,8 @@ def is_quantized_in_checkpoint(name: str, tensor: torch.Tensor) -> bool:
 
 def qwen_fp8_tensors(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """A weight [N, K] as Qwen's FP8 checkpoints store it: e4m3 values and one fp32 inverse
-    scale per 128x128 block (the edge blocks padded with zeros for their amax)."""
-    rows, cols = weight.shape
-    w = weight.float()
-    blocks = torch.nn.functional.pad(w, (0, -cols % FP8_BLOCK, 0, -rows % FP8_BLOCK))
-    blocks = blocks.view(-(-rows // FP8_BLOCK), FP8_BLOCK, -(-cols // FP8_BLOCK), FP8_BLOCK)
-    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX
-    expanded = scale_inv.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:rows, :cols]
-    values = (w / expanded).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scale per 128x128 block."""
+    values, scale_inv = quantize_blocks(weight, SCALE_BLOCK)
     return {name: values, name + "_scale_inv": scale_inv}
 
 
