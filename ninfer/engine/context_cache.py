@@ -11,11 +11,13 @@ attention models may reuse any common prefix (KV is valid position by position).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from ninfer.common_prefix import common_prefix_len
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.cache_counters import CacheCounters
+from ninfer.engine.continuation_forecast import ContinuationForecast
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.state_pool import StatePool
 
@@ -64,7 +66,10 @@ class CacheHit:
 @dataclass(frozen=True)
 class CacheLimits:
     """Descriptor limits (None: unbounded). A continuation is one conversation: a request that
-    resumes from a private checkpoint continues its conversation, any other starts a new one."""
+    resumes from a private checkpoint continues its conversation, and so does one whose prompt
+    extends a prefix its conversation lost to these limits (ContinuationForecast.recall); any
+    other starts a new one. Past the continuation limit, the conversations predicted to come
+    back last give way (ContinuationForecast)."""
 
     max_private_continuations: int | None = None  # conversations holding private checkpoints
     max_shared_prefixes: int | None = None  # shared stable-prefix checkpoints, engine-wide
@@ -83,6 +88,7 @@ class ContextCache:
     checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
     version: int = 0  # changes whenever a checkpoint is added, removed or used (planner caches by it)
     counters: CacheCounters = field(default_factory=CacheCounters)
+    forecast: ContinuationForecast = field(default_factory=ContinuationForecast)
     _ids: itertools.count = field(default_factory=itertools.count)
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -123,14 +129,47 @@ class ContextCache:
                 return ck
         return None
 
-    def accepts(self, path: ReusePath) -> bool:
-        """Whether a checkpoint of this kind may be kept at all (a limit of zero says no)."""
+    def accepts(self, path: ReusePath, continuation: str = "") -> bool:
+        """Whether a checkpoint of this kind, for this conversation, may be kept: not under a
+        limit of zero, nor when this conversation would be the one past the continuation limit
+        to give way (insert then drops the others' instead)."""
         limits = self.limits
         if path is ReusePath.SHARED_STABLE_PREFIX:
             return limits.max_shared_prefixes != 0
         if path is ReusePath.PRIVATE_LONG_ANCHOR and limits.max_long_anchors == 0:
             return False
-        return limits.max_private_continuations != 0
+        if limits.max_private_continuations is None:
+            return True
+        if limits.max_private_continuations == 0:
+            return False
+        ranked, excess = self._continuations_by_drop_order(continuation)
+        return continuation not in ranked[:excess]
+
+    def decline(self, continuation: str, token_ids: list[int]) -> None:
+        """A private capture accepts() refused: its conversation keeps its identity for the limit."""
+        if self.limits.max_private_continuations:
+            self.forecast.remember(continuation, token_ids)
+
+    def _continuations_by_drop_order(self, new_continuation: str, ignore: Checkpoint | None = None) -> tuple[list[str], int]:
+        """The conversations holding private checkpoints, with new_continuation's, in the order they
+        give way under the continuation limit (predicted to come back last first, then least
+        recently used), and how many must give way; (ignore: a checkpoint not to count)."""
+        last_use: dict[str, float] = {}
+        for c in self.checkpoints.values():
+            if not c.shared and c is not ignore:
+                last_use[c.continuation] = max(last_use.get(c.continuation, 0), c.last_used)
+        if new_continuation in last_use:
+            return [], 0
+        excess = len(last_use) + 1 - self.limits.max_private_continuations
+        if excess <= 0:
+            return [], 0
+        last_use[new_continuation] = math.inf  # the current request's own: the most recent
+        forecast = self.forecast
+        ranked = sorted(
+            last_use,
+            key=lambda c: (-forecast.next_turn(c, current=c == new_continuation), forecast.last_turn(c), last_use[c]),
+        )
+        return ranked, excess
 
     def insert(
         self,
@@ -162,15 +201,11 @@ class ContextCache:
             self._drop_oldest(same, limits.max_long_anchors)
         if limits.max_private_continuations is None:
             return
-        last_use: dict[str, int] = {}
+        ranked, excess = self._continuations_by_drop_order(new.continuation, ignore=new)
+        giving_way = [c for c in ranked if c != new.continuation][:excess]  # never the new one
         for c in others:
-            if not c.shared and c.continuation != new.continuation:
-                last_use[c.continuation] = max(last_use.get(c.continuation, 0), c.last_used)
-        excess = len(last_use) + 1 - limits.max_private_continuations
-        for continuation in sorted(last_use, key=last_use.__getitem__)[: max(0, excess)]:
-            for c in others:
-                if not c.shared and c.continuation == continuation:
-                    self.remove(c)
+            if not c.shared and c.continuation in giving_way:
+                self.remove(c)
 
     def _drop_oldest(self, group: list[Checkpoint], limit: int | None) -> None:
         """Keep room for one more in `group` under `limit`: drop its least recently used."""
@@ -185,6 +220,8 @@ class ContextCache:
         self.version += 1
         if release_resources:
             self.counters.drops += 1
+            if not checkpoint.shared and self.limits.max_private_continuations:
+                self.forecast.remember(checkpoint.continuation, checkpoint.token_ids)
         else:
             self.counters.adoptions += 1
         if release_resources:

@@ -773,7 +773,7 @@ def _next_turn(h: Harness, request_id: str, prompt: list[int]) -> list[int]:
     return prompt + h.tokens(request_id) + [ord("!")]
 
 
-def test_private_continuations_beyond_the_limit_drop_the_least_recently_used_conversation(byte_tokenizer):
+def test_a_newcomer_beyond_the_continuation_limit_is_kept_and_the_least_likely_to_return_gives_way(byte_tokenizer):
     h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=4, limits=CacheLimits(max_private_continuations=2))
     a1, b1 = _conversation("a"), _conversation("b")
     h.add(req("a1", a1, max_new=3))
@@ -791,10 +791,73 @@ def test_private_continuations_beyond_the_limit_drop_the_least_recently_used_con
     h.assert_balanced()
     b2, a3 = _next_turn(h, "b1", b1), _next_turn(h, "a2", a2)
     h.add(req("a3", a3, max_new=2))
-    h.add(req("b2", b2, max_new=2))  # after a3: as a new conversation it pushes out c, the oldest now
+    h.add(req("b2", b2, max_new=2))  # b comes back, a miss: c, past its predicted turn, gives way
     h.run()
     assert h.final("b2").cached_tokens == 0 and h.final("a3").cached_tokens > 0
     assert h.tokens("b2") == expected_continuation(b2, 2) and h.tokens("a3") == expected_continuation(a3, 2)
+    h.assert_empty()
+
+
+def test_an_abandoned_conversation_gives_way_to_a_new_one(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=4, limits=CacheLimits(max_private_continuations=1))
+    old = _conversation("old")
+    h.add(req("o1", old, max_new=2))
+    h.run()
+    h.add(req("o2", _next_turn(h, "o1", old), max_new=2))  # comes back at once: interval 1
+    h.run()
+    assert h.final("o2").cached_tokens > 0
+    (abandoned,) = {ck.continuation for ck in h.cache.checkpoints.values()}
+    prompt = _conversation("new")
+    for turn in range(3):  # the new conversation's turns keep their checkpoints from its first one
+        rid = f"n{turn}"
+        h.add(req(rid, prompt, max_new=2))
+        h.run()
+        assert (h.final(rid).cached_tokens > 0) == (turn > 0)
+        prompt = _next_turn(h, rid, prompt)
+    assert abandoned not in {ck.continuation for ck in h.cache.checkpoints.values()}
+    h.assert_empty()
+
+
+def test_more_conversations_than_the_limit_taking_turns_keep_most_of_their_reuse(byte_tokenizer):
+    # Three agent sessions taking turns at a limit of two: dropping the least recently used
+    # conversation drops the one due next, so no turn would ever hit. The forecast keeps the two
+    # due soonest and lets the third recompute: two turns in three reuse their history (the same
+    # two: the third's checkpoint would be the one due last each time).
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=8, limits=CacheLimits(max_private_continuations=2))
+    prompts = {name: _conversation(name) for name in "abc"}
+    hits: list[list[bool]] = []
+    for round_index in range(5):
+        hits.append([])
+        for name in "abc":
+            rid = f"{name}{round_index}"
+            h.add(req(rid, prompts[name], max_new=3))
+            h.run()
+            hits[-1].append(h.final(rid).cached_tokens > 0)
+            assert h.tokens(rid) == expected_continuation(prompts[name], 3)
+            prompts[name] = _next_turn(h, rid, prompts[name])
+            h.assert_balanced()
+            assert len({ck.continuation for ck in h.cache.checkpoints.values()}) <= 2
+    assert all(sum(round_hits) == 2 for round_hits in hits[2:]), hits
+    h.assert_empty()
+
+
+def test_a_conversation_that_lost_its_checkpoints_keeps_its_identity(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=8, limits=CacheLimits(max_private_continuations=1))
+    a1, b1 = _conversation("a"), _conversation("b")
+    h.add(req("a1", a1, max_new=3))
+    h.run()
+    (conversation_a,) = {ck.continuation for ck in h.cache.checkpoints.values()}
+    h.add(req("b1", b1, max_new=3))  # a conversation past the limit: a's checkpoints go
+    h.run()
+    assert conversation_a not in {ck.continuation for ck in h.cache.checkpoints.values()}
+    a2 = _next_turn(h, "a1", a1)
+    assert h.cache.forecast.recall(a2) == conversation_a  # what a dropped is remembered
+    assert h.cache.forecast.recall(_conversation("z")) is None
+    assert h.cache.forecast.recall(a1[:-1] + [a1[-1] + 1] + a2[len(a1):]) is None  # same tail, other prefix
+    h.add(req("a2", a2, max_new=3))  # a comes back (a miss), still conversation a
+    h.run()
+    assert h.final("a2").cached_tokens == 0 and h.tokens("a2") == expected_continuation(a2, 3)
+    assert h.cache.forecast.last_turn(conversation_a) == 3  # a2, the third admission, counted as a's turn
     h.assert_empty()
 
 

@@ -390,7 +390,9 @@ class Admission:
         if ck is not None and not ck.shared:
             seq.continuation = ck.continuation  # resuming a private checkpoint continues its conversation
         else:
-            seq.continuation = f"c{next(self._continuations)}"
+            recalled = self.cache.forecast.recall(seq.token_ids) if self.limits.prefix_reuse else None
+            seq.continuation = recalled or f"c{next(self._continuations)}"
+        self.cache.forecast.note_turn(seq.continuation)
         seq.num_computed_tokens = seq.num_cached_tokens = reused
         if hit is not None and hit.is_exact_frontier:
             seq.logits_frontier = reused

@@ -88,9 +88,10 @@ class Checkpoints:
                 self._capture_copy(seq, frontier, path)
 
     def _capture_copy(self, seq: Sequence, frontier: int, path) -> None:
-        if not self.cache.accepts(ReusePath(path)):
-            return
         tokens = seq.token_ids[:frontier]
+        if not self.cache.accepts(ReusePath(path), seq.continuation):
+            self.cache.decline(seq.continuation, tokens)
+            return
         existing = self.cache.find_identical(tokens)
         if existing is not None:
             self.cache.touch(existing)
@@ -112,11 +113,13 @@ class Checkpoints:
         frontier = seq.num_computed_tokens
         keep = (
             self.prefix_reuse
-            and self.cache.accepts(ReusePath(seq.request.endpoint_path))
             and frontier > 0
             and seq.logits_frontier == frontier
             and self.cache.find_identical(seq.token_ids[:frontier]) is None
         )
+        if keep and not self.cache.accepts(ReusePath(seq.request.endpoint_path), seq.continuation):
+            self.cache.decline(seq.continuation, seq.token_ids[:frontier])
+            keep = False
         if keep:
             num_pages = self.kv_pool.pages_for(frontier)
             self.kv_pool.release(seq.pages[num_pages:])

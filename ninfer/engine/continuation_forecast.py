@@ -1,0 +1,124 @@
+"""ContinuationForecast: when each conversation is likely to send its next turn.
+
+The private-continuation limit (--max-private-continuations, 2 at C = 1) decides which
+conversations keep checkpoints. Dropping the least recently used one fails exactly when
+agents interleave more conversations than the limit: round-robin, the least recently used
+is the one due next, and every turn recomputes its whole prompt. The limit instead keeps
+the conversations due soonest (Belady's rule, predicted): a conversation's next turn is
+its last turn plus its interval between turns (a running average that weighs the newest
+gap half, counted in admissions). A newcomer is kept (due at the next admission, as least
+recently used would have it: a conversation's second turn usually follows soon); after
+that, until it comes back, it is assumed to take the median interval of those that have.
+One past its predicted turn moves further out the longer it stays away, so abandoned
+conversations and one-off requests give way.
+
+A conversation whose checkpoints were dropped keeps its identity as a ghost (the digest
+of its longest dropped or declined prefix): its next turn, a miss, is still recognised
+and measures an interval. Ghosts only name conversations; they never change what is
+computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+MAX_TRACKED_CONTINUATIONS = 1024  # bounded memory: older conversations are forgotten
+MAX_GHOSTS = 64  # each miss compares its prompt with at most this many ghosts
+GHOST_TAIL_TOKENS = 64  # compared before a ghost's digest is (re)computed
+
+
+def prefix_digest(token_ids: list[int]) -> bytes:
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class _Turns:
+    last_tick: int
+    interval: float | None = None  # running average; None until the conversation comes back once
+
+
+@dataclass(frozen=True)
+class _Ghost:
+    frontier: int
+    tail: tuple[int, ...]
+    digest: bytes
+
+
+class ContinuationForecast:
+    def __init__(self) -> None:
+        self.tick = 0  # admissions so far
+        self._turns: OrderedDict[str, _Turns] = OrderedDict()
+        self._ghosts: OrderedDict[str, _Ghost] = OrderedDict()
+        self._typical: float | None = None  # typical_interval(), until the next turn
+
+    def note_turn(self, continuation: str) -> None:
+        """A request of this conversation was admitted."""
+        self.tick += 1
+        self._typical = None
+        turns = self._turns.pop(continuation, None)
+        if turns is None:
+            turns = _Turns(self.tick)
+        else:
+            gap = self.tick - turns.last_tick
+            # Even weight to the newest gap: agents' pace changes between phases of a task.
+            turns.interval = gap if turns.interval is None else (turns.interval + gap) / 2
+            turns.last_tick = self.tick
+        self._turns[continuation] = turns
+        while len(self._turns) > MAX_TRACKED_CONTINUATIONS:
+            self._turns.popitem(last=False)
+
+    def next_turn(self, continuation: str, current: bool = False) -> float:
+        """Predicted admission tick of its next turn. `current`: the conversation being admitted
+        now; any other one that was due by now is overdue (this admission is not its turn)."""
+        turns = self._turns.get(continuation)
+        if turns is None:
+            return math.inf  # forgotten: not seen for over MAX_TRACKED_CONTINUATIONS conversations
+        if turns.interval is None and current:
+            return self.tick + 1  # a newcomer is kept, as least recently used would: most are agents' turns
+        due = turns.last_tick + (turns.interval if turns.interval is not None else self.typical_interval())
+        if current or due > self.tick:
+            return due
+        # Overdue: off its schedule, so placed as far ahead as it is behind (abandoned ones age out).
+        return self.tick + (self.tick - due) + 1
+
+    def typical_interval(self) -> float:
+        """What a conversation that has not come back yet is assumed to take: the median interval
+        of those that have (1 while none has: due at the next admission)."""
+        if self._typical is None:
+            intervals = sorted(t.interval for t in self._turns.values() if t.interval is not None)
+            self._typical = intervals[len(intervals) // 2] if intervals else 1.0
+        return self._typical
+
+    def last_turn(self, continuation: str) -> int:
+        turns = self._turns.get(continuation)
+        return turns.last_tick if turns is not None else 0
+
+    def remember(self, continuation: str, token_ids: list[int]) -> None:
+        """Keep the identity of a conversation that loses (or is declined) a checkpoint at len(token_ids)."""
+        ghost = self._ghosts.get(continuation)
+        if ghost is not None and ghost.frontier >= len(token_ids):
+            self._ghosts.move_to_end(continuation)
+            return
+        self._ghosts[continuation] = _Ghost(
+            len(token_ids), tuple(token_ids[-GHOST_TAIL_TOKENS:]), prefix_digest(token_ids)
+        )
+        self._ghosts.move_to_end(continuation)
+        while len(self._ghosts) > MAX_GHOSTS:
+            self._ghosts.popitem(last=False)
+
+    def recall(self, prompt: list[int]) -> str | None:
+        """The conversation whose longest remembered prefix this prompt extends, if any."""
+        best: tuple[int, str] | None = None
+        for continuation, ghost in self._ghosts.items():
+            frontier = ghost.frontier
+            if frontier > len(prompt) or (best is not None and frontier <= best[0]):
+                continue
+            if tuple(prompt[frontier - len(ghost.tail) : frontier]) != ghost.tail:
+                continue
+            if prefix_digest(prompt[:frontier]) == ghost.digest:
+                best = (frontier, continuation)
+        return best[1] if best is not None else None

@@ -1,0 +1,59 @@
+"""ContinuationForecast: predicted turns of conversations and the identity of dropped ones."""
+
+import math
+
+from ninfer.engine import continuation_forecast
+from ninfer.engine.continuation_forecast import ContinuationForecast
+
+
+def test_a_conversation_that_has_not_come_back_yet_takes_the_typical_interval():
+    forecast = ContinuationForecast()
+    forecast.note_turn("a")
+    assert forecast.next_turn("a", current=True) == 2  # a newcomer: due at the next admission
+    for name in "bcbc":  # b and c come back every 2 admissions
+        forecast.note_turn(name)
+    forecast.note_turn("d")  # tick 6
+    assert forecast.typical_interval() == 2
+    assert forecast.next_turn("d", current=True) == 7
+    assert forecast.next_turn("d") == 8  # seen from a later admission: the typical interval
+    # a was due at tick 3 and this admission is not its turn: as far ahead as it is behind, and one more.
+    assert forecast.next_turn("a") == 6 + 3 + 1
+    assert forecast.next_turn("forgotten") == math.inf and forecast.last_turn("forgotten") == 0
+
+
+def test_the_next_turn_follows_the_mean_interval_and_ages_once_overdue():
+    forecast = ContinuationForecast()
+    for name in "abcabc":  # round-robin: each conversation comes back every 3 admissions
+        forecast.note_turn(name)
+    assert [forecast.next_turn(name) for name in "abc"] == [7, 8, 9]
+    forecast.note_turn("a")  # tick 7: a on time
+    forecast.note_turn("a")  # tick 8: a again after 1, mean (3 + 1) / 2
+    assert forecast.next_turn("a") == 10
+    for _ in range(20):
+        forecast.note_turn("x")
+    # b was due at tick 8 and has not come: placed as far ahead as it is behind (tick 28).
+    assert forecast.tick == 28 and forecast.next_turn("b") == 28 + 20 + 1
+
+
+def test_recall_finds_the_longest_remembered_prefix_a_prompt_extends():
+    forecast = ContinuationForecast()
+    history = list(range(1000, 1300))
+    forecast.remember("short", history[:100])
+    forecast.remember("long", history[:250])
+    assert forecast.recall(history + [7]) == "long"
+    assert forecast.recall(history[:200]) == "short"
+    assert forecast.recall(history[:99]) is None
+    edited = list(history)
+    edited[10] = 5  # a different prefix with the same tail
+    assert forecast.recall(edited) is None
+    forecast.remember("long", history[:50])  # a shorter prefix never replaces a longer one
+    assert forecast.recall(history) == "long"
+
+
+def test_ghosts_are_bounded():
+    forecast = ContinuationForecast()
+    for index in range(continuation_forecast.MAX_GHOSTS + 5):
+        forecast.remember(f"c{index}", [index] * 8)
+    assert forecast.recall([0] * 9) is None  # the oldest were forgotten
+    last = continuation_forecast.MAX_GHOSTS + 4
+    assert forecast.recall([last] * 9) == f"c{last}"
