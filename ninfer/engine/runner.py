@@ -22,6 +22,7 @@ for the GPU's queue to drain, so no step could be enqueued ahead.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from collections.abc import Sequence
 from itertools import chain
 
@@ -53,6 +54,7 @@ from ninfer.engine.verify_graphs import VerifyGraphs
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.dflash import DflashDraftModel
 from ninfer.models.forward_batch import ForwardBatch, HostStaging
+from ninfer.models.step_snapshots import StepSnapshots
 from ninfer.models.verify_scratch import VerifyRows
 
 log = logging.getLogger("ninfer.engine")
@@ -361,34 +363,51 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], staging: HostStaging, num_verify: int = 0
     ) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor]:
         """The step's forward; the first num_verify chunks are speculative verification rows
-        (their logits are the Speculator's). -> (hidden [T, H], the batch, input ids [T])."""
-        query_lens = [len(c.token_ids) for c in chunks]
+        (their logits are the Speculator's). -> (hidden [T, H], the batch, input ids [T]).
+
+        A chunk with a snapshot runs as two requests on its slot: its rows before the frontier
+        (their last row's logits go to the snapshot slot) and, last in the batch, the rest; the
+        hidden rows then follow the batch's order, not the chunks' (no speculator runs then)."""
+        snapshotting = [c for c in chunks if c.snapshot_slot is not None]
+        parts = [_ForwardPart(c, 0, c.snapshot_tokens if c.snapshot_slot is not None else len(c.token_ids)) for c in chunks]
+        parts += [_ForwardPart(c, c.snapshot_tokens, len(c.token_ids)) for c in snapshotting]
+        query_lens = [part.end - part.start for part in parts]
         logits_rows: list[int] = []
         logits_slots: list[int] = []
         chained_offsets: list[int] = []
         chained_rows: list[int] = []
         offset = 0
-        for chunk, query_len in zip(chunks, query_lens):
+        for part, query_len in zip(parts, query_lens):
+            chunk = part.chunk
             if chunk.previous_row is not None:
                 chained_offsets.append(offset)
                 chained_rows.append(chunk.previous_row)
             offset += query_len
-            if chunk.compute_logits and not chunk.speculative:
+            if part.is_snapshot:
+                logits_rows.append(offset - 1)
+                logits_slots.append(chunk.snapshot_slot)
+            elif chunk.compute_logits and not chunk.speculative:
                 logits_rows.append(offset - 1)
                 logits_slots.append(chunk.state_slot)
         batch = ForwardBatch.stage(
             query_lens=query_lens,
-            num_computed_tokens=[c.num_computed_tokens for c in chunks],
-            page_ids=[c.page_ids for c in chunks],
-            state_slots=[c.state_slot for c in chunks],
+            num_computed_tokens=[p.chunk.num_computed_tokens + p.start for p in parts],
+            page_ids=[p.chunk.page_ids for p in parts],
+            state_slots=[p.chunk.state_slot for p in parts],
             kv_cache=self.kv_cache,
             state_cache=self.state_cache,
             logits_indices=logits_rows,
             staging=staging,
             mrope=self.mrope,
-            rope_positions=[c.rope_positions for c in chunks],
+            rope_positions=[p.rope_positions for p in parts],
         )
-        tokens = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64, count=batch.num_tokens)
+        if snapshotting:
+            batch.snapshots = StepSnapshots(
+                staging.add(np.array([c.state_slot for c in snapshotting], dtype=np.int64)),
+                staging.add(np.array([c.snapshot_slot for c in snapshotting], dtype=np.int64)),
+                len(snapshotting),
+            )
+        tokens = np.fromiter(chain.from_iterable(p.token_ids for p in parts), dtype=np.int64, count=batch.num_tokens)
         self._media_rows(chunks, tokens, staging, batch)
         input_ids = staging.add(tokens)
         logits_slots_device = staging.add(np.array(logits_slots, dtype=np.int64))
@@ -408,3 +427,27 @@ class ModelRunner:
                 logits[:, self.num_valid_tokens :] = float("-inf")
             self.slot_logits.index_copy_(0, logits_slots_device, logits)
         return hidden, batch, input_ids
+
+
+@dataclass(frozen=True)
+class _ForwardPart:
+    """Tokens [start, end) of a chunk, as one request of the forward batch."""
+
+    chunk: ScheduledChunk
+    start: int
+    end: int
+
+    @property
+    def is_snapshot(self) -> bool:
+        """The rows before a snapshot's frontier: their last row's logits belong to the checkpoint."""
+        return self.chunk.snapshot_slot is not None and self.end == self.chunk.snapshot_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        ids = self.chunk.token_ids
+        return ids if self.start == 0 and self.end == len(ids) else ids[self.start : self.end]
+
+    @property
+    def rope_positions(self) -> np.ndarray | None:
+        positions = self.chunk.rope_positions
+        return positions if positions is None else positions[:, self.start : self.end]

@@ -43,6 +43,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     state_slot: int | None = None
     capture_frontiers: list[tuple[int, str]] = field(default_factory=list)  # ascending, still to capture
+    snapshot: tuple[int, str, int] | None = None  # (frontier, path, slot) captured inside the chunk in flight
     num_thinking_tokens: int = 0  # model-origin tokens while thinking is open
     thinking_open: bool = False
     num_forced_tokens: int = 0
@@ -115,11 +116,3 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def next_prefill_chunk(self, max_chunk_tokens: int) -> int:
-        """Tokens of the next prompt chunk: at most max_chunk_tokens, ending at the next capture frontier."""
-        end = min(self.prompt_len, self.num_computed_tokens + max_chunk_tokens)
-        for frontier, _ in self.capture_frontiers:
-            if self.num_computed_tokens < frontier < end:
-                end = frontier
-                break
-        return end - self.num_computed_tokens

@@ -6,11 +6,14 @@ and autotunes per key, at first use: without this the first request after start-
 tens of seconds. The phases:
   worst  prompt chunks of several requests filling one step's whole budget (the step with the
          most activations: its peak is what --kv-capacity auto sets aside), then their decode
-  ladder single prompts from just under that budget down to 17 tokens by halves, each split by
-         a checkpoint a third of the way in (with prefix reuse), so its rest runs over cached context
+  ladder single prompts from just under that budget down to 17 tokens by halves; with prefix
+         reuse each resumes from the checkpoint of a request for its first third (so its rest
+         runs over cached context) and snapshots a checkpoint two thirds of the way in, inside
+         its step (a turn closure before a chat's generation prompt)
   tails  prompts whose last 1 to 16 tokens run as a step of their own over cached context, as a
-         chat's generation prompt does after its turn-closure checkpoint: one per query-block
-         size the attention kernel compiles for short rows (1, 2, 4, 8, 16)
+         chat's generation prompt does after its turn-closure checkpoint when that cannot be
+         snapshotted inside the step: one per query-block size the attention kernel compiles
+         for short rows (1, 2, 4, 8, 16)
   mixed  requests decoding while another's prompt runs beside them in mixed-budget chunks and
          an odd-sized tail over cached context; penalized, greedy and sampled rows throughout
 Requests are synthetic token ids; nothing they leave in the context cache survives, and every
@@ -95,13 +98,18 @@ def mixed_step_requests(config, vocab_size: int) -> tuple[list[EngineRequest], E
     return decoding, joining
 
 
-def tail_request(config, tail: int, vocab_size: int) -> EngineRequest:
-    """A prompt split by a checkpoint `tail` tokens before its end (without one the whole prompt
-    would run as a single chunk), so those tokens are a step's only query rows."""
+def resumed_requests(name: str, prompt: list[int], resume_at: int, sampling: SamplingParams,
+                     hints: list[CaptureHint]) -> tuple[EngineRequest, EngineRequest]:
+    """A request for prompt[:resume_at], whose endpoint checkpoint the second, for the whole prompt
+    (with `hints`), then resumes from: run one after the other, the second computes only the rest."""
+    head = EngineRequest(f"{name}-head", prompt[:resume_at], GREEDY, max_new_tokens=1)
+    return head, EngineRequest(name, prompt, sampling, max_new_tokens=1, capture_hints=hints)
+
+
+def tail_requests(config, tail: int, vocab_size: int) -> tuple[EngineRequest, EngineRequest]:
+    """A prompt whose last `tail` tokens are a step's only query rows, over cached context."""
     length = min(67 + tail, config.max_context - 2)
-    hints = [CaptureHint(length - tail, ReusePath.PRIVATE_TURN_CLOSURE)]
-    return EngineRequest(f"warm-tail-{tail}", _prompt(length, 400 + tail, vocab_size), GREEDY, max_new_tokens=1,
-                         capture_hints=hints)
+    return resumed_requests(f"warm-tail-{tail}", _prompt(length, 400 + tail, vocab_size), length - tail, GREEDY, [])
 
 
 def run_warm_up(core) -> WarmUpReport:
@@ -118,15 +126,17 @@ def run_warm_up(core) -> WarmUpReport:
     )
     num_steps = _run(core, [(0, worst)])
     for i, length in enumerate(prompt_ladder(config)):
-        prompt = _prompt(length, 300 + length, vocab_size)
-        # A checkpoint a third of the way in splits the prompt: its second chunk runs over cached
-        # context, as a conversation's does after its long anchor or turn-closure frontier.
-        hints = [CaptureHint(length // 3, ReusePath.PRIVATE_TURN_CLOSURE)] if config.prefix_reuse else []
-        request = EngineRequest(f"warm-prompt-{length}", prompt, ROTATION[i % len(ROTATION)], max_new_tokens=1,
-                                capture_hints=hints)
-        num_steps += _run(core, [(0, [request])])
+        prompt, sampling, name = _prompt(length, 300 + length, vocab_size), ROTATION[i % len(ROTATION)], f"warm-prompt-{length}"
+        if not config.prefix_reuse:
+            num_steps += _run(core, [(0, [EngineRequest(name, prompt, sampling, max_new_tokens=1)])])
+            continue
+        # Resumed a third of the way in, as a conversation's turn is, with a checkpoint inside its step.
+        hints = [CaptureHint(2 * length // 3, ReusePath.PRIVATE_TURN_CLOSURE)]
+        for request in resumed_requests(name, prompt, length // 3, sampling, hints):
+            num_steps += _run(core, [(0, [request])])
     for tail in TAIL_LENGTHS if config.prefix_reuse else ():
-        num_steps += _run(core, [(0, [tail_request(config, tail, vocab_size)])])  # alone: its own query block
+        for request in tail_requests(config, tail, vocab_size):  # alone: its own query block
+            num_steps += _run(core, [(0, [request])])
     decoding, joining = mixed_step_requests(config, vocab_size)
     if len(decoding) + 1 <= config.max_concurrency:
         num_steps += _run(core, [(0, decoding), (2, [joining])])  # joins once the others decode

@@ -20,6 +20,7 @@ import torch
 
 from ninfer.models.kv_cache import KVCache
 from ninfer.models.state_cache import StateCache
+from ninfer.models.step_snapshots import StepSnapshots
 from ninfer.models.verify_scratch import VerifyRows
 
 # Every staged array starts on this byte boundary: dtype views of the byte buffer need their
@@ -127,6 +128,8 @@ class ForwardBatch:
     # Media: these flat rows take the vision tower's output [M, H] instead of their token embedding.
     media_rows: torch.Tensor | None = None
     media_embeds: torch.Tensor | None = None
+    # Checkpoints captured inside the step (its last requests continue earlier ones).
+    snapshots: StepSnapshots | None = None
 
     @property
     def num_requests(self) -> int:
@@ -143,7 +146,7 @@ class ForwardBatch:
 
     @property
     def is_decode_only(self) -> bool:
-        return self.verify is None and all(q == 1 for q in self.query_lens_cpu)
+        return self.verify is None and self.snapshots is None and all(q == 1 for q in self.query_lens_cpu)
 
     def num_computed_tokens(self, request_index: int) -> int:
         """Tokens already in the cache before this step for request b."""

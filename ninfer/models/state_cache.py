@@ -53,6 +53,12 @@ class StateCache:
         self.conv[:, dst].copy_(self.conv[:, src])
         self.recurrent[:, dst].copy_(self.recurrent[:, src])
 
+    def copy_layer_slots(self, layer_index: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """One layer's state of slots src[i] into dst[i] (device index tensors: no host sync)."""
+        conv, recurrent = self.layer(layer_index)
+        conv.index_copy_(0, dst, conv.index_select(0, src))
+        recurrent.index_copy_(0, dst, recurrent.index_select(0, src))
+
     @property
     def bytes_per_slot(self) -> int:
         conv = self.conv[:, 0].numel() * self.conv.element_size()

@@ -37,6 +37,7 @@ def test_warm_up_covers_the_worst_step_mixed_steps_and_decode_then_restores_the_
     assert {len(s.chunks) for s in steps if s.kind is StepKind.DECODE} >= {2, 3}  # decode batches
     continuations = [c for s in steps if s.kind is StepKind.PREFILL for c in s.chunks if c.num_computed_tokens > 0]
     assert continuations, "a prompt chunk over cached context in a prompt-only step"
+    assert any(c.snapshot_slot is not None for c in continuations), "a checkpoint inside a step"
     # A chat's generation prompt after its turn-closure checkpoint: a few query rows alone in a step.
     tails = {len(s.chunks[0].token_ids) for s in steps
              if s.kind is StepKind.PREFILL and len(s.chunks) == 1 and s.chunks[0].num_computed_tokens > 0}

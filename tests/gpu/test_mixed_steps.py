@@ -1,15 +1,18 @@
 """Mixed steps on the GPU: decode rows and prompt chunks of several requests in one forward give
 what each computed alone gives (the varlen GDN, conv and attention kernels with 1-token and
-long rows together, continuation chunks over cached context included)."""
+long rows together, continuation chunks over cached context included), and a chunk that
+snapshots a checkpoint inside its step gives what two steps and a slot copy give."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.runner import ModelRunner
-from ninfer.engine.scheduler import ResetSlot, ScheduledChunk, SchedulerStep, StepKind
+from ninfer.engine.scheduler import CopySlot, ResetSlot, ScheduledChunk, SchedulerStep, StepKind
 from tests.gpu.test_cuda_graphs import ARCHITECTURES, _model, needs_cuda
 
 pytestmark = [pytest.mark.gpu, needs_cuda]
@@ -70,3 +73,34 @@ def test_a_mixed_step_equals_its_rows_computed_one_by_one(arch, tmp_root):
                 scale = want.float().abs().max().item()
                 assert diff <= 0.05 * scale, f"{row.request_id} {what}: max |diff| {diff} (scale {scale:.3g})"
     assert mixed_ids.keys() == alone_ids.keys()
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_a_checkpoint_inside_a_step_equals_one_copied_after_a_step_that_ends_there(arch, tmp_root):
+    """A prompt chunk that snapshots its frontier inside the step (beside a decode row) leaves the
+    same checkpoint and the same request state as a step ending at the frontier, a slot copy, then
+    a step for the rest."""
+    model = _model(arch, tmp_root, torch.bfloat16, "cuda")
+    runners = [ModelRunner(model, 6 * PAGES_PER_REQUEST, PAGE_SIZE, num_state_slots=6) for _ in range(2)]
+    decoding, prompt, frontier, snapshot_slot = tokens(1, 45), tokens(50, 140), 133, 5
+    for runner in runners:
+        fresh = [ResetSlot(slot) for slot in range(6)]
+        runner.execute(SchedulerStep(StepKind.PREFILL, [chunk(1, decoding, 0)], before=fresh))
+    inside, after = runners
+    snapshotting = dataclasses.replace(chunk(0, prompt, 0), snapshot_tokens=frontier, snapshot_slot=snapshot_slot)
+    inside.execute(SchedulerStep(StepKind.MIXED, [chunk(1, [7], len(decoding)), snapshotting]))
+    after.execute(SchedulerStep(StepKind.MIXED, [chunk(1, [7], len(decoding)), chunk(0, prompt[:frontier], 0, sample=False)]))
+    after.execute(SchedulerStep(StepKind.PREFILL, [chunk(0, prompt[frontier:], frontier)],
+                                before=[CopySlot(0, snapshot_slot)]))
+    pages = torch.tensor(chunk(0, [], 0).page_ids, device="cuda")
+    pairs = [("checkpoint logits", inside.slot_logits[snapshot_slot], after.slot_logits[snapshot_slot]),
+             ("logits", inside.slot_logits[0], after.slot_logits[0]),
+             ("keys", inside.kv_cache.k[:, pages], after.kv_cache.k[:, pages])]
+    if inside.state_cache is not None:
+        for slot, what in ((snapshot_slot, "checkpoint"), (0, "request")):
+            pairs += [(f"{what} recurrent state", inside.state_cache.recurrent[:, slot], after.state_cache.recurrent[:, slot]),
+                      (f"{what} conv state", inside.state_cache.conv[:, slot], after.state_cache.conv[:, slot])]
+    for what, got, want in pairs:
+        diff = (got.float() - want.float()).abs().max().item()
+        scale = want.float().abs().max().item()
+        assert diff <= 0.02 * scale, f"{what}: max |diff| {diff} (scale {scale:.3g})"

@@ -50,10 +50,11 @@ def test_frontiers_at_or_before_the_reuse_point_are_not_captured_again():
     assert frontiers([], reused=0, prompt_len=10) == [(10, ENDPOINT)]
 
 
-def test_a_resumed_chat_turn_takes_two_prompt_steps_instead_of_four(byte_tokenizer):
+def test_a_resumed_chat_turn_takes_one_prompt_step_instead_of_four(byte_tokenizer):
     """The shape seen on an agent's Chat turn: resumed at the previous turn's closure, a long anchor
     a few tokens on (the assistant message's start), the new implicit candidate and turn closure
-    two tokens apart, then the generation prompt."""
+    two tokens apart, then the generation prompt. Coalescing leaves one capture, the turn
+    closure, and the step snapshots it on its way to the generation prompt."""
     h = Harness(byte_tokenizer, max_concurrency=1, extra_slots=4, kv_tokens=4096, max_context=2048, prefill_chunk=2048)
     sampling = SamplingParams(temperature=0.0)
     history = [97 + i % 26 for i in range(600)]
@@ -67,9 +68,9 @@ def test_a_resumed_chat_turn_takes_two_prompt_steps_instead_of_four(byte_tokeniz
     captured = dict(h.cache.counters.captures)
     h.add(EngineRequest("t2", turn, sampling, max_new_tokens=2, capture_hints=hints))
     h.run()
-    prompt_steps = [[(c.num_computed_tokens, len(c.token_ids)) for c in s.chunks] for s in h.steps
-                    if s.kind is StepKind.PREFILL]
-    assert prompt_steps == [[(595, 896)], [(1_491, 5)]]
+    prompt_steps = [[(c.num_computed_tokens, len(c.token_ids), c.snapshot_tokens) for c in s.chunks]
+                    for s in h.steps if s.kind is StepKind.PREFILL]
+    assert prompt_steps == [[(595, 901, 896)]]  # the closure at 1,491, inside the step
     assert h.final("t2").cached_tokens == 595 and h.final("t2").reuse_path == CLOSURE
     new_captures = {path: n - captured.get(path, 0) for path, n in h.cache.counters.captures.items()}
     assert new_captures.get(CLOSURE.value) == 1  # at 1,491; the candidate and the anchor never were

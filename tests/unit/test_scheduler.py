@@ -107,6 +107,11 @@ class FakeRunner:
             for i, tok in enumerate(token_ids):
                 pos = computed + i
                 self.pages[chunk.page_ids[pos // self.page_size]][pos % self.page_size] = tok
+            if chunk.snapshot_slot is not None:
+                # A checkpoint inside the chunk: the state and logits after its first snapshot_tokens.
+                assert 0 < chunk.snapshot_tokens < len(token_ids) and chunk.previous_row is None
+                self.slots[chunk.snapshot_slot] = full[: computed + chunk.snapshot_tokens]
+                self.slot_logits[chunk.snapshot_slot] = list(self.slots[chunk.snapshot_slot])
             self.slots[chunk.state_slot] = full[: computed + len(token_ids)]
             if chunk.compute_logits and token_ids:
                 self.slot_logits[chunk.state_slot] = list(self.slots[chunk.state_slot])
@@ -623,8 +628,10 @@ def test_capture_hint_inside_prompt_and_partial_page_copy(byte_tokenizer):
     h = Harness(byte_tokenizer, page_size=8, prefill_chunk=16)
     h.add(req("a", PROMPT, max_new=2, capture_hints=[CaptureHint(21, "shared_stable_prefix")]))
     h.run()
-    prefill_sizes = [s.num_tokens for s in h.steps if s.kind is StepKind.PREFILL]
-    assert prefill_sizes[:2] == [16, 5]  # the chunk ends exactly at the frontier
+    prefill = [s.chunks[0] for s in h.steps if s.kind is StepKind.PREFILL]
+    # The chunk goes on past the frontier, which it snapshots inside the step.
+    assert [len(c.token_ids) for c in prefill[:2]] == [16, 16]
+    assert prefill[1].snapshot_tokens == 5 and prefill[1].snapshot_slot is not None
     other = PROMPT[:21] + [ord(c) for c in "completely different"]
     h.add(req("b", other, max_new=4))
     h.run()
@@ -632,6 +639,28 @@ def test_capture_hint_inside_prompt_and_partial_page_copy(byte_tokenizer):
     assert out.cached_tokens == 21 and out.reuse_path == "shared_stable_prefix"
     assert h.tokens("b") == expected_continuation(other, 4)
     assert any(isinstance(a, CopyPage) for s in h.steps for a in s.before)
+    h.assert_empty()
+
+
+def test_a_snapshot_slot_is_given_back_when_its_step_fails_and_kept_when_its_request_ends(byte_tokenizer):
+    h = Harness(byte_tokenizer, max_concurrency=1, prefill_chunk=64)
+    hint = [CaptureHint(30, "private_turn_closure")]
+    h.add(req("a", PROMPT, max_new=3, capture_hints=hint))
+    step = h.scheduler.schedule()
+    assert step.chunks[0].snapshot_tokens == 30 and step.chunks[0].snapshot_slot is not None
+    h._record(h.scheduler.fail_steps([step], "simulated device fault"))
+    assert h.final("a").error is not None and len(h.cache) == 0
+    h.assert_empty()
+    # Cancelled while its step runs: the step still lands, and what it computed is kept.
+    h.add(req("b", PROMPT, max_new=3, capture_hints=hint))
+    step, sampled = h._launch(h.scheduler.schedule())
+    h._record([h.scheduler.abort("b")])
+    h._record(h.scheduler.update(step, sampled))
+    h.assert_balanced()
+    assert 30 in {ck.frontier for ck in h.cache.checkpoints.values()}
+    h.add(req("c", PROMPT[:30] + [ord("?")], max_new=2))  # and it serves: the FakeRunner checks the state
+    h.run()
+    assert h.final("c").cached_tokens == 30 and h.tokens("c") == expected_continuation(PROMPT[:30] + [ord("?")], 2)
     h.assert_empty()
 
 

@@ -2,12 +2,14 @@
 
 Two capture kinds (context cache): a snapshot at a prompt frontier (the prompt end and
 the API's capture hints), which copies the active state slot after the step that reached
-it; and the request's endpoint when it finishes, which hands its slot and pages over to
-the cache instead of releasing them (no copy).
+it, or inside the step when the chunk goes on past the frontier (ScheduledChunk's
+snapshot); and the request's endpoint when it finishes, which hands its slot and pages over
+to the cache instead of releasing them (no copy).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Iterable
 
@@ -29,6 +31,13 @@ ANCHOR_MIN_GAP = 256
 # A turn closure this close after the implicit cache candidate differs from it by template
 # markers only (the end of the last message's text vs. the message's end marker).
 CLOSURE_MIN_GAP = 16
+
+
+class Snapshot(enum.Enum):
+    """Why a frontier inside a chunk gets no snapshot slot (Checkpoints.reserve_snapshot)."""
+
+    NOT_NEEDED = "not_needed"
+    NO_SLOT = "no_slot"
 
 
 def capture_frontiers(
@@ -106,6 +115,47 @@ class Checkpoints:
                   ReusePath(path).value)
         # Runs before the next forward, so it still sees the state right after this frontier.
         self.actions.append(CopySlot(seq.state_slot, slot))
+
+    def reserve_snapshot(self, seq: Sequence, frontier: int, path) -> int | Snapshot:
+        """Ready a capture at `frontier` inside the chunk being scheduled: the device slot it
+        will be copied into (also kept in seq.snapshot until the step has run), NOT_NEEDED when
+        the cache would not keep it or holds those tokens already (the chunk simply goes on), or
+        NO_SLOT (the chunk then ends at the frontier, to capture it after the step)."""
+        tokens = seq.token_ids[:frontier]
+        if not self.cache.accepts(ReusePath(path), seq.continuation):
+            self.cache.decline(seq.continuation, tokens)
+            return Snapshot.NOT_NEEDED
+        existing = self.cache.find_identical(tokens)
+        if existing is not None:
+            self.cache.touch(existing)
+            return Snapshot.NOT_NEEDED
+        if self.state_pool.num_free == 0 and not self.placement.free_device_slot():
+            return Snapshot.NO_SLOT
+        slot = self.state_pool.allocate()
+        seq.snapshot = (frontier, path, slot)
+        return slot
+
+    def keep_snapshot(self, seq: Sequence) -> None:
+        """The step with seq's snapshot has run: its slot holds the StateImage at the frontier."""
+        frontier, path, slot = seq.snapshot
+        seq.snapshot = None
+        tokens = seq.token_ids[:frontier]
+        existing = self.cache.find_identical(tokens)  # captured by another request meanwhile
+        if existing is not None:
+            self.cache.touch(existing)
+            self.state_pool.release(slot)
+            return
+        pages = seq.pages[: self.kv_pool.pages_for(frontier)]
+        self.kv_pool.share(pages)
+        ck = self.cache.insert(tokens, pages, slot, ReusePath(path), seq.request.session_key, seq.continuation)
+        log.debug("cache: %s captures checkpoint %d at %d tokens inside its step (%s)", seq.request_id,
+                  ck.checkpoint_id, frontier, ReusePath(path).value)
+
+    def release_snapshot(self, seq: Sequence) -> None:
+        """Give up seq's snapshot slot (its step failed, or seq ended while the step ran)."""
+        if seq.snapshot is not None:
+            self.state_pool.release(seq.snapshot[2])
+            seq.snapshot = None
 
     def release_or_capture_endpoint(self, seq: Sequence) -> None:
         """A finished request's pages and slot: kept as its endpoint checkpoint when the slot holds

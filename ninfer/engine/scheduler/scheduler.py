@@ -20,6 +20,7 @@ endpoint checkpoint with that token included, when N+1 lands (update of N+1).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.context_costs import ContextCosts, generic_costs
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.admission import Admission, SchedulerLimits
-from ninfer.engine.scheduler.checkpoints import Checkpoints
+from ninfer.engine.scheduler.checkpoints import Checkpoints, Snapshot
 from ninfer.engine.scheduler.outputs import delta_output, final_output
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import CachePlanner
@@ -180,6 +181,7 @@ class Scheduler:
                 out.error = EngineError(ErrorCode.STEP_FAILED, message)
                 self._outbox.append(out)
             seq.num_steps_in_flight = 0
+            self.checkpoints.release_snapshot(seq)
             self.kv_pool.release(seq.pages)
             if seq.state_slot is not None:
                 self.state_pool.release(seq.state_slot)
@@ -329,12 +331,35 @@ class Scheduler:
         )
 
     def _prefill_chunk(self, seq: Sequence, max_tokens: int) -> ScheduledChunk:
-        num_tokens = seq.next_prefill_chunk(max_tokens)
+        """At most max_tokens of seq's prompt. The first capture frontier inside is snapshotted
+        within the step where it can be, so the chunk goes on past it (a chat's generation
+        prompt after its turn closure costs no step of its own); the next one ends the chunk."""
         start = seq.num_computed_tokens
-        end = start + num_tokens
+        end = min(seq.prompt_len, start + max_tokens)
+        snapshot_slot = None
+        for frontier, path in seq.capture_frontiers:
+            if not start < frontier < end:
+                continue
+            if snapshot_slot is None and self._snapshots_in_step(seq):
+                reserved = self.checkpoints.reserve_snapshot(seq, frontier, path)
+                if reserved is Snapshot.NOT_NEEDED:
+                    continue
+                if reserved is not Snapshot.NO_SLOT:
+                    snapshot_slot = reserved
+                    continue
+            end = frontier
+            break
         last = end == seq.prompt_len
         captures_here = any(f == end for f, _ in seq.capture_frontiers)
-        return self._chunk(seq, seq.token_ids[start:end], compute_logits=last or captures_here, sample=last)
+        chunk = self._chunk(seq, seq.token_ids[start:end], compute_logits=last or captures_here, sample=last)
+        if snapshot_slot is None:
+            return chunk
+        return dataclasses.replace(chunk, snapshot_tokens=seq.snapshot[0] - start, snapshot_slot=snapshot_slot)
+
+    def _snapshots_in_step(self, seq: Sequence) -> bool:
+        # Speculative steps carry drafter state per slot, and media rows are placed by token order:
+        # both keep the plain path (a step that ends at the frontier, then a copy).
+        return self.limits.prefix_reuse and self.limits.spec_backend is None and not seq.has_media
 
     @staticmethod
     def _media_fields(seq: Sequence, start: int, num_tokens: int) -> dict:
@@ -432,6 +457,8 @@ class Scheduler:
                     self._land_after_finish(self._draining.pop(seq.request_id), chunk)
                     continue
             if seq is None or seq.is_finished:
+                if seq is not None:
+                    self.checkpoints.release_snapshot(seq)
                 continue  # cancelled while the step ran
             if chunk.speculative:
                 num_decode_rows += 1
@@ -443,6 +470,8 @@ class Scheduler:
                 seq.logits_frontier = seq.num_computed_tokens
             if was_prefilling:
                 self.stats.prefill_tokens += len(chunk.token_ids)
+                if seq.snapshot is not None:
+                    self.checkpoints.keep_snapshot(seq)
                 self.checkpoints.capture_prompt_frontiers(seq)
             if was_prefilling and not seq.is_prefilling:
                 seq.timings.prompt_done = now
@@ -575,6 +604,8 @@ class Scheduler:
         seq.num_computed_tokens += len(chunk.token_ids)
         if chunk.compute_logits:
             seq.logits_frontier = seq.num_computed_tokens
+        if seq.snapshot is not None:
+            self.checkpoints.keep_snapshot(seq)
         self.checkpoints.release_or_capture_endpoint(seq)
 
     # ---- outputs -------------------------------------------------------------------

@@ -117,6 +117,11 @@ class ScheduledChunk:
     rope_positions: np.ndarray | None = None
     rope_offset: int = 0
     media: tuple[MediaInput, ...] = ()
+    # A checkpoint captured inside this chunk: after its first snapshot_tokens tokens, the slot's
+    # StateImage and that row's logits are copied into snapshot_slot, and the rest of the chunk
+    # continues from the state (models/step_snapshots.py). Prompt chunks without media only.
+    snapshot_tokens: int = 0
+    snapshot_slot: int | None = None
 
 
 @dataclass(frozen=True)

@@ -73,18 +73,36 @@ class GatedDeltaNet(nn.Module):
                 parts.append(self._verify_rows(qkv[:num_verify], a[:num_verify], b[:num_verify], batch))
             if num_verify < num_tokens:
                 first = verify.num_requests if verify is not None else 0
-                slots, lens = batch.state_slots[first:], batch.query_lens_cpu[first:]
-                # Contiguous q, k, v straight from the conv: the chunked kernels would copy views.
-                q, k, v = causal_conv1d(qkv[num_verify:], conv_weight, conv_state, slots, lens, split)
-                # Gates in fp32: exp(A_log) overflows half precision and g feeds an exp per token.
-                g, beta = gdn_gates(a[num_verify:], b[num_verify:], self.A_log, self.dt_bias)
-                parts.append(chunk_gated_delta_rule(*self._heads(q, k, v), g, beta, recurrent_state, slots, lens))
+                snapshots = batch.snapshots
+                # Requests that continue an earlier one of this batch run after it (same slot).
+                last = batch.num_requests - (snapshots.num_continuing_requests if snapshots is not None else 0)
+                split_row = num_verify + sum(batch.query_lens_cpu[first:last])
+                parts.append(self._chunked(qkv, a, b, num_verify, split_row, first, last, batch))
+                if snapshots is not None:
+                    # The checkpoint: the slot's state after the rows before its frontier.
+                    batch.state_cache.copy_layer_slots(self.state_layer_index, snapshots.src_slots, snapshots.dst_slots)
+                    parts.append(self._chunked(qkv, a, b, split_row, num_tokens, last, batch.num_requests, batch))
             core = parts[0] if len(parts) == 1 else torch.cat(parts)
 
         z = z.reshape(num_tokens, self.num_v_heads, self.v_head_dim)
         # z is in_proj's output, with at least the rule launched since: read before the PDL wait.
         out = self.norm(core, z, early_gate=True).reshape(num_tokens, self.value_dim)
         return self.out_proj(out)
+
+    def _chunked(
+        self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_start: int, row_end: int,
+        first: int, last: int, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Rows [row_start, row_end) of requests [first, last) through the conv and the chunked rule."""
+        conv_state, recurrent_state = batch.state_cache.layer(self.state_layer_index)
+        slots, lens = batch.state_slots[first:last], batch.query_lens_cpu[first:last]
+        split = (self.key_dim, self.key_dim, self.value_dim)
+        rows = slice(row_start, row_end)
+        # Contiguous q, k, v straight from the conv: the chunked kernels would copy views.
+        q, k, v = causal_conv1d(qkv[rows], self.conv1d.weight.squeeze(1), conv_state, slots, lens, split)
+        # Gates in fp32: exp(A_log) overflows half precision and g feeds an exp per token.
+        g, beta = gdn_gates(a[rows], b[rows], self.A_log, self.dt_bias)
+        return chunk_gated_delta_rule(*self._heads(q, k, v), g, beta, recurrent_state, slots, lens)
 
     def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         num_tokens = q.shape[0]
