@@ -11,6 +11,7 @@ attention models may reuse any common prefix (KV is valid position by position).
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ from ninfer.engine.cache_counters import CacheCounters
 from ninfer.engine.continuation_forecast import ContinuationForecast
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.state_pool import StatePool
+
+log = logging.getLogger("ninfer.engine")
 
 
 @dataclass
@@ -50,6 +53,11 @@ class Checkpoint:
     @property
     def frontier(self) -> int:
         return len(self.token_ids)
+
+
+def shared_key(checkpoint: Checkpoint) -> str:
+    """A shared prefix's name in the forecast (its uses are counted as a conversation's turns are)."""
+    return f"shared:{checkpoint.checkpoint_id}"
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,14 @@ class ContextCache:
                 best = (key, CacheHit(ck, reused))
         return best[1] if best else None
 
+    def note_admission(self, continuation: str, prompt: list[int]) -> None:
+        """A request of this conversation was admitted: a turn for the forecast, and a use of every
+        shared prefix its prompt extends (whichever checkpoint it resumes from)."""
+        self.forecast.note_turn(continuation)
+        for ck in self.checkpoints.values():
+            if ck.shared and ck.frontier <= len(prompt) and prompt[: ck.frontier] == ck.token_ids:
+                self.forecast.note_use(shared_key(ck))
+
     def touch(self, checkpoint: Checkpoint) -> None:
         checkpoint.last_used = next(self._clock)
         self.version += 1
@@ -147,6 +163,8 @@ class ContextCache:
 
     def decline(self, continuation: str, token_ids: list[int]) -> None:
         """A private capture accepts() refused: its conversation keeps its identity for the limit."""
+        log.debug("cache: no checkpoint at %d tokens: conversation %s is the one past the limit", len(token_ids),
+                  continuation)
         if self.limits.max_private_continuations:
             self.forecast.remember(continuation, token_ids)
 
@@ -194,7 +212,15 @@ class ContextCache:
         limits = self.limits
         others = [c for c in self.checkpoints.values() if c is not new]
         if new.shared:
-            self._drop_oldest([c for c in others if c.shared], limits.max_shared_prefixes)
+            self.forecast.note_use(shared_key(new))
+            shared = [c for c in others if c.shared]
+            if limits.max_shared_prefixes is not None and len(shared) + 1 > limits.max_shared_prefixes:
+                # As for conversations: the prefixes predicted to be used again last give way.
+                forecast = self.forecast
+                shared.sort(key=lambda c: (-forecast.next_turn(shared_key(c)), c.last_used))
+                for c in shared[: len(shared) + 1 - limits.max_shared_prefixes]:
+                    log.debug("cache: checkpoint %d (%d tokens, shared) dropped: --max-shared-prefixes", c.checkpoint_id, c.frontier)
+                    self.remove(c)
             return
         if new.path is ReusePath.PRIVATE_LONG_ANCHOR:
             same = [c for c in others if c.path is new.path and c.continuation == new.continuation]
@@ -205,6 +231,8 @@ class ContextCache:
         giving_way = [c for c in ranked if c != new.continuation][:excess]  # never the new one
         for c in others:
             if not c.shared and c.continuation in giving_way:
+                log.debug("cache: checkpoint %d (%d tokens) dropped: its conversation %s gives way to %s",
+                          c.checkpoint_id, c.frontier, c.continuation, new.continuation)
                 self.remove(c)
 
     def _drop_oldest(self, group: list[Checkpoint], limit: int | None) -> None:

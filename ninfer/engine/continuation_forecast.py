@@ -12,8 +12,8 @@ that, until it comes back, it is assumed to take the median interval of those th
 One past its predicted turn moves further out the longer it stays away, so abandoned
 conversations and one-off requests give way.
 
-A conversation whose checkpoints were dropped keeps its identity as a ghost (the digest
-of its longest dropped or declined prefix): its next turn, a miss, is still recognised
+A conversation whose checkpoints were dropped keeps its identity as a ghost (the digests
+of its longest dropped or declined prefixes): its next turn, a miss, is still recognised
 and measures an interval. Ghosts only name conversations; they never change what is
 computed.
 """
@@ -27,7 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 MAX_TRACKED_CONTINUATIONS = 1024  # bounded memory: older conversations are forgotten
-MAX_GHOSTS = 64  # each miss compares its prompt with at most this many ghosts
+MAX_GHOSTS = 64  # conversations remembered; each miss compares its prompt with their prefixes
+GHOSTS_PER_CONVERSATION = 4  # the longest dropped or declined prefixes of each
 GHOST_TAIL_TOKENS = 64  # compared before a ghost's digest is (re)computed
 
 
@@ -52,13 +53,18 @@ class ContinuationForecast:
     def __init__(self) -> None:
         self.tick = 0  # admissions so far
         self._turns: OrderedDict[str, _Turns] = OrderedDict()
-        self._ghosts: OrderedDict[str, _Ghost] = OrderedDict()
+        self._ghosts: OrderedDict[str, list[_Ghost]] = OrderedDict()
         self._typical: float | None = None  # typical_interval(), until the next turn
 
     def note_turn(self, continuation: str) -> None:
         """A request of this conversation was admitted."""
         self.tick += 1
+        self.note_use(continuation)
+
+    def note_use(self, key: str) -> None:
+        """The admission just noted also used `key` (a conversation, or a shared prefix its prompt extends)."""
         self._typical = None
+        continuation = key
         turns = self._turns.pop(continuation, None)
         if turns is None:
             turns = _Turns(self.tick)
@@ -98,27 +104,26 @@ class ContinuationForecast:
         return turns.last_tick if turns is not None else 0
 
     def remember(self, continuation: str, token_ids: list[int]) -> None:
-        """Keep the identity of a conversation that loses (or is declined) a checkpoint at len(token_ids)."""
-        ghost = self._ghosts.get(continuation)
-        if ghost is not None and ghost.frontier >= len(token_ids):
-            self._ghosts.move_to_end(continuation)
-            return
-        self._ghosts[continuation] = _Ghost(
-            len(token_ids), tuple(token_ids[-GHOST_TAIL_TOKENS:]), prefix_digest(token_ids)
-        )
-        self._ghosts.move_to_end(continuation)
+        """Keep the identity of a conversation that loses (or is declined) a checkpoint at
+        len(token_ids). A few prefixes each: a next turn extends its turn closure, not the reply's end."""
+        ghosts = self._ghosts.pop(continuation, [])
+        if all(g.frontier != len(token_ids) for g in ghosts):
+            ghosts.append(_Ghost(len(token_ids), tuple(token_ids[-GHOST_TAIL_TOKENS:]), prefix_digest(token_ids)))
+            ghosts = sorted(ghosts, key=lambda g: g.frontier)[-GHOSTS_PER_CONVERSATION:]
+        self._ghosts[continuation] = ghosts
         while len(self._ghosts) > MAX_GHOSTS:
             self._ghosts.popitem(last=False)
 
     def recall(self, prompt: list[int]) -> str | None:
         """The conversation whose longest remembered prefix this prompt extends, if any."""
         best: tuple[int, str] | None = None
-        for continuation, ghost in self._ghosts.items():
-            frontier = ghost.frontier
-            if frontier > len(prompt) or (best is not None and frontier <= best[0]):
-                continue
-            if tuple(prompt[frontier - len(ghost.tail) : frontier]) != ghost.tail:
-                continue
-            if prefix_digest(prompt[:frontier]) == ghost.digest:
-                best = (frontier, continuation)
+        for continuation, ghosts in self._ghosts.items():
+            for ghost in ghosts:
+                frontier = ghost.frontier
+                if frontier > len(prompt) or (best is not None and frontier <= best[0]):
+                    continue
+                if tuple(prompt[frontier - len(ghost.tail) : frontier]) != ghost.tail:
+                    continue
+                if prefix_digest(prompt[:frontier]) == ghost.digest:
+                    best = (frontier, continuation)
         return best[1] if best is not None else None

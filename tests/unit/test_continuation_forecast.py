@@ -46,8 +46,11 @@ def test_recall_finds_the_longest_remembered_prefix_a_prompt_extends():
     edited = list(history)
     edited[10] = 5  # a different prefix with the same tail
     assert forecast.recall(edited) is None
-    forecast.remember("long", history[:50])  # a shorter prefix never replaces a longer one
-    assert forecast.recall(history) == "long"
+    forecast.remember("long", history[:50])  # a conversation keeps several prefixes
+    assert forecast.recall(history[:60]) == "long" and forecast.recall(history) == "long"
+    for length in (260, 270, 280, 290):  # ... its longest few
+        forecast.remember("long", history[:length])
+    assert forecast.recall(history[:60]) is None and forecast.recall(history[:265]) == "long"
 
 
 def test_ghosts_are_bounded():

@@ -392,7 +392,7 @@ class Admission:
         else:
             recalled = self.cache.forecast.recall(seq.token_ids) if self.limits.prefix_reuse else None
             seq.continuation = recalled or f"c{next(self._continuations)}"
-        self.cache.forecast.note_turn(seq.continuation)
+        self.cache.note_admission(seq.continuation, seq.token_ids)
         seq.num_computed_tokens = seq.num_cached_tokens = reused
         if hit is not None and hit.is_exact_frontier:
             seq.logits_frontier = reused
