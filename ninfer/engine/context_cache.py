@@ -168,7 +168,9 @@ class ContextCache:
         if self.limits.max_private_continuations:
             self.forecast.remember(continuation, token_ids)
 
-    def _continuations_by_drop_order(self, new_continuation: str, ignore: Checkpoint | None = None) -> tuple[list[str], int]:
+    def _continuations_by_drop_order(
+        self, new_continuation: str, ignore: Checkpoint | None = None
+    ) -> tuple[list[str], int]:
         """The conversations holding private checkpoints, with new_continuation's, in the order they
         give way under the continuation limit (predicted to come back last first, then least
         recently used), and how many must give way; (ignore: a checkpoint not to count)."""
@@ -219,7 +221,8 @@ class ContextCache:
                 forecast = self.forecast
                 shared.sort(key=lambda c: (-forecast.next_turn(shared_key(c)), c.last_used))
                 for c in shared[: len(shared) + 1 - limits.max_shared_prefixes]:
-                    log.debug("cache: checkpoint %d (%d tokens, shared) dropped: --max-shared-prefixes", c.checkpoint_id, c.frontier)
+                    log.debug("cache: checkpoint %d (%d tokens, shared) dropped: --max-shared-prefixes",
+                              c.checkpoint_id, c.frontier)
                     self.remove(c)
             return
         if new.path is ReusePath.PRIVATE_LONG_ANCHOR:

@@ -64,16 +64,15 @@ class ContinuationForecast:
     def note_use(self, key: str) -> None:
         """The admission just noted also used `key` (a conversation, or a shared prefix its prompt extends)."""
         self._typical = None
-        continuation = key
-        turns = self._turns.pop(continuation, None)
+        turns = self._turns.pop(key, None)
         if turns is None:
             turns = _Turns(self.tick)
-        else:
+        elif self.tick > turns.last_tick:  # not the same admission again
             gap = self.tick - turns.last_tick
             # Even weight to the newest gap: agents' pace changes between phases of a task.
             turns.interval = gap if turns.interval is None else (turns.interval + gap) / 2
             turns.last_tick = self.tick
-        self._turns[continuation] = turns
+        self._turns[key] = turns
         while len(self._turns) > MAX_TRACKED_CONTINUATIONS:
             self._turns.popitem(last=False)
 

@@ -369,7 +369,8 @@ class ModelRunner:
         (their last row's logits go to the snapshot slot) and, last in the batch, the rest; the
         hidden rows then follow the batch's order, not the chunks' (no speculator runs then)."""
         snapshotting = [c for c in chunks if c.snapshot_slot is not None]
-        parts = [_ForwardPart(c, 0, c.snapshot_tokens if c.snapshot_slot is not None else len(c.token_ids)) for c in chunks]
+        parts = [_ForwardPart(c, 0, c.snapshot_tokens if c.snapshot_slot is not None else len(c.token_ids))
+                 for c in chunks]
         parts += [_ForwardPart(c, c.snapshot_tokens, len(c.token_ids)) for c in snapshotting]
         query_lens = [part.end - part.start for part in parts]
         logits_rows: list[int] = []

@@ -126,7 +126,8 @@ def run_warm_up(core) -> WarmUpReport:
     )
     num_steps = _run(core, [(0, worst)])
     for i, length in enumerate(prompt_ladder(config)):
-        prompt, sampling, name = _prompt(length, 300 + length, vocab_size), ROTATION[i % len(ROTATION)], f"warm-prompt-{length}"
+        prompt, sampling = _prompt(length, 300 + length, vocab_size), ROTATION[i % len(ROTATION)]
+        name = f"warm-prompt-{length}"
         if not config.prefix_reuse:
             num_steps += _run(core, [(0, [EngineRequest(name, prompt, sampling, max_new_tokens=1)])])
             continue

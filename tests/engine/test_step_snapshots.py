@@ -82,7 +82,8 @@ def test_a_prompt_chunk_takes_one_snapshot_and_ends_at_the_next_frontier(models,
     hf, ours = models
     core, baseline, steps = _recording_engine(ours)
     hints = [CaptureHint(40, ReusePath.SHARED_STABLE_PREFIX), CaptureHint(FRONTIER, ReusePath.PRIVATE_TURN_CLOSURE)]
-    core.add_request(EngineRequest("a", HISTORY, SamplingParams(temperature=0.0), max_new_tokens=4, capture_hints=hints))
+    greedy = SamplingParams(temperature=0.0)
+    core.add_request(EngineRequest("a", HISTORY, greedy, max_new_tokens=4, capture_hints=hints))
     outputs = tokens_of(run_to_end(core)["a"])
     chunks = [(c.num_computed_tokens, len(c.token_ids), c.snapshot_tokens) for s in steps
               if s.kind is StepKind.PREFILL for c in s.chunks]

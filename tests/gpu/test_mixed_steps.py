@@ -89,7 +89,8 @@ def test_a_checkpoint_inside_a_step_equals_one_copied_after_a_step_that_ends_the
     inside, after = runners
     snapshotting = dataclasses.replace(chunk(0, prompt, 0), snapshot_tokens=frontier, snapshot_slot=snapshot_slot)
     inside.execute(SchedulerStep(StepKind.MIXED, [chunk(1, [7], len(decoding)), snapshotting]))
-    after.execute(SchedulerStep(StepKind.MIXED, [chunk(1, [7], len(decoding)), chunk(0, prompt[:frontier], 0, sample=False)]))
+    first_part = chunk(0, prompt[:frontier], 0, sample=False)
+    after.execute(SchedulerStep(StepKind.MIXED, [chunk(1, [7], len(decoding)), first_part]))
     after.execute(SchedulerStep(StepKind.PREFILL, [chunk(0, prompt[frontier:], frontier)],
                                 before=[CopySlot(0, snapshot_slot)]))
     pages = torch.tensor(chunk(0, [], 0).page_ids, device="cuda")
@@ -98,8 +99,9 @@ def test_a_checkpoint_inside_a_step_equals_one_copied_after_a_step_that_ends_the
              ("keys", inside.kv_cache.k[:, pages], after.kv_cache.k[:, pages])]
     if inside.state_cache is not None:
         for slot, what in ((snapshot_slot, "checkpoint"), (0, "request")):
-            pairs += [(f"{what} recurrent state", inside.state_cache.recurrent[:, slot], after.state_cache.recurrent[:, slot]),
-                      (f"{what} conv state", inside.state_cache.conv[:, slot], after.state_cache.conv[:, slot])]
+            for name in ("recurrent", "conv"):
+                got, want = getattr(inside.state_cache, name), getattr(after.state_cache, name)
+                pairs.append((f"{what} {name} state", got[:, slot], want[:, slot]))
     for what, got, want in pairs:
         diff = (got.float() - want.float()).abs().max().item()
         scale = want.float().abs().max().item()
