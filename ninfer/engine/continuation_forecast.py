@@ -8,9 +8,11 @@ the conversations due soonest (Belady's rule, predicted): a conversation's next 
 its last turn plus its interval between turns (a running average that weighs the newest
 gap half, counted in admissions). A newcomer is kept (due at the next admission, as least
 recently used would have it: a conversation's second turn usually follows soon); after
-that, until it comes back, it is assumed to take the median interval of those that have.
-One past its predicted turn moves further out the longer it stays away, so abandoned
-conversations and one-off requests give way.
+that, until it comes back, it is assumed to take the median interval of those that have,
+and the conversation being captured is assumed no slower than that median (one back after
+a long pause goes on at the usual pace). One past its predicted turn is off its schedule
+and is ordered as least recently used would, by its age, so abandoned conversations and
+one-off requests give way.
 
 A conversation whose checkpoints were dropped keeps its identity as a ghost (the digests
 of its longest dropped or declined prefixes): its next turn, a miss, is still recognised
@@ -77,18 +79,22 @@ class ContinuationForecast:
             self._turns.popitem(last=False)
 
     def next_turn(self, continuation: str, current: bool = False) -> float:
-        """Predicted admission tick of its next turn. `current`: the conversation being admitted
-        now; any other one that was due by now is overdue (this admission is not its turn)."""
+        """Predicted admission tick of its next turn. `current`: the conversation being captured
+        now; any other one that was due by now is overdue."""
         turns = self._turns.get(continuation)
         if turns is None:
             return math.inf  # forgotten: not seen for over MAX_TRACKED_CONTINUATIONS conversations
-        if turns.interval is None and current:
-            return self.tick + 1  # a newcomer is kept, as least recently used would: most are agents' turns
+        if current:
+            if turns.interval is None:
+                return self.tick + 1  # a newcomer is kept, as least recently used would: most are agents' turns
+            # Back after a long pause, a conversation's next turns still come at the usual pace.
+            return turns.last_tick + min(turns.interval, self.typical_interval())
         due = turns.last_tick + (turns.interval if turns.interval is not None else self.typical_interval())
-        if current or due > self.tick:
+        if due > self.tick:
             return due
-        # Overdue: off its schedule, so placed as far ahead as it is behind (abandoned ones age out).
-        return self.tick + (self.tick - due) + 1
+        # Overdue (this admission is not its turn): off its schedule, so ordered as least recently
+        # used would, as far ahead as it is old. Abandoned conversations and one-offs age out.
+        return self.tick + (self.tick - turns.last_tick)
 
     def typical_interval(self) -> float:
         """What a conversation that has not come back yet is assumed to take: the median interval

@@ -16,8 +16,8 @@ def test_a_conversation_that_has_not_come_back_yet_takes_the_typical_interval():
     assert forecast.typical_interval() == 2
     assert forecast.next_turn("d", current=True) == 7
     assert forecast.next_turn("d") == 8  # seen from a later admission: the typical interval
-    # a was due at tick 3 and this admission is not its turn: as far ahead as it is behind, and one more.
-    assert forecast.next_turn("a") == 6 + 3 + 1
+    # a was due at tick 3 and has not come: ordered by its age, as least recently used would.
+    assert forecast.next_turn("a") == 6 + 5
     assert forecast.next_turn("forgotten") == math.inf and forecast.last_turn("forgotten") == 0
 
 
@@ -29,10 +29,15 @@ def test_the_next_turn_follows_the_mean_interval_and_ages_once_overdue():
     forecast.note_turn("a")  # tick 7: a on time
     forecast.note_turn("a")  # tick 8: a again after 1, mean (3 + 1) / 2
     assert forecast.next_turn("a") == 10
-    for _ in range(20):
+    for _ in range(10):
+        forecast.note_turn("z")
+    forecast.note_turn("a")  # tick 19, after a pause of 11: interval (2 + 11) / 2
+    assert forecast.next_turn("a") == 19 + 6.5
+    assert forecast.next_turn("a", current=True) == 19 + forecast.typical_interval() < 19 + 6.5
+    for _ in range(9):  # back to tick 28 for what follows
         forecast.note_turn("x")
-    # b was due at tick 8 and has not come: placed as far ahead as it is behind (tick 28).
-    assert forecast.tick == 28 and forecast.next_turn("b") == 28 + 20 + 1
+    # b was due at tick 8 and has not come since tick 5: ordered by its age (tick 28).
+    assert forecast.tick == 28 and forecast.next_turn("b") == 28 + 23
 
 
 def test_recall_finds_the_longest_remembered_prefix_a_prompt_extends():
