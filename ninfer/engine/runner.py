@@ -22,8 +22,8 @@ for the GPU's queue to drain, so no step could be enqueued ahead.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np

@@ -34,7 +34,7 @@ CLOSURE_MIN_GAP = 16
 
 
 class Snapshot(enum.Enum):
-    """Why a frontier inside a chunk gets no snapshot slot (Checkpoints.reserve_snapshot)."""
+    """Why a capture at a frontier gets no device slot (Checkpoints.reserve_snapshot)."""
 
     NOT_NEEDED = "not_needed"
     NO_SLOT = "no_slot"
@@ -97,22 +97,10 @@ class Checkpoints:
                 self._capture_copy(seq, frontier, path)
 
     def _capture_copy(self, seq: Sequence, frontier: int, path) -> None:
-        tokens = seq.token_ids[:frontier]
-        if not self.cache.accepts(ReusePath(path), seq.continuation):
-            self.cache.decline(seq.continuation, tokens)
-            return
-        existing = self.cache.find_identical(tokens)
-        if existing is not None:
-            self.cache.touch(existing)
-            return
-        if self.state_pool.num_free == 0 and not self.placement.free_device_slot():
-            return  # every device slot is active: skip this capture
-        slot = self.state_pool.allocate()
-        pages = seq.pages[: self.kv_pool.pages_for(frontier)]
-        self.kv_pool.share(pages)
-        ck = self.cache.insert(tokens, pages, slot, ReusePath(path), seq.request.session_key, seq.continuation)
-        log.debug("cache: %s captures checkpoint %d at %d tokens (%s)", seq.request_id, ck.checkpoint_id, frontier,
-                  ReusePath(path).value)
+        slot = self._capture_slot(seq, frontier, path)
+        if isinstance(slot, Snapshot):
+            return  # nothing to keep, or every device slot is active: skip this capture
+        self._insert(seq, frontier, path, slot, "")
         # Runs before the next forward, so it still sees the state right after this frontier.
         self.actions.append(CopySlot(seq.state_slot, slot))
 
@@ -121,6 +109,24 @@ class Checkpoints:
         will be copied into (also kept in seq.snapshot until the step has run), NOT_NEEDED when
         the cache would not keep it or holds those tokens already (the chunk simply goes on), or
         NO_SLOT (the chunk then ends at the frontier, to capture it after the step)."""
+        slot = self._capture_slot(seq, frontier, path)
+        if not isinstance(slot, Snapshot):
+            seq.snapshot = (frontier, path, slot)
+        return slot
+
+    def keep_snapshot(self, seq: Sequence) -> None:
+        """The step with seq's snapshot has run: its slot holds the StateImage at the frontier."""
+        frontier, path, slot = seq.snapshot
+        seq.snapshot = None
+        existing = self.cache.find_identical(seq.token_ids[:frontier])  # captured by another request meanwhile
+        if existing is not None:
+            self.cache.touch(existing)
+            self.state_pool.release(slot)
+            return
+        self._insert(seq, frontier, path, slot, " inside its step")
+
+    def _capture_slot(self, seq: Sequence, frontier: int, path) -> int | Snapshot:
+        """A device slot for a checkpoint of seq at `frontier`, or why there is none to take."""
         tokens = seq.token_ids[:frontier]
         if not self.cache.accepts(ReusePath(path), seq.continuation):
             self.cache.decline(seq.continuation, tokens)
@@ -131,25 +137,16 @@ class Checkpoints:
             return Snapshot.NOT_NEEDED
         if self.state_pool.num_free == 0 and not self.placement.free_device_slot():
             return Snapshot.NO_SLOT
-        slot = self.state_pool.allocate()
-        seq.snapshot = (frontier, path, slot)
-        return slot
+        return self.state_pool.allocate()
 
-    def keep_snapshot(self, seq: Sequence) -> None:
-        """The step with seq's snapshot has run: its slot holds the StateImage at the frontier."""
-        frontier, path, slot = seq.snapshot
-        seq.snapshot = None
-        tokens = seq.token_ids[:frontier]
-        existing = self.cache.find_identical(tokens)  # captured by another request meanwhile
-        if existing is not None:
-            self.cache.touch(existing)
-            self.state_pool.release(slot)
-            return
+    def _insert(self, seq: Sequence, frontier: int, path, slot: int, where: str) -> None:
+        """Register seq's checkpoint at `frontier` in `slot`, sharing its pages up to there."""
         pages = seq.pages[: self.kv_pool.pages_for(frontier)]
         self.kv_pool.share(pages)
-        ck = self.cache.insert(tokens, pages, slot, ReusePath(path), seq.request.session_key, seq.continuation)
-        log.debug("cache: %s captures checkpoint %d at %d tokens inside its step (%s)", seq.request_id,
-                  ck.checkpoint_id, frontier, ReusePath(path).value)
+        ck = self.cache.insert(seq.token_ids[:frontier], pages, slot, ReusePath(path), seq.request.session_key,
+                               seq.continuation)
+        log.debug("cache: %s captures checkpoint %d at %d tokens%s (%s)", seq.request_id, ck.checkpoint_id, frontier,
+                  where, ReusePath(path).value)
 
     def release_snapshot(self, seq: Sequence) -> None:
         """Give up seq's snapshot slot (its step failed, or seq ended while the step ran)."""

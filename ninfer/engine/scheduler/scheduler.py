@@ -336,7 +336,7 @@ class Scheduler:
         prompt after its turn closure costs no step of its own); the next one ends the chunk."""
         start = seq.num_computed_tokens
         end = min(seq.prompt_len, start + max_tokens)
-        snapshot_slot = None
+        snapshot_at, snapshot_slot = 0, None
         for frontier, path in seq.capture_frontiers:
             if not start < frontier < end:
                 continue
@@ -345,7 +345,7 @@ class Scheduler:
                 if reserved is Snapshot.NOT_NEEDED:
                     continue
                 if reserved is not Snapshot.NO_SLOT:
-                    snapshot_slot = reserved
+                    snapshot_at, snapshot_slot = frontier, reserved
                     continue
             end = frontier
             break
@@ -354,7 +354,7 @@ class Scheduler:
         chunk = self._chunk(seq, seq.token_ids[start:end], compute_logits=last or captures_here, sample=last)
         if snapshot_slot is None:
             return chunk
-        return dataclasses.replace(chunk, snapshot_tokens=seq.snapshot[0] - start, snapshot_slot=snapshot_slot)
+        return dataclasses.replace(chunk, snapshot_tokens=snapshot_at - start, snapshot_slot=snapshot_slot)
 
     def _snapshots_in_step(self, seq: Sequence) -> bool:
         # Speculative steps carry drafter state per slot, and media rows are placed by token order:
