@@ -1,14 +1,17 @@
 """Step shapes: what one engine step costs on the GPU, to choose the step token budgets.
 
 Random weights in the real Qwen3.5 shapes (as `ninfer bench`), the server's KV page size, the
-runner the server uses. Two tables:
+runner the server uses: with the step graphs the server captures (engine/step_graphs.py) and,
+beside it on the same weights, with every prompt step eager. Two tables:
   prefill  one request's prompt chunk of T tokens at context 0: step time, tok/s, peak memory
            beyond the pools (what --prefill-chunk costs and buys)
-  mixed    B decode rows at --context tokens each (CUDA graph when P = 0) plus a P-token prompt
-           chunk beside them: step time and its factor over the idle batch-1 decode step (what
-           --mixed-prefill-chunk does to the running requests' inter-token time), and the
-           prompt rate it gives
-Timed with CUDA events after two warm-up runs, median of --repeats.
+  mixed    B decode rows at --context tokens each (B may be 0; the decode graphs when P = 0) plus
+           a P-token prompt chunk beside them: step time with and without step graphs, the sum of
+           the step's kernel times (the floor a step can reach when the host keeps ahead), its
+           factor over the idle batch-1 decode step (what --mixed-prefill-chunk does to the
+           running requests' inter-token time), and the prompt rate it gives
+Timed with CUDA events after two warm-up runs, median of --repeats; kernel time from a profile of
+three runs.
 
   python3 benchmarks/step_shapes.py --shape 27b --out results/step-shapes-27b.json
 """
@@ -59,12 +62,26 @@ def profile_step(fn, path: Path, label: str) -> None:
     log.info("%s", text[0])
 
 
+def kernel_ms(fn) -> float:
+    """Summed device time of the kernels of one run of fn (profile of three, after two warm-ups)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e3 / 3
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="27b")
     parser.add_argument("--prefill", default="512,1024,2048,4096,8192,16384", help="prompt chunk sizes")
-    parser.add_argument("--batches", default="1,4,8", help="decode rows beside the prompt chunk")
-    parser.add_argument("--mixed", default="0,64,128,256,384,512,1024", help="prompt tokens beside decode rows")
+    parser.add_argument("--batches", default="0,1,8", help="decode rows beside the prompt chunk")
+    parser.add_argument("--mixed", default="0,1,16,64,256,1024,4096", help="prompt tokens beside decode rows")
     parser.add_argument("--context", type=int, default=4096, help="tokens in each decode row's cache")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--profile", metavar="B,P", help="also profile one step of B decode rows + P prompt tokens: "
@@ -81,16 +98,28 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(config, torch.bfloat16, device)
     fill_random_(stored_parameters(model), 0)
     model.eval()
-    page_size = EngineConfig().page_size
-    max_batch = max(batches)
+    max_batch = max(max(batches), 1)
+    engine = EngineConfig(max_concurrency=max_batch)
+    page_size = engine.page_size
     pages_per_row = -(-(args.context + 2) // page_size)
-    prompt_pages = -(-max(max(prefills), max(mixed)) // page_size) + 1
+    prompt_pages = -(-max(max(prefills, default=0), max(mixed)) // page_size) + 1
     num_pages = max_batch * pages_per_row + prompt_pages
-    runner = ModelRunner(model, num_pages, page_size, num_state_slots=max_batch + 1,
-                         cuda_graph_batch_sizes=batches, max_context=args.context + 2)
-    with torch.no_grad():
-        runner.kv_cache.k.normal_()
-        runner.kv_cache.v.normal_()
+    max_context = max(args.context + 2, prompt_pages * page_size)
+    decode_sizes = [b for b in batches if b > 0]
+    runners = {}
+    for label, step_graph_tokens in (("graphs", engine.step_graph_tokens), ("eager", 0)):
+        started = time.perf_counter()
+        runner = runners[label] = ModelRunner(
+            model, num_pages, page_size, num_state_slots=max_batch + 1, cuda_graph_batch_sizes=decode_sizes,
+            max_context=max_context, max_batch=max_batch, step_graph_tokens=step_graph_tokens,
+        )
+        log.info("%s runner built in %.1f s (%.2f GiB of GPU memory reserved so far)", label,
+                 time.perf_counter() - started, torch.cuda.memory_reserved() / 2**30)
+        with torch.no_grad():
+            runner.kv_cache.k.normal_()
+            runner.kv_cache.v.normal_()
+    runner = runners["graphs"]
+    results_buckets = runner.step_graphs.buckets if runner.step_graphs is not None else []
     prompt_slot = max_batch
     prompt_page_ids = list(range(max_batch * pages_per_row, num_pages))
     vocab = min(200_000, config.vocab_size)
@@ -107,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             for b in range(batch)
         ]
 
-    results: dict = {"shape": args.shape, "page_size": page_size, "context": args.context, "prefill": [], "mixed": []}
+    results: dict = {"shape": args.shape, "page_size": page_size, "context": args.context,
+                     "step_graph_buckets": results_buckets, "prefill": [], "mixed": []}
     for tokens in prefills:
         step = SchedulerStep(StepKind.PREFILL, [prompt_chunk(tokens)])
         torch.cuda.synchronize()
@@ -119,20 +149,29 @@ def main(argv: list[str] | None = None) -> int:
         results["prefill"].append(row)
         log.info("prefill %6d tokens: %8.2f ms  %9.0f tok/s  peak +%.2f GiB", tokens, row["ms"], row["tok_per_s"],
                  row["peak_gib"])
-    idle = None
+    idle_step = SchedulerStep(StepKind.DECODE, decode_rows(1))
+    idle = median_ms(lambda: runner.execute(idle_step), args.repeats, warmup=2) / 1e3
     for batch in batches:
         for tokens in mixed:
+            if batch == 0 and tokens == 0:
+                continue
             chunks = decode_rows(batch) + ([prompt_chunk(tokens)] if tokens else [])
-            step = SchedulerStep(StepKind.MIXED if tokens else StepKind.DECODE, chunks)
-            seconds = median_ms(lambda: runner.execute(step), args.repeats, warmup=2) / 1e3
-            if batch == 1 and tokens == 0:
-                idle = seconds
-            row = {"decode_rows": batch, "prompt_tokens": tokens, "ms": seconds * 1e3,
-                   "factor_over_idle": seconds / idle if idle else None,
-                   "prompt_tok_per_s": tokens / seconds if tokens else 0.0}
+            step = SchedulerStep(StepKind.MIXED if tokens and batch else StepKind.PREFILL if tokens else StepKind.DECODE,
+                                 chunks)
+            row = {"decode_rows": batch, "prompt_tokens": tokens}
+            for label, timed in runners.items():
+                seconds = median_ms(lambda: timed.execute(step), args.repeats, warmup=2) / 1e3
+                row[f"{label}_ms"] = seconds * 1e3
+            # The kernels of the eager step (the same kernels, launched one by one).
+            row["kernel_ms"] = kernel_ms(lambda: runners["eager"].execute(step))
+            row["wall_over_kernels"] = row["graphs_ms"] / row["kernel_ms"]
+            row["factor_over_idle"] = row["graphs_ms"] / 1e3 / idle
+            row["prompt_tok_per_s"] = tokens / row["graphs_ms"] * 1e3 if tokens else 0.0
             results["mixed"].append(row)
-            log.info("decode %d + prompt %5d: %7.2f ms  x%.2f of idle  prompt %8.0f tok/s", batch, tokens, row["ms"],
-                     row["factor_over_idle"] or 0.0, row["prompt_tok_per_s"])
+            log.info("decode %d + prompt %5d: %7.2f ms with step graphs, %7.2f eager, kernels %7.2f (x%.2f)"
+                     "  x%.2f of idle  prompt %8.0f tok/s", batch, tokens, row["graphs_ms"], row["eager_ms"],
+                     row["kernel_ms"], row["wall_over_kernels"], row["factor_over_idle"],
+                     row["prompt_tok_per_s"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     if args.profile:

@@ -114,6 +114,16 @@ class EngineConfig:
         return self.kv_capacity if self.kv_capacity is not None else self.max_context + self.spare_kv_tokens
 
     @property
+    def step_graph_tokens(self) -> int:
+        """The largest prompt or mixed step captured in a CUDA graph (engine/step_graphs.py): a mixed
+        step's prompt budget beside max_concurrency decode rows, at least 1,024 prompt tokens and at
+        most 2,048 (larger steps keep the GPU busy while the host issues them), 0 without graphs."""
+        if not self.cuda_graphs:
+            return 0
+        prompt = min(max(self.mixed_prefill_chunk, 1024), 2048, self.prefill_chunk)
+        return prompt + self.max_concurrency
+
+    @property
     def num_kv_pages(self) -> int:
         return -(-self.kv_tokens // self.page_size)
 

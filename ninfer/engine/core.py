@@ -150,6 +150,7 @@ class EngineCore:
             draft_model=draft_model,
             vision_tower=vision_tower,
             kv_format=config.kv_dtype,
+            step_graph_tokens=config.step_graph_tokens if device_type == "cuda" else 0,
         )
         self.failed: str | None = None
         overlap = config.decode_overlap

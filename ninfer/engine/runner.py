@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from itertools import chain
-
 import numpy as np
 import torch
 
@@ -50,6 +47,8 @@ from ninfer.engine.scheduler import (
 from ninfer.engine.speculative.drafter_factory import make_drafter
 from ninfer.engine.speculative.proposal_head import ProposalHead
 from ninfer.engine.speculative.speculator import Speculator
+from ninfer.engine.step_graphs import StepGraphs, token_buckets
+from ninfer.engine.step_layout import StepLayout
 from ninfer.engine.verify_graphs import VerifyGraphs
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.dflash import DflashDraftModel
@@ -86,6 +85,7 @@ class ModelRunner:
         draft_model: DflashDraftModel | None = None,
         vision_tower: torch.nn.Module | None = None,
         kv_format: str = "bf16",
+        step_graph_tokens: int = 0,
     ):
         """kv_format: the --kv-dtype of the model's KV (a DFlash drafter's stays plain).
         cuda_graph_batch_sizes: decode batch sizes to capture a CUDA graph for (on CUDA,
@@ -95,18 +95,25 @@ class ModelRunner:
         head, or draft_model for dflash / dflash2; `drafter`: tests' stand-ins), proposals
         through the reduced-vocabulary head with lm_head_draft (draft_extra_token_ids: the added
         tokens it keeps). max_batch: requests in a step at most (default: the largest graph
-        batch, else the state slots). vision_tower: encodes the media of prompt steps (--vision)."""
+        batch, else the state slots). vision_tower: encodes the media of prompt steps (--vision).
+        step_graph_tokens > 0: prompt and mixed steps of up to that many tokens replay CUDA graphs
+        (step_graphs.py; on the CPU, tests run their padded forward uncaptured)."""
         self.model = model
         param = next(model.parameters())
         self.device = param.device
+        if step_graph_tokens and (blocker := self._step_graph_blocker(model, num_draft_tokens)) is not None:
+            log.info("prompt and mixed steps run eagerly: %s", blocker)
+            step_graph_tokens = 0
+        # Step graphs pad with a state slot and a KV page that no request uses (beyond the pools).
+        scratch = 1 if step_graph_tokens else 0
         self.kv_cache, self.state_cache = model.allocate_caches(
-            num_pages, page_size, num_state_slots, kv_dtype, kv_format=kv_format
+            num_pages + scratch, page_size, num_state_slots + scratch, kv_dtype, kv_format=kv_format
         )
         # A DFlash drafter's context KV lives in pages of its own shape under the same page ids.
         self.draft_kv_cache = draft_model.allocate_kv(num_pages, page_size, kv_dtype) if draft_model else None
         self.paged_caches = [c for c in (self.kv_cache, self.draft_kv_cache) if c is not None]
         vocab = model.config.vocab_size
-        self.slot_logits = torch.zeros(num_state_slots, vocab, dtype=torch.float32, device=self.device)
+        self.slot_logits = torch.zeros(num_state_slots + scratch, vocab, dtype=torch.float32, device=self.device)
         # Embedding rows past the tokenizer's ids are padding: never sample them.
         self.num_valid_tokens = min(num_valid_tokens or vocab, vocab)
         self.speculator: Speculator | None = None
@@ -147,8 +154,43 @@ class ModelRunner:
         self._last_sampled_rows: frozenset[int] = frozenset()
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
+        self.step_graphs: StepGraphs | None = None
+        max_context = max_context or num_pages * page_size
         if cuda_graph_batch_sizes:
-            self._capture_graphs(sorted(set(cuda_graph_batch_sizes)), max_context or num_pages * page_size)
+            self._capture_graphs(sorted(set(cuda_graph_batch_sizes)), max_context)
+        if step_graph_tokens:
+            # A chunk with a checkpoint inside it is two requests of the forward.
+            max_requests = 2 * (max_batch or max(cuda_graph_batch_sizes, default=num_state_slots))
+            self._build_step_graphs(step_graph_tokens, max_requests, max_context, num_state_slots, num_pages)
+
+    @staticmethod
+    def _step_graph_blocker(model: CausalLM, num_draft_tokens: int) -> str | None:
+        """Why prompt and mixed steps of this configuration run eagerly, or None."""
+        if num_draft_tokens:
+            return "speculative decoding (the drafter reads every prompt step's hidden states)"
+        if model.config.is_moe:
+            return "a MoE model (the routed experts' prompt path sizes its work on the host)"
+        if next(model.parameters()).is_cuda:
+            return graph_blocker(model)
+        return None
+
+    def _build_step_graphs(
+        self, max_tokens: int, max_requests: int, max_context: int, scratch_slot: int, scratch_page: int
+    ) -> None:
+        kv = self.kv_cache
+        max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
+        buckets = token_buckets(max_tokens)
+        graphs = StepGraphs(self.model, kv, self.state_cache, self.slot_logits, self.num_valid_tokens, buckets,
+                            max(max_requests, 2), max_pages, scratch_slot, scratch_page)
+        if self.device.type == "cuda":
+            try:
+                graphs.capture()
+            except Exception:  # noqa: BLE001 - as for the decode graphs: such steps run eagerly instead
+                log.exception("step graph capture failed; prompt and mixed steps run eagerly")
+                graphs.discard_warmup_writes()
+                return
+            log.info("CUDA graphs captured for prompt and mixed steps of %s tokens", ", ".join(map(str, buckets)))
+        self.step_graphs = graphs
 
     def _capture_graphs(self, batch_sizes: list[int], max_context: int) -> None:
         blocker = graph_blocker(self.model)
@@ -228,6 +270,10 @@ class ModelRunner:
         elif self.graphs is not None and self.graphs.can_run(step.chunks):
             ids = self.graphs.run(step.chunks, self._last_ids)
             sampled_rows = [row for row, c in enumerate(step.chunks) if c.sample]
+        elif self.step_graphs is not None and self.step_graphs.can_run(step.chunks):
+            self._staging.next_step()
+            self.step_graphs.run(step.chunks, self._last_ids)
+            ids, sampled_rows = self._sample(step.chunks, self._staging)
         else:
             ids, sampled_rows, verified = self._run_eagerly(step.chunks)
         self._last_ids = ids
@@ -276,9 +322,15 @@ class ModelRunner:
             hidden, batch, input_ids = self._forward(computed, staging, num_verify)
             if self.speculator is not None:
                 verified = self.speculator.run(computed, num_verify, hidden, batch, input_ids, staging)
+        ids, sampled_rows = self._sample(chunks, staging)
+        return ids, sampled_rows, verified
+
+    def _sample(self, chunks: list[ScheduledChunk], staging: HostStaging) -> tuple[torch.Tensor | None, list[int]]:
+        """Sample the rows that ask for it from their slots' logits; -> (sampled ids by chunk row on the
+        device, the rows that sample)."""
         sampled_rows = [row for row, c in enumerate(chunks) if c.sample and not c.speculative]
         if not sampled_rows:
-            return None, [], verified
+            return None, []
         to_sample = [chunks[row] for row in sampled_rows]
         slots = staging.add(np.array([c.state_slot for c in to_sample], dtype=np.int64))
         # Where each sampled id goes in the step's by-row ids (None: every row samples).
@@ -293,9 +345,9 @@ class ModelRunner:
         staging.flush()
         token_ids = self.sampler.sample(self.slot_logits.index_select(0, slots), batch)
         if rows is None:
-            return token_ids, sampled_rows, verified
+            return token_ids, sampled_rows
         by_row = torch.zeros(len(chunks), dtype=token_ids.dtype, device=self.device)
-        return by_row.index_copy_(0, rows, token_ids), sampled_rows, verified
+        return by_row.index_copy_(0, rows, token_ids), sampled_rows
 
     def _apply_actions(self, step: SchedulerStep) -> None:
         states = self.state_cache
@@ -368,51 +420,34 @@ class ModelRunner:
         A chunk with a snapshot runs as two requests on its slot: its rows before the frontier
         (their last row's logits go to the snapshot slot) and, last in the batch, the rest; the
         hidden rows then follow the batch's order, not the chunks' (no speculator runs then)."""
-        snapshotting = [c for c in chunks if c.snapshot_slot is not None]
-        parts = [_ForwardPart(c, 0, c.snapshot_tokens if c.snapshot_slot is not None else len(c.token_ids))
-                 for c in chunks]
-        parts += [_ForwardPart(c, c.snapshot_tokens, len(c.token_ids)) for c in snapshotting]
-        query_lens = [part.end - part.start for part in parts]
-        logits_rows: list[int] = []
-        logits_slots: list[int] = []
-        chained_offsets: list[int] = []
-        chained_rows: list[int] = []
-        offset = 0
-        for part, query_len in zip(parts, query_lens):
-            chunk = part.chunk
-            if chunk.previous_row is not None:
-                chained_offsets.append(offset)
-                chained_rows.append(chunk.previous_row)
-            offset += query_len
-            if part.is_snapshot:
-                logits_rows.append(offset - 1)
-                logits_slots.append(chunk.snapshot_slot)
-            elif chunk.compute_logits and not chunk.speculative:
-                logits_rows.append(offset - 1)
-                logits_slots.append(chunk.state_slot)
+        layout = StepLayout.of(chunks)
+        parts = layout.parts
+        query_lens = layout.query_lens
         batch = ForwardBatch.stage(
             query_lens=query_lens,
-            num_computed_tokens=[p.chunk.num_computed_tokens + p.start for p in parts],
+            num_computed_tokens=[p.num_computed_tokens for p in parts],
             page_ids=[p.chunk.page_ids for p in parts],
             state_slots=[p.chunk.state_slot for p in parts],
             kv_cache=self.kv_cache,
             state_cache=self.state_cache,
-            logits_indices=logits_rows,
+            logits_indices=layout.logits_rows,
             staging=staging,
             mrope=self.mrope,
             rope_positions=[p.rope_positions for p in parts],
         )
-        if snapshotting:
+        if layout.snapshotting:
             batch.snapshots = StepSnapshots(
-                staging.add(np.array([c.state_slot for c in snapshotting], dtype=np.int64)),
-                staging.add(np.array([c.snapshot_slot for c in snapshotting], dtype=np.int64)),
-                len(snapshotting),
+                staging.add(np.array([c.state_slot for c in layout.snapshotting], dtype=np.int64)),
+                staging.add(np.array([c.snapshot_slot for c in layout.snapshotting], dtype=np.int64)),
+                layout.num_continuing,
             )
-        tokens = np.fromiter(chain.from_iterable(p.token_ids for p in parts), dtype=np.int64, count=batch.num_tokens)
+        tokens = layout.token_array()
         self._media_rows(chunks, tokens, staging, batch)
         input_ids = staging.add(tokens)
-        logits_slots_device = staging.add(np.array(logits_slots, dtype=np.int64))
-        chained = staging.add(np.array([chained_offsets, chained_rows], dtype=np.int64)) if chained_offsets else None
+        logits_slots_device = staging.add(np.array(layout.logits_slots, dtype=np.int64))
+        chained = None
+        if layout.chained_offsets:
+            chained = staging.add(np.array([layout.chained_offsets, layout.chained_rows], dtype=np.int64))
         staging.flush()
         if chained is not None:
             # The ids the previous step sampled, still on the device (these chunks hold a placeholder).
@@ -422,33 +457,10 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.request_aux_hidden(batch)
         hidden = self.model(input_ids, batch)
-        if logits_rows:
+        if layout.logits_rows:
             logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).float()
             if self.num_valid_tokens < logits.shape[-1]:
                 logits[:, self.num_valid_tokens :] = float("-inf")
             self.slot_logits.index_copy_(0, logits_slots_device, logits)
         return hidden, batch, input_ids
 
-
-@dataclass(frozen=True)
-class _ForwardPart:
-    """Tokens [start, end) of a chunk, as one request of the forward batch."""
-
-    chunk: ScheduledChunk
-    start: int
-    end: int
-
-    @property
-    def is_snapshot(self) -> bool:
-        """The rows before a snapshot's frontier: their last row's logits belong to the checkpoint."""
-        return self.chunk.snapshot_slot is not None and self.end == self.chunk.snapshot_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        ids = self.chunk.token_ids
-        return ids if self.start == 0 and self.end == len(ids) else ids[self.start : self.end]
-
-    @property
-    def rope_positions(self) -> np.ndarray | None:
-        positions = self.chunk.rope_positions
-        return positions if positions is None else positions[:, self.start : self.end]

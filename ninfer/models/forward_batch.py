@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ninfer.models.kv_cache import KVCache
+from ninfer.models.padded_step import PaddedStep
 from ninfer.models.state_cache import StateCache
 from ninfer.models.step_snapshots import StepSnapshots
 from ninfer.models.verify_scratch import VerifyRows
@@ -117,8 +118,8 @@ class ForwardBatch:
     kv_cache: KVCache | None = None
     state_cache: StateCache | None = None
     # Host copies so reference ops can loop per request without device syncs.
-    query_lens_cpu: tuple[int, ...] = ()
-    seq_lens_cpu: tuple[int, ...] = ()
+    query_lens_cpu: tuple[int, ...] | None = ()
+    seq_lens_cpu: tuple[int, ...] | None = ()
     # Speculative verification: the first requests score their rows without writing state slots.
     verify: VerifyRows | None = None
     # A drafter's view of the trunk (off when empty): the residual stream after each named layer,
@@ -130,6 +131,9 @@ class ForwardBatch:
     media_embeds: torch.Tensor | None = None
     # Checkpoints captured inside the step (its last requests continue earlier ones).
     snapshots: StepSnapshots | None = None
+    # A step at a captured graph's fixed shape: empty requests and rows of none pad it, and the
+    # host copies of the lengths above are None (every kernel reads the device tensors).
+    padded: PaddedStep | None = None
 
     @property
     def num_requests(self) -> int:
@@ -142,11 +146,18 @@ class ForwardBatch:
     @property
     def max_query_len(self) -> int:
         """Host-side size for kernel grids; a captured decode batch has 1 on every replay."""
+        if self.padded is not None:
+            return self.padded.max_query_len
         return max(self.query_lens_cpu, default=0)
 
     @property
     def is_decode_only(self) -> bool:
-        return self.verify is None and self.snapshots is None and all(q == 1 for q in self.query_lens_cpu)
+        return (
+            self.verify is None
+            and self.snapshots is None
+            and self.padded is None
+            and all(q == 1 for q in self.query_lens_cpu)
+        )
 
     def num_computed_tokens(self, request_index: int) -> int:
         """Tokens already in the cache before this step for request b."""

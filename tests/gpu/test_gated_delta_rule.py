@@ -85,14 +85,16 @@ def test_chunk_varlen_batch_in_noncontiguous_slots(shape: str) -> None:
 
 
 def test_varlen_metadata_matches_fla() -> None:
-    """Our once-per-step chunk_indices are fla's (its prepare_chunk_indices)."""
-    from fla.ops.utils.index import prepare_chunk_indices
+    """Our once-per-step chunk_indices and chunk_offsets are fla's (its prepare_chunk_indices and
+    prepare_chunk_offsets)."""
+    from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
     from ninfer.kernels.gated_delta_rule.triton import FLA_CHUNK_SIZE, _varlen_metadata
 
     lengths = (65, 1, 1000, 64, 63)
-    cu_seqlens, chunk_indices = _varlen_metadata(lengths, torch.device("cuda"))
+    cu_seqlens, chunk_indices, chunk_offsets = _varlen_metadata(lengths, torch.device("cuda"))
     assert torch.equal(chunk_indices, prepare_chunk_indices(cu_seqlens, FLA_CHUNK_SIZE))
+    assert torch.equal(chunk_offsets, prepare_chunk_offsets(cu_seqlens, FLA_CHUNK_SIZE))
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

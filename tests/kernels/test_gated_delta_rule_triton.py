@@ -101,14 +101,16 @@ def test_gates_computed_in_the_kernel_match_reference(lengths: tuple[int, ...]) 
 
 
 def test_varlen_metadata_for_fla_is_built_once_per_lengths() -> None:
-    """fla's varlen inputs (cu_seqlens, and chunk_indices = [sequence, chunk] per 64 tokens, as
-    its prepare_chunk_indices builds them: tests/gpu checks the two agree) are the same tensors
-    for every GDN layer of a step, so fla neither copies nor syncs per layer."""
+    """fla's varlen inputs (cu_seqlens, chunk_indices = [sequence, chunk] per 64 tokens and
+    chunk_offsets = chunks before each sequence, as its prepare_chunk_indices and
+    prepare_chunk_offsets build them: tests/gpu checks they agree) are the same tensors for every
+    GDN layer of a step, so fla neither copies nor syncs per layer."""
     from ninfer.kernels.gated_delta_rule.triton import _varlen_metadata
 
-    cu_seqlens, chunk_indices = _varlen_metadata((5, 64, 130), torch.device("cpu"))
+    cu_seqlens, chunk_indices, chunk_offsets = _varlen_metadata((5, 64, 130), torch.device("cpu"))
     assert cu_seqlens.tolist() == [0, 5, 69, 199]
     assert chunk_indices.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [2, 2]]
+    assert chunk_offsets.tolist() == [0, 1, 2, 5]
     assert _varlen_metadata((5, 64, 130), torch.device("cpu"))[1] is chunk_indices
     assert _varlen_metadata((5, 64, 130), torch.device("cpu"))[0] is cu_seqlens
     assert _varlen_metadata((5, 64, 131), torch.device("cpu"))[1] is not chunk_indices

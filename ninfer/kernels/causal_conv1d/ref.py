@@ -54,6 +54,33 @@ def causal_conv1d(
     return out
 
 
+def causal_conv1d_padded(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    starts: torch.Tensor,
+    max_query_len: int,
+    split: tuple[int, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """causal_conv1d with the rows given on the device (a step padded to a captured graph's shape,
+    models/padded_step.py): request b owns rows [starts[b], starts[b + 1]) (int32), at most
+    max_query_len of them; an empty request leaves its slot alone. Rows of no request are
+    unspecified (here zero)."""
+    bounds = starts.tolist()
+    out = torch.zeros_like(x)
+    for b, slot in enumerate(state_slots.tolist()):
+        lo, hi = bounds[b], bounds[b + 1]
+        if hi - lo > max_query_len:
+            raise ValueError(f"request {b} has {hi - lo} rows, more than the bound {max_query_len}")
+        if hi > lo:
+            one = torch.tensor([slot], dtype=torch.int64, device=state_slots.device)
+            out[lo:hi] = causal_conv1d(x[lo:hi], weight, conv_state, one, (hi - lo,))
+    if split is None:
+        return out
+    return tuple(part.contiguous() for part in out.split(list(split), dim=-1))
+
+
 def causal_conv1d_update(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
 ) -> torch.Tensor:

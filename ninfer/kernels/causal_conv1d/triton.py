@@ -241,7 +241,29 @@ def causal_conv1d(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Same contract as ref.causal_conv1d (varlen, slot states updated in place), split included:
     the parts are written straight into their own contiguous matrices (no copies)."""
-    _check(x, weight, conv_state)
+    if x.shape[0] == 0 or not query_lens:
+        return _output_parts(x, split)[1]
+    cu_seqlens = start_offsets(tuple(query_lens), x.device, torch.int32)
+    return _varlen(x, weight, conv_state, state_slots, cu_seqlens, len(query_lens), max(query_lens), split, update_state)
+
+
+def causal_conv1d_padded(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    starts: torch.Tensor,
+    max_query_len: int,
+    split: tuple[int, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Same contract as ref.causal_conv1d_padded: the varlen kernel over offsets read on the device
+    and a grid from the bounds alone (token blocks past a request's rows exit): capture-safe."""
+    num_requests = starts.shape[0] - 1
+    return _varlen(x, weight, conv_state, state_slots, starts, num_requests, max_query_len, split, True)
+
+
+def _output_parts(x: torch.Tensor, split: tuple[int, ...] | None):
+    """-> (the flat buffer, bounds of its parts, the output: one [T, C] matrix or the split parts)."""
     num_tokens, num_channels = x.shape
     widths = split_widths(num_channels, split)
     buffer = torch.empty(num_tokens * num_channels, dtype=x.dtype, device=x.device)
@@ -249,20 +271,33 @@ def causal_conv1d(
     for width in widths:
         bounds.append(bounds[-1] + width)
     parts = tuple(buffer[num_tokens * lo : num_tokens * hi].view(num_tokens, hi - lo) for lo, hi in zip(bounds, bounds[1:]))
-    out = parts if split is not None else parts[0]
+    return buffer, bounds, parts if split is not None else parts[0]
+
+
+def _varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    num_requests: int,
+    max_query_len: int,
+    split: tuple[int, ...] | None,
+    update_state: bool,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The varlen kernel over requests' rows at cu_seqlens (int32 [num_requests + 1], on the device)."""
+    _check(x, weight, conv_state)
+    num_tokens, num_channels = x.shape
+    buffer, bounds, out = _output_parts(x, split)
     kernel = weight.shape[-1]
-    if num_tokens == 0 or not query_lens:
+    if num_tokens == 0 or num_requests == 0 or max_query_len == 0:
         return out
     if BLOCK_T_PREFILL < kernel - 1:
         raise ValueError("the first token block must cover the whole state")
-    split1 = bounds[1] if len(widths) > 1 else num_channels
-    split2 = bounds[2] if len(widths) > 2 else num_channels
-    cu_seqlens = start_offsets(tuple(query_lens), x.device, torch.int32)
-    grid = (
-        len(query_lens),
-        triton.cdiv(num_channels, BLOCK_C_PREFILL),
-        triton.cdiv(max(query_lens), BLOCK_T_PREFILL),
-    )
+    num_parts = len(bounds) - 1
+    split1 = bounds[1] if num_parts > 1 else num_channels
+    split2 = bounds[2] if num_parts > 2 else num_channels
+    grid = (num_requests, triton.cdiv(num_channels, BLOCK_C_PREFILL), triton.cdiv(max_query_len, BLOCK_T_PREFILL))
     use_pdl = pdl_enabled(x)
     _conv_varlen_kernel[grid](
         x,

@@ -180,6 +180,44 @@ def chunk_gated_delta_rule(
     return out.to(v.dtype)
 
 
+def chunk_gated_delta_rule_padded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    starts: torch.Tensor,
+    chunk_indices: torch.Tensor,
+    chunk_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """chunk_gated_delta_rule with the rows given on the device (a step padded to a captured
+    graph's shape, models/padded_step.py): request b owns rows [starts[b], starts[b + 1]); an
+    empty request leaves its slot alone. chunk_indices / chunk_offsets list the requests' chunks
+    as the fast version reads them (the reference checks them). Rows of no request are
+    unspecified (here zero)."""
+    bounds = starts.tolist()
+    lengths = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+    chunks = [[b, c] for b, n in enumerate(lengths) for c in range(-(-n // CHUNK_SIZE))]
+    listed = chunk_indices.tolist()
+    if listed[: len(chunks)] != chunks or any(b != len(lengths) - 1 or lengths[b] for b, _ in listed[len(chunks) :]):
+        raise ValueError("chunk_indices do not list the requests' chunks, padded with the empty last request")
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + -(-n // CHUNK_SIZE))
+    if chunk_offsets.tolist() != offsets:
+        raise ValueError(f"chunk_offsets {chunk_offsets.tolist()} are not the requests' chunk counts {offsets}")
+    out = torch.zeros_like(v)
+    for b, slot in enumerate(state_slots.tolist()):
+        lo, hi = bounds[b], bounds[b + 1]
+        if hi > lo:
+            one = torch.tensor([slot], dtype=torch.int64, device=state_slots.device)
+            rows = slice(lo, hi)
+            out[rows] = chunk_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state, one, (hi - lo,))
+    return out
+
+
 def recurrent_gated_delta_rule_with_gates(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -582,8 +582,8 @@ def chunk_gated_delta_rule(
 ) -> torch.Tensor:
     """Same contract as ref.chunk_gated_delta_rule, through fla's varlen chunked kernels.
 
-    Not capture-safe (host-built cu_seqlens, fla's own host-side chunk bookkeeping); prefill
-    is not captured. Empty requests are dropped: they leave their slot unchanged.
+    Not capture-safe (host-built offsets; chunk_gated_delta_rule_padded is the captured form).
+    Empty requests are dropped: they leave their slot unchanged.
     """
     fla_chunk = _fla_chunk()
     if fla_chunk is None:
@@ -593,7 +593,34 @@ def chunk_gated_delta_rule(
         return torch.empty(v.shape, dtype=v.dtype, device=v.device)
     keep = [i for i, n in enumerate(query_lens) if n > 0]
     slots = state_slots if len(keep) == len(query_lens) else state_slots[torch.tensor(keep, device=q.device)]
-    cu_seqlens, chunk_indices = _varlen_metadata(tuple(query_lens[i] for i in keep), q.device)
+    cu_seqlens, chunk_indices, chunk_offsets = _varlen_metadata(tuple(query_lens[i] for i in keep), q.device)
+    return _rule(fla_chunk, q, k, v, g, beta, state, slots, cu_seqlens, chunk_indices, chunk_offsets)
+
+
+def chunk_gated_delta_rule_padded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    starts: torch.Tensor,
+    chunk_indices: torch.Tensor,
+    chunk_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as ref.chunk_gated_delta_rule_padded: fla's kernels over offsets and chunk
+    lists read on the device, with grids from their fixed lengths; the padding chunks belong to an
+    empty request, so their programs load and store nothing. Capture-safe."""
+    fla_chunk = _fla_chunk()
+    if fla_chunk is None:
+        return ref.chunk_gated_delta_rule_padded(q, k, v, g, beta, state, state_slots, starts, chunk_indices,
+                                                 chunk_offsets)
+    return _rule(fla_chunk, q, k, v, g, beta, state, state_slots, starts, chunk_indices, chunk_offsets)
+
+
+def _rule(fla_chunk, q, k, v, g, beta, state, slots, cu_seqlens, chunk_indices, chunk_offsets) -> torch.Tensor:
+    """fla's chunked rule from the slots' states, the final states scattered back."""
     with torch.no_grad():
         # fla's layout: one packed "batch" of sequences; its kernels want contiguous inputs.
         out, final = fla_chunk(
@@ -603,9 +630,74 @@ def chunk_gated_delta_rule(
             g.float().unsqueeze(0).contiguous(),
             beta.unsqueeze(0).contiguous(),
             q.shape[-1] ** -0.5,
-            state[slots].float(),
+            state.index_select(0, slots).float(),
             cu_seqlens,
             chunk_indices,
+            chunk_offsets,
         )
-    state[slots] = final.to(state.dtype)
+    state.index_copy_(0, slots, final.to(state.dtype))
     return out[0].to(v.dtype)
+
+
+FLA_CHUNK_SIZE = 64  # fla's chunk_gated_delta_rule default; its chunk_indices are in these units
+
+
+@functools.lru_cache(maxsize=16)
+def _varlen_metadata(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(cu_seqlens, chunk_indices, chunk_offsets) on the device for fla.
+
+    Built once per distinct set of request lengths (a prefill step's), then the same tensors
+    for every GDN layer of the step: fla's own chunk-index build copies to the device with a
+    stream sync in each call (one per layer, each draining the GPU queue). Nothing writes them.
+    """
+    chunks = [triton.cdiv(n, FLA_CHUNK_SIZE) for n in lengths]
+    # [sequence, chunk within it] per chunk of FLA_CHUNK_SIZE tokens, as fla's prepare_chunk_indices
+    chunk_indices = torch.tensor(
+        [[seq, chunk] for seq, count in enumerate(chunks) for chunk in range(count)], dtype=torch.int64
+    ).reshape(-1, 2)
+    pinned = device.type == "cuda"
+    if pinned:
+        chunk_indices = chunk_indices.pin_memory()
+    return (
+        start_offsets(lengths, device),
+        chunk_indices.to(device, non_blocking=pinned),
+        start_offsets(tuple(chunks), device),
+    )
+
+
+@functools.cache
+def _fla_chunk():
+    """fla's chunked forward, or None when flash-linear-attention is not installed.
+
+    Its public function wraps the forward in an autograd Function, input guards and
+    dispatch decorators: ~1.5 ms of host time per call, 45 ms over the 30 GDN layers of a
+    prefill step, which the host must spend ahead of the GPU. The steps below are what its
+    forward runs for inference (fla 0.6, pinned < 0.7 in pyproject.toml), with the chunk
+    offsets passed in: fla would derive them from cu_seqlens and cache them by the tensor's
+    identity, which a captured graph's static offsets would turn stale.
+    """
+    try:
+        from fla.modules.norm.l2norm import l2norm_fwd
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_fwd_o
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+    except ImportError:
+        return None
+
+    def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, chunk_offsets):
+        """-> (o, final_state), as fla's chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)."""
+        varlen = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices}
+        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+        # fla's kernels exponentiate in base 2: the gates' cumulative sums are scaled by 1 / ln 2.
+        g = chunk_local_cumsum(g, chunk_size=FLA_CHUNK_SIZE, scale=RCP_LN2, **varlen)
+        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=FLA_CHUNK_SIZE, **varlen)
+        h, v_new, final_state = chunk_gated_delta_rule_fwd_h(
+            k=k, w=w, u=u, g=g, initial_state=initial_state, output_final_state=True, chunk_size=FLA_CHUNK_SIZE,
+            chunk_offsets=chunk_offsets, **varlen,
+        )  # fmt: skip
+        o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=FLA_CHUNK_SIZE, **varlen)
+        return o, final_state
+
+    return forward

@@ -11,8 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ninfer.kernels.causal_conv1d import causal_conv1d
-from ninfer.kernels.gated_delta_rule import chunk_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule_with_gates
+from ninfer.kernels.causal_conv1d import causal_conv1d, causal_conv1d_padded
+from ninfer.kernels.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_padded,
+    gdn_gates,
+    recurrent_gated_delta_rule_with_gates,
+)
 from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
 from ninfer.models.layers.linear import Linear, PackedLinear
@@ -64,6 +69,9 @@ class GatedDeltaNet(nn.Module):
             core = recurrent_gated_delta_rule_with_gates(
                 q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, batch.state_slots, batch.query_lens_cpu
             )
+        elif batch.padded is not None:
+            qkv, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)
+            core = self._padded(qkv, a, b, batch)
         else:
             qkv, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)
             verify = batch.verify
@@ -103,6 +111,31 @@ class GatedDeltaNet(nn.Module):
         # Gates in fp32: exp(A_log) overflows half precision and g feeds an exp per token.
         g, beta = gdn_gates(a[rows], b[rows], self.A_log, self.dt_bias)
         return chunk_gated_delta_rule(*self._heads(q, k, v), g, beta, recurrent_state, slots, lens)
+
+    def _padded(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """A step at a captured graph's shape (models/padded_step.py): every pass runs over all rows
+        with the requests outside it empty; a second pass (the requests continuing at a checkpoint
+        inside the step) follows the copy of their slots' states to the checkpoints' slots."""
+        padded = batch.padded
+        conv_state, recurrent_state = batch.state_cache.layer(self.state_layer_index)
+        conv_weight = self.conv1d.weight.squeeze(1)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        outputs = []
+        for index, segments in enumerate(padded.passes):
+            if index:
+                snapshots = batch.snapshots
+                batch.state_cache.copy_layer_slots(self.state_layer_index, snapshots.src_slots, snapshots.dst_slots)
+            q, k, v = causal_conv1d_padded(
+                qkv, conv_weight, conv_state, segments.state_slots, segments.conv_starts, padded.max_query_len,
+                (self.key_dim, self.key_dim, self.value_dim),
+            )  # fmt: skip
+            outputs.append(chunk_gated_delta_rule_padded(
+                *self._heads(q, k, v), g, beta, recurrent_state, segments.state_slots, segments.starts,
+                segments.chunk_indices, segments.chunk_offsets,
+            ))  # fmt: skip
+        if len(outputs) == 1:
+            return outputs[0]
+        return torch.where(padded.second_pass_rows, outputs[1], outputs[0])
 
     def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         num_tokens = q.shape[0]

@@ -1,0 +1,120 @@
+"""Step graphs on the GPU: a prompt or mixed step replayed from its bucket's CUDA graph computes what
+the eager step computes (logits, KV, states within bf16 rounding: the matrix products run at the
+bucket's row count), with and without a checkpoint inside the step, and an engine with step
+graphs generates the eager engine's greedy tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ninfer.config import EngineConfig
+from ninfer.contract.request import CaptureHint, EngineRequest
+from ninfer.contract.reuse_path import ReusePath
+from ninfer.contract.sampling import SamplingParams
+from ninfer.engine.core import EngineCore
+from ninfer.engine.runner import ModelRunner
+from ninfer.engine.scheduler import ResetSlot, SchedulerStep, StepKind
+from tests.engine.test_step_graphs import NUM_SLOTS, PAGE_SIZE, PAGES_PER_REQUEST, chunk, tokens
+from tests.gpu.test_cuda_graphs import ARCHITECTURES, _model, needs_cuda
+from tests.unit.conftest import make_byte_tokenizer
+
+pytestmark = [pytest.mark.gpu, needs_cuda]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("step-graph-gpu-models"))
+
+
+def _runners(model) -> tuple[ModelRunner, ModelRunner]:
+    make = lambda step_graph_tokens: ModelRunner(  # noqa: E731
+        model, NUM_SLOTS * PAGES_PER_REQUEST, PAGE_SIZE, num_state_slots=NUM_SLOTS, max_batch=4,
+        cuda_graph_batch_sizes=range(1, 5), step_graph_tokens=step_graph_tokens,
+    )
+    graphed, eager = make(200), make(0)
+    assert graphed.step_graphs is not None and graphed.step_graphs.graphs, "step graphs were not captured"
+    for runner in (graphed, eager):
+        runner.execute(SchedulerStep(StepKind.PREFILL, [], before=[ResetSlot(s) for s in range(NUM_SLOTS)]))
+    return graphed, eager
+
+
+def _assert_close(graphed: ModelRunner, eager: ModelRunner, slots: list[int], what: str) -> None:
+    pages = torch.tensor([p for s in slots for p in chunk(s, [], 0).page_ids], device="cuda")
+    pairs = [("logits", graphed.slot_logits[slots], eager.slot_logits[slots]),
+             ("keys", graphed.kv_cache.k[:, pages], eager.kv_cache.k[:, pages])]
+    if eager.state_cache is not None:
+        for name in ("conv", "recurrent"):
+            pairs.append((name, getattr(graphed.state_cache, name)[:, slots], getattr(eager.state_cache, name)[:, slots]))
+    for name, got, want in pairs:
+        diff = (got.float() - want.float()).abs().max().item()
+        scale = want.float().abs().max().item()
+        assert diff <= 0.02 * scale, f"{what}, {name}: max |diff| {diff} (scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_replayed_prompt_and_mixed_steps_equal_eager_steps(arch, tmp_root):
+    model = _model(arch, tmp_root, torch.bfloat16, "cuda")
+    graphed, eager = _runners(model)
+    replays = []
+    for key, graph in list(graphed.step_graphs.graphs.items()):
+        graphed.step_graphs.graphs[key] = _Counted(graph, key, replays)
+    histories = {i: tokens(i, 12 + 33 * i) for i in range(4)}  # 12..111 tokens: buckets 16..128
+    for i, prompt in histories.items():
+        ids = [runner.execute(SchedulerStep(StepKind.PREFILL, [chunk(i, prompt, 0)])) for runner in (graphed, eager)]
+        assert ids[0] == ids[1], f"prompt {i}"
+    _assert_close(graphed, eager, list(histories), "prompts")
+    mixed = [chunk(0, [7], len(histories[0])), chunk(1, [8], len(histories[1])), chunk(4, tokens(40, 70), 0),
+             chunk(3, tokens(41, 37), len(histories[3])), chunk(5, tokens(42, 1), 0)]
+    ids = [runner.execute(SchedulerStep(StepKind.MIXED, mixed)) for runner in (graphed, eager)]
+    assert ids[0] == ids[1]
+    _assert_close(graphed, eager, [0, 1, 3, 4, 5], "mixed step")
+    snapshotting = chunk(2, tokens(50, 140), len(histories[2]), snapshot_tokens=133, snapshot_slot=6)
+    step = [chunk(1, [9], len(histories[1]) + 1), snapshotting]
+    ids = [runner.execute(SchedulerStep(StepKind.MIXED, step)) for runner in (graphed, eager)]
+    assert ids[0] == ids[1]
+    _assert_close(graphed, eager, [1, 2, 6], "checkpoint inside the step")
+    assert [key for key, _ in replays] == [(16, False), (64, False), (128, False), (128, False), (128, False),
+                                           (200, True)]
+
+
+class _Counted:
+    def __init__(self, graph, key, replays: list):
+        self.graph, self.key, self.replays = graph, key, replays
+
+    def replay(self) -> None:
+        self.replays.append((self.key, None))
+        self.graph.replay()
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_an_engine_with_step_graphs_generates_the_eager_engines_greedy_tokens(arch, tmp_root):
+    model = _model(arch, tmp_root, torch.bfloat16, "cuda")
+    tokenizer = make_byte_tokenizer()
+    config = EngineConfig(max_concurrency=3, prefill_chunk=96, mixed_prefill_chunk=48, max_context=256,
+                          log_stats_interval_ms=0)
+    graphed = EngineCore(model, tokenizer, config)
+    eager = EngineCore(model, tokenizer, dataclasses.replace(config, cuda_graphs=False))
+    assert graphed.runner.step_graphs is not None and eager.runner.step_graphs is None
+    text = lambda s: [ord(c) for c in s]  # noqa: E731
+    prompt = text("A conversation with a turn closure inside it. " * 3)
+    requests = [
+        EngineRequest("greedy", text("The quick brown fox jumps over the lazy dog. " * 4), GREEDY, max_new_tokens=24),
+        EngineRequest("short", text("Hi"), GREEDY, max_new_tokens=16),
+        EngineRequest("turn", prompt, GREEDY, max_new_tokens=16,
+                      capture_hints=[CaptureHint(len(prompt) - 5, ReusePath.PRIVATE_TURN_CLOSURE)]),
+    ]
+    results = []
+    for core in (graphed, eager):
+        for request in requests:
+            assert core.add_request(request) == []
+        outputs: dict[str, list[int]] = {}
+        while core.has_work:
+            for o in core.step():
+                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            assert core.failed is None
+        results.append(outputs)
+    assert results[0] == results[1]
