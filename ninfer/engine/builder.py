@@ -228,7 +228,7 @@ def _vision_reserve(tower, device: torch.device) -> tuple[int, int]:
 
 def _auto_kv_tokens(model, tokenizer, engine: EngineConfig, draft_model=None, vision_tower=None) -> int:
     """The KV pool that leaves room for everything else the runtime needs at its worst, measured:
-    a probe engine with a small pool captures the decode graphs and runs the warm-up (whose
+    a probe engine with a small pool captures the CUDA graphs and runs the warm-up (whose
     largest step is a whole --prefill-chunk); its peak beyond its own pools is set aside with
     the state slots and 1 GiB of headroom, and with --vision the tower's encode peak and the
     encoded rows kept. CPU follows --max-context."""
@@ -265,7 +265,7 @@ def _auto_kv_tokens(model, tokenizer, engine: EngineConfig, draft_model=None, vi
     gib = 1 << 30
     log.info(
         "KV sizing (--kv-capacity auto): %.2f GiB free after the weights − worst step (%d tokens) %.2f GiB"
-        " − decode graphs %.2f GiB − %d state slots %.2f GiB%s − headroom %.2f GiB = %.2f GiB: %d KV tokens%s",
+        " − CUDA graphs %.2f GiB − %d state slots %.2f GiB%s − headroom %.2f GiB = %.2f GiB: %d KV tokens%s",
         free / gib, report.worst_step_tokens, worst_step / gib, graphs / gib, engine.num_state_slots,
         states / gib,
         f" − vision encode {vision_encode / gib:.2f} GiB − encoded media rows {media_rows / gib:.2f} GiB"

@@ -22,6 +22,7 @@ for the GPU's queue to drain, so no step could be enqueued ahead.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 import numpy as np
 import torch
@@ -61,6 +62,8 @@ log = logging.getLogger("ninfer.engine")
 # Launched steps whose ids the host has not read: the current round and the one launched
 # ahead of it. The pinned buffers come in this many copies.
 MAX_UNREAD_STEPS = 2
+# Chunks with a checkpoint inside them that a step graph holds (each is a second request row).
+MAX_GRAPH_SNAPSHOTS = 2
 
 
 class ModelRunner:
@@ -159,8 +162,10 @@ class ModelRunner:
         if cuda_graph_batch_sizes:
             self._capture_graphs(sorted(set(cuda_graph_batch_sizes)), max_context)
         if step_graph_tokens:
-            # A chunk with a checkpoint inside it is two requests of the forward.
-            max_requests = 2 * (max_batch or max(cuda_graph_batch_sizes, default=num_state_slots))
+            # A chunk with a checkpoint inside it is two requests of the forward; steps with more than
+            # two such chunks are rare and run eagerly (every request row costs the rule a state copy).
+            max_chunks = max_batch or max(cuda_graph_batch_sizes, default=num_state_slots)
+            max_requests = max_chunks + min(max_chunks, MAX_GRAPH_SNAPSHOTS)
             self._build_step_graphs(step_graph_tokens, max_requests, max_context, num_state_slots, num_pages)
 
     @staticmethod
@@ -183,13 +188,15 @@ class ModelRunner:
         graphs = StepGraphs(self.model, kv, self.state_cache, self.slot_logits, self.num_valid_tokens, buckets,
                             max(max_requests, 2), max_pages, scratch_slot, scratch_page)
         if self.device.type == "cuda":
+            started = time.perf_counter()
             try:
                 graphs.capture()
             except Exception:  # noqa: BLE001 - as for the decode graphs: such steps run eagerly instead
                 log.exception("step graph capture failed; prompt and mixed steps run eagerly")
                 graphs.discard_warmup_writes()
                 return
-            log.info("CUDA graphs captured for prompt and mixed steps of %s tokens", ", ".join(map(str, buckets)))
+            log.info("CUDA graphs captured for prompt and mixed steps of %s tokens in %.1f s",
+                     ", ".join(map(str, buckets)), time.perf_counter() - started)
         self.step_graphs = graphs
 
     def _capture_graphs(self, batch_sizes: list[int], max_context: int) -> None:

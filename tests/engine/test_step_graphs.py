@@ -142,7 +142,7 @@ def test_steps_a_bucket_cannot_hold_run_eagerly(tmp_root):
     assert not padded.step_graphs.can_run(media)
     for step in (too_long, too_many):
         assert padded.execute(SchedulerStep(StepKind.PREFILL, step)) == eager.execute(SchedulerStep(StepKind.PREFILL, step))
-    assert runs == []  # 65 tokens > 64; 6 requests > 2 x max_batch
+    assert runs == []  # 65 tokens > 64; 6 requests > max_batch + 2 continuations
     _assert_same_caches(padded, eager, [0, 1, 2, 4, 5, 6], "eager steps")
 
 

@@ -15,6 +15,7 @@ import torch
 from ninfer.kernels.causal_conv1d import causal_conv1d_update
 from ninfer.kernels.gated_delta_rule import (
     chunk_gated_delta_rule,
+    chunk_gated_delta_rule_padded,
     gdn_gates,
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_with_gates,
@@ -77,6 +78,59 @@ def _check_chunk(lengths: tuple[int, ...], slots: list[int], shape: str, seed: i
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 1000])
 def test_chunk_single_request_from_a_nonzero_state(length: int) -> None:
     _check_chunk((length,), [6], "27B", seed=length)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_chunk_padded_to_a_captured_shape_matches_the_reference(shape: str) -> None:
+    """A step padded to a step graph's shape: rows before the first request and after the last
+    belong to none (a rule's second pass), empty requests on the scratch slot, the chunk list
+    padded with chunks of the last (empty) request; the same as the requests run alone, and run
+    from a CUDA graph whose offsets change between replays."""
+    from ninfer.engine.step_graphs import StepGraphs  # noqa: F401 (the captured user of this op)
+    from ninfer.models.padded_step import PaddedStep
+
+    scratch, num_tokens, rows = 8, 256, 5
+    max_chunks = PaddedStep.max_chunks(num_tokens, rows)
+    q, k, v, g, beta, state = _inputs(num_tokens, shape, seed=21)
+
+    def metadata(starts: list[int], slots: list[int]):
+        lengths = [hi - lo for lo, hi in zip(starts, starts[1:])]
+        counts = [-(-n // 64) for n in lengths]
+        chunks = [[b, c] for b, n in enumerate(counts) for c in range(n)]
+        chunks += [[rows - 1, 0]] * (max_chunks - len(chunks))
+        offsets = [0]
+        for n in counts:
+            offsets.append(offsets[-1] + n)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device="cuda")  # noqa: E731
+        return as_tensor(slots), as_tensor(starts), as_tensor(chunks), as_tensor(offsets)
+
+    cases = [([10, 10, 75, 76, 200, 200], [2, 5, 0, 3, scratch]),
+             ([0, 130, 131, 131, 131, 131], [7, 1, scratch, scratch, scratch])]
+    static = [t.clone() for t in metadata(*cases[0])]
+    graph_state = state.clone()
+    graph = torch.cuda.CUDAGraph()
+    chunk_gated_delta_rule_padded(q, k, v, g, beta, state.clone(), *static)  # compile outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        replayed = chunk_gated_delta_rule_padded(q, k, v, g, beta, graph_state, *static)
+    for starts, slots in cases:
+        eager_state, expected_state = state.clone(), state.clone()
+        for buffer, value in zip(static, metadata(starts, slots), strict=True):
+            buffer.copy_(value)
+        graph_state.copy_(state)
+        graph.replay()
+        out = chunk_gated_delta_rule_padded(q, k, v, g, beta, eager_state, *metadata(starts, slots))
+        expected = ref.chunk_gated_delta_rule_padded(q, k, v, g, beta, expected_state, *metadata(starts, slots))
+        for b, slot in enumerate(slots):
+            rows_of = slice(starts[b], starts[b + 1])
+            if starts[b + 1] > starts[b]:
+                assert _relative_error(out[rows_of], expected[rows_of]) < CHUNK_OUT_REL
+                assert _relative_error(eager_state[slot], expected_state[slot]) < CHUNK_STATE_REL
+                assert torch.equal(replayed[rows_of], out[rows_of])
+        written = {slot for b, slot in enumerate(slots) if starts[b + 1] > starts[b]}
+        for slot in set(range(NUM_SLOTS)) - written:
+            assert torch.equal(eager_state[slot], state[slot]), f"slot {slot} belongs to nobody but changed"
+        assert torch.equal(graph_state, eager_state)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -116,3 +116,23 @@ def test_verify_rows_leave_the_state_unchanged() -> None:
     for part, want in zip(out, expected):
         torch.testing.assert_close(part, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(state, initial)
+
+
+def test_padded_varlen_matches_reference() -> None:
+    """A step padded to a captured graph's shape: offsets read from the device that start past row
+    0 (a rule's second pass), empty requests (padding, on the scratch slot), rows of no request,
+    and a grid sized by the bound alone; the split parts as the model reads them."""
+    starts = torch.tensor([7, 7, 12, 45, 45, 45], dtype=torch.int32)  # rows 0..6 and 45..49 belong to none
+    slots = torch.tensor([3, 0, 6, 4, 4])  # slot 4: the empty requests' scratch
+    x, weight, state = _inputs(50, 4, num_slots=7, seed=11)
+    expected_state, direct_state = state.clone(), state.clone()
+    split = (60, 60, 80)
+    parts = fast.causal_conv1d_padded(x, weight, state, slots, starts, 64, split)
+    expected = ref.causal_conv1d_padded(x, weight, expected_state, slots, starts, 64, split)
+    for got, want in zip(parts, expected, strict=True):
+        torch.testing.assert_close(got[7:45], want[7:45], **_tolerance(torch.float32))
+    assert torch.equal(state, expected_state)
+    # The same as the two non-empty requests alone: only their slots (0 and 6) change.
+    direct = ref.causal_conv1d(x[7:45], weight, direct_state, torch.tensor([0, 6]), (5, 33))
+    torch.testing.assert_close(torch.cat(parts, dim=-1)[7:45], direct, **_tolerance(torch.float32))
+    assert torch.equal(state, direct_state)
