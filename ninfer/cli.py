@@ -62,6 +62,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--quantize", choices=["fp8", "nvfp4"], help="quantize the model's bf16 Linear layers at load: fp8 (e4m3, one scale per output channel) or nvfp4 (e2m1, e4m3 scales per 16 values, an fp32 scale per row); a checkpoint's layers already in that format stay as stored; fp8 also quantizes the routed MoE experts; embeddings, lm_head and MoE routers stay bf16 (default: weights as stored)")
     engine.add_argument("--no-prefix-reuse", action="store_true", help="disable compatible-prefix caching (default: reuse on)")
     engine.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly instead of replaying CUDA graphs captured at start-up (default: graphs on, CUDA only)")
+    engine.add_argument("--no-step-graphs", action="store_true", help="run prompt and mixed steps eagerly instead of replaying the CUDA graphs of their token bucket (default: on with --cuda-graph)")
     engine.add_argument("--no-decode-overlap", action="store_true", help="read each decode round's tokens before launching the next (default: the next round is launched first, hiding the host's work between rounds)")
     engine.add_argument("--device-state-slots", type=_non_negative_int, help="checkpoint StateImages beyond the active lanes (default: --max-concurrency)")
     engine.add_argument("--max-private-continuations", type=_non_negative_int, help="conversations that keep private checkpoints; beyond it the least recently used conversation's are dropped (default 2 x --max-concurrency)")
@@ -175,6 +176,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         context_cost_presets=args.context_cost_presets,
         prefix_reuse=not args.no_prefix_reuse,
         cuda_graphs=not args.no_cuda_graph,
+        step_graphs=not args.no_step_graphs,
         decode_overlap=False if args.no_decode_overlap else None,
         log_stats_interval_ms=args.log_stats_interval_ms,
         device=resolve_device(args.device),

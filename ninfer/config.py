@@ -51,6 +51,7 @@ class EngineConfig:
     context_cost_presets: str | None = None  # JSON file overriding the cache planner's rates
     prefix_reuse: bool = True
     cuda_graphs: bool = True  # capture decode graphs at start-up (CUDA only); --no-cuda-graph turns it off
+    step_graphs: bool = True  # and prompt / mixed step graphs (engine/step_graphs.py); --no-step-graphs
     # Launch decode round N+1 before reading round N. None: where the device runs
     # asynchronously (CUDA); on the CPU it would only delay each token by a round.
     # --no-decode-overlap sets False.
@@ -118,7 +119,7 @@ class EngineConfig:
         """The largest prompt or mixed step captured in a CUDA graph (engine/step_graphs.py): a mixed
         step's prompt budget beside max_concurrency decode rows, at least 1,024 prompt tokens and at
         most 2,048 (larger steps keep the GPU busy while the host issues them), 0 without graphs."""
-        if not self.cuda_graphs:
+        if not (self.cuda_graphs and self.step_graphs):
             return 0
         prompt = min(max(self.mixed_prefill_chunk, 1024), 2048, self.prefill_chunk)
         return prompt + self.max_concurrency

@@ -152,8 +152,10 @@ def _count_sample_replays(graphs: DecodeGraphs) -> set[tuple[int, bool]]:
 
 
 def _config(**overrides) -> EngineConfig:
-    # Decode overlap on also on the CPU: the lockstep tests replay chained rounds there too.
-    overrides = {"decode_overlap": True, **overrides}
+    # Decode overlap on also on the CPU: the lockstep tests replay chained rounds there too. Prompt
+    # steps eager in both engines (step graphs run their products at a bucket's row count, which
+    # rounds differently: tests/gpu/test_step_graphs.py compares them).
+    overrides = {"decode_overlap": True, "step_graphs": False, **overrides}
     return EngineConfig(max_concurrency=4, prefill_chunk=16, max_context=192, prefix_reuse=False, **overrides)
 
 
@@ -237,6 +239,9 @@ def test_no_cuda_graph_option():
     add_serve_options(parser)
     assert serve_config(parser.parse_args([]))[0].engine.cuda_graphs is True
     assert serve_config(parser.parse_args(["--no-cuda-graph"]))[0].engine.cuda_graphs is False
+    assert serve_config(parser.parse_args([]))[0].engine.step_graph_tokens > 0
+    assert serve_config(parser.parse_args(["--no-step-graphs"]))[0].engine.step_graph_tokens == 0
+    assert serve_config(parser.parse_args(["--no-cuda-graph"]))[0].engine.step_graph_tokens == 0
 
 
 def test_no_decode_overlap_option():
