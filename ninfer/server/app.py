@@ -79,6 +79,7 @@ def create_app(serving: Serving):
             "created": created,
             "owned_by": "ninfer",
             "max_model_len": serving.max_model_len,
+            "capabilities": serving.model_capabilities,
         }
 
     @app.get("/v1/models")
