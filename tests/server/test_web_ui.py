@@ -54,7 +54,7 @@ SCRIPTS = {
     MARKDOWN: "Formatting.\n</think>\n\n## Result\n\n<img src=x onerror=\"document.title='pwned'\">"
               "<script>document.title='pwned'</script>\n\n```python\nprint('<b>hi</b>')\n```\n\n"
               "| city | sky |\n|---|---|\n| Paris | *sunny* |\n\n[click](javascript:document.title='pwned')",
-    SLOW: "Taking my time.\n</think>\n\n" + "word " * 400,
+    SLOW: "Taking my time. " * 8 + "\n</think>\n\n" + "word " * 400,
 }
 KEYWORDS = {"weather": TOOL_CALL, "markdown": MARKDOWN, "slowly": SLOW}
 SLOW_STEP_S = 0.04
@@ -294,14 +294,25 @@ def test_model_output_cannot_inject_markup(browser, server):
     assert js(browser, "return document.querySelector('.message.assistant td em').textContent") == "sunny"
 
 
-def test_stop_cancels_the_generation_in_the_server(browser, server, request_log):
+def test_an_answer_streams_in_and_stop_cancels_it_in_the_server(browser, server, request_log):
     open_page(browser, server)
     by_id(browser, "input").send_keys("Answer slowly please\n")
+    # The reasoning streams into an open block while the model thinks...
+    thought = """const answer = [...document.querySelectorAll('.message.assistant')].pop();
+                 const block = answer?.querySelector('.reasoning:not([hidden])');
+                 return block?.open && answer.dataset.state === 'streaming'
+                        ? block.querySelector('.reasoning-body').textContent.length : 0"""
+    wait_until(lambda: js(browser, thought) > 0, what="the reasoning")
+    seen = js(browser, thought)
+    wait_until(lambda: js(browser, thought) > seen, what="more reasoning")
+    # ...then the answer streams in, the reasoning folded.
     words = "return [...document.querySelectorAll('.message.assistant .content')].pop()?.innerText.length ?? 0"
     wait_until(lambda: js(browser, words) > 20, what="the first words")
     seen = js(browser, words)
-    wait_until(lambda: js(browser, words) > seen, what="more words")  # it streams into the page
-    assert last_answer(browser)["state"] == "streaming"
+    wait_until(lambda: js(browser, words) > seen, what="more words")
+    answer = last_answer(browser)
+    assert answer["state"] == "streaming" and answer["reasoning_open"] is False
+    assert "tok/s" in answer["timings"]["decode"]  # the running speed
     by_id(browser, "stop").click()
     wait_until(lambda: last_answer(browser)["state"] == "stopped", what="the stopped answer")
     answer = last_answer(browser)
