@@ -84,11 +84,20 @@ function requestBody(conversation) {
     timings_per_token: true, // running decode speed while the answer streams
   };
   if (caps.thinking_switch && settings.thinking !== null) body.enable_thinking = settings.thinking;
-  if (settings.temperature !== "") body.temperature = Number(settings.temperature);
-  if (settings.maxTokens !== "") body.max_tokens = Number(settings.maxTokens);
+  const temperature = numberSetting(settings.temperature);
+  const maxTokens = numberSetting(settings.maxTokens);
+  if (temperature !== null) body.temperature = temperature;
+  if (maxTokens !== null) body.max_tokens = maxTokens;
   const tools = caps.tools ? parseTools(settings.tools) : [];
   if (tools.length) body.tools = tools;
   return body;
+}
+
+// An empty field means the server's default: null, never 0.
+function numberSetting(value) {
+  if (value === "" || value === null || value === undefined) return null;
+  const number = Number(value);
+  return Number.isFinite(number) ? number : null;
 }
 
 function apiMessages(conversation) {
@@ -693,6 +702,13 @@ function bind() {
   });
 }
 
+// An answer saved while it streamed (the page was closed then) is an answer that was stopped.
+for (const message of state.conversations.flatMap((conversation) => conversation.messages)) {
+  if (message.streaming) {
+    delete message.streaming;
+    message.stopped = true;
+  }
+}
 bind();
 renderConversationList();
 renderConversation();
