@@ -46,6 +46,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--api-key", help="require this value as a Bearer token or x-api-key header (default: unset)")
     net.add_argument("--model-id", help="public OpenAI model alias (default: the artifact's model_id)")
     net.add_argument("--cors", action="store_true", help="add permissive browser CORS headers (default off)")
+    net.add_argument("--no-web-ui", action="store_true", help="do not serve the chat page at / (default: served on every bind, as llama-server does; it holds no secret and asks for --api-key's key like any client)")
     net.add_argument("--request-log-jsonl", metavar="FILE", help="append one JSON object per server/request/throughput event to FILE (its directory must exist; default: off)")
     net.add_argument("--max-request-mib", type=int, default=384, help="request body limit before JSON parsing (default 384)")
     engine = parser.add_argument_group("engine")
@@ -196,6 +197,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         api_key=args.api_key,
         model_id=args.model_id,
         cors=args.cors,
+        web_ui=not args.no_web_ui,
         max_request_mib=args.max_request_mib,
         default_max_tokens=args.default_max_tokens,
         default_thinking_budget=args.default_thinking_budget,

@@ -175,6 +175,7 @@ class ServeConfig:
     api_key: str | None = None
     model_id: str | None = None  # public alias override
     cors: bool = False
+    web_ui: bool = True  # the chat page at / (--no-web-ui turns it off)
     max_request_mib: int = 384
     default_max_tokens: int = 8192
     default_thinking_budget: int | None = None

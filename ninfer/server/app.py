@@ -1,4 +1,5 @@
-"""The HTTP application: the three protocols' routes, health, models and metrics, middleware, error rendering."""
+"""The HTTP application: the three protocols' routes, health, models and metrics, the chat page, middleware,
+error rendering."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from ninfer.server.generation import ClientDisconnected
 from ninfer.server.http import error_response, request_id_of
 from ninfer.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ninfer.server.metrics import install_metrics
-from ninfer.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from ninfer.server.middleware import PUBLIC_PATHS, AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from ninfer.server.openai_chat import routes as chat_routes
 from ninfer.server.openai_responses import routes as responses_routes
 from ninfer.server.openapi import openapi_document
 from ninfer.server.serving import Serving
+from ninfer.server.web_ui import page as web_ui
 
 log = logging.getLogger("ninfer.server")
 
@@ -79,6 +81,7 @@ def create_app(serving: Serving):
             "created": created,
             "owned_by": "ninfer",
             "max_model_len": serving.max_model_len,
+            "capabilities": serving.model_capabilities,
         }
 
     @app.get("/v1/models")
@@ -96,7 +99,10 @@ def create_app(serving: Serving):
     messages_routes.register(app, serving)
 
     config = serving.config
-    wrapped = AuthMiddleware(app, config.api_key) if config.api_key else app
+    public_paths = PUBLIC_PATHS
+    if config.web_ui:
+        public_paths += web_ui.register(app)
+    wrapped = AuthMiddleware(app, config.api_key, public_paths) if config.api_key else app
     wrapped = BodyLimitMiddleware(wrapped, config.max_request_mib << 20)
     wrapped = RequestIdMiddleware(wrapped)
     if config.cors:

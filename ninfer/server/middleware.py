@@ -121,15 +121,17 @@ PUBLIC_PATHS = ("/health", "/openapi.json")
 
 
 class AuthMiddleware:
-    """--api-key as `Authorization: Bearer KEY` or `x-api-key: KEY`; /health, /openapi.json and preflights
-    stay open (as in vLLM: the document is the same on every server and holds no model or secret)."""
+    """--api-key as `Authorization: Bearer KEY` or `x-api-key: KEY`; /health, /openapi.json, the chat page's
+    files and preflights stay open (as in vLLM: the document is the same on every server and holds no model
+    or secret; the page asks the user for the key its API calls carry)."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, public_paths: tuple[str, ...] = PUBLIC_PATHS):
         self.app = app
         self.api_key = api_key.encode()
+        self.public_paths = frozenset(public_paths)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or self._is_preflight(scope):
+        if scope["type"] != "http" or scope["path"] in self.public_paths or self._is_preflight(scope):
             return await self.app(scope, receive, send)
         presented = b""
         for name, value in scope.get("headers", []):

@@ -1110,10 +1110,17 @@ def _text_paths() -> dict[str, Schema]:
     }
 
 
+MODEL_CAPABILITIES = obj(
+    {"vision": {**BOOLEAN, "description": "image and video parts are accepted (--vision)"},
+     "tools": {**BOOLEAN, "description": "function tools are accepted (the chat template has a tool section)"},
+     "thinking_default": {**BOOLEAN, "description": "a request that says nothing about thinking thinks"},
+     "thinking_switch": {**BOOLEAN, "description": "enable_thinking true and false are both served"}},
+    ("vision", "tools", "thinking_default", "thinking_switch"),
+)
 MODEL = obj(
     {"id": STRING, "object": const("model"), "created": {"type": "integer"}, "owned_by": STRING,
-     "max_model_len": integer(1)},
-    ("id", "object", "created", "owned_by", "max_model_len"),
+     "max_model_len": integer(1), "capabilities": MODEL_CAPABILITIES},
+    ("id", "object", "created", "owned_by", "max_model_len", "capabilities"),
 )
 
 

@@ -164,6 +164,8 @@ async def _run(serving: Serving, config: ServeConfig, started: float, sock: sock
     host = f"[{config.host}]" if ":" in config.host else config.host
     log.info("ready in %.1fs: http://%s:%d/v1 (max context %d, concurrency %d)", time.perf_counter() - started,
              host, config.port, config.engine.max_context, config.engine.max_concurrency)
+    if config.web_ui:
+        log.info("chat page: http://%s:%d/", host, config.port)
     try:
         await server.serve(sockets=[sock])
     finally:

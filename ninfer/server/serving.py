@@ -140,6 +140,19 @@ class Serving:
         )
 
     @property
+    def model_capabilities(self) -> dict[str, bool]:
+        """What a client may ask of this server, for GET /v1/models (the chat page reads it)."""
+        caps = self.capabilities
+        return {
+            "vision": self.config.engine.vision,
+            "tools": caps.supports_tools,
+            # What a request that says nothing gets: the template's default, or --no-thinking's where it can switch.
+            "thinking_default": caps.supports_thinking and (not self.config.no_thinking if caps.supports_thinking_switch
+                                                            else caps.thinking_default),
+            "thinking_switch": caps.supports_thinking_switch,  # enable_thinking true and false both rendered
+        }
+
+    @property
     def max_model_len(self) -> int:
         return self.config.engine.max_context
 
