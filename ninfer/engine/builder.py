@@ -106,6 +106,9 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         torch.set_num_threads(cpu_threads())
     else:
         persist_compile_caches(str(cache_dir()))
+        # A restart loads the compiled kernels and autotuning choices from here instead of redoing them.
+        log.info("compiled GPU kernels cached in %s ($NINFER_CACHE_DIR names another folder)",
+                 os.environ["TRITON_CACHE_DIR"])
     log.info(
         "loading %s (%s, %s) on %s%s",
         artifact.model_id,
