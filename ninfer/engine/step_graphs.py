@@ -209,7 +209,7 @@ class StepGraphs:
         """A step of text prompt chunks and decode rows that a captured bucket holds."""
         num_parts = len(chunks) + sum(c.snapshot_slot is not None for c in chunks)
         return (
-            num_parts < self.num_rows
+            0 < num_parts < self.num_rows
             and sum(len(c.token_ids) for c in chunks) <= self.max_tokens
             and all(
                 c.token_ids
