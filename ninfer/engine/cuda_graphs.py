@@ -140,12 +140,14 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the forward of each batch size
         self.sample_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, all greedy)
         self._outputs: dict[tuple, torch.Tensor] = {}  # each region's static output, by region key
+        self.pool = None  # the graphs' memory pool, once captured
 
     # ---- capture -------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every batch size into one memory pool (largest first sizes it)."""
-        pool = torch.cuda.graph_pool_handle()
+        """Capture every batch size into one memory pool (largest first sizes it); the step graphs
+        capture into the same pool (`pool`) after these."""
+        pool = self.pool = torch.cuda.graph_pool_handle()
         self._fill_dummy_inputs()
         for batch_size in reversed(self.batch_sizes):
             for key, region in self.regions(batch_size):

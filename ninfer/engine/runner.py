@@ -190,7 +190,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             started = time.perf_counter()
             try:
-                graphs.capture()
+                # Into the decode graphs' pool: a replay's intermediates are free by the next replay.
+                graphs.capture(self.graphs.pool if self.graphs is not None else None)
             except Exception:  # noqa: BLE001 - as for the decode graphs: such steps run eagerly instead
                 log.exception("step graph capture failed; prompt and mixed steps run eagerly")
                 graphs.discard_warmup_writes()
