@@ -107,10 +107,7 @@ def _fp8_placeholder(linear: nn.Linear, scale_shape: tuple[int, ...], module_nam
             f"{source}: FP8 module {module_name!r} has scales of shape {list(scale_shape)}; "
             f"a [{out_features}, {in_features}] weight takes {list(per_channel)} or {list(row_blocks)}"
         )
-    placeholder = Fp8Linear.placeholder(linear)
-    if scale_shape == per_channel:
-        placeholder.weight_scale = torch.empty(per_channel, dtype=torch.float32, device=linear.weight.device)
-    return placeholder
+    return Fp8Linear.placeholder(linear, per_channel=scale_shape == per_channel)
 
 
 def _fp8_experts_placeholder(experts: nn.Module, rows_per_block, module_name: str, source: str) -> Fp8Experts:
