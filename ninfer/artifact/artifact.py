@@ -18,7 +18,7 @@ import torch
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
-from ninfer.models.loader import WeightLoadError, load_model
+from ninfer.models.loader import QUANTIZE_AT_LOAD, WeightLoadError, load_model
 
 HF_DIRECTORY = "hf_directory"
 GGUF = "gguf"
@@ -70,13 +70,20 @@ class Artifact:
         progress: bool = True,
         keep_fp8: bool | None = None,
         keep_nvfp4: bool | None = None,
+        quantize: str | None = None,
     ) -> CausalLM:
         """keep_fp8 (default: on CUDA devices): FP8 checkpoint weights stay FP8 in Fp8Linear
         layers (GEMV / tensor-core paths); otherwise they are dequantized to bf16 at load.
         keep_nvfp4 (default: on CUDA devices): likewise NVFP4 checkpoint weights in Nvfp4Linear.
-        A .ninfer container loads as it was packed (its FP8 layers stay FP8; keep_fp8 is moot)."""
+        quantize: "fp8" | "nvfp4": the other Linear layers (fp8: and routed experts) quantized
+        as their weights arrive, as quantize_fp8_ / quantize_nvfp4_ would quantize them loaded.
+        A .ninfer container loads as it was packed (its FP8 layers stay FP8; keep_fp8 is moot);
+        quantize then converts the layers it left unquantized once they are loaded."""
         if self.runtime_loader is not None:
-            return self.runtime_loader(self.config, dtype, device, progress)
+            model = self.runtime_loader(self.config, dtype, device, progress)
+            if quantize is not None:
+                QUANTIZE_AT_LOAD[quantize](model)
+            return model
         if keep_fp8 is None:
             keep_fp8 = torch.device(device).type == "cuda"
         if keep_nvfp4 is None:
@@ -93,6 +100,7 @@ class Artifact:
             source=str(self.path),
             fp8_weights=fp8_weights,
             nvfp4_weights=nvfp4_weights,
+            quantize=quantize,
         )
 
 

@@ -5,6 +5,7 @@ builds it, `--weights fp8` equals `--quantize fp8`, and broken containers fail n
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from pathlib import Path
 
@@ -126,13 +127,15 @@ def test_fp8_packing_keeps_checkpoint_fp8_as_stored_and_equals_quantize_fp8(root
     assert _greedy(build_engine_core(EngineSpec(str(out), config)), prompt, 6) == quantized
 
 
-def test_quantize_fp8_turns_a_bf16_checkpoints_linear_layers_into_per_channel_fp8(tiny_vl_mtp) -> None:
+def test_quantize_fp8_turns_a_bf16_checkpoints_linear_layers_into_per_channel_fp8(tiny_vl_mtp, caplog) -> None:
     config = EngineConfig(max_context=128, log_stats_interval_ms=0)
-    core = build_engine_core(EngineSpec(str(tiny_vl_mtp), config, quantize="fp8"))
+    with caplog.at_level(logging.INFO, logger="ninfer.engine"):
+        core = build_engine_core(EngineSpec(str(tiny_vl_mtp), config, quantize="fp8"))
     model = core.runner.model
     fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     # 3 GDN layers x (in_proj, out_proj, gate_up, down) + 1 attention layer x (qkv, o, gate_up, down)
     assert len(fp8) == 16 and all(not m.block_scaled for m in fp8)
+    assert "--quantize fp8: 16 FP8 Linear layers (one scale per output row)" in caplog.text
     assert not isinstance(model.lm_head, Fp8Linear)
     assert len(_greedy(core, list(range(300, 320)), 4)) == 4
 
