@@ -222,7 +222,7 @@ def describe_quantized(model) -> str:
 
 def model_bytes(model) -> int:
     """Bytes of the model's parameters and buffers (a tied tensor once)."""
-    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

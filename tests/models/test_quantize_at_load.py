@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from ninfer.bench.random_weights import stored_parameters
+from ninfer.bench.shapes import shape_config
+from ninfer.engine.builder import model_bytes
 from ninfer.models.config import ModelConfig
 from ninfer.models.loader import QUANTIZE_AT_LOAD, build_model, load_model
 from ninfer.models.quant import row_chunks
@@ -20,7 +22,8 @@ from ninfer.models.quant.stored_formats import stored_tensors
 from ninfer.testing.tiny_artifacts import MOE, TEXT
 from tests.models.allocation_peak import allocation_peak
 
-CHUNK = 1000  # weights per chunk here: every projection of these models spans several chunks
+LOAD_CHUNK = row_chunks.CHUNK_ELEMENTS  # a real load's chunk
+CHUNK = 1000  # weights per chunk in these tests: every projection of their models spans several chunks
 
 # The tiny Qwen3.5 trunk with its MTP head, and a small vocabulary (no tokenizer is needed).
 QWEN3_5 = {**TEXT, "model_type": "qwen3_5_text", "vocab_size": 96, "mtp_num_hidden_layers": 1, "torch_dtype": "bfloat16"}
@@ -124,11 +127,6 @@ def test_a_quantized_checkpoint_keeps_its_format_and_the_rest_is_quantized_as_it
     assert_same_model(*_load_both(config, tensors, quantize, **{f"{stored}_weights": shapes}))
 
 
-def _model_bytes(model: nn.Module) -> int:
-    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 @pytest.mark.parametrize("quantize", ["fp8", "nvfp4"])
 def test_the_load_peak_is_the_quantized_model_and_one_chunks_workspace(quantize: str) -> None:
     """Measured on the CPU allocator with the checkpoint already in memory: everything a load
@@ -139,7 +137,7 @@ def test_the_load_peak_is_the_quantized_model_and_one_chunks_workspace(quantize:
     ours, peak = allocation_peak(
         lambda: load_model(config, iter(tensors), dtype=torch.bfloat16, progress=False, quantize=quantize)
     )
-    bound = _model_bytes(ours) + workspace_bytes(largest_row=config.intermediate_size) + (64 << 10)
+    bound = model_bytes(ours) + workspace_bytes(largest_row=config.intermediate_size) + (64 << 10)
     assert peak <= bound
 
     def load_then_quantize() -> nn.Module:
@@ -153,4 +151,17 @@ def test_the_load_peak_is_the_quantized_model_and_one_chunks_workspace(quantize:
         m.weight.numel() * 2 for n, m in load_model(config, iter(tensors), dtype=torch.bfloat16, progress=False)
         .named_modules() if isinstance(m, nn.Linear) and n != "lm_head"
     )  # fmt: skip
-    assert peak_after >= _model_bytes(ours) + quantized_bf16 > bound
+    assert peak_after >= model_bytes(ours) + quantized_bf16 > bound
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("shape", ["27b", "35b-a3b"])
+def test_the_real_models_quantized_at_load_fit_an_80_gb_card(shape: str, quantize: str) -> None:
+    """The bound at the real shapes, built on the meta device: the quantized model plus one chunk's
+    workspace (384 MiB) is less than the bf16 model alone and fits the ~78 GiB of an 80 GB H100
+    (27B: 27.4 GiB in FP8, 17.5 GiB in NVFP4; 35B-A3B: 33.4 and 62.7, its experts bf16)."""
+    _, config = shape_config(shape)
+    bf16 = model_bytes(build_model(config, torch.bfloat16, "meta"))
+    quantized = model_bytes(build_model(config, torch.bfloat16, "meta", quantize=quantize))
+    bound = quantized + workspace_bytes(chunk_elements=LOAD_CHUNK)
+    assert bound < min(bf16, 78 << 30)
