@@ -18,7 +18,7 @@ import torch
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
-from ninfer.models.loader import QUANTIZE_AT_LOAD, WeightLoadError, load_model
+from ninfer.models.loader import WeightLoadError, load_model
 
 HF_DIRECTORY = "hf_directory"
 GGUF = "gguf"
@@ -48,7 +48,7 @@ class Artifact:
     fp8_weights: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     # NVFP4 weights (name -> unpacked shape) a model can keep in NVFP4; empty for other checkpoints.
     nvfp4_weights: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
-    # A container in runtime layout builds its model itself: (config, dtype, device, progress) -> model.
+    # A container in runtime layout builds its model itself: (config, dtype, device, progress, quantize) -> model.
     runtime_loader: Callable[..., CausalLM] | None = field(default=None, repr=False)
     # A container's optional part ("vision/", "dflash/", ...): its tensors, prefix removed.
     read_part: Callable[[str], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
@@ -77,13 +77,10 @@ class Artifact:
         keep_nvfp4 (default: on CUDA devices): likewise NVFP4 checkpoint weights in Nvfp4Linear.
         quantize: "fp8" | "nvfp4": the other Linear layers (fp8: and routed experts) quantized
         as their weights arrive, as quantize_fp8_ / quantize_nvfp4_ would quantize them loaded.
-        A .ninfer container loads as it was packed (its FP8 layers stay FP8; keep_fp8 is moot);
-        quantize then converts the layers it left unquantized once they are loaded."""
+        A .ninfer container loads as it was packed (its FP8 layers stay FP8; keep_fp8 is moot), and
+        quantize quantizes the layers it holds unquantized, likewise as they arrive."""
         if self.runtime_loader is not None:
-            model = self.runtime_loader(self.config, dtype, device, progress)
-            if quantize is not None:
-                QUANTIZE_AT_LOAD[quantize](model)
-            return model
+            return self.runtime_loader(self.config, dtype, device, progress, quantize)
         if keep_fp8 is None:
             keep_fp8 = torch.device(device).type == "cuda"
         if keep_nvfp4 is None:
