@@ -43,7 +43,9 @@ def fill_random_(named_parameters: Iterable[tuple[str, torch.Tensor]], seed: int
         param.copy_(random_values(name, param.shape, param.dtype, param.device, seed))
 
 
-def random_values(name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.Tensor:
+def random_values(
+    name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> torch.Tensor:
     """The values fill_random_ writes into the parameter `name` of this shape, dtype and device."""
     gen = torch.Generator(device=device).manual_seed(_seed(seed, name))
     if name.endswith("A_log"):

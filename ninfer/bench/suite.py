@@ -217,8 +217,9 @@ class Suite:
         self.expert_bytes = 2.0  # routed MoE experts: FP8 under quantize_fp8_, bf16 otherwise (NVFP4 too)
         if weights == "fp8":
             weight_bytes = self.expert_bytes = 1.0  # e4m3; per-channel scales are negligible
-            log.info("[%s fp8] %d modules quantized as made (Linear layers and routed experts; routers, embedding and lm_head stay bf16); peak %.1f GiB",
-                     shape, replaced, torch.cuda.max_memory_allocated(self.device) / (1 << 30))
+            log.info("[%s fp8] %d modules quantized as made (Linear layers and routed experts; routers, embedding "
+                     "and lm_head stay bf16); peak %.1f GiB", shape, replaced,
+                     torch.cuda.max_memory_allocated(self.device) / (1 << 30))
         elif weights == "fp8-block":
             from ninfer.models.quant.fp8 import quantize_fp8_blocks_
 
@@ -230,8 +231,8 @@ class Suite:
             log.info("[%s fp8-block] %d modules quantized in Qwen's 128x128 blocks (routers, embedding and lm_head stay bf16)", shape, replaced)
         elif weights == "nvfp4":
             weight_bytes = 0.5 + 1 / 16  # e2m1 codes and an e4m3 scale per 16; row scales are negligible
-            log.info("[%s nvfp4] %d Linear layers quantized as made (experts, routers, embedding and lm_head stay bf16); peak %.1f GiB",
-                     shape, replaced, torch.cuda.max_memory_allocated(self.device) / (1 << 30))
+            log.info("[%s nvfp4] %d Linear layers quantized as made (experts, routers, embedding and lm_head stay "
+                     "bf16); peak %.1f GiB", shape, replaced, torch.cuda.max_memory_allocated(self.device) / (1 << 30))
         options = self.options
         max_batch = max(options.batches)
         max_tokens = max([max(options.contexts) + 1, *options.prefill_lengths])

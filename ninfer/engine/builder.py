@@ -210,11 +210,12 @@ def describe_quantized(model) -> str:
     """What the model holds quantized, by module kind and scale layout."""
     fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     experts = [m for m in model.modules() if isinstance(m, Fp8Experts)]
+    per_row_experts = sum(m.rows_per_block("down_proj") is None for m in experts)
     counts = {
         "FP8 Linear layers (one scale per output row)": sum(not m.block_scaled for m in fp8),
         "FP8 Linear layers (a checkpoint's block scales)": sum(m.block_scaled for m in fp8),
-        "FP8 expert groups (one scale per output row)": sum(m.rows_per_block("down_proj") is None for m in experts),
-        "FP8 expert groups (a checkpoint's block scales)": sum(m.rows_per_block("down_proj") is not None for m in experts),
+        "FP8 expert groups (one scale per output row)": per_row_experts,
+        "FP8 expert groups (a checkpoint's block scales)": len(experts) - per_row_experts,
         "NVFP4 Linear layers": sum(isinstance(m, Nvfp4Linear) for m in model.modules()),
     }
     return ", ".join(f"{count} {kind}" for kind, count in counts.items() if count) or "nothing"

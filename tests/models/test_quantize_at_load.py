@@ -26,7 +26,9 @@ LOAD_CHUNK = row_chunks.CHUNK_ELEMENTS  # a real load's chunk
 CHUNK = 1000  # weights per chunk in these tests: every projection of their models spans several chunks
 
 # The tiny Qwen3.5 trunk with its MTP head, and a small vocabulary (no tokenizer is needed).
-QWEN3_5 = {**TEXT, "model_type": "qwen3_5_text", "vocab_size": 96, "mtp_num_hidden_layers": 1, "torch_dtype": "bfloat16"}
+QWEN3_5 = {
+    **TEXT, "model_type": "qwen3_5_text", "vocab_size": 96, "mtp_num_hidden_layers": 1, "torch_dtype": "bfloat16",
+}
 QWEN3_5_MOE = {**QWEN3_5, **MOE, "model_type": "qwen3_5_moe_text"}
 LLAMA = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64,
@@ -118,7 +120,9 @@ def test_quantized_as_it_loads_equals_quantized_after(hf_config: dict, quantize:
 
 
 @pytest.mark.parametrize("stored, quantize", [("fp8", "nvfp4"), ("fp8", "fp8"), ("nvfp4", "fp8")])
-def test_a_quantized_checkpoint_keeps_its_format_and_the_rest_is_quantized_as_it_loads(stored: str, quantize: str) -> None:
+def test_a_quantized_checkpoint_keeps_its_format_and_the_rest_is_quantized_as_it_loads(
+    stored: str, quantize: str
+) -> None:
     """Qwen's FP8 and ModelOpt's NVFP4 layouts (every 2-D projection, the MTP layer's experts too)
     stay as stored; the trunk's fused experts and the remaining Linear layers are quantized, and
     NVFP4 experts, which stay dequantized, are quantized to FP8 from their dequantized values."""

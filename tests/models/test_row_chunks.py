@@ -64,7 +64,8 @@ def test_modules_quantized_in_chunks_equal_the_whole_weight_quantized(small_chun
     for name in ("gate_up_proj", "down_proj"):
         weight = getattr(experts, name)
         codes, scales = quantize_rows(weight.reshape(-1, weight.shape[-1]), row_multiple=1)
-        _same((getattr(fp8_experts, name), fp8_experts.scale_of(name)), (codes.view(weight.shape), scales.view(weight.shape[:2])))
+        expected = (codes.view(weight.shape), scales.view(weight.shape[:2]))
+        _same((getattr(fp8_experts, name), fp8_experts.scale_of(name)), expected)
 
 
 def test_writes_into_rows_round_to_the_given_dtype_first(small_chunks) -> None:

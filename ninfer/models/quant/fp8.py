@@ -170,7 +170,8 @@ def quantize_fp8_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, placeh
     placeholders: unfilled modules of that layout instead, on a meta-device model, for the
     loader to quantize each bf16 weight into as it arrives (loader.build_model)."""
     if placeholders:
-        to_linear, to_experts = partial(Fp8Linear.placeholder, per_channel=True), partial(Fp8Experts.placeholder, rows_per_block=None)
+        to_linear = partial(Fp8Linear.placeholder, per_channel=True)
+        to_experts = partial(Fp8Experts.placeholder, rows_per_block=None)
     else:
         to_linear, to_experts = Fp8Linear.from_linear, Fp8Experts.from_experts
     linears = replace_linear_layers(model, skip, to_linear, lambda linear: linear.out_features >= 16)
