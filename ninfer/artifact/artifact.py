@@ -48,7 +48,7 @@ class Artifact:
     fp8_weights: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     # NVFP4 weights (name -> unpacked shape) a model can keep in NVFP4; empty for other checkpoints.
     nvfp4_weights: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
-    # A container in runtime layout builds its model itself: (config, dtype, device, progress) -> model.
+    # A container in runtime layout builds its model itself: (config, dtype, device, progress, quantize) -> model.
     runtime_loader: Callable[..., CausalLM] | None = field(default=None, repr=False)
     # A container's optional part ("vision/", "dflash/", ...): its tensors, prefix removed.
     read_part: Callable[[str], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
@@ -70,13 +70,17 @@ class Artifact:
         progress: bool = True,
         keep_fp8: bool | None = None,
         keep_nvfp4: bool | None = None,
+        quantize: str | None = None,
     ) -> CausalLM:
         """keep_fp8 (default: on CUDA devices): FP8 checkpoint weights stay FP8 in Fp8Linear
         layers (GEMV / tensor-core paths); otherwise they are dequantized to bf16 at load.
         keep_nvfp4 (default: on CUDA devices): likewise NVFP4 checkpoint weights in Nvfp4Linear.
-        A .ninfer container loads as it was packed (its FP8 layers stay FP8; keep_fp8 is moot)."""
+        quantize: "fp8" | "nvfp4": the other Linear layers (fp8: and routed experts) quantized
+        as their weights arrive, as quantize_fp8_ / quantize_nvfp4_ would quantize them loaded.
+        A .ninfer container loads as it was packed (its FP8 layers stay FP8; keep_fp8 is moot), and
+        quantize quantizes the layers it holds unquantized, likewise as they arrive."""
         if self.runtime_loader is not None:
-            return self.runtime_loader(self.config, dtype, device, progress)
+            return self.runtime_loader(self.config, dtype, device, progress, quantize)
         if keep_fp8 is None:
             keep_fp8 = torch.device(device).type == "cuda"
         if keep_nvfp4 is None:
@@ -93,6 +97,7 @@ class Artifact:
             source=str(self.path),
             fp8_weights=fp8_weights,
             nvfp4_weights=nvfp4_weights,
+            quantize=quantize,
         )
 
 

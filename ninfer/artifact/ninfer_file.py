@@ -38,7 +38,7 @@ from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ConfigError, ModelConfig
 from ninfer.models.loader import WeightLoadError
-from ninfer.models.runtime_layout import build_runtime_model, load_runtime_tensors
+from ninfer.models.runtime_layout import build_runtime_model, load_runtime_tensors, quantized_modules
 
 FORMAT_NAME = "ninfer"
 FORMAT_VERSION = 1
@@ -217,13 +217,18 @@ def open_ninfer_file(path: Path) -> Artifact:
     modules: dict[str, dict[str, Any]] = manifest.get("weights", {}).get("modules", {})
     source = str(path)
 
-    def load(config: ModelConfig, dtype: torch.dtype | None, device: torch.device | str, progress: bool) -> CausalLM:
-        """config: the artifact's, possibly narrowed since opening (no MTP head without --spec mtp)."""
+    def load(
+        config: ModelConfig, dtype: torch.dtype | None, device: torch.device | str, progress: bool,
+        quantize: str | None = None,
+    ) -> CausalLM:
+        """config: the artifact's, possibly narrowed since opening (no MTP head without --spec mtp).
+        quantize: the layers the container holds unquantized, quantized as their tensors arrive."""
         dtype = dtype or getattr(torch, config.torch_dtype, torch.bfloat16)
-        model = build_runtime_model(config, dtype, device, modules, source)
+        model = build_runtime_model(config, dtype, device, modules, source, quantize)
         device_name = str(torch.device(device))
         reader = tensors.read(tensors.model_names(), device=device_name, progress=progress)
-        load_runtime_tensors(model, reader, source)
+        quantized_at_load = quantized_modules(model).keys() - modules.keys()
+        load_runtime_tensors(model, reader, source, quantized_at_load, dtype)
         return model.eval()
 
     # Dry run on the meta device: every tensor the model holds is present with its shape.

@@ -2,11 +2,12 @@
 
 The source model is loaded on the CPU as the server would build it: projections packed,
 and with --weights fp8 (nvfp4) the checkpoint's FP8 (NVFP4) weights kept as stored and
-every other Linear layer quantized (FP8: per output channel; NVFP4: e4m3 scales per 16
-values and an fp32 scale per row). Its runtime tensors, the tokenizer, the chat template
+every other Linear layer quantized as its weights are read (FP8: per output channel;
+NVFP4: e4m3 scales per 16 values and an fp32 scale per row). Its runtime tensors, the tokenizer, the chat template
 byte for byte, generation defaults, the vision tower and any DFlash / DFlash2 companion
 of the source go into the container. Packing holds the model's weights in host memory once
-(a 27B model in FP8: ~28 GB; in bf16: ~54 GB) and streams them to the file.
+(a 27B model in FP8: ~28 GB; in bf16: ~54 GB), never its bf16 weights beside their
+quantized ones, and streams them to the file.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from ninfer.artifact.ninfer_file import (
     open_ninfer_file,
 )
 from ninfer.artifact.safetensors_writer import write_safetensors
-from ninfer.models.quant.fp8 import quantize_fp8_
-from ninfer.models.quant.nvfp4 import quantize_nvfp4_
 from ninfer.models.runtime_layout import quantized_modules, runtime_tensors
 
 log = logging.getLogger("ninfer.pack")
@@ -78,12 +77,13 @@ def pack(
     artifact = open_artifact(source)
     log.info("packing %s (%s) as %s weights", artifact.path, artifact.kind, weights)
     model = artifact.load_model(
-        dtype=torch.bfloat16, device="cpu", progress=progress, keep_fp8=weights == "fp8", keep_nvfp4=weights == "nvfp4"
+        dtype=torch.bfloat16,
+        device="cpu",
+        progress=progress,
+        keep_fp8=weights == "fp8",
+        keep_nvfp4=weights == "nvfp4",
+        quantize=None if weights == "bf16" else weights,
     )
-    if weights == "fp8":
-        quantize_fp8_(model)
-    elif weights == "nvfp4":
-        quantize_nvfp4_(model)
     tensors = runtime_tensors(model)
     parts: list[str] = []
     vision = _vision_tensors(artifact)

@@ -23,6 +23,7 @@ import torch
 from ninfer.assets.qwen_tokenizer import write_qwen3_5_tokenizer
 from ninfer.bench.random_weights import fill_random_, stored_parameters
 from ninfer.bench.shapes import shape_config, vision_shape_config
+from ninfer.models.config import ModelConfig
 from ninfer.models.loader import build_model
 from ninfer.models.quant.stored_formats import describe_quantization, stored_tensors
 from ninfer.models.vision_config import VisionConfig
@@ -36,15 +37,19 @@ SHARD_BYTES = 4 << 30  # the hub's shards are a few GB each
 
 def write_random_checkpoint(
     shape: str, directory: str | Path, *, seed: int = 0, device: str = "cuda", shard_bytes: int = SHARD_BYTES,
-    mtp: bool = False, weights: str = "bf16", vision: bool = False,
+    mtp: bool = False, weights: str = "bf16", vision: bool = False, num_layers: int | None = None,
 ) -> Path:
     """Build `shape` with random bf16 weights on `device` and write it under `directory`; mtp:
     with the published checkpoints' one-layer MTP head; weights: the stored format (bf16, fp8,
     nvfp4), each shard quantized on `device` as it is written; vision: with the VLM's vision tower
-    (kept in bf16, as the published quantized checkpoints keep it)."""
+    (kept in bf16, as the published quantized checkpoints keep it); num_layers: only the first
+    layers (every tensor at the real shape, in a fraction of the bytes)."""
     from safetensors.torch import save_file
 
     hf_config, config = shape_config(shape)
+    if num_layers is not None:
+        hf_config = {**hf_config, "num_hidden_layers": num_layers}
+        config = ModelConfig.from_hf(hf_config, source=f"bench shape {shape}, {num_layers} layers")
     if mtp:
         hf_config = {**hf_config, "mtp_num_hidden_layers": 1}
         config = config.replace(mtp_num_hidden_layers=1)

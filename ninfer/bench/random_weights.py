@@ -14,7 +14,9 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from ninfer.models.config import ModelConfig
 from ninfer.models.layers.linear import packed_parts
+from ninfer.models.loader import build_model
 
 
 def _seed(seed: int, name: str) -> int:
@@ -38,19 +40,36 @@ def stored_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def fill_random_(named_parameters: Iterable[tuple[str, torch.Tensor]], seed: int = 0) -> None:
     """Pass `stored_parameters(model)` for our models, so packed parts get their checkpoint name's values."""
     for name, param in named_parameters:
-        gen = torch.Generator(device=param.device).manual_seed(_seed(seed, name))
-        shape, device = param.shape, param.device
-        if name.endswith("A_log"):
-            values = torch.empty(shape, device=device, dtype=torch.float32).uniform_(1.0, 16.0, generator=gen).log()
-        elif name.endswith("dt_bias"):
-            values = torch.randn(shape, device=device, generator=gen) * 0.5
-        elif "conv1d" in name:
-            values = torch.randn(shape, device=device, generator=gen) * 0.5
-        elif name.endswith("linear_attn.norm.weight"):
-            values = 1.0 + torch.randn(shape, device=device, generator=gen) * 0.1
-        elif param.dim() == 1:
-            values = torch.randn(shape, device=device, generator=gen) * 0.1
-        else:
-            fan_in = shape[-1]
-            values = torch.randn(shape, device=device, dtype=param.dtype, generator=gen) * (1.0 / math.sqrt(fan_in))
-        param.copy_(values)
+        param.copy_(random_values(name, param.shape, param.dtype, param.device, seed))
+
+
+def random_values(
+    name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> torch.Tensor:
+    """The values fill_random_ writes into the parameter `name` of this shape, dtype and device."""
+    gen = torch.Generator(device=device).manual_seed(_seed(seed, name))
+    if name.endswith("A_log"):
+        values = torch.empty(shape, device=device, dtype=torch.float32).uniform_(1.0, 16.0, generator=gen).log()
+    elif name.endswith("dt_bias"):
+        values = torch.randn(shape, device=device, generator=gen) * 0.5
+    elif "conv1d" in name:
+        values = torch.randn(shape, device=device, generator=gen) * 0.5
+    elif name.endswith("linear_attn.norm.weight"):
+        values = 1.0 + torch.randn(shape, device=device, generator=gen) * 0.1
+    elif len(shape) == 1:
+        values = torch.randn(shape, device=device, generator=gen) * 0.1
+    else:
+        fan_in = shape[-1]
+        values = torch.randn(shape, device=device, dtype=dtype, generator=gen) * (1.0 / math.sqrt(fan_in))
+    return values.to(dtype)
+
+
+def random_tensors(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of fill_random_'s values for the model `config` builds, made one
+    at a time on `device`: loaded through loader.load_weights they give the model fill_random_
+    fills, and a model quantized at load never holds more than one of them unquantized."""
+    model = build_model(config, dtype, "meta")
+    for name, param in stored_parameters(model):
+        yield name, random_values(name, param.shape, param.dtype, torch.device(device), seed)

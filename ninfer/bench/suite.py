@@ -44,7 +44,7 @@ import torch
 
 from ninfer.bench.clocks import ClockSampler, nvml_sm_clock_reader
 from ninfer.bench.critical_path import increments_table
-from ninfer.bench.random_weights import fill_random_, stored_parameters
+from ninfer.bench.random_weights import fill_random_, random_tensors
 from ninfer.bench.roofline import (
     DeviceCeilings,
     decode_roofline_tokens_per_s,
@@ -57,7 +57,10 @@ from ninfer.config import EngineConfig
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import PENDING_TOKEN, CommitVerified, ScheduledChunk, SchedulerStep, StepKind
-from ninfer.models.loader import build_model
+from ninfer.models.loader import QUANTIZE_AT_LOAD, build_model, load_weights
+from ninfer.models.quant.fp8 import Fp8Linear
+from ninfer.models.quant.fp8_experts import Fp8Experts
+from ninfer.models.quant.nvfp4 import Nvfp4Linear
 
 log = logging.getLogger("ninfer.bench")
 GREEDY = SamplingParams(temperature=0.0, seed=0)
@@ -202,18 +205,21 @@ class Suite:
             config = config.replace(mtp_num_hidden_layers=1)  # the real checkpoints' MTP head
         log.info("[%s %s] building random weights on %s", shape, weights, self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        model = build_model(config, torch.bfloat16, self.device)
-        fill_random_(stored_parameters(model), self.options.seed)
+        # fp8 and nvfp4 quantize each weight as it is made, as --quantize does at load: the bf16
+        # model is never whole on the device (a 27B one would not fit beside its quantized copy).
+        quantize = weights if weights in QUANTIZE_AT_LOAD else None
+        model = build_model(config, torch.bfloat16, self.device, quantize=quantize)
+        load_weights(model, random_tensors(config, torch.bfloat16, self.device, self.options.seed),
+                     progress=False, source=f"random {shape} weights", dtype=torch.bfloat16)
         model.eval()
+        replaced = sum(isinstance(m, (Fp8Linear, Fp8Experts, Nvfp4Linear)) for m in model.modules())
         weight_bytes = 2.0
         self.expert_bytes = 2.0  # routed MoE experts: FP8 under quantize_fp8_, bf16 otherwise (NVFP4 too)
         if weights == "fp8":
-            from ninfer.models.quant.fp8 import quantize_fp8_
-
-            replaced = quantize_fp8_(model)
-            torch.cuda.empty_cache()
             weight_bytes = self.expert_bytes = 1.0  # e4m3; per-channel scales are negligible
-            log.info("[%s fp8] %d modules quantized (Linear layers and routed experts; routers, embedding and lm_head stay bf16)", shape, replaced)
+            log.info("[%s fp8] %d modules quantized as made (Linear layers and routed experts; routers, embedding "
+                     "and lm_head stay bf16); peak %.1f GiB", shape, replaced,
+                     torch.cuda.max_memory_allocated(self.device) / (1 << 30))
         elif weights == "fp8-block":
             from ninfer.models.quant.fp8 import quantize_fp8_blocks_
 
@@ -224,12 +230,9 @@ class Suite:
             weight_bytes, self.expert_bytes = 1.0 + 4 / 128, 1.0
             log.info("[%s fp8-block] %d modules quantized in Qwen's 128x128 blocks (routers, embedding and lm_head stay bf16)", shape, replaced)
         elif weights == "nvfp4":
-            from ninfer.models.quant.nvfp4 import quantize_nvfp4_
-
-            replaced = quantize_nvfp4_(model)
-            torch.cuda.empty_cache()
             weight_bytes = 0.5 + 1 / 16  # e2m1 codes and an e4m3 scale per 16; row scales are negligible
-            log.info("[%s nvfp4] %d Linear layers quantized (experts, routers, embedding and lm_head stay bf16)", shape, replaced)
+            log.info("[%s nvfp4] %d Linear layers quantized as made (experts, routers, embedding and lm_head stay "
+                     "bf16); peak %.1f GiB", shape, replaced, torch.cuda.max_memory_allocated(self.device) / (1 << 30))
         options = self.options
         max_batch = max(options.batches)
         max_tokens = max([max(options.contexts) + 1, *options.prefill_lengths])

@@ -24,9 +24,9 @@ from ninfer.kernels.backend import persist_compile_caches
 from ninfer.kernels.kv_quant import check_head_dim
 from ninfer.models.config import ModelConfig
 from ninfer.models.kv_cache import KV_DTYPES
-from ninfer.models.quant.fp8 import Fp8Linear, quantize_fp8_
+from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.fp8_experts import Fp8Experts
-from ninfer.models.quant.nvfp4 import Nvfp4Linear, quantize_nvfp4_
+from ninfer.models.quant.nvfp4 import Nvfp4Linear
 from ninfer.models.quant.half_weights import store_half_weights_
 
 log = logging.getLogger("ninfer.engine")
@@ -118,18 +118,30 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         f" ({torch.get_num_threads()} threads)" if on_cpu else "",
     )
     # The bar is a transient terminal line; redirected stderr gets only the milestone records.
-    # --quantize keeps a checkpoint already in that format as stored, on any device.
+    # --quantize keeps a checkpoint already in that format as stored, on any device, and
+    # quantizes every other weight as it arrives: only the quantized model is ever resident.
     keep_fp8 = True if spec.quantize == "fp8" else None
     keep_nvfp4 = True if spec.quantize == "nvfp4" else None
+    if not on_cpu:
+        torch.cuda.reset_peak_memory_stats(device)
     model = artifact.load_model(
-        dtype=dtype, device=device, progress=sys.stderr.isatty(), keep_fp8=keep_fp8, keep_nvfp4=keep_nvfp4
+        dtype=dtype,
+        device=device,
+        progress=sys.stderr.isatty(),
+        keep_fp8=keep_fp8,
+        keep_nvfp4=keep_nvfp4,
+        quantize=spec.quantize,
     )
     num_params = _num_weights(model)
     log.info("model loaded in %.1fs: %.2fB parameters", time.perf_counter() - started, num_params / 1e9)
-    if spec.quantize == "fp8":
-        log.info("--quantize fp8: %d Linear layers and expert groups quantized to FP8 per output row", quantize_fp8_(model))
-    elif spec.quantize == "nvfp4":
-        log.info("--quantize nvfp4: %d Linear layers quantized to NVFP4", quantize_nvfp4_(model))
+    if spec.quantize is not None:
+        log.info("--quantize %s: %s", spec.quantize, describe_quantized(model))
+    if not on_cpu:
+        log.info(
+            "load peak %.2f GiB of device memory for a model of %.2f GiB",
+            torch.cuda.max_memory_allocated(device) / (1 << 30),
+            model_bytes(model) / (1 << 30),
+        )
     if cpu_half_weights(spec.dtype, dtype, device):
         log.info("Linear weights stored in float16 for decode: %d layers", store_half_weights_(model))
     draft_model = None
@@ -192,6 +204,27 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         run_warm_up(core)  # compiles and autotunes every step shape before /health turns ready
     install_faults(core.runner)  # tests only: nothing unless NINFER_TEST_FAULTS is set
     return core
+
+
+def describe_quantized(model) -> str:
+    """What the model holds quantized, by module kind and scale layout."""
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    experts = [m for m in model.modules() if isinstance(m, Fp8Experts)]
+    per_row_experts = sum(m.rows_per_block("down_proj") is None for m in experts)
+    counts = {
+        "FP8 Linear layers (one scale per output row)": sum(not m.block_scaled for m in fp8),
+        "FP8 Linear layers (a checkpoint's block scales)": sum(m.block_scaled for m in fp8),
+        "FP8 expert groups (one scale per output row)": per_row_experts,
+        "FP8 expert groups (a checkpoint's block scales)": len(experts) - per_row_experts,
+        "NVFP4 Linear layers": sum(isinstance(m, Nvfp4Linear) for m in model.modules()),
+    }
+    return ", ".join(f"{count} {kind}" for kind, count in counts.items() if count) or "nothing"
+
+
+def model_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers (a tied tensor once)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _num_weights(model) -> int:

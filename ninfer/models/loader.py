@@ -19,15 +19,15 @@ from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
 from ninfer.models.layers.linear import packed_parts, rows_within
 from ninfer.models.layers.moe import Experts
-from ninfer.kernels.nvfp4_gemv import dequantize_nvfp4, quantize_nvfp4
-from ninfer.models.quant.fp8 import (
-    FP8, SCALE_BLOCK, Fp8Linear, expand_block_rows, quantize_blocks, quantize_row_blocks,
-)  # fmt: skip
+from ninfer.kernels.nvfp4_gemv import dequantize_nvfp4
+from ninfer.models.quant.fp8 import FP8, SCALE_BLOCK, Fp8Linear, expand_block_rows, quantize_blocks, quantize_fp8_
 from ninfer.models.quant.fp8_experts import PROJECTIONS, Fp8Experts
-from ninfer.models.quant.nvfp4 import Nvfp4Linear
+from ninfer.models.quant.nvfp4 import Nvfp4Linear, quantize_nvfp4_
 from ninfer.models.registry import CheckpointRule, checkpoint_rule, model_class
 
 log = logging.getLogger(__name__)
+
+QUANTIZE_AT_LOAD = {"fp8": quantize_fp8_, "nvfp4": quantize_nvfp4_}  # --quantize: the modules it converts
 
 FP8_SCALE_SUFFIX = "_scale_inv"  # Qwen FP8 checkpoints: "<weight name>_scale_inv" holds its block scales
 # ModelOpt NVFP4 checkpoints: "<weight name>_scale" (e4m3 per 16 values) and "<weight name>_scale_2"
@@ -46,6 +46,7 @@ def build_model(
     device: torch.device | str = "cpu",
     fp8_weights: dict[str, tuple[int, ...]] | None = None,
     nvfp4_weights: dict[str, tuple[int, ...]] | None = None,
+    quantize: str | None = None,
 ) -> CausalLM:
     """An uninitialised model with storage allocated on `device` (no weights read).
 
@@ -53,6 +54,9 @@ def build_model(
     layers they fill become Fp8Linear (row-block scales) and the fused experts Fp8Experts
     (fp8_expert_layouts) before any storage is allocated.
     nvfp4_weights: likewise for NVFP4 checkpoint weights (their unpacked shapes) -> Nvfp4Linear.
+    quantize: "fp8" | "nvfp4": then the modules quantize_fp8_ / quantize_nvfp4_ would convert
+    (of those left) are built quantized and unfilled too, and load_weights quantizes each bf16
+    weight into them as it arrives, so no quantized layer's bf16 weights are ever all held.
     """
     cls = model_class(config)
     with torch.device("meta"):
@@ -63,6 +67,10 @@ def build_model(
             _replace(model, module_name, module_type.placeholder)
     for module_name, rows_per_block in sorted(fp8_expert_layouts(model, config, fp8_weights or {}).items()):
         _replace(model, module_name, lambda experts: Fp8Experts.placeholder(experts, rows_per_block))
+    if quantize is not None:
+        if quantize not in QUANTIZE_AT_LOAD:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_AT_LOAD)}, not {quantize!r}")
+        QUANTIZE_AT_LOAD[quantize](model, placeholders=True)
     return materialize(model, device)
 
 
@@ -133,16 +141,23 @@ def load_weights(
     progress: bool = True,
     source: str = "checkpoint",
     rule: CheckpointRule | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """rule: how stored names map to parameters (default: the model family's checkpoint rule)."""
+    """rule: how stored names map to parameters (default: the model family's checkpoint rule).
+    dtype: the model's unquantized dtype. An unquantized weight bound for a quantized module is
+    rounded to it (default: kept as stored), then quantized into the module as it arrives, on
+    the module's device, a chunk of rows at a time (quant/row_chunks.py): the same bits as
+    loading it unquantized and quantizing the loaded module."""
     rule = rule or checkpoint_rule(model.config)
     params = dict(model.named_parameters())
-    fp8_modules = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
-    fp8_experts = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Experts)}
-    nvfp4_modules = {name: m for name, m in model.named_modules() if isinstance(m, Nvfp4Linear)}
-    params.update({f"{name}.weight": m.weight for name, m in fp8_modules.items()})  # FP8 weights are buffers
-    params.update({f"{name}.{p}": getattr(m, p) for name, m in fp8_experts.items() for p in PROJECTIONS})
-    params.update({f"{name}.weight": m.weight for name, m in nvfp4_modules.items()})
+    # Quantized weights are buffers of their modules: parameter name -> (module, weight's attribute).
+    quantized: dict[str, tuple[nn.Module, str]] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, (Fp8Linear, Nvfp4Linear)):
+            quantized[f"{module_name}.weight"] = (module, "weight")
+        elif isinstance(module, Fp8Experts):
+            quantized.update({f"{module_name}.{projection}": (module, projection) for projection in PROJECTIONS})
+    params.update({name: getattr(module, attribute) for name, (module, attribute) in quantized.items()})
     pending_scales: dict[str, torch.Tensor] = {}  # a block-scaled FP8 weight's scales arrive just before it
     pending_nvfp4: dict[str, dict[str, torch.Tensor]] = {}  # an NVFP4 weight's two scales, likewise
     # Tied parameters (lm_head.weight = embed_tokens.weight) appear once; a checkpoint may store both.
@@ -164,7 +179,7 @@ def load_weights(
                 continue
             if tensor.dtype == torch.uint8 and stored_name in pending_nvfp4:
                 _load_nvfp4(stored_name, tensor, pending_nvfp4.pop(stored_name), model, rule, params, packed,
-                            nvfp4_modules, written, parts_written, source)
+                            quantized, written, parts_written, source, dtype)
                 bar.update(1)
                 continue
             row_scales: list | None = None
@@ -189,45 +204,30 @@ def load_weights(
                 if param is None:
                     raise WeightLoadError(f"{source}: tensor {stored_name!r} maps to unknown parameter {param_name!r}")
                 target = param if index is None else param[index]
-                nvfp4_module = nvfp4_modules.get(param_name.removesuffix(".weight"))
-                if nvfp4_module is not None and param_name.endswith(".weight"):
-                    # An unquantized part of a projection whose other parts are NVFP4.
-                    if value.dim() != 2 or (target.shape[0], target.shape[1] * 2) != tuple(value.shape):
-                        raise WeightLoadError(
-                            f"{source}: tensor {stored_name!r} has shape {tuple(value.shape)}, parameter "
-                            f"{param_name!r} expects {(target.shape[0], target.shape[1] * 2)}"
-                        )
-                    codes, block_scale, row_scale = quantize_nvfp4(value)
-                    target.copy_(codes)
-                    (nvfp4_module.block_scale if index is None else nvfp4_module.block_scale[index]).copy_(block_scale)
-                    (nvfp4_module.row_scale if index is None else nvfp4_module.row_scale[index]).copy_(row_scale)
-                    written[param_name] += codes.numel()
+                owner = quantized.get(param_name)
+                module, attribute = owner or (None, None)
+                what = f"{source}: tensor {stored_name!r}"
+                if value_scales is not None and not _keeps_fp8_blocks(module, attribute):
+                    # FP8 stored, unquantized here (a model built without FP8 modules): dequantize exactly.
+                    columns = value_scales.repeat_interleave(SCALE_BLOCK, dim=-1)[..., : value.shape[-1]]
+                    value, value_scales = value.float() * columns, None
+                if value_scales is None and owner is not None:
+                    # Unquantized, for a quantized module (--quantize, or a part stored unquantized
+                    # beside quantized ones): quantized into it now.
+                    _quantize_arriving(owner, index, target, value, dtype, what, param_name)
+                    written[param_name] += target.numel()
                     continue
                 if tuple(target.shape) != tuple(value.shape):
                     raise WeightLoadError(
-                        f"{source}: tensor {stored_name!r} has shape {tuple(value.shape)}, "
+                        f"{what} has shape {tuple(value.shape)}, "
                         f"parameter {param_name!r}{'' if index is None else f'[{index}]'} "
                         f"expects {tuple(target.shape)}"
                     )
-                fp8_module = fp8_modules.get(param_name.removesuffix(".weight"))
-                experts_name, _, projection = param_name.rpartition(".")
-                if experts_name in fp8_experts and projection in PROJECTIONS:
-                    _load_fp8_experts(
-                        fp8_experts[experts_name], projection, index, target, value, value_scales,
-                        f"{source}: tensor {stored_name!r}",
-                    )  # fmt: skip
-                elif fp8_module is not None and param_name.endswith(".weight"):
-                    if value_scales is not None:
-                        quantized, scales = value, value_scales
-                    else:  # an unquantized part of a projection whose other parts are FP8
-                        quantized, scales = quantize_row_blocks(value)
-                    target.copy_(quantized)
-                    scale_rows = fp8_module.weight_scale if index is None else fp8_module.weight_scale[index]
-                    scale_rows.copy_(scales)
-                elif value_scales is not None:
-                    # FP8 stored, unquantized here (a model built without FP8 modules): dequantize exactly.
-                    columns = value_scales.repeat_interleave(SCALE_BLOCK, dim=-1)[..., : value.shape[-1]]
-                    target.copy_(value.float() * columns)
+                if isinstance(module, Fp8Experts):
+                    _load_fp8_experts(module, attribute, index, target, value, value_scales, what)
+                elif isinstance(module, Fp8Linear):
+                    target.copy_(value)
+                    (module.weight_scale if index is None else module.weight_scale[index]).copy_(value_scales)
                 else:
                     target.copy_(value)
                 written[param_name] += value.numel()
@@ -247,6 +247,41 @@ def load_weights(
         raise WeightLoadError(f"{source}: parameters written more than once: {', '.join(over[:8])}")
 
 
+def _keeps_fp8_blocks(module: nn.Module | None, attribute: str | None) -> bool:
+    """Whether a stored FP8 weight's block scales go into `module` as they are."""
+    if isinstance(module, Fp8Linear):
+        return module.block_scaled
+    return isinstance(module, Fp8Experts) and module.rows_per_block(attribute) is not None
+
+
+def _quantize_arriving(
+    owner: tuple[nn.Module, str],
+    index,
+    target: torch.Tensor,
+    value: torch.Tensor,
+    dtype: torch.dtype | None,
+    what: str,
+    param_name: str,
+) -> None:
+    """Quantize an unquantized weight (or its rows at `index`) into its quantized module's layout."""
+    module, attribute = owner
+    expected = tuple(target.shape)
+    if isinstance(module, Nvfp4Linear):
+        expected = (*target.shape[:-1], target.shape[-1] * 2)  # two codes a byte
+    if tuple(value.shape) != expected:
+        raise WeightLoadError(
+            f"{what} has shape {tuple(value.shape)}, "
+            f"parameter {param_name!r}{'' if index is None else f'[{index}]'} expects {expected}"
+        )
+    if isinstance(module, Fp8Experts) and module.rows_per_block(attribute) == SCALE_BLOCK:
+        # 128 x 128 blocks span rows, so this one is quantized whole (an expert of a mixed checkpoint).
+        _load_fp8_experts(module, attribute, index, target, value.to(dtype or value.dtype), None, what)
+    elif isinstance(module, Fp8Experts):
+        module.quantize_into(attribute, index, value, dtype)
+    else:
+        module.quantize_into(index, value, dtype)
+
+
 def _load_fp8_experts(
     module: Fp8Experts,
     projection: str,
@@ -256,10 +291,12 @@ def _load_fp8_experts(
     row_scales: torch.Tensor | None,
     source: str,
 ) -> None:
-    """One write into FP8 experts: the stored e4m3 bits and their block scales (row_scales: expanded
-    per row) in the module's layout, row blocks or 128 x 128 blocks (their slice of the fused
-    scales). An unquantized tensor (row_scales None) is quantized into that layout."""
+    """One write into FP8 experts with block scales: the stored e4m3 bits and their block scales
+    (row_scales: expanded per row) in the module's layout, row blocks or 128 x 128 blocks (their
+    slice of the fused scales). An unquantized tensor (row_scales None) is quantized into that layout."""
     rows_per_block = module.rows_per_block(projection)
+    if rows_per_block is None:
+        raise WeightLoadError(f"{source}: stored FP8 block scales for {projection}, whose scales here are per row")
     scale_index = index if rows_per_block == 1 else _block_index(index, source)
     if row_scales is None:
         value, scales = quantize_blocks(value, rows_per_block)
@@ -302,13 +339,15 @@ def _load_nvfp4(
     rule: CheckpointRule,
     params: dict[str, torch.Tensor],
     packed: dict[str, tuple[str, slice]],
-    nvfp4_modules: dict[str, Nvfp4Linear],
+    quantized: dict[str, tuple[nn.Module, str]],
     written: dict[str, int],
     parts_written: dict[str, int],
     source: str,
+    dtype: torch.dtype | None,
 ) -> None:
     """Write one NVFP4 checkpoint weight: as stored into an Nvfp4Linear (its global scale becomes
-    the rows' scale), else dequantized exactly (MoE experts, or a model built without NVFP4)."""
+    the rows' scale), else dequantized exactly (MoE experts, or a model built without NVFP4),
+    and quantized again if its module is quantized in another format (--quantize fp8)."""
     if NVFP4_BLOCK_SUFFIX not in scales or NVFP4_GLOBAL_SUFFIX not in scales:
         missing = NVFP4_BLOCK_SUFFIX if NVFP4_BLOCK_SUFFIX not in scales else NVFP4_GLOBAL_SUFFIX
         raise WeightLoadError(f"{source}: NVFP4 weight {stored_name!r} has no {stored_name}{missing} before it")
@@ -331,7 +370,8 @@ def _load_nvfp4(
         if param is None:
             raise WeightLoadError(f"{source}: tensor {stored_name!r} maps to unknown parameter {param_name!r}")
         target = param if index is None else param[index]
-        module = nvfp4_modules.get(param_name.removesuffix(".weight"))
+        owner = quantized.get(param_name)
+        module = owner[0] if owner is not None and isinstance(owner[0], Nvfp4Linear) else None
         if module is not None:
             if tuple(target.shape) != tuple(value.shape):
                 raise WeightLoadError(
@@ -346,12 +386,15 @@ def _load_nvfp4(
             dense = dequantize_nvfp4(
                 flat_codes, block_parts[write].reshape(flat_codes.shape[0], -1), row_parts[write].reshape(-1)
             ).reshape(*value.shape[:-1], value.shape[-1] * 2)
-            if tuple(target.shape) != tuple(dense.shape):
+            if owner is not None:
+                _quantize_arriving(owner, index, target, dense, dtype, f"{source}: tensor {stored_name!r}", param_name)
+            elif tuple(target.shape) != tuple(dense.shape):
                 raise WeightLoadError(
                     f"{source}: tensor {stored_name!r} has shape {tuple(dense.shape)}, "
                     f"parameter {param_name!r} expects {tuple(target.shape)}"
                 )
-            target.copy_(dense)
+            else:
+                target.copy_(dense)
         written[param_name] += value.numel() if module is not None else target.numel()
 
 
@@ -366,12 +409,14 @@ def load_model(
     source: str = "checkpoint",
     fp8_weights: dict[str, tuple[int, ...]] | None = None,
     nvfp4_weights: dict[str, tuple[int, ...]] | None = None,
+    quantize: str | None = None,
 ) -> CausalLM:
     """fp8_weights, nvfp4_weights: see build_model; `tensors` then yields each such weight's
-    scales (`<name>_scale_inv`; `<name>_scale` and `<name>_scale_2`) right before the weight."""
+    scales (`<name>_scale_inv`; `<name>_scale` and `<name>_scale_2`) right before the weight.
+    quantize: "fp8" | "nvfp4", quantized as the weights arrive (build_model)."""
     dtype = dtype or getattr(torch, config.torch_dtype, torch.bfloat16)
-    model = build_model(config, dtype, device, fp8_weights, nvfp4_weights)
-    load_weights(model, tensors, total=total, progress=progress, source=source)
+    model = build_model(config, dtype, device, fp8_weights, nvfp4_weights, quantize)
+    load_weights(model, tensors, total=total, progress=progress, source=source, dtype=dtype)
     model.eval()
     return model
 

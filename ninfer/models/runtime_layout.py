@@ -18,9 +18,9 @@ from torch import nn
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
 from ninfer.models.layers.moe import Experts
-from ninfer.models.loader import WeightLoadError, build_model, materialize
+from ninfer.models.loader import QUANTIZE_AT_LOAD, WeightLoadError, build_model, materialize
 from ninfer.models.quant.fp8 import SCALE_BLOCK, Fp8Linear
-from ninfer.models.quant.fp8_experts import Fp8Experts
+from ninfer.models.quant.fp8_experts import PROJECTIONS, Fp8Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
 
 FP8_LINEAR = "fp8_linear"
@@ -64,11 +64,14 @@ def build_runtime_model(
     device: torch.device | str,
     modules: dict[str, dict[str, object]],
     source: str,
+    quantize: str | None = None,
 ) -> CausalLM:
     """An uninitialised model whose quantized Linear layers and experts are those `modules` records.
 
     Entries for modules the model lacks are skipped when they belong to an optional part the
-    config leaves out (the MTP head), else they are an error naming the module."""
+    config leaves out (the MTP head), else they are an error naming the module.
+    quantize: "fp8" | "nvfp4": the modules it would convert among the rest are built quantized
+    too, for load_runtime_tensors to quantize their saved unquantized weights into."""
     model = build_model(config, dtype, "meta")
     for module_name, entry in sorted(modules.items()):
         kind = entry.get("kind")
@@ -95,6 +98,8 @@ def build_runtime_model(
         parent_name, _, child_name = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child_name, replacement)
+    if quantize is not None:
+        QUANTIZE_AT_LOAD[quantize](model, placeholders=True)
     return materialize(model, device)
 
 
@@ -107,10 +112,7 @@ def _fp8_placeholder(linear: nn.Linear, scale_shape: tuple[int, ...], module_nam
             f"{source}: FP8 module {module_name!r} has scales of shape {list(scale_shape)}; "
             f"a [{out_features}, {in_features}] weight takes {list(per_channel)} or {list(row_blocks)}"
         )
-    placeholder = Fp8Linear.placeholder(linear)
-    if scale_shape == per_channel:
-        placeholder.weight_scale = torch.empty(per_channel, dtype=torch.float32, device=linear.weight.device)
-    return placeholder
+    return Fp8Linear.placeholder(linear, per_channel=scale_shape == per_channel)
 
 
 def _fp8_experts_placeholder(experts: nn.Module, rows_per_block, module_name: str, source: str) -> Fp8Experts:
@@ -131,15 +133,25 @@ def load_runtime_tensors(
     model: nn.Module,
     tensors: Iterable[tuple[str, torch.Tensor]],
     source: str,
+    quantized_at_load: Iterable[str] = (),
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Copy saved runtime tensors into `model`: every tensor it holds written exactly once with
     the saved shape; a saved tensor the model lacks is an error unless it belongs to an
-    optional part the model was built without (the MTP head)."""
+    optional part the model was built without (the MTP head).
+    quantized_at_load: modules built quantized whose weights were saved unquantized; each such
+    weight is rounded to dtype and quantized into its module as it arrives (row_chunks.py)."""
     targets = runtime_tensors(model)
     config = getattr(model, "config", None)
+    arriving = _arriving_weights(model, quantized_at_load)
     written: set[str] = set()
     with torch.no_grad():
         for name, tensor in tensors:
+            if name in arriving and name not in written:
+                module, attribute, filled = arriving[name]
+                _quantize_saved(module, attribute, name, tensor, dtype, source)
+                written.update(filled)
+                continue
             target = targets.get(name)
             if target is None:
                 if config is not None and _optional(name, config):
@@ -160,3 +172,36 @@ def load_runtime_tensors(
     if missing:
         shown = ", ".join(missing[:8]) + (" …" if len(missing) > 8 else "")
         raise WeightLoadError(f"{source}: {len(missing)} tensors were not loaded: {shown}")
+
+
+def _arriving_weights(model: nn.Module, module_names: Iterable[str]) -> dict[str, tuple[nn.Module, str, list[str]]]:
+    """Saved weight name -> (its quantized module, the weight's attribute, the runtime tensors it fills)."""
+    arriving: dict[str, tuple[nn.Module, str, list[str]]] = {}
+    for module_name in module_names:
+        module = model.get_submodule(module_name)
+        if isinstance(module, Fp8Experts):
+            for projection in PROJECTIONS:
+                filled = [f"{module_name}.{projection}", f"{module_name}.{projection}_scale"]
+                arriving[filled[0]] = (module, projection, filled)
+        else:
+            buffers = [f"{module_name}.{name}" for name, _ in module.named_buffers(recurse=False)]
+            arriving[f"{module_name}.weight"] = (module, "weight", buffers)
+    return arriving
+
+
+def _quantize_saved(
+    module: nn.Module, attribute: str, name: str, tensor: torch.Tensor, dtype: torch.dtype | None, source: str
+) -> None:
+    weight = getattr(module, attribute)
+    expected = tuple(weight.shape)
+    if isinstance(module, Nvfp4Linear):
+        expected = (*weight.shape[:-1], weight.shape[-1] * 2)  # two codes a byte
+    if not tensor.is_floating_point() or tuple(tensor.shape) != expected:
+        raise WeightLoadError(
+            f"{source}: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}; quantized at load, "
+            f"the model expects an unquantized {list(expected)}"
+        )
+    if isinstance(module, Fp8Experts):
+        module.quantize_into(attribute, None, tensor, dtype)
+    else:
+        module.quantize_into(None, tensor, dtype)

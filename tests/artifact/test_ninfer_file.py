@@ -5,6 +5,7 @@ builds it, `--weights fp8` equals `--quantize fp8`, and broken containers fail n
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from pathlib import Path
 
@@ -22,12 +23,14 @@ from ninfer.config import EngineConfig
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.builder import EngineSpec, build_engine_core
+from ninfer.models.loader import QUANTIZE_AT_LOAD
 from ninfer.models.quant.fp8 import Fp8Linear, quantize_fp8_
 from ninfer.models.runtime_layout import runtime_tensors
 from ninfer.models.vision_loader import load_vision_tower
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from ninfer.testing.tiny_dflash import make_tiny_dflash
 from ninfer.testing.tiny_quantized import qwen_fp8_copy
+from tests.models.test_quantize_at_load import assert_same_model
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +129,32 @@ def test_fp8_packing_keeps_checkpoint_fp8_as_stored_and_equals_quantize_fp8(root
     assert _greedy(build_engine_core(EngineSpec(str(out), config)), prompt, 6) == quantized
 
 
-def test_quantize_fp8_turns_a_bf16_checkpoints_linear_layers_into_per_channel_fp8(tiny_vl_mtp) -> None:
+def test_quantize_fp8_turns_a_bf16_checkpoints_linear_layers_into_per_channel_fp8(tiny_vl_mtp, caplog) -> None:
     config = EngineConfig(max_context=128, log_stats_interval_ms=0)
-    core = build_engine_core(EngineSpec(str(tiny_vl_mtp), config, quantize="fp8"))
+    with caplog.at_level(logging.INFO, logger="ninfer.engine"):
+        core = build_engine_core(EngineSpec(str(tiny_vl_mtp), config, quantize="fp8"))
     model = core.runner.model
     fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     # 3 GDN layers x (in_proj, out_proj, gate_up, down) + 1 attention layer x (qkv, o, gate_up, down)
     assert len(fp8) == 16 and all(not m.block_scaled for m in fp8)
+    assert "--quantize fp8: 16 FP8 Linear layers (one scale per output row)" in caplog.text
     assert not isinstance(model.lm_head, Fp8Linear)
     assert len(_greedy(core, list(range(300, 320)), 4)) == 4
+
+
+@pytest.mark.parametrize("moe, quantize", [(False, "fp8"), (False, "nvfp4"), (True, "fp8")])
+def test_a_bf16_container_is_quantized_as_it_loads(root, packed_vl_mtp, moe: bool, quantize: str) -> None:
+    """--quantize on a bf16 container: its unquantized layers (the routed experts too, for fp8)
+    quantized as their tensors arrive, the bits of the container loaded then quantized."""
+    path = packed_vl_mtp
+    if moe:
+        path = root / "tiny-moe-bf16.ninfer"
+        if not path.exists():
+            pack(make_tiny_qwen3_5(root, moe=True), path, progress=False)
+    packed = open_artifact(path)
+    expected = packed.load_model(dtype=torch.bfloat16, progress=False)
+    assert QUANTIZE_AT_LOAD[quantize](expected) > 0
+    assert_same_model(packed.load_model(dtype=torch.bfloat16, progress=False, quantize=quantize), expected)
 
 
 def test_a_moe_model_packs_and_loads_its_fused_experts(root) -> None:

@@ -13,6 +13,8 @@ reads one row per token; lm_head precision drives sampling), and so do MoE route
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,7 @@ from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, dequantize, quantize_block
 from ninfer.models.layers.moe import Experts
 from ninfer.models.quant.fp8_experts import Fp8Experts
 from ninfer.models.quant.linear_replacement import replace_linear_layers, replace_modules
+from ninfer.models.quant.row_chunks import quantize_rows_into
 
 _ROW_MULTIPLE = 16  # _scaled_mm wants row counts in multiples of 16
 
@@ -48,23 +51,25 @@ class Fp8Linear(nn.Module):
         self.parts = parts
 
     @classmethod
-    def placeholder(cls, linear: nn.Linear) -> Fp8Linear:
-        """An unfilled row-block-scaled module shaped like `linear` (on its device, e.g. meta),
-        for the loader to fill from a block-scaled FP8 checkpoint."""
+    def placeholder(cls, linear: nn.Linear, per_channel: bool = False) -> Fp8Linear:
+        """An unfilled module shaped like `linear` (on its device, e.g. meta), for the loader to
+        fill: row-block scales (a block-scaled FP8 checkpoint's), or with per_channel one scale
+        per output row (what from_linear makes, quantized as the bf16 weights arrive)."""
         device = linear.weight.device
         out_features, in_features = linear.weight.shape
         weight = torch.empty(out_features, in_features, dtype=FP8, device=device)
-        scale = torch.empty(out_features, -(-in_features // SCALE_BLOCK), dtype=torch.float32, device=device)
+        scale_shape = (out_features,) if per_channel else (out_features, -(-in_features // SCALE_BLOCK))
+        scale = torch.empty(scale_shape, dtype=torch.float32, device=device)
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(weight, scale, bias, getattr(linear, "parts", None))
 
     @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
-        weight = linear.weight.float()
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-        quantized = (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        return cls(quantized, scale, None if linear.bias is None else linear.bias.detach(), getattr(linear, "parts", None))
+        """One scale per output row, quantized a chunk of rows at a time (row_chunks.py)."""
+        placeholder = cls.placeholder(linear, per_channel=True)
+        quantize_rows_into(linear.weight.detach(), (placeholder.weight, placeholder.weight_scale), quantize_per_channel)
+        return placeholder
 
     @classmethod
     @torch.no_grad()
@@ -80,6 +85,20 @@ class Fp8Linear(nn.Module):
             start += num_rows
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(torch.cat(codes), torch.cat(scales), bias, getattr(linear, "parts", None))
+
+    def quantize_into(self, index, value: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Quantize bf16 weight rows into this module's layout: value is the weight's rows at
+        `index` (None: all), rounded to dtype first when given (as an unquantized load would
+        hold it). Per channel (--quantize fp8), or row blocks (an unquantized part of a
+        projection whose other parts a checkpoint stores in FP8)."""
+        if self.weight_scale.dim() == 1:
+            quantize = quantize_per_channel
+        elif self.weight_scale.shape[0] == self.out_features:
+            quantize = quantize_row_blocks
+        else:
+            raise ValueError("128x128 block scales span rows; quantize_into writes row-local scales")
+        targets = (self.weight, self.weight_scale)
+        quantize_rows_into(value, targets if index is None else [t[index] for t in targets], quantize, dtype)
 
     @property
     def in_features(self) -> int:
@@ -143,13 +162,20 @@ class Fp8Linear(nn.Module):
 DEFAULT_SKIP = ("lm_head", "embed_tokens", "mlp.gate")
 
 
-def quantize_fp8_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> int:
+def quantize_fp8_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, placeholders: bool = False) -> int:
     """Replace every nn.Linear by an Fp8Linear and every fused Experts by an Fp8Experts in place
     (per output row scales), except those whose name ends in one of `skip` (whole dotted
     components: "mlp.gate" is not "mlp.gate_proj") and Linear layers with fewer than 16
-    outputs; returns how many modules it replaced."""
-    linears = replace_linear_layers(model, skip, Fp8Linear.from_linear, lambda linear: linear.out_features >= 16)
-    return linears + replace_modules(model, Experts, skip, Fp8Experts.from_experts)
+    outputs; returns how many modules it replaced.
+    placeholders: unfilled modules of that layout instead, on a meta-device model, for the
+    loader to quantize each bf16 weight into as it arrives (loader.build_model)."""
+    if placeholders:
+        to_linear = partial(Fp8Linear.placeholder, per_channel=True)
+        to_experts = partial(Fp8Experts.placeholder, rows_per_block=None)
+    else:
+        to_linear, to_experts = Fp8Linear.from_linear, Fp8Experts.from_experts
+    linears = replace_linear_layers(model, skip, to_linear, lambda linear: linear.out_features >= 16)
+    return linears + replace_modules(model, Experts, skip, to_experts)
 
 
 def quantize_fp8_blocks_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> int:
@@ -157,6 +183,13 @@ def quantize_fp8_blocks_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP)
     layers (per stored part) and routed experts; returns how many modules it replaced."""
     linears = replace_linear_layers(model, skip, Fp8Linear.from_linear_blocks, lambda linear: linear.out_features >= 16)
     return linears + replace_modules(model, Experts, skip, Fp8Experts.from_experts_blocks)
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (e4m3 [N, K], fp32 scales [N]): one scale per output row, its amax / 448."""
+    weight = weight.float()
+    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    return (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def quantize_row_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

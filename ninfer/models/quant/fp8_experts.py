@@ -20,9 +20,10 @@ from ninfer.kernels.fp8_quant.ref import quantize_rows
 from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, quantize_blocks
 from ninfer.kernels.moe import fused_experts
 from ninfer.models.layers.moe import Experts
+from ninfer.models.quant.row_chunks import quantize_rows_into
 
 PROJECTIONS = ("gate_up_proj", "down_proj")  # the fused weights; each has "<name>_scale"
-_EXPERTS_PER_STEP = 16  # from_experts' fp32 temporaries: 128 MB at the 35B-A3B shapes
+_EXPERTS_PER_STEP = 16  # from_experts_blocks' fp32 temporaries: 128 MB at the 35B-A3B shapes
 
 
 class Fp8Experts(nn.Module):
@@ -50,20 +51,12 @@ class Fp8Experts(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_experts(cls, experts: Experts) -> Fp8Experts:
-        """Scales per output row, quantized a few experts at a time: an fp32 copy of all of them
-        would be 2 GB per 35B-A3B layer."""
-        quantized = []
+        """Scales per output row, quantized a chunk of rows at a time (row_chunks.py): an fp32
+        copy of all of them would be 2 GB per 35B-A3B layer."""
+        placeholder = cls.placeholder(experts, rows_per_block=None)
         for name in PROJECTIONS:
-            weight = getattr(experts, name)
-            codes = torch.empty(weight.shape, dtype=FP8, device=weight.device)
-            scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
-            for start in range(0, weight.shape[0], _EXPERTS_PER_STEP):
-                chunk = weight[start : start + _EXPERTS_PER_STEP]
-                chunk_codes, chunk_scale = quantize_rows(chunk.reshape(-1, chunk.shape[-1]), row_multiple=1)
-                codes[start : start + len(chunk)] = chunk_codes.view(chunk.shape)
-                scale[start : start + len(chunk)] = chunk_scale.view(chunk.shape[:2])
-            quantized += [codes, scale]
-        return cls(*quantized)
+            placeholder.quantize_into(name, None, getattr(experts, name).detach())
+        return placeholder
 
     @classmethod
     @torch.no_grad()
@@ -81,6 +74,21 @@ class Fp8Experts(nn.Module):
             quantized += [codes, scale]
         return cls(*quantized)
 
+    def quantize_into(self, projection: str, index, value: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Quantize bf16 expert weights into `projection`'s layout, per output row or row
+        blocks: value is the weight at `index` (None: all experts; an expert; or (expert,
+        rows)), rounded to dtype first when given (as an unquantized load would hold it)."""
+        rows_per_block = self.rows_per_block(projection)
+        if rows_per_block == SCALE_BLOCK:
+            raise ValueError(f"{projection}'s 128 x 128 block scales span rows; quantize_into writes row-local scales")
+        weight, scale = getattr(self, projection), self.scale_of(projection)
+        if rows_per_block is None:
+            scale, quantize = scale.unsqueeze(-1), _quantize_rows
+        else:
+            quantize = _quantize_row_blocks
+        targets = (weight, scale) if index is None else (weight[index], scale[index])
+        quantize_rows_into(value, targets, quantize, dtype)
+
     def scale_of(self, projection: str) -> torch.Tensor:
         return getattr(self, projection + "_scale")
 
@@ -95,6 +103,16 @@ class Fp8Experts(nn.Module):
         return fused_experts(
             x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale, self.down_proj_scale
         )
+
+
+def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [N, K] -> (e4m3 [N, K], fp32 scales [N, 1]), one scale per row."""
+    return quantize_rows(rows, row_multiple=1)
+
+
+def _quantize_row_blocks(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [N, K] -> (e4m3 [N, K], fp32 scales [N, ceil(K/128)]), one scale per row and 128 columns."""
+    return quantize_blocks(rows, 1)
 
 
 def scale_shape(weight_shape: tuple[int, ...], rows_per_block: int | None) -> tuple[int, ...]:

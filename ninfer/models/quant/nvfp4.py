@@ -18,6 +18,7 @@ from ninfer.kernels.gemv import MAX_ROWS
 from ninfer.kernels.nvfp4_gemm import nvfp4_matmul
 from ninfer.kernels.nvfp4_gemv import BLOCK, dequantize_nvfp4, gemv_nvfp4, quantize_nvfp4
 from ninfer.models.quant.linear_replacement import UnfusedEpilogues, replace_linear_layers
+from ninfer.models.quant.row_chunks import quantize_rows_into
 
 DEFAULT_SKIP = ("lm_head", "embed_tokens", "mlp.gate")
 
@@ -58,9 +59,17 @@ class Nvfp4Linear(UnfusedEpilogues, nn.Module):
     @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear) -> Nvfp4Linear:
-        weight, block_scale, row_scale = quantize_nvfp4(linear.weight)
-        bias = None if linear.bias is None else linear.bias.detach()
-        return cls(weight, block_scale, row_scale, bias, getattr(linear, "parts", None))
+        """Quantized a chunk of rows at a time (row_chunks.py): at once, quantize_nvfp4's
+        temporaries would be ~180 bytes per weight."""
+        placeholder = cls.placeholder(linear)
+        placeholder.quantize_into(None, linear.weight.detach())
+        return placeholder
+
+    def quantize_into(self, index, value: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Quantize bf16 weight rows into this module: value is the weight's rows at `index`
+        (None: all), rounded to dtype first when given (as an unquantized load would hold it)."""
+        targets = (self.weight, self.block_scale, self.row_scale)
+        quantize_rows_into(value, targets if index is None else [t[index] for t in targets], quantize_nvfp4, dtype)
 
     @property
     def in_features(self) -> int:
@@ -81,10 +90,15 @@ class Nvfp4Linear(UnfusedEpilogues, nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
 
-def quantize_nvfp4_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> int:
+def quantize_nvfp4_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, placeholders: bool = False) -> int:
     """Replace every nn.Linear whose input features are a multiple of 16 by an Nvfp4Linear in
     place, except those named by `skip` (whole dotted components) or with fewer than 16
-    outputs; returns how many."""
+    outputs; returns how many.
+    placeholders: unfilled modules instead, on a meta-device model, for the loader to quantize
+    each bf16 weight into as it arrives (loader.build_model)."""
     return replace_linear_layers(
-        model, skip, Nvfp4Linear.from_linear, lambda linear: linear.out_features >= 16 and linear.in_features % BLOCK == 0
+        model,
+        skip,
+        Nvfp4Linear.placeholder if placeholders else Nvfp4Linear.from_linear,
+        lambda linear: linear.out_features >= 16 and linear.in_features % BLOCK == 0,
     )
