@@ -22,6 +22,7 @@ from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishR
 from ninfer.contract.request import EngineRequest
 from ninfer.engine.context_cache import CacheLimits, ContextCache
 from ninfer.engine.context_costs import resolve_context_costs
+from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.host_work import HostWork
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.pending_step import PendingStep
@@ -110,6 +111,7 @@ class EngineCore:
             ),
         )
         device_type = next(model.parameters()).device.type
+        self._detail = HostDetail()  # this interval's slow paths, inside the phases of _work
         self.context_costs = resolve_context_costs(model.config, device_type, config.context_cost_presets)
         self.scheduler = Scheduler(
             SchedulerLimits(
@@ -130,6 +132,7 @@ class EngineCore:
             costs=self.context_costs,
             state_image_bytes=state_image_bytes(model),
             kv_page_bytes=page_bytes,
+            detail=self._detail,
         )
         self.runner = ModelRunner(
             model,
@@ -151,6 +154,7 @@ class EngineCore:
             vision_tower=vision_tower,
             kv_format=config.kv_dtype,
         )
+        self.runner.host_detail = self._detail
         self.failed: str | None = None
         overlap = config.decode_overlap
         self.decode_overlap = self.runner.device.type == "cuda" if overlap is None else overlap
@@ -185,11 +189,14 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         """Run one step. A failing step ends only its own requests (STEP_FAILED) and the engine
-        goes on; when the device cannot go on, every request ends and `failed` is set."""
+        goes on; when the device cannot go on, every request ends and `failed` is set.
+
+        A throughput record that falls due is built while the launched step computes, so its
+        scheduler snapshot shows the requests that step admits as materializing."""
         if self.failed is not None:
             return []
         self._gauges_due = True
-        started = time.perf_counter()
+        started = counted_from = time.perf_counter()
         launched: list[SchedulerStep] = []  # the steps whose requests a failure takes down
         try:
             current = self._inflight
@@ -198,6 +205,9 @@ class EngineCore:
                 if step is None:
                     outputs = self.scheduler.take_pending_outputs()
                     self._work.add("control", "engine_maintenance", time.perf_counter() - started)
+                    self._host_active_s += time.perf_counter() - counted_from
+                    counted_from = time.perf_counter()
+                    self.log_stats_if_due()
                     return outputs
                 launched.append(step)
                 current = self.runner.launch(step)
@@ -209,30 +219,33 @@ class EngineCore:
                 if ahead is not None:
                     launched.append(ahead)
                     self._inflight = self.runner.launch(ahead)
+            work_class = _work_class(current.step)
             submitted = time.perf_counter()
+            self._work.add(work_class, "program_submit", submitted - started)
+            # The interval closing here holds this step's submit; the rest belongs to the next one.
+            self._host_active_s += submitted - counted_from
+            counted_from = submitted
+            self.log_stats_if_due(work_class)
+            waited_from = time.perf_counter()
             sampled = current.result()
             verified = current.verified()
             read = time.perf_counter()
-            work_class = _work_class(current.step)
-            self.scheduler.charge(current.step, "program_submit", submitted - started, device_wait=read - submitted)
+            self.scheduler.charge(current.step, "program_submit", submitted - started, device_wait=read - waited_from)
+            self.scheduler.charge(current.step, "engine_maintenance", waited_from - submitted)
             if self.runner.vision_seconds:
                 self.scheduler.charge_vision(self.runner.vision_seconds)
                 self.runner.vision_seconds = {}
             outputs = self.scheduler.update(current.step, sampled, verified)
             committed = time.perf_counter()
             self.scheduler.charge(current.step, "engine_commit_output", committed - read)
-            self._work.add(work_class, "program_submit", submitted - started)
-            self._work.add(work_class, "device_wait", read - submitted)
+            self._work.add(work_class, "device_wait", read - waited_from)
             self._work.add(work_class, "engine_commit_output", committed - read)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
             log.exception("engine step failed")
             return self._contain(launched, exc)
         finally:
-            self._host_active_s += time.perf_counter() - started
+            self._host_active_s += time.perf_counter() - counted_from
         self._consecutive_failures = 0
-        maintenance_started = time.perf_counter()
-        self.log_stats_if_due()
-        self._work.add(work_class, "engine_maintenance", time.perf_counter() - maintenance_started)
         return outputs
 
     def _contain(self, launched: list[SchedulerStep], exc: Exception) -> list[EngineOutput]:
@@ -288,33 +301,51 @@ class EngineCore:
         """Start the throughput record afresh (the warm-up's synthetic work is not the server's)."""
         self.scheduler.stats.reset()
         self.cache.counters.take(len(self.cache))
+        self.cache.counters.last_selection = None
         self._host_active_s = 0.0
         self._work = HostWork()
+        self._detail.take()
         self.stats_records.clear()
         self._last_stats_at = self.clock()
 
+    def _interval_active(self) -> bool:
+        """Tokens computed or context-cache work done since the last record: only an interval
+        with neither (fully idle) goes unreported."""
+        stats = self.scheduler.stats
+        return bool(stats.prefill_tokens or stats.decode_tokens) or self.cache.counters.has_activity
+
     def seconds_to_stats_boundary(self) -> float | None:
         """How long until the current interval's throughput record is due; None when records are
-        off or nothing was counted since the last one (an idle interval is not reported)."""
+        off or the interval has been idle so far."""
         interval = self.config.log_stats_interval_ms / 1000.0
-        stats = self.scheduler.stats
-        if interval <= 0 or not (stats.prefill_tokens or stats.decode_tokens):
+        if interval <= 0 or not self._interval_active():
             return None
         return max(0.0, self._last_stats_at + interval - self.clock())
 
-    def log_stats_if_due(self) -> None:
+    def log_stats_if_due(self, work_class: str = "control") -> None:
+        """Close the interval when it is due; the time spent publishing it is the next interval's
+        engine maintenance (work_class: the step it runs beside)."""
         interval = self.config.log_stats_interval_ms / 1000.0
         now = self.clock()
         if interval <= 0 or now - self._last_stats_at < interval:
             return
+        started = time.perf_counter()
+        self._close_interval(now)
+        spent = time.perf_counter() - started
+        self._work.add(work_class, "engine_maintenance", spent)
+        self._detail.add("stats_publication", spent)
+
+    def _close_interval(self, now: float) -> None:
         elapsed = now - self._last_stats_at
+        active_interval = self._interval_active()
         stats = self.scheduler.stats.reset()
         active = self._host_active_s
         self._host_active_s = 0.0
         self._last_stats_at = now
-        work = self._work
-        self._work = HostWork()
-        if not (stats.prefill_tokens or stats.decode_tokens):
+        work, self._work = self._work, HostWork()
+        detail = self._detail.take()
+        cache = self.cache.counters.take(len(self.cache))
+        if not active_interval:
             return
         # Rates over the time the engine worked: an interval that began with an idle gap would
         # otherwise read as slow.
@@ -322,6 +353,7 @@ class EngineCore:
         running = self.scheduler.running
         prefilling = sum(1 for s in running if s.is_prefilling)
         avg_batch = stats.decode_rows / stats.decode_rounds if stats.decode_rounds else 0.0
+        materializing = self.scheduler.num_materializing
         parts = []
         if stats.prefill_tokens:
             parts.append(f"prefill {stats.prefill_tokens / busy:,.0f} tok/s ({stats.prefill_tokens} tok)")
@@ -330,6 +362,10 @@ class EngineCore:
         parts.append(f"running {len(running)} (prefill {prefilling}, decode {len(running) - prefilling})")
         if self.scheduler.waiting:
             parts.append(f"waiting {len(self.scheduler.waiting)}")
+        if materializing:
+            parts.append(f"materializing {materializing}")
+        if self.scheduler.draining:
+            parts.append(f"terminal {len(self.scheduler.draining)}")
         if stats.decode_rounds:
             parts.append(f"batch {avg_batch:.1f}")
         host = work.host_total
@@ -347,12 +383,12 @@ class EngineCore:
             "prefilling": prefilling,
             "decode_ready": len(running) - prefilling,
             "waiting": len(self.scheduler.waiting),
-            "materializing": 0,
-            "capture_pending": 0,
+            "materializing": materializing,
+            "capture_pending": self.scheduler.num_capture_pending,
             "terminal_pending": len(self.scheduler.draining),
             **self._resource_gauges(),
-            "host_work": work.to_record(stats.decode_rounds, stats.decode_rows),
-            "context_cache": self.cache.counters.take(len(self.cache)),
+            "host_work": {**work.to_record(stats.decode_rounds, stats.decode_rows), **detail},
+            "context_cache": cache,
         })
 
     def take_stats_records(self) -> list[dict]:

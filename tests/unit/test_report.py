@@ -120,15 +120,33 @@ def request_rejected(instance: str, at_ms: int, seq: int, code: str) -> dict:
             "phase": "prepare", "resolved_reasoning_effort": None, "media_items": 0}
 
 
+def context_cache(*, hits: int = 0, misses: int = 0, spills: int = 0, searches: int = 0, fallbacks: int = 0) -> dict:
+    """One interval's context-cache counters: `spills` private KV spills under pressure."""
+    degradation = {"private": {"state_spills": 0, "kv_spills": spills, "evictions": 0},
+                   "shared": {"state_spills": 0, "kv_spills": 0, "evictions": 0}}
+    return {"selection": {"hits": {"private_endpoint": hits} if hits else {}, "hit_tokens": 100 * hits,
+                          "misses": misses, "historical_forks": 0},
+            "capture": {"private_endpoint": hits + misses},
+            "transfer": {"state_spills": 0, "state_restores": 0, "kv_spills": spills, "kv_restores": 0},
+            "cow_pages": 0, "adoptions": 0, "drops": 0,
+            "pressure": {"searches": searches, "stop_reasons": {"value_of_next_expansion": searches} if searches else {},
+                         "budget_exhausted": 0, "maximal_root_fallbacks": fallbacks, "degradation": degradation},
+            "occupancy": 1,
+            "last_selection": {"target": "checkpoint", "reuse_path": "private_endpoint", "reused_tokens": 100,
+                               "prompt_tokens": 120, "stop_reason": "value_of_next_expansion",
+                               "budget_exhausted": False, "maximal_root_fallback": False} if hits else None}
+
+
 def throughput(instance: str, at_ms: int, *, prefill: int, decode: int, rounds: int, rows: int,
-               submit: float, commit: float, maintenance: float, device_wait: float) -> dict:
+               submit: float, commit: float, maintenance: float, device_wait: float, cache: dict | None = None,
+               materializing: int = 0) -> dict:
     phases = {"engine_boundary": 0.0, "program_submit": submit, "program_post": 0.0,
               "engine_commit_output": commit, "engine_maintenance": maintenance}
     return {
         **_envelope("throughput", instance, at_ms), "interval_seconds": 1.0, "active_seconds": 1.0,
         "prefill_tokens": prefill, "decode_tokens": decode, "decode_rounds": rounds, "decode_row_rounds": rows,
         "average_size": rows / rounds if rounds else None, "running": 1, "prefilling": 0, "decode_ready": 1,
-        "waiting": 0, "materializing": 0, "capture_pending": 0, "terminal_pending": 0, "kv_pages_used": 4,
+        "waiting": 0, "materializing": materializing, "capture_pending": 0, "terminal_pending": 0, "kv_pages_used": 4,
         "kv_pages_total": 512, "state_slots_used": 1, "state_slots_total": 2, "host_state_slots_used": 0,
         "host_state_slots_total": 8, "host_kv_pages_used": 0, "host_kv_pages_total": 0, "checkpoints": 1,
         "host_work": {
@@ -138,10 +156,13 @@ def throughput(instance: str, at_ms: int, *, prefill: int, decode: int, rounds: 
                                    "prefill": {"host": 0.0, "device_wait": 0.0},
                                    "control": {"host": 0.0, "device_wait": 0.0}},
             "decode_host_seconds_per_round": None, "decode_host_seconds_per_row_round": None,
+            "detail_subset_seconds": {"admission": submit / 4, "context_transaction": 0.0, "replica": 0.0,
+                                      "stats_publication": maintenance / 2},
+            "detail_invocations": {"admission": 2, "context_transaction": 0, "replica": 0, "stats_publication": 1},
+            "detail_seconds_per_invocation": {"admission": submit / 8, "context_transaction": None, "replica": None,
+                                              "stats_publication": maintenance / 2},
         },
-        "context_cache": {"selection": {"hits": {}, "hit_tokens": 0, "misses": 0}, "capture": {},
-                          "transfer": {"state_spills": 0, "state_restores": 0, "kv_spills": 0, "kv_restores": 0},
-                          "cow_pages": 0, "adoptions": 0, "drops": 0, "occupancy": 1},
+        "context_cache": cache or context_cache(),
         "request_log_dropped_events": 0,
     }
 
@@ -170,9 +191,10 @@ def campaign_events() -> list[dict]:
         request_rejected(RUN_A, T0 + 12 * s, 7, "context_length_exceeded"),
         request_start(RUN_A, T0 + 13 * s, 8, 50),
         throughput(RUN_A, T0 + 14 * s, prefill=600, decode=0, rounds=0, rows=0, submit=0.125, commit=0.0625,
-                   maintenance=0.0625, device_wait=0.25),
+                   maintenance=0.0625, device_wait=0.25, cache=context_cache(misses=1, hits=2, spills=3, searches=1),
+                   materializing=1),
         throughput(RUN_A, T0 + 15 * s, prefill=0, decode=10, rounds=5, rows=10, submit=0.25, commit=0.125,
-                   maintenance=0.125, device_wait=0.5),
+                   maintenance=0.125, device_wait=0.5, cache=context_cache(searches=2, fallbacks=1)),
         server_start(RUN_B, T0 + 16 * s, "model-b", 1),
         throughput(RUN_A, T0 + 17 * s, prefill=0, decode=4, rounds=4, rows=4, submit=0.125, commit=0.0625,
                    maintenance=0.0625, device_wait=0.75),
@@ -261,6 +283,15 @@ def test_run_summary_counts_percentiles_and_fractions(campaign_file):
     assert (totals.host_seconds, totals.device_wait_seconds) == (1.0, 1.5)
     assert totals.host_phase_seconds == {"engine_boundary": 0.0, "program_submit": 0.5, "program_post": 0.0,
                                          "engine_commit_output": 0.25, "engine_maintenance": 0.25}
+    assert totals.detail_seconds["admission"] == 0.125 and totals.detail_invocations["admission"] == 6
+
+    cache = run_a.cache
+    assert (cache.records, cache.hits, cache.hit_tokens, cache.misses) == (3, {"private_endpoint": 2}, 200, 1)
+    assert (cache.kv_spills, cache.pressure_searches, cache.maximal_root_fallbacks) == (3, 3, 1)
+    assert cache.stop_reasons == {"value_of_next_expansion": 3}
+    assert cache.degradation["private"] == {"state_spills": 0, "kv_spills": 3, "evictions": 0}
+    assert (cache.peak_materializing, cache.peak_capture_pending) == (1, 0)
+    assert cache.last_selection.target == "checkpoint" and cache.last_selection.reused_tokens == 100
 
     assert (run_b.model_id, run_b.started, run_b.done, run_b.errors, run_b.rejected) == ("model-b", 1, 1, {}, {})
     assert run_b.decode_tokens_per_second == Distribution(1, 4.0, 4.0, 4.0)
@@ -296,6 +327,16 @@ def test_report_writes_the_markdown_tables_and_the_plots(campaign_file, tmp_path
         "| decode batch: row-rounds / rounds | 1.56 (9 rounds) |\n"
         "| host active (s) | 1.000 |\n| device wait (s) | 1.500 |",
         "| program_submit | 0.500 | 50.0% |\n| program_post | 0.000 | 0.0% |\n| engine_commit_output | 0.250 | 25.0% |",
+        "| slow path | seconds | invocations | ms per invocation |\n|---|---|---|---|\n"
+        "| admission | 0.125 | 6 | 20.833 |",
+        "### Context cache (throughput records)",
+        "| admissions resuming a checkpoint | 2 (private_endpoint 2), 200 tokens |\n| admissions from the root | 1 |",
+        "| KV spills / restores | 3 / 0 |",
+        "| pressure searches | 3 (value_of_next_expansion 3) |",
+        "| root fallbacks despite a hit | 1 |",
+        "| pressure on private checkpoints: state spills, KV spills, evictions | 0, 3, 0 |",
+        "| peak materializing / capture pending | 1 / 0 |",
+        "| last selection | checkpoint (private_endpoint), 100 of 120 tokens reused, value_of_next_expansion |",
         "## Run 2: model-b",
         "| decode rate per request (tok/s) | 1 | 4.0 | 4.0 | 4.0 |",
         "No throughput records",
