@@ -111,6 +111,27 @@ def test_one_start_and_one_terminal_per_started_request_and_no_start_for_rejecti
     assert failed["code"] == "engine_step_failed" and failed["status"] == 500
 
 
+def test_an_error_repeats_the_configuration_its_request_started_with(campaign):
+    events, _ = campaign
+    starts = {e["request_id"]: e for e in by_event(events, "request_start")}
+    errors = by_event(events, "request_error")
+    assert sorted(e["phase"] for e in errors) == ["cancelled", "generation"]
+    for error in errors:
+        start = starts[error["request_id"]]
+        configuration = error["configuration"]
+        assert configuration == {key: start[key] for key in configuration}
+        assert {"sampler", "max_output_tokens", "prompt_tokens", "resolved_reasoning_effort"} <= set(configuration)
+        assert isinstance(configuration["sampler"]["seed"], int)
+
+
+def test_thinking_on_a_template_without_tiers_resolves_to_no_tier(campaign):
+    events, _ = campaign
+    for start in by_event(events, "request_start"):
+        assert start["requested_reasoning_effort"] is None
+        assert start["resolved_reasoning_effort"] == (None if start["thinking"] else "none")
+    assert any(start["thinking"] for start in by_event(events, "request_start"))
+
+
 def test_done_records_add_up(campaign):
     events, _ = campaign
     for done in by_event(events, "request_done"):

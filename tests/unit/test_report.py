@@ -78,6 +78,7 @@ def request_start(instance: str, at_ms: int, seq: int, prompt_tokens: int) -> di
         "media": {"items": 0, "acquisition_seconds": 0.0, "preprocess_wall_seconds": 0.0,
                   "preprocess_work_seconds": 0.0, "cache_hits": 0, "cache_misses": 0, "single_flight_waits": 0,
                   "payload_bytes": 0},
+        "tokenizer": {"encode_seconds": 0.0002, "encode_calls": 2},
         "prepare_seconds": 0.001,
     }
 
@@ -111,7 +112,14 @@ def _error_fields(status: int | None, code: str | None) -> dict:
 def request_error(instance: str, at_ms: int, seq: int, phase: str, status: int | None, code: str | None) -> dict:
     return {**_envelope("request_error", instance, at_ms), "request_id": f"req-{instance[0]}{seq}",
             "request_seq": seq, "protocol": "openai_chat", **_error_fields(status, code), "phase": phase,
-            "elapsed_seconds": 0.5}
+            "elapsed_seconds": 0.5, "configuration": _configuration(request_start(instance, at_ms, seq, 50))}
+
+
+def _configuration(start: dict) -> dict:
+    """The resolved configuration a request_error repeats from its request_start."""
+    omitted = {"schema", "schema_version", "event", "timestamp_unix_ms", "server_instance_id", "request_id",
+               "request_seq", "protocol", "media", "tokenizer", "prepare_seconds"}
+    return {key: value for key, value in start.items() if key not in omitted}
 
 
 def request_rejected(instance: str, at_ms: int, seq: int, code: str) -> dict:

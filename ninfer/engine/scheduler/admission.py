@@ -31,11 +31,11 @@ from ninfer.contract.output import (
 )
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
+from ninfer.contract.sampling import fresh_seed
 from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
 from ninfer.engine.draft_policy import DraftPolicy
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
-from ninfer.engine.sampler import fresh_seed
 from ninfer.engine.scheduler.checkpoints import capture_frontiers
 from ninfer.engine.scheduler.outputs import error_output
 from ninfer.engine.scheduler.placement import Placement

@@ -71,7 +71,6 @@ class ChatRequest(ParsedRequest):
     include_usage: bool = False  # stream_options.include_usage
     timings_per_token: bool = False
     return_progress: bool = False
-    requested_reasoning_effort: str | None = None  # the client value, for logs
     prompt_cache_implicit: bool = True  # prompt_cache_options.mode "explicit" turns the implicit candidate off
 
     @property

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from ninfer.contract.output import FinishReason
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.frontend.conversation import Conversation
+from ninfer.frontend.prompt_builder import PreparedPrompt
 from ninfer.server import endpoint
 from ninfer.server.endpoint import ParsedRequest, Protocol, Wire
 from ninfer.server.errors import APIError, invalid, unsupported
@@ -51,6 +52,11 @@ class ResponsesCreate(ParsedRequest):
     response_id: str = ""
     session_key: str | None = None
     history_bytes: int = 0
+
+    def semantic_change(self, prepared: PreparedPrompt) -> bool:
+        """A child whose resolved preserve_thinking differs from its parent's branches the chain;
+        a root, or a child that inherits or repeats the value, does not."""
+        return self.parent is not None and prepared.preserve_thinking != self.parent.preserve_thinking
 
 
 class ResponsesProtocol(Protocol):
@@ -89,6 +95,7 @@ class ResponsesProtocol(Protocol):
             response_id=response_id,
             session_key=session_key,
             history_bytes=history_bytes,
+            requested_reasoning_effort=parsed.echo["reasoning"]["effort"],
         )
 
     def wire(self, parsed: ResponsesCreate, generation: Generation, request_id: str) -> ResponsesWire:
