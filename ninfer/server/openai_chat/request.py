@@ -165,7 +165,9 @@ def _reject_unprovidable_options(body: dict) -> None:
                 raise invalid(f"modalities[{i}]", f"modalities[{i}] must be text, got {modality!r}")
         if not modalities:
             raise invalid("modalities", "modalities must contain text")
-    if body.get("audio") is not None:
+    # Audio is produced only for an "audio" modality; with modalities naming text alone, an audio
+    # configuration (voice, format) is neutral. Omitted modalities leave it asking for audio.
+    if optional_object(body, "audio", "audio") is not None and modalities is None:
         raise cannot_provide("audio", "audio output")
     _check_logit_bias(body)
     if optional_bool(body, "logprobs", "logprobs"):
