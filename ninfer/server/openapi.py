@@ -609,7 +609,7 @@ RESPONSES: dict[str, Schema] = {
             "id": STRING,
             "object": const("response"),
             "created_at": {"type": "integer"},
-            "status": enum(("completed", "incomplete", "failed", "in_progress")),
+            "status": enum(("completed", "incomplete", "cancelled", "failed", "in_progress")),
             "model": STRING,
             "output": {"type": "array", "items": {"type": "object", "required": ["type"]}},
             "usage": {"type": ["object", "null"]},

@@ -137,14 +137,19 @@ class ResponsesWire(Wire):
 
     def finish(self, event: FinishEvent) -> list[bytes]:
         """Close the output, store it when asked, and end with exactly one terminal event."""
-        if event.reason not in (FinishReason.STOP, FinishReason.LENGTH):
+        if event.reason is FinishReason.CANCELLED:
+            # The engine cancelled it while the client still listens: a terminal status, not a failure.
+            events = self.assembler.cancel()
+            response = self.assembler.snapshot("cancelled", self._usage())
+        elif event.reason in (FinishReason.STOP, FinishReason.LENGTH):
+            incomplete = event.reason is FinishReason.LENGTH
+            events = self.assembler.finish_output(incomplete, self.generation.decoder.reasoning_open)
+            response = self.assembler.snapshot("incomplete" if incomplete else "completed", self._usage())
+        else:
             self.failure = APIError(
                 500, f"generation ended without a result ({event.reason.value})", code="server_error"
             )
             return _frames(self.assembler.fail(self.failure, self._usage()))
-        incomplete = event.reason is FinishReason.LENGTH
-        events = self.assembler.finish_output(incomplete, self.generation.decoder.reasoning_open)
-        response = self.assembler.snapshot("incomplete" if incomplete else "completed", self._usage())
         try:
             self._save(response)
         except StoreCapacityExceeded as exc:
