@@ -23,6 +23,7 @@ from ninfer.contract.request import EngineRequest
 from ninfer.engine.context_cache import CacheLimits, ContextCache
 from ninfer.engine.context_costs import resolve_context_costs
 from ninfer.engine.host_detail import HostDetail
+from ninfer.engine.host_kv import HostKV
 from ninfer.engine.host_work import HostWork
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.pending_step import PendingStep
@@ -34,6 +35,7 @@ from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.dflash import DflashDraftModel
 from ninfer.models.kv_cache import kv_bytes_per_token
+from ninfer.models.quant.weight_format import weight_format
 
 log = logging.getLogger("ninfer.engine")
 
@@ -164,6 +166,10 @@ class EngineCore:
         # Device memory by use in bytes (KV pool, state slots, and with --kv-capacity auto the
         # measured worst step, graphs and headroom); the builder fills it.
         self.memory_ledger: dict[str, int] = {}
+        # The device memory steps use beyond the resident pools and weights, once measured (the
+        # builder's warm-up on CUDA); None where steps allocate from the host heap as they run (CPU).
+        self.workspace_bytes: int | None = None
+        self.weight_format = weight_format(model)
         self.stats_records: list[dict] = []  # throughput records not yet published
         self._last_stats_at = clock()
         self._host_active_s = 0.0
@@ -442,7 +448,13 @@ class EngineCore:
             "cuda_graph_batch_sizes": sorted(self.runner.graphs.batch_sizes) if self.runner.graphs else [],
             "decode_overlap": self.decode_overlap,
             "speculative": self._describe_speculative(),
-            "memory": dict(self.memory_ledger),
+            "memory": {**self.memory_ledger, "workspace": {
+                "capacity_bytes": self.workspace_bytes,
+                "source": "warm_up_peak" if self.workspace_bytes is not None else "not_measured",
+            }},
+            "host_tier": self._describe_host_tier(),
+            "weight_format": self.weight_format,
+            "vision_encoder": self._describe_vision(),
             "context_costs": {"source": self.context_costs.source,
                               "prefill_seconds_per_token": self.context_costs.prefill_seconds_per_token,
                               "host_transfer_bytes_per_second": self.context_costs.host_transfer_bytes_per_second},
@@ -451,6 +463,40 @@ class EngineCore:
                 "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "torch": str(torch.__version__),
                 "cuda": torch.version.cuda,
+            },
+        }
+
+    def _describe_host_tier(self) -> dict:
+        """The pinned host tier's capacity and what it holds now (spilled StateImages and KV)."""
+        host_states, host_kvs = self.runner.host_states, self.runner.host_kvs
+        host_pool, host_kv = self.cache.host_pool, self.cache.host_kv_pool
+        page_bytes = sum(HostKV.page_bytes(cache) for cache in self.runner.paged_caches)
+        return {
+            "state_slots": host_pool.num_slots,
+            "state_slots_used": host_pool.num_slots - host_pool.num_free,
+            "state_slot_bytes": host_states.bytes_per_slot,
+            "kv_pages": host_kv.num_pages if host_kv else 0,
+            "kv_pages_used": host_kv.num_used if host_kv else 0,
+            "kv_page_bytes": page_bytes,
+            "pinned_bytes": host_states.num_slots * host_states.bytes_per_slot
+            + (host_kvs[0].num_pages if host_kvs else 0) * page_bytes,
+        }
+
+    def _describe_vision(self) -> dict | None:
+        """With --vision: the encoder's measured peak (with --kv-capacity auto on CUDA, else None)
+        and the hand-off of its output rows to prompt steps (MediaEmbeddings): capacity and use."""
+        media = self.runner.media
+        if media is None:
+            return None
+        config = media.tower.config
+        row_bytes = config.out_hidden_size * media.dtype.itemsize
+        return {
+            "encode_peak_bytes": self.memory_ledger.get("vision_encode"),
+            "handoff": {
+                "capacity_tokens": media.capacity_tokens,
+                "row_bytes": row_bytes,
+                "capacity_bytes": media.capacity_tokens * row_bytes,
+                "used_tokens": media.held_tokens,
             },
         }
 

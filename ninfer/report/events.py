@@ -24,6 +24,7 @@ class Identity(msgspec.Struct):
     model_id: str
     model_type: str
     dtype: str
+    weight_format: str | None = None  # absent from logs written before it was recorded
 
 
 class Device(msgspec.Struct):

@@ -38,7 +38,8 @@ def _run_section(number: int, summary: RunSummary) -> list[str]:
         f"## {run_label(number, summary.model_id)}",
         "",
         f"Started {started_at}; instance `{summary.instance_id}`"
-        + (f", device {summary.device}, dtype {summary.dtype}." if summary.model_id is not None
+        + (f", device {summary.device}, dtype {summary.dtype}"
+           f"{f', weights {summary.weight_format}' if summary.weight_format else ''}." if summary.model_id is not None
            else "; its server_start is not in the file."),
     ]
     if summary.capacities:

@@ -86,6 +86,7 @@ class RunSummary:
     model_id: str | None  # None: the run's server_start is not in the file
     device: str | None
     dtype: str | None
+    weight_format: str | None
     start_unix_ms: int
     capacities: dict[str, Any]
     started: int
@@ -119,6 +120,7 @@ def summarize(run: ServerRun) -> RunSummary:
         model_id=start.identity.model_id if start else None,
         device=_device(start) if start else None,
         dtype=start.identity.dtype if start else None,
+        weight_format=start.identity.weight_format if start else None,
         start_unix_ms=run.origin_unix_ms,
         capacities=dict(start.capacities) if start else {},
         started=len(run.started),

@@ -111,6 +111,21 @@ def test_one_start_and_one_terminal_per_started_request_and_no_start_for_rejecti
     assert failed["code"] == "engine_step_failed" and failed["status"] == 500
 
 
+def test_server_start_reports_the_weight_format_workspace_and_host_tier(campaign):
+    events, _ = campaign
+    (start,) = by_event(events, "server_start")
+    # The tiny model on the CPU: float32 compute, Linear weights stored in float16 for decode.
+    assert start["identity"]["weight_format"] == "float16" and start["identity"]["dtype"] == "auto"
+    assert start["memory"]["workspace"] == {"capacity_bytes": None, "source": "not_measured"}
+    assert start["vision_workspace"] is None
+    host = start["host_tier"]
+    capacities = start["capacities"]
+    assert (host["state_slots"], host["kv_pages"]) == (capacities["host_state_slots"], capacities["host_kv_pages"])
+    assert host["state_slots_used"] == host["kv_pages_used"] == 0
+    assert host["state_slot_bytes"] > 0 and host["kv_page_bytes"] > 0
+    assert host["pinned_bytes"] == host["state_slots"] * host["state_slot_bytes"] + host["kv_pages"] * host["kv_page_bytes"]
+
+
 def test_an_error_repeats_the_configuration_its_request_started_with(campaign):
     events, _ = campaign
     starts = {e["request_id"]: e for e in by_event(events, "request_start")}

@@ -40,7 +40,7 @@ def server_start(instance: str, at_ms: int, model_id: str, max_concurrency: int)
     return {
         **_envelope("server_start", instance, at_ms),
         "identity": {"model_id": model_id, "artifact": f"/models/{model_id}", "model_type": "qwen3_5_text",
-                     "dtype": "auto"},
+                     "dtype": "auto", "weight_format": "nvfp4"},
         "sampler_defaults": {"preset": "generation defaults"},
         "sampler_overrides": {},
         "thinking": {"default_enabled": True, "supported": True, "preserve_thinking": False,
@@ -53,7 +53,9 @@ def server_start(instance: str, at_ms: int, model_id: str, max_concurrency: int)
                        "host_state_slots": 8, "host_kv_pages": 0},
         "cuda_graph_batch_sizes": [1, 2],
         "decode_overlap": True,
-        "memory": {"kv_pool": 1024},
+        "memory": {"kv_pool": 1024, "workspace": {"capacity_bytes": 1 << 30, "source": "warm_up_peak"}},
+        "host_tier": {"state_slots": 8, "state_slots_used": 0, "state_slot_bytes": 4096, "kv_pages": 0,
+                      "kv_pages_used": 0, "kv_page_bytes": 8192, "pinned_bytes": 8 * 4096},
         "context_costs": {"source": "generic", "prefill_seconds_per_token": 0.001,
                           "host_transfer_bytes_per_second": 5e9},
         "device": {"type": "cuda", "name": "NVIDIA H200", "torch": "2.9.0", "cuda": "12.8"},
@@ -316,7 +318,8 @@ def test_report_writes_the_markdown_tables_and_the_plots(campaign_file, tmp_path
         "27 lines, 20 events read, 6 lines skipped (2 not JSON, 3 another schema or version, 1 malformed event); "
         "2 server runs.",
         "## Run 1: model-a",
-        "Started 2026-01-01 00:00:00 UTC; instance `" + RUN_A + "`, device cuda (NVIDIA H200), dtype auto.",
+        "Started 2026-01-01 00:00:00 UTC; instance `" + RUN_A + "`, device cuda (NVIDIA H200), dtype auto, "
+        "weights nvfp4.",
         "| max_concurrency | 2 |",
         "| outcome | requests |\n|---|---|\n| started | 6 |\n| done | 3 |\n"
         "| error: generation, engine_step_failed | 1 |\n| error: cancelled, no code | 1 |\n"
@@ -423,6 +426,7 @@ def test_report_on_a_real_server_log(tmp_path, tmp_path_factory, capsys):
     assert "| started | 2 |\n| done | 2 |\n| rejected: context_length_exceeded | 1 |" in markdown
     assert "| TTFT (ms) | 2 |" in markdown and "gaps in 2 requests |" in markdown
     assert "records over" in markdown and "0 lines skipped" in markdown
+    assert "### Context cache (throughput records)" in markdown and "| admissions from the root |" in markdown
     assert markdown in capsys.readouterr().out
     if HAS_MATPLOTLIB:
         assert sorted(path.name for path in out.glob("*.png")) == sorted(PLOTS)
