@@ -58,7 +58,9 @@ log = logging.getLogger("ninfer.engine")
 # The search is bounded; the bound that cut an attempt short is its decision's stop reason.
 MAX_REUSE_TARGETS = 4  # reuse targets tried before the root: target_budget
 MAX_EXPANSIONS = 32  # victims added one at a time per target, then the rest at once: expansion_capacity
-PLANNING_BUDGET_NS = 50_000_000  # an attempt's search time; past it only the root is tried: time_budget
+# An attempt's search time, as the engine thread's CPU time (a thread descheduled on a busy host
+# has not searched longer); past it only the root is tried: time_budget.
+PLANNING_BUDGET_NS = 50_000_000
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ class Admission:
         self.detail = detail
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._projection_work = 0  # eviction sets examined by the admission attempt in progress
-        self._started_ns = 0  # when the attempt in progress began planning
+        self._started_ns = self._started_cpu_ns = 0  # when the attempt in progress began planning (wall, CPU)
         self._bound: str | None = None  # the first search bound it hit
         self._continuations = itertools.count()
 
@@ -221,6 +223,7 @@ class Admission:
             if i == 0 and hit.is_exact_frontier and not hit.checkpoint.on_host:
                 targets.append((hit, True))
         self._started_ns = time.perf_counter_ns()
+        self._started_cpu_ns = time.thread_time_ns()
         self._projection_work = 0
         self._bound = None
         evaluated = 0
@@ -250,7 +253,7 @@ class Admission:
         self._bound = self._bound or bound
 
     def _past_time_budget(self) -> bool:
-        return time.perf_counter_ns() - self._started_ns > PLANNING_BUDGET_NS
+        return time.thread_time_ns() - self._started_cpu_ns > PLANNING_BUDGET_NS
 
     def _count(self, seq: Sequence, plan: AdmissionPlan) -> None:
         """The throughput record's view of the committed decision."""
