@@ -3,7 +3,8 @@
 A request reserves its full prompt plus effective-output pages and one state slot until it
 completes; nothing admitted is preempted. The head of the queue is admitted with the best
 legal plan (resume from a cache hit by copying its state, or restoring it from the host
-tier; adopt a device hit itself; or start from root), evicting the checkpoints whose loss
+tier; adopt a device hit itself; resume from a shorter hit when keeping the best leaves no room;
+or start from root; the search is bounded, see MAX_REUSE_TARGETS), evicting the checkpoints whose loss
 costs least (planner.py) when that makes room for pages, and freeing a device slot through
 placement.py when one is short; later requests wait behind it. A waiting request past its deadline ends with request_queue_timeout.
 """
@@ -244,7 +245,7 @@ class Admission:
                     plan, decision, evaluated, time.perf_counter_ns() - self._started_ns, bool(hits),
                     self.placement.num_spills - spills, self.placement.num_drops - drops,
                 )
-                self._count(seq, plan)
+                self._count(seq)
                 return True
         return False
 
@@ -255,7 +256,7 @@ class Admission:
     def _past_time_budget(self) -> bool:
         return time.thread_time_ns() - self._started_cpu_ns > PLANNING_BUDGET_NS
 
-    def _count(self, seq: Sequence, plan: AdmissionPlan) -> None:
+    def _count(self, seq: Sequence) -> None:
         """The throughput record's view of the committed decision."""
         counters = self.cache.counters
         decision = seq.materialization
