@@ -106,11 +106,15 @@ class Materialization(msgspec.Struct):
     predicted_immediate_ns: int
     predicted_future_loss_ns: int
     predicted_total_ns: int
-    evaluated_targets: int  # plans tried, in order: resume from the hit, adopt it, root
+    evaluated_targets: int  # plans tried, in order: resume from the best hit, adopt it, shorter hits, root
     projection_work: int  # eviction sets examined across them
     planning_ns: int
-    stop_reason: str  # no_pressure | value_of_next_expansion | queue_exhausted
-    budget_exhausted: bool  # the cache held more checkpoints than the planner ranks by cost
+    # How the search ended: no_pressure, value_of_next_expansion (the cheapest fitting eviction
+    # set), queue_exhausted (every victim), or the bound that cut it short: target_budget (reuse
+    # targets past MAX_REUSE_TARGETS left untried), expansion_capacity (past MAX_EXPANSIONS victims
+    # the rest of the queue was projected at once), time_budget (planning past its time).
+    stop_reason: str
+    budget_exhausted: bool  # a bound above was hit, or the cache held more checkpoints than the planner ranks
     degradation_units: DegradationUnits
     maximal_root_fallback: bool  # a checkpoint matched, yet the plan starts from root
 

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from dataclasses import dataclass
 
 import msgspec
 
 # Sampling never looks past this many candidates (top_k 0 selects the cap of 20).
 TOP_K_CAP = 20
+
+
+def fresh_seed() -> int:
+    """A random seed for a request that brought none (non-negative, fits a signed 64-bit field).
+    The API process draws it, so the request log holds the seed that reproduces the output; the
+    engine draws one only for a request that still arrives without (offline use)."""
+    return secrets.randbits(63)
 
 
 class SamplingParams(msgspec.Struct, frozen=True):

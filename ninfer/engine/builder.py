@@ -201,7 +201,7 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
             engine.num_long_anchors,
         )
     if not on_cpu:
-        run_warm_up(core)  # compiles and autotunes every step shape before /health turns ready
+        core.workspace_bytes = _warm_up_measuring_workspace(core)
     install_faults(core.runner)  # tests only: nothing unless NINFER_TEST_FAULTS is set
     return core
 
@@ -225,6 +225,19 @@ def model_bytes(model) -> int:
     """Bytes of the model's parameters and buffers (a tied tensor once)."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _warm_up_measuring_workspace(core: EngineCore) -> int:
+    """Compile and autotune every step shape before /health turns ready; -> the device memory
+    the warm-up's steps reserved beyond what was resident before it (the step workspace: the
+    worst step is among them; pools, weights and decode graphs exist already)."""
+    device = core.runner.device
+    torch.cuda.synchronize(device)
+    resident = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run_warm_up(core)
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_reserved(device) - resident)
 
 
 def _num_weights(model) -> int:

@@ -105,9 +105,15 @@ class ContextCache:
 
     def lookup(self, prompt: list[int], session_key: str | None = None) -> CacheHit | None:
         """The checkpoint that lets this prompt skip the most tokens (ties: same session, then newest)."""
+        hits = self.lookup_all(prompt, session_key)
+        return hits[0] if hits else None
+
+    def lookup_all(self, prompt: list[int], session_key: str | None = None) -> list[CacheHit]:
+        """Every checkpoint this prompt can resume from, best first (lookup's order): admission
+        falls back to a shorter one when pressure leaves no room to keep the best."""
         if not self.enabled:
-            return None
-        best: tuple[tuple[int, bool, int], CacheHit] | None = None
+            return []
+        ranked: list[tuple[tuple[int, bool, int], CacheHit]] = []
         for ck in self.checkpoints.values():
             frontier = ck.frontier
             if frontier == 0:
@@ -123,9 +129,22 @@ class ContextCache:
                 if reused <= 0:
                     continue
             key = (reused, session_key is not None and ck.session_key == session_key, ck.last_used)
-            if best is None or key > best[0]:
-                best = (key, CacheHit(ck, reused))
-        return best[1] if best else None
+            ranked.append((key, CacheHit(ck, reused)))
+        ranked.sort(key=lambda entry: entry[0], reverse=True)
+        return [hit for _, hit in ranked]
+
+    def forks_history(self, checkpoint: Checkpoint, prompt: list[int]) -> bool:
+        """Resuming `checkpoint` for this prompt branches its conversation off an older turn: a later
+        checkpoint of the same conversation exists that the prompt does not extend."""
+        if checkpoint.shared:
+            return False
+        for other in self.checkpoints.values():
+            if other.shared or other.continuation != checkpoint.continuation or other.frontier <= checkpoint.frontier:
+                continue
+            f = other.frontier
+            if f > len(prompt) or prompt[f - 1] != other.token_ids[-1] or prompt[:f] != other.token_ids:
+                return True
+        return False
 
     def note_admission(self, continuation: str, prompt: list[int]) -> None:
         """A request of this conversation was admitted: a turn for the forecast, and a use of every

@@ -22,6 +22,8 @@ from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishR
 from ninfer.contract.request import EngineRequest
 from ninfer.engine.context_cache import CacheLimits, ContextCache
 from ninfer.engine.context_costs import resolve_context_costs
+from ninfer.engine.host_detail import HostDetail
+from ninfer.engine.host_kv import HostKV
 from ninfer.engine.host_work import HostWork
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.pending_step import PendingStep
@@ -33,6 +35,7 @@ from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.dflash import DflashDraftModel
 from ninfer.models.kv_cache import kv_bytes_per_token
+from ninfer.models.quant.weight_format import weight_format
 
 log = logging.getLogger("ninfer.engine")
 
@@ -110,6 +113,7 @@ class EngineCore:
             ),
         )
         device_type = next(model.parameters()).device.type
+        self._detail = HostDetail()  # this interval's slow paths, inside the phases of _work
         self.context_costs = resolve_context_costs(model.config, device_type, config.context_cost_presets)
         self.scheduler = Scheduler(
             SchedulerLimits(
@@ -130,6 +134,7 @@ class EngineCore:
             costs=self.context_costs,
             state_image_bytes=state_image_bytes(model),
             kv_page_bytes=page_bytes,
+            detail=self._detail,
         )
         self.runner = ModelRunner(
             model,
@@ -152,6 +157,7 @@ class EngineCore:
             kv_format=config.kv_dtype,
             step_graph_tokens=config.step_graph_tokens if device_type == "cuda" else 0,
         )
+        self.runner.host_detail = self._detail
         self.failed: str | None = None
         overlap = config.decode_overlap
         self.decode_overlap = self.runner.device.type == "cuda" if overlap is None else overlap
@@ -161,6 +167,10 @@ class EngineCore:
         # Device memory by use in bytes (KV pool, state slots, and with --kv-capacity auto the
         # measured worst step, graphs and headroom); the builder fills it.
         self.memory_ledger: dict[str, int] = {}
+        # The device memory steps use beyond the resident pools and weights, once measured (the
+        # builder's warm-up on CUDA); None where steps allocate from the host heap as they run (CPU).
+        self.workspace_bytes: int | None = None
+        self.weight_format = weight_format(model)
         self.stats_records: list[dict] = []  # throughput records not yet published
         self._last_stats_at = clock()
         self._host_active_s = 0.0
@@ -186,11 +196,14 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         """Run one step. A failing step ends only its own requests (STEP_FAILED) and the engine
-        goes on; when the device cannot go on, every request ends and `failed` is set."""
+        goes on; when the device cannot go on, every request ends and `failed` is set.
+
+        A throughput record that falls due is built while the launched step computes, so its
+        scheduler snapshot shows the requests that step admits as materializing."""
         if self.failed is not None:
             return []
         self._gauges_due = True
-        started = time.perf_counter()
+        started = counted_from = time.perf_counter()
         launched: list[SchedulerStep] = []  # the steps whose requests a failure takes down
         try:
             current = self._inflight
@@ -199,6 +212,9 @@ class EngineCore:
                 if step is None:
                     outputs = self.scheduler.take_pending_outputs()
                     self._work.add("control", "engine_maintenance", time.perf_counter() - started)
+                    self._host_active_s += time.perf_counter() - counted_from
+                    counted_from = time.perf_counter()
+                    self.log_stats_if_due()
                     return outputs
                 launched.append(step)
                 current = self.runner.launch(step)
@@ -210,30 +226,33 @@ class EngineCore:
                 if ahead is not None:
                     launched.append(ahead)
                     self._inflight = self.runner.launch(ahead)
+            work_class = _work_class(current.step)
             submitted = time.perf_counter()
+            self._work.add(work_class, "program_submit", submitted - started)
+            # The interval closing here holds this step's submit; the rest belongs to the next one.
+            self._host_active_s += submitted - counted_from
+            counted_from = submitted
+            self.log_stats_if_due(work_class)
+            waited_from = time.perf_counter()
             sampled = current.result()
             verified = current.verified()
             read = time.perf_counter()
-            work_class = _work_class(current.step)
-            self.scheduler.charge(current.step, "program_submit", submitted - started, device_wait=read - submitted)
+            self.scheduler.charge(current.step, "program_submit", submitted - started, device_wait=read - waited_from)
+            self.scheduler.charge(current.step, "engine_maintenance", waited_from - submitted)
             if self.runner.vision_seconds:
                 self.scheduler.charge_vision(self.runner.vision_seconds)
                 self.runner.vision_seconds = {}
             outputs = self.scheduler.update(current.step, sampled, verified)
             committed = time.perf_counter()
             self.scheduler.charge(current.step, "engine_commit_output", committed - read)
-            self._work.add(work_class, "program_submit", submitted - started)
-            self._work.add(work_class, "device_wait", read - submitted)
+            self._work.add(work_class, "device_wait", read - waited_from)
             self._work.add(work_class, "engine_commit_output", committed - read)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
             log.exception("engine step failed")
             return self._contain(launched, exc)
         finally:
-            self._host_active_s += time.perf_counter() - started
+            self._host_active_s += time.perf_counter() - counted_from
         self._consecutive_failures = 0
-        maintenance_started = time.perf_counter()
-        self.log_stats_if_due()
-        self._work.add(work_class, "engine_maintenance", time.perf_counter() - maintenance_started)
         return outputs
 
     def _contain(self, launched: list[SchedulerStep], exc: Exception) -> list[EngineOutput]:
@@ -289,33 +308,51 @@ class EngineCore:
         """Start the throughput record afresh (the warm-up's synthetic work is not the server's)."""
         self.scheduler.stats.reset()
         self.cache.counters.take(len(self.cache))
+        self.cache.counters.last_selection = None
         self._host_active_s = 0.0
         self._work = HostWork()
+        self._detail.take()
         self.stats_records.clear()
         self._last_stats_at = self.clock()
 
+    def _interval_active(self) -> bool:
+        """Tokens computed or context-cache work done since the last record: only an interval
+        with neither (fully idle) goes unreported."""
+        stats = self.scheduler.stats
+        return bool(stats.prefill_tokens or stats.decode_tokens) or self.cache.counters.has_activity
+
     def seconds_to_stats_boundary(self) -> float | None:
         """How long until the current interval's throughput record is due; None when records are
-        off or nothing was counted since the last one (an idle interval is not reported)."""
+        off or the interval has been idle so far."""
         interval = self.config.log_stats_interval_ms / 1000.0
-        stats = self.scheduler.stats
-        if interval <= 0 or not (stats.prefill_tokens or stats.decode_tokens):
+        if interval <= 0 or not self._interval_active():
             return None
         return max(0.0, self._last_stats_at + interval - self.clock())
 
-    def log_stats_if_due(self) -> None:
+    def log_stats_if_due(self, work_class: str = "control") -> None:
+        """Close the interval when it is due; the time spent publishing it is the next interval's
+        engine maintenance (work_class: the step it runs beside)."""
         interval = self.config.log_stats_interval_ms / 1000.0
         now = self.clock()
         if interval <= 0 or now - self._last_stats_at < interval:
             return
+        started = time.perf_counter()
+        self._close_interval(now)
+        spent = time.perf_counter() - started
+        self._work.add(work_class, "engine_maintenance", spent)
+        self._detail.add("stats_publication", spent)
+
+    def _close_interval(self, now: float) -> None:
         elapsed = now - self._last_stats_at
+        active_interval = self._interval_active()
         stats = self.scheduler.stats.reset()
         active = self._host_active_s
         self._host_active_s = 0.0
         self._last_stats_at = now
-        work = self._work
-        self._work = HostWork()
-        if not (stats.prefill_tokens or stats.decode_tokens):
+        work, self._work = self._work, HostWork()
+        detail = self._detail.take()
+        cache = self.cache.counters.take(len(self.cache))
+        if not active_interval:
             return
         # Rates over the time the engine worked: an interval that began with an idle gap would
         # otherwise read as slow.
@@ -323,6 +360,7 @@ class EngineCore:
         running = self.scheduler.running
         prefilling = sum(1 for s in running if s.is_prefilling)
         avg_batch = stats.decode_rows / stats.decode_rounds if stats.decode_rounds else 0.0
+        materializing = self.scheduler.num_materializing
         parts = []
         if stats.prefill_tokens:
             parts.append(f"prefill {stats.prefill_tokens / busy:,.0f} tok/s ({stats.prefill_tokens} tok)")
@@ -331,6 +369,10 @@ class EngineCore:
         parts.append(f"running {len(running)} (prefill {prefilling}, decode {len(running) - prefilling})")
         if self.scheduler.waiting:
             parts.append(f"waiting {len(self.scheduler.waiting)}")
+        if materializing:
+            parts.append(f"materializing {materializing}")
+        if self.scheduler.draining:
+            parts.append(f"terminal {len(self.scheduler.draining)}")
         if stats.decode_rounds:
             parts.append(f"batch {avg_batch:.1f}")
         host = work.host_total
@@ -348,12 +390,12 @@ class EngineCore:
             "prefilling": prefilling,
             "decode_ready": len(running) - prefilling,
             "waiting": len(self.scheduler.waiting),
-            "materializing": 0,
-            "capture_pending": 0,
+            "materializing": materializing,
+            "capture_pending": self.scheduler.num_capture_pending,
             "terminal_pending": len(self.scheduler.draining),
             **self._resource_gauges(),
-            "host_work": work.to_record(stats.decode_rounds, stats.decode_rows),
-            "context_cache": self.cache.counters.take(len(self.cache)),
+            "host_work": {**work.to_record(stats.decode_rounds, stats.decode_rows), **detail},
+            "context_cache": cache,
         })
 
     def take_stats_records(self) -> list[dict]:
@@ -407,7 +449,13 @@ class EngineCore:
             "cuda_graph_batch_sizes": sorted(self.runner.graphs.batch_sizes) if self.runner.graphs else [],
             "decode_overlap": self.decode_overlap,
             "speculative": self._describe_speculative(),
-            "memory": dict(self.memory_ledger),
+            "memory": {**self.memory_ledger, "workspace": {
+                "capacity_bytes": self.workspace_bytes,
+                "source": "warm_up_peak" if self.workspace_bytes is not None else "not_measured",
+            }},
+            "host_tier": self._describe_host_tier(),
+            "weight_format": self.weight_format,
+            "vision_encoder": self._describe_vision(),
             "context_costs": {"source": self.context_costs.source,
                               "prefill_seconds_per_token": self.context_costs.prefill_seconds_per_token,
                               "host_transfer_bytes_per_second": self.context_costs.host_transfer_bytes_per_second},
@@ -416,6 +464,40 @@ class EngineCore:
                 "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "torch": str(torch.__version__),
                 "cuda": torch.version.cuda,
+            },
+        }
+
+    def _describe_host_tier(self) -> dict:
+        """The pinned host tier's capacity and what it holds now (spilled StateImages and KV)."""
+        host_states, host_kvs = self.runner.host_states, self.runner.host_kvs
+        host_pool, host_kv = self.cache.host_pool, self.cache.host_kv_pool
+        page_bytes = sum(HostKV.page_bytes(cache) for cache in self.runner.paged_caches)
+        return {
+            "state_slots": host_pool.num_slots,
+            "state_slots_used": host_pool.num_slots - host_pool.num_free,
+            "state_slot_bytes": host_states.bytes_per_slot,
+            "kv_pages": host_kv.num_pages if host_kv else 0,
+            "kv_pages_used": host_kv.num_used if host_kv else 0,
+            "kv_page_bytes": page_bytes,
+            "pinned_bytes": host_states.num_slots * host_states.bytes_per_slot
+            + (host_kvs[0].num_pages if host_kvs else 0) * page_bytes,
+        }
+
+    def _describe_vision(self) -> dict | None:
+        """With --vision: the encoder's measured peak (with --kv-capacity auto on CUDA, else None)
+        and the hand-off of its output rows to prompt steps (MediaEmbeddings): capacity and use."""
+        media = self.runner.media
+        if media is None:
+            return None
+        config = media.tower.config
+        row_bytes = config.out_hidden_size * media.dtype.itemsize
+        return {
+            "encode_peak_bytes": self.memory_ledger.get("vision_encode"),
+            "handoff": {
+                "capacity_tokens": media.capacity_tokens,
+                "row_bytes": row_bytes,
+                "capacity_bytes": media.capacity_tokens * row_bytes,
+                "used_tokens": media.held_tokens,
             },
         }
 

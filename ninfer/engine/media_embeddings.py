@@ -63,6 +63,11 @@ class MediaEmbeddings:
         flat = torch.frombuffer(bytearray(item.patches), dtype=torch.bfloat16)
         return flat.view(item.num_patches, PATCH_VALUES)
 
+    @property
+    def held_tokens(self) -> int:
+        """Encoded rows held for prompt steps now."""
+        return sum(rows.shape[0] for rows in self._rows.values())
+
     def _evict(self, keep: set[int]) -> None:
         held = sum(rows.shape[0] for rows in self._rows.values())
         for key in list(self._rows):

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ninfer.engine.cuda_graphs import DecodeGraphs, graph_blocker
+from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.host_kv import HostKV
 from ninfer.engine.host_states import HostStates
 from ninfer.engine.media_embeddings import MediaEmbeddings
@@ -131,6 +132,7 @@ class ModelRunner:
         extra = self.speculator.slot_tensors if self.speculator is not None else ()
         self.host_states = HostStates(self.state_cache, self.slot_logits, num_host_state_slots, extra)
         self.host_kvs = [HostKV(cache, num_host_kv_pages) for cache in self.paged_caches]
+        self.host_detail = HostDetail()  # the engine core hands over its own (replica copies are timed here)
         self.mrope = model.config.mrope_section is not None
         self.media = MediaEmbeddings(vision_tower, self.device) if vision_tower is not None else None
         self.vision_seconds: dict[str, float] = {}  # tower time by request, until the engine takes it
@@ -384,18 +386,24 @@ class ModelRunner:
                 for kv in self.paged_caches:
                     kv.k[:, action.dst].copy_(kv.k[:, action.src])
                     kv.v[:, action.dst].copy_(kv.v[:, action.src])
-            elif isinstance(action, SpillSlot):
-                self.host_states.spill(action.device_slot, action.host_slot)
-            elif isinstance(action, RestoreSlot):
-                self.host_states.restore(action.host_slot, action.device_slot)
-            elif isinstance(action, SpillPages):
-                for host_kv in self.host_kvs:
-                    host_kv.spill(action.device_pages, action.host_pages)
-            elif isinstance(action, RestorePages):
-                for host_kv in self.host_kvs:
-                    host_kv.restore(action.host_pages, action.device_pages)
+            elif isinstance(action, (SpillSlot, RestoreSlot, SpillPages, RestorePages)):
+                with self.host_detail.timed("replica"):
+                    self._move_replica(action)
         if commits:
             speculator.commit(commits)
+
+    def _move_replica(self, action: SpillSlot | RestoreSlot | SpillPages | RestorePages) -> None:
+        """A StateImage or KV pages to or from the pinned host tier."""
+        if isinstance(action, SpillSlot):
+            self.host_states.spill(action.device_slot, action.host_slot)
+        elif isinstance(action, RestoreSlot):
+            self.host_states.restore(action.host_slot, action.device_slot)
+        elif isinstance(action, SpillPages):
+            for host_kv in self.host_kvs:
+                host_kv.spill(action.device_pages, action.host_pages)
+        else:
+            for host_kv in self.host_kvs:
+                host_kv.restore(action.host_pages, action.device_pages)
 
     def _media_rows(
         self, chunks: list[ScheduledChunk], tokens: np.ndarray, staging: HostStaging, batch: ForwardBatch

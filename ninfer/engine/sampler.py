@@ -22,14 +22,13 @@ depend on the batch composition or the row order, and the noise is the same on e
 from __future__ import annotations
 
 import hashlib
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ninfer.contract.sampling import TOP_K_CAP, SamplingParams
+from ninfer.contract.sampling import TOP_K_CAP, SamplingParams, fresh_seed  # noqa: F401 - the engine's draw
 from ninfer.models.forward_batch import HostStaging
 
 # Domain tag so the sampler's noise stream never coincides with another use of the seed
@@ -40,11 +39,6 @@ _UINT64_MOD = 1 << 64
 # Columns of SamplingBatch.row_floats (one host->device copy carries all float parameters).
 _TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY = range(5)
 _NUM_FLOAT_PARAMS = 5
-
-
-def fresh_seed() -> int:
-    """A random seed for a request that brought none (non-negative, fits a signed 64-bit field)."""
-    return secrets.randbits(63)
 
 
 def exponential_noise(seed: int, num_generated: int, domain: bytes = NOISE_DOMAIN, count: int = TOP_K_CAP) -> np.ndarray:

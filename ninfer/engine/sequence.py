@@ -56,6 +56,7 @@ class Sequence:
     unsent_progress: PromptProgress | None = None
     engine_timing: EngineTiming = field(default_factory=EngineTiming)  # accumulated step by step
     materialization: Materialization | None = None  # the admission decision, once admitted
+    materializing: bool = False  # admitted; the context moves its plan queued have not run yet
     draft_token_ids: list[int] = field(default_factory=list)  # proposals to follow the last committed token
     speculative: SpeculativeCounters | None = None  # set at admission when a backend is loaded
     draft_policy: DraftPolicy | None = None  # with adaptive drafts: whether its next round drafts

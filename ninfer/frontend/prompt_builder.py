@@ -12,6 +12,7 @@ Also computes the capture hints the engine snapshots while prefilling:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from ninfer.frontend.conversation import Conversation, MediaPart, Message, TextP
 from ninfer.frontend.prompt_encoder import EncodedPrompt, PromptEncoder
 from ninfer.frontend.template import ChatTemplate, TemplateError
 from ninfer.frontend.tokenizer import Tokenizer
+from ninfer.frontend.tokenizer_clock import TokenizerClock
 
 # Private-use characters: a marker no template or tokenizer treats specially.
 _SENTINEL = "\ue000NINFER-CACHE-BREAKPOINT\ue001"
@@ -46,6 +48,8 @@ class PreparedPrompt:
     preserve_thinking: bool | None
     media: list[MediaInput] = field(default_factory=list)  # prepared items, once expanded (media_expansion.py)
     media_stats: dict[str, int | float] = field(default_factory=dict)  # how they were prepared (request log)
+    tokenizer_seconds: float = 0.0  # encoding this prompt and its frontier prefixes (request log)
+    tokenizer_calls: int = 0
 
 
 class PromptBuilder:
@@ -70,6 +74,11 @@ class PromptBuilder:
 
     # ---- public ----------------------------------------------------------------------
     def build(self, conversation: Conversation, with_capture_hints: bool = True) -> PreparedPrompt:
+        with TokenizerClock().measuring() as clock:
+            prepared = self._build(conversation, with_capture_hints)
+        return dataclasses.replace(prepared, tokenizer_seconds=clock.encode_seconds, tokenizer_calls=clock.encode_calls)
+
+    def _build(self, conversation: Conversation, with_capture_hints: bool) -> PreparedPrompt:
         kwargs = self.template_kwargs(conversation)
         messages = conversation.messages
         text = self._render(messages, conversation, kwargs, add_generation_prompt=not conversation.continue_final_message)

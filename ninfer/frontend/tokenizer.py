@@ -8,6 +8,8 @@ from typing import Any
 
 import tokenizers
 
+from ninfer.frontend.tokenizer_clock import encode_timed
+
 LONG_TEXT_CHARS = 1 << 16  # from here on, encode without holding the GIL
 
 
@@ -83,9 +85,10 @@ class Tokenizer:
     def _encode(self, text: str):
         # The batch call releases the GIL while the Rust side works; the single call may hold it
         # for the whole encode (seconds for a multi-MB prompt), stalling the API's event loop.
-        if len(text) < LONG_TEXT_CHARS:
-            return self.backend.encode(text, add_special_tokens=False)
-        return self.backend.encode_batch([text], add_special_tokens=False)[0]
+        with encode_timed():
+            if len(text) < LONG_TEXT_CHARS:
+                return self.backend.encode(text, add_special_tokens=False)
+            return self.backend.encode_batch([text], add_special_tokens=False)[0]
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Chat prompts are rendered by the template, which already holds any BOS: no specials by default."""

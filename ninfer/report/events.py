@@ -24,6 +24,7 @@ class Identity(msgspec.Struct):
     model_id: str
     model_type: str
     dtype: str
+    weight_format: str | None = None  # absent from logs written before it was recorded
 
 
 class Device(msgspec.Struct):
@@ -107,6 +108,60 @@ HOST_PHASES = tuple(name for name in HostElapsed.__struct_fields__ if name != "t
 class HostWork(msgspec.Struct):
     elapsed_seconds: HostElapsed
     device_wait_seconds: float
+    # The slow paths inside the phases (admission, context_transaction, replica, stats_publication);
+    # empty in logs written before they were recorded.
+    detail_subset_seconds: dict[str, float] = {}
+    detail_invocations: dict[str, int] = {}
+
+
+class Selection(msgspec.Struct):
+    hits: dict[str, int]
+    hit_tokens: int
+    misses: int
+    historical_forks: int = 0
+
+
+class Transfer(msgspec.Struct):
+    state_spills: int
+    state_restores: int
+    kv_spills: int
+    kv_restores: int
+
+
+class Degradation(msgspec.Struct):
+    state_spills: int = 0
+    kv_spills: int = 0
+    evictions: int = 0
+
+
+class Pressure(msgspec.Struct):
+    searches: int = 0
+    stop_reasons: dict[str, int] = {}
+    budget_exhausted: int = 0
+    maximal_root_fallbacks: int = 0
+    degradation: dict[str, Degradation] = {}
+
+
+class LastSelection(msgspec.Struct):
+    target: str
+    reuse_path: str
+    reused_tokens: int
+    prompt_tokens: int
+    stop_reason: str
+
+
+class ContextCache(msgspec.Struct):
+    """Interval counters; pressure and last_selection are absent from logs written before them."""
+
+    selection: Selection
+    capture: dict[str, int]
+    transfer: Transfer
+    cow_pages: int
+    adoptions: int
+    drops: int
+    occupancy: int
+    pressure: Pressure = msgspec.field(default_factory=Pressure)
+    last_selection: LastSelection | None = None
 
 
 class Throughput(msgspec.Struct):
@@ -119,6 +174,9 @@ class Throughput(msgspec.Struct):
     decode_row_rounds: int
     average_size: float | None
     host_work: HostWork
+    materializing: int = 0
+    capture_pending: int = 0
+    context_cache: ContextCache | None = None
 
 
 EVENT_TYPES: dict[str, type[msgspec.Struct]] = {

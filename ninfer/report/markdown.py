@@ -38,7 +38,8 @@ def _run_section(number: int, summary: RunSummary) -> list[str]:
         f"## {run_label(number, summary.model_id)}",
         "",
         f"Started {started_at}; instance `{summary.instance_id}`"
-        + (f", device {summary.device}, dtype {summary.dtype}." if summary.model_id is not None
+        + (f", device {summary.device}, dtype {summary.dtype}"
+           f"{f', weights {summary.weight_format}' if summary.weight_format else ''}." if summary.model_id is not None
            else "; its server_start is not in the file."),
     ]
     if summary.capacities:
@@ -56,6 +57,8 @@ def _run_section(number: int, summary: RunSummary) -> list[str]:
               "after the first over the first-to-last token time, for requests with at least two tokens."]
     lines += ["", "### Prefix cache", "", *_prefix_cache(summary)]
     lines += ["", "### Engine throughput records", "", *_throughput(summary)]
+    if summary.cache.records:
+        lines += ["", "### Context cache (throughput records)", "", *_context_cache(summary)]
     return lines
 
 
@@ -111,7 +114,43 @@ def _throughput(summary: RunSummary) -> list[str]:
             for phase, seconds in totals.host_phase_seconds.items()
         ]),
     ]
+    if totals.detail_invocations:
+        lines += ["", "Host slow paths (already inside the phases above, not added to them):", "",
+                  *_table(["slow path", "seconds", "invocations", "ms per invocation"], [
+                      [name, f"{totals.detail_seconds.get(name, 0.0):,.3f}", f"{count:,}",
+                       f"{1000 * totals.detail_seconds.get(name, 0.0) / count:,.3f}" if count else NONE]
+                      for name, count in totals.detail_invocations.items()
+                  ])]
     return lines
+
+
+def _context_cache(summary: RunSummary) -> list[str]:
+    cache = summary.cache
+    hits = ", ".join(f"{path} {count:,}" for path, count in sorted(cache.hits.items())) or "none"
+    stops = ", ".join(f"{reason} {count:,}" for reason, count in sorted(cache.stop_reasons.items())) or "none"
+    rows = [
+        ["admissions resuming a checkpoint", f"{sum(cache.hits.values()):,} ({hits}), {cache.hit_tokens:,} tokens"],
+        ["admissions from the root", f"{cache.misses:,}"],
+        ["historical forks", f"{cache.historical_forks:,}"],
+        ["checkpoints captured", f"{sum(cache.captures.values()):,}"],
+        ["state spills / restores", f"{cache.state_spills:,} / {cache.state_restores:,}"],
+        ["KV spills / restores", f"{cache.kv_spills:,} / {cache.kv_restores:,}"],
+        ["copy-on-write pages", f"{cache.cow_pages:,}"],
+        ["adoptions", f"{cache.adoptions:,}"],
+        ["checkpoints dropped", f"{cache.drops:,}"],
+        ["pressure searches", f"{cache.pressure_searches:,} ({stops})"],
+        ["searches that hit a bound", f"{cache.budget_exhausted:,}"],
+        ["root fallbacks despite a hit", f"{cache.maximal_root_fallbacks:,}"],
+        *([f"pressure on {owner} checkpoints: state spills, KV spills, evictions",
+           ", ".join(f"{counts[kind]:,}" for kind in ("state_spills", "kv_spills", "evictions"))]
+          for owner, counts in cache.degradation.items()),
+        ["peak materializing / capture pending", f"{cache.peak_materializing:,} / {cache.peak_capture_pending:,}"],
+    ]
+    last = cache.last_selection
+    if last is not None:
+        rows.append(["last selection", f"{last.target} ({last.reuse_path}), {last.reused_tokens:,} of "
+                                        f"{last.prompt_tokens:,} tokens reused, {last.stop_reason}"])
+    return [f"Sums over {cache.records:,} records.", "", *_table(["counter", "value"], rows)]
 
 
 def _fraction(value: float | None) -> str:

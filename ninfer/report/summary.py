@@ -8,7 +8,10 @@ from typing import Any
 
 from ninfer.report.campaign import ServerRun
 from ninfer.report.distribution import Distribution
-from ninfer.report.events import HOST_PHASES, ServerStart
+from ninfer.report.events import HOST_PHASES, LastSelection, ServerStart, Throughput
+
+OWNERS = ("private", "shared")
+DEGRADATIONS = ("state_spills", "kv_spills", "evictions")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class ThroughputTotals:
     host_seconds: float
     device_wait_seconds: float
     host_phase_seconds: dict[str, float]
+    detail_seconds: dict[str, float]  # slow paths inside the phases (a subset of host_seconds)
+    detail_invocations: dict[str, int]
 
     @property
     def rows_per_round(self) -> float | None:
@@ -48,11 +53,40 @@ class ThroughputTotals:
 
 
 @dataclass(frozen=True)
+class CacheTotals:
+    """Sums of the throughput records' context-cache counters, the gauges' peaks and the latest
+    admission decision (records written before a counter existed count as zero)."""
+
+    records: int  # throughput records with a context_cache object
+    hits: dict[str, int]  # admissions resuming a checkpoint, by reuse path
+    hit_tokens: int
+    misses: int
+    historical_forks: int
+    captures: dict[str, int]
+    state_spills: int
+    state_restores: int
+    kv_spills: int
+    kv_restores: int
+    cow_pages: int
+    adoptions: int
+    drops: int
+    pressure_searches: int
+    stop_reasons: dict[str, int]
+    budget_exhausted: int
+    maximal_root_fallbacks: int
+    degradation: dict[str, dict[str, int]]  # owner -> spills and evictions pressure caused
+    peak_materializing: int
+    peak_capture_pending: int
+    last_selection: LastSelection | None
+
+
+@dataclass(frozen=True)
 class RunSummary:
     instance_id: str
     model_id: str | None  # None: the run's server_start is not in the file
     device: str | None
     dtype: str | None
+    weight_format: str | None
     start_unix_ms: int
     capacities: dict[str, Any]
     started: int
@@ -69,6 +103,7 @@ class RunSummary:
     prefix_hit_tokens: int
     reuse_paths: dict[str, ReusePath]
     throughput: ThroughputTotals
+    cache: CacheTotals
 
     @property
     def prefix_hit_fraction(self) -> float | None:
@@ -85,6 +120,7 @@ def summarize(run: ServerRun) -> RunSummary:
         model_id=start.identity.model_id if start else None,
         device=_device(start) if start else None,
         dtype=start.identity.dtype if start else None,
+        weight_format=start.identity.weight_format if start else None,
         start_unix_ms=run.origin_unix_ms,
         capacities=dict(start.capacities) if start else {},
         started=len(run.started),
@@ -102,6 +138,7 @@ def summarize(run: ServerRun) -> RunSummary:
         prefix_hit_tokens=sum(event.prefix_cache_hit_tokens for event in done),
         reuse_paths=_reuse_paths(run),
         throughput=_throughput_totals(run),
+        cache=_cache_totals(run.throughput),
     )
 
 
@@ -137,4 +174,46 @@ def _throughput_totals(run: ServerRun) -> ThroughputTotals:
         host_phase_seconds={
             phase: sum(getattr(record.host_work.elapsed_seconds, phase) for record in records) for phase in HOST_PHASES
         },
+        detail_seconds=_sum_maps(record.host_work.detail_subset_seconds for record in records),
+        detail_invocations=_sum_maps(record.host_work.detail_invocations for record in records),
+    )
+
+
+def _sum_maps(maps) -> dict:
+    total: Counter = Counter()
+    for values in maps:
+        total.update(values)
+    return dict(total)
+
+
+def _cache_totals(records: list[Throughput]) -> CacheTotals:
+    caches = [record.context_cache for record in records if record.context_cache is not None]
+    degradation = {owner: dict.fromkeys(DEGRADATIONS, 0) for owner in OWNERS}
+    for cache in caches:
+        for owner, counts in cache.pressure.degradation.items():
+            for kind in DEGRADATIONS:
+                degradation.setdefault(owner, dict.fromkeys(DEGRADATIONS, 0))[kind] += getattr(counts, kind)
+    last = next((cache.last_selection for cache in reversed(caches) if cache.last_selection is not None), None)
+    return CacheTotals(
+        records=len(caches),
+        hits=_sum_maps(cache.selection.hits for cache in caches),
+        hit_tokens=sum(cache.selection.hit_tokens for cache in caches),
+        misses=sum(cache.selection.misses for cache in caches),
+        historical_forks=sum(cache.selection.historical_forks for cache in caches),
+        captures=_sum_maps(cache.capture for cache in caches),
+        state_spills=sum(cache.transfer.state_spills for cache in caches),
+        state_restores=sum(cache.transfer.state_restores for cache in caches),
+        kv_spills=sum(cache.transfer.kv_spills for cache in caches),
+        kv_restores=sum(cache.transfer.kv_restores for cache in caches),
+        cow_pages=sum(cache.cow_pages for cache in caches),
+        adoptions=sum(cache.adoptions for cache in caches),
+        drops=sum(cache.drops for cache in caches),
+        pressure_searches=sum(cache.pressure.searches for cache in caches),
+        stop_reasons=_sum_maps(cache.pressure.stop_reasons for cache in caches),
+        budget_exhausted=sum(cache.pressure.budget_exhausted for cache in caches),
+        maximal_root_fallbacks=sum(cache.pressure.maximal_root_fallbacks for cache in caches),
+        degradation=degradation,
+        peak_materializing=max((record.materializing for record in records), default=0),
+        peak_capture_pending=max((record.capture_pending for record in records), default=0),
+        last_selection=last,
     )

@@ -40,6 +40,12 @@ class ParsedRequest:
     conversation: Conversation
     options: GenerationOptions
     stream: bool = False
+    requested_reasoning_effort: str | None = None  # the client's effort as sent, before any mapping (request log)
+
+    def semantic_change(self, prepared: PreparedPrompt) -> bool | None:
+        """Whether this request starts a new semantic branch of a stored chain (Responses only;
+        None where the protocol has no chains)."""
+        return None
 
 
 class Wire(abc.ABC):

@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from ninfer.contract.output import EngineOutput, ErrorCode, FinishReason, PromptProgress
 from ninfer.contract.request import CaptureHint, EngineRequest
 from ninfer.contract.reuse_path import ReusePath
-from ninfer.contract.sampling import SamplingOverrides
+from ninfer.contract.sampling import SamplingOverrides, fresh_seed
 from ninfer.frontend.output_decoder import OutputDecoder
 from ninfer.frontend.prompt_builder import PreparedPrompt
 from ninfer.frontend.tool_call_parser import FallbackReason
@@ -111,9 +113,11 @@ class Generation:
         self.options = options
         self.ticket = ticket
         config = serving.config
-        self.sampling = serving.sampling_defaults.resolve(
+        sampling = serving.sampling_defaults.resolve(
             prepared.thinking, serving.process_sampling, options.sampling, greedy=config.greedy
         )
+        # Drawn here rather than by the engine, so request_start logs the seed that reproduces the output.
+        self.sampling = sampling if sampling.seed is not None else msgspec.structs.replace(sampling, seed=fresh_seed())
         self.max_tokens = config.default_max_tokens if options.max_tokens is None else options.max_tokens
         self.decoder = OutputDecoder(
             thinking=prepared.thinking,

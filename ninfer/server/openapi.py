@@ -331,7 +331,11 @@ CHAT: dict[str, Schema] = {
             "n": unprovidable(const(1), "more than one choice"),
             "response_format": obj({"type": unprovidable(const("text"), "JSON modes")}, ("type",)),
             "modalities": {"type": "array", "minItems": 1, "items": unprovidable(const("text"), "audio output")},
-            "audio": unprovidable(NULL, "audio output"),
+            "audio": {
+                "type": ["object", "null"],
+                "description": "accepted without effect beside modalities [\"text\"]; with modalities omitted it asks "
+                               "for audio output (400 unsupported_parameter)",
+            },
             "logit_bias": {
                 "type": "object",
                 "additionalProperties": unprovidable({"type": "number", "enum": [0]}, "non-zero logit biases"),
@@ -605,7 +609,7 @@ RESPONSES: dict[str, Schema] = {
             "id": STRING,
             "object": const("response"),
             "created_at": {"type": "integer"},
-            "status": enum(("completed", "incomplete", "failed", "in_progress")),
+            "status": enum(("completed", "incomplete", "cancelled", "failed", "in_progress")),
             "model": STRING,
             "output": {"type": "array", "items": {"type": "object", "required": ["type"]}},
             "usage": {"type": ["object", "null"]},

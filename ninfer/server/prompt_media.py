@@ -57,9 +57,19 @@ class PromptMedia:
     def describe(self) -> dict[str, int | bool]:
         """server_start.vision_workspace: the bounds media are prepared under."""
         config = self.preparer.config
+        limits = config.request_limits
+        image, video = config.image.geometry, config.video.geometry
+        # The largest single item: an image at its pixel cap, or a video whose sampled frames
+        # together reach theirs (two frames a temporal group), within the prompt's envelope.
+        item_tokens = min(limits.max_vision_tokens, max(
+            config.image.max_pixels // image.resize_factor**2,
+            config.video.max_pixels // video.resize_factor**2 // video.temporal_patch_size,
+        ))
         return {
-            "max_prompt_vision_tokens": config.request_limits.max_vision_tokens,
-            "max_prompt_patches": config.request_limits.max_patch_rows,
+            "max_prompt_vision_tokens": limits.max_vision_tokens,
+            "max_prompt_patches": limits.max_patch_rows,
+            "max_item_vision_tokens": item_tokens,
+            "max_item_patches": min(limits.max_patch_rows, item_tokens * image.patches_per_token),
             "media_cache_bytes": config.cache_mib << 20,
             "media_live_bytes": config.live_mib << 20,
             "preprocess_threads": preprocess_worker_count(config.preprocess_threads),

@@ -20,6 +20,7 @@ from ninfer.server.errors import APIError
 from ninfer.server.request_events import RequestEvents
 
 if TYPE_CHECKING:
+    from ninfer.frontend.capabilities import TemplateCapabilities
     from ninfer.server.endpoint import ParsedRequest
     from ninfer.server.generation import Generation
 
@@ -56,8 +57,11 @@ class RequestRecord:
         self.protocol = protocol
         self.started = time.monotonic()  # preparation begins: the engine stamps share this clock
         self.prepared_at: float | None = None
+        self.parsed = parsed
         self.shape = _shape(parsed)
         self.media_items = len(parsed.conversation.media_parts)
+        # request_start's resolved configuration, repeated by request_error (None until started).
+        self.configuration: dict[str, Any] | None = None
         self.finished = False
 
     def _emit(self, event: str, fields: dict[str, Any]) -> None:
@@ -85,7 +89,7 @@ class RequestRecord:
         sampling = generation.sampling
         prepared = generation.prepared
         budget = generation.engine_request.thinking_budget
-        self._emit("request_start", {
+        self.configuration = {
             **self.shape,
             "prompt_tokens": generation.prompt_tokens,
             "max_output_tokens": generation.max_tokens,
@@ -96,16 +100,22 @@ class RequestRecord:
                 "min_p": sampling.min_p,
                 "presence_penalty": sampling.presence_penalty,
                 "frequency_penalty": sampling.frequency_penalty,
-                "seed": sampling.seed,
+                "seed": sampling.seed,  # drawn before the request reaches the engine: the one it uses
             },
             "thinking": prepared.thinking,
             "enable_thinking": prepared.enable_thinking,
             "preserve_thinking": prepared.preserve_thinking,
             "thinking_budget": budget.max_thinking_tokens if budget is not None else None,
-            "resolved_reasoning_effort": _resolved_effort(self.shape["requested_reasoning_effort"], prepared.thinking),
+            "resolved_reasoning_effort": resolved_effort(
+                prepared.thinking, self.parsed.conversation.reasoning_effort, generation.serving.capabilities
+            ),
             "capture_hints": len(generation.engine_request.capture_hints),
-            "responses_semantic_change": None,
+            "responses_semantic_change": self.parsed.semantic_change(prepared),
+        }
+        self._emit("request_start", {
+            **self.configuration,
             "media": {**NO_MEDIA, **prepared.media_stats},
+            "tokenizer": {"encode_seconds": prepared.tokenizer_seconds, "encode_calls": prepared.tokenizer_calls},
             "prepare_seconds": self.prepared_at - self.started,
         })
 
@@ -152,7 +162,8 @@ class RequestRecord:
 
     def error(self, phase: str, error: APIError | None = None, message: str | None = None) -> None:
         """A started request ended without an outcome: admission refused, the engine failed, or
-        the client went away (phase "cancelled")."""
+        the client went away (phase "cancelled"). It repeats request_start's configuration, which
+        is None when the client went away before preparation resolved it."""
         if self.finished:
             return
         self.finished = True
@@ -165,6 +176,7 @@ class RequestRecord:
         fields: dict[str, Any] = {"phase": phase, "elapsed_seconds": elapsed}
         fields.update(_error_fields(error) if error is not None else
                       {"status": None, "type": None, "code": None, "param": None, "message": message})
+        fields["configuration"] = self.configuration
         self._emit("request_error", fields)
 
 
@@ -178,14 +190,19 @@ def _shape(parsed: ParsedRequest) -> dict[str, Any]:
         "callable_tools": len(options.tools or {}),
         "requested_max_tokens": options.max_tokens,
         "stop_strings": len(options.stop),
-        "requested_reasoning_effort": conversation.reasoning_effort,
+        "requested_reasoning_effort": parsed.requested_reasoning_effort,
     }
 
 
-def _resolved_effort(requested: str | None, thinking: bool) -> str | None:
+def resolved_effort(thinking: bool, template_effort: str | None, capabilities: TemplateCapabilities) -> str | None:
+    """The effort tier served: "none" without thinking; else the tier rendered (the client's, or
+    the tier it was mapped to), or the template's default tier when none was given; None when
+    the template has no tiers (or no single default one)."""
     if not thinking:
         return "none"
-    return requested
+    if template_effort is not None:
+        return template_effort
+    return capabilities.default_effort if capabilities.effort_tiers else None
 
 
 def _stop_kind(stop_reason: int | str | None) -> str | None:

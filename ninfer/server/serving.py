@@ -103,6 +103,8 @@ class Serving:
         config = self.config
         info = dict(self.engine.engine_info)
         info.pop("pid", None)
+        weight_format = info.pop("weight_format", None)
+        vision_encoder = info.pop("vision_encoder", None)
         artifact_config = self.artifact.config
         self.events.emit("server_start", {
             "identity": {
@@ -110,6 +112,7 @@ class Serving:
                 "artifact": config.artifact,
                 "model_type": artifact_config.model_type,
                 "dtype": config.dtype,
+                "weight_format": weight_format,
             },
             "sampler_defaults": self.sampling_defaults.describe(),
             "sampler_overrides": {k: v for k, v in dataclasses.asdict(config.sampling).items() if v is not None},
@@ -123,9 +126,17 @@ class Serving:
             "max_pending_requests": config.engine.max_pending_requests,
             "pending_timeout_ms": config.engine.pending_timeout_ms,
             **info,
-            "vision_workspace": self.prompt_media.describe() if self.prompt_media is not None else None,
+            "vision_workspace": self._vision_workspace(vision_encoder),
             "argv": redacted_argv(config.argv, config.api_key),
         })
+
+    def _vision_workspace(self, encoder: dict | None) -> dict | None:
+        """The media bounds prompts are prepared under (this process) with the encoder's peak and
+        the hand-off of its rows to prompt steps (the engine's); None without --vision."""
+        if self.prompt_media is None:
+            return None
+        encoder = encoder or {"encode_peak_bytes": None, "handoff": None}
+        return {**self.prompt_media.describe(), **encoder}
 
     def close(self) -> None:
         """Stop the request log's writer and the media workers (shutdown)."""

@@ -67,6 +67,10 @@ INEXPRESSIBLE: list[Narrowing] = [
         _edits(("ChatCompletionRequest.properties.max_completion_tokens", NULL)),
     ),
     Narrowing(
+        "Chat: an audio object is neutral only beside modalities naming text (omitted, it asks for audio)",
+        _edits(("ChatCompletionRequest.properties.audio", NULL)),
+    ),
+    Narrowing(
         "enable_thinking/preserve_thinking and their chat_template_kwargs spellings agree, and (Chat) "
         "enable_thinking does not contradict reasoning_effort",
         _edits(

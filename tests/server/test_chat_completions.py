@@ -59,6 +59,18 @@ def test_aggregate_response_usage_and_timings(qwen_server):
         assert timings["predicted_per_second"] == pytest.approx(expected)
 
 
+def test_a_text_only_request_with_an_audio_configuration_is_served(qwen_server):
+    client = client_for(qwen_server)
+    model = qwen_server.serving.model_id
+    resp = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, seed=5, modalities=["text"],
+                                          audio={"voice": "alloy", "format": "wav"})
+    assert resp.choices[0].message.audio is None and resp.usage.completion_tokens <= 2
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, modalities=["text", "audio"],
+                                       audio={"voice": "alloy", "format": "wav"})
+    assert refused.value.body["param"] == "modalities"
+
+
 def test_stream_equals_aggregate_for_same_seed(qwen_server):
     client = client_for(qwen_server)
     model = qwen_server.serving.model_id

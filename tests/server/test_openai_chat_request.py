@@ -809,6 +809,15 @@ def test_neutral_and_advisory_values_are_accepted(fields):
     assert request.tools_enabled is False
 
 
+def test_an_audio_configuration_with_text_only_modalities_is_neutral():
+    audio = {"voice": "alloy", "format": "wav"}
+    request = parse(body(modalities=["text"], audio=audio))
+    assert [m.text for m in request.conversation.messages] == ["Hi"]
+    assert request.sampling == SamplingOverrides()
+    unsupported(body(modalities=["text", "audio"], audio=audio), "modalities", "audio output")
+    rejected(body(modalities=["text"], audio="alloy"), param="audio", code="invalid_type")
+
+
 @pytest.mark.parametrize(
     "fields, param, guarantee",
     [

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 
 import httpx
@@ -12,8 +13,9 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 
+from ninfer.contract.messages import Abort
 from ninfer.server.openai_responses.store import session_key_for
-from tests.server.conftest import scripted_server, serve_config, start_server
+from tests.server.conftest import scripted_server, serve_config, start_server, wait_until
 
 STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 ITEM = pydantic.TypeAdapter(ResponseItem)
@@ -395,6 +397,72 @@ def test_input_items_pagination(server):
     for query in ("limit=0", "limit=101", "order=up", "after=nope", "include=x"):
         assert httpx.get(f"{server.base_url}/v1/responses/{resp.id}/input_items?{query}").status_code == 400
     assert httpx.get(f"{server.base_url}/v1/responses/resp_missing/input_items").status_code == 404
+
+
+def cancel_in_engine(server, request_id: str) -> None:
+    """The engine cancels a running request while its client still listens."""
+    server.serving.engine._send(Abort(request_id))
+
+
+def running_request_id(server) -> str:
+    wait_until(lambda: server.core.scheduler.running, what="a running request")
+    return server.core.scheduler.running[0].request_id
+
+
+def test_a_stream_the_engine_cancels_ends_cancelled(server):
+    body = {"model": server.serving.model_id, "input": "Tell a long story.", "max_output_tokens": 400, "stream": True}
+    events: list[tuple[str, dict]] = []
+    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=120) as resp:
+        name = None
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[len("data: "):])))
+                if name.endswith(".delta") and sum(n.endswith(".delta") for n, _ in events) == 1:
+                    cancel_in_engine(server, resp.headers["x-request-id"])  # at the first delta
+        names = [n for n, _ in events]
+    assert names[-1] == "response.cancelled" and "response.failed" not in names
+    for event_name, payload in events[:-1]:
+        assert event_name == payload["type"]
+        STREAM_EVENT.validate_python(payload)
+    final = events[-1][1]["response"]
+    assert events[-1][1]["type"] == "response.cancelled" and final["status"] == "cancelled"
+    validate_response(final)
+    assert final["error"] is None and final["incomplete_details"] is None and final["completed_at"] is None
+    item = final["output"][-1]  # the Item open when the engine cancelled
+    assert item["status"] == "incomplete" and final["usage"]["output_tokens"] < 400
+    stored = client_for(server).responses.retrieve(final["id"])
+    assert stored.status == "cancelled" and stored.output[-1].id == item["id"]
+
+
+def test_a_response_the_engine_cancels_ends_cancelled(server):
+    client = client_for(server)
+    result: dict = {}
+
+    def create() -> None:
+        result["response"] = client.responses.create(model=server.serving.model_id, input="Tell a long story.",
+                                                     max_output_tokens=400)
+
+    thread = threading.Thread(target=create)
+    thread.start()
+    cancel_in_engine(server, running_request_id(server))
+    thread.join(60)
+    response = result["response"]
+    assert response.status == "cancelled" and response.error is None and response.usage.output_tokens < 400
+    assert client.responses.retrieve(response.id).status == "cancelled"
+
+
+def test_a_response_whose_client_went_away_is_not_stored(server):
+    body = {"model": server.serving.model_id, "input": "Tell a long story.", "max_output_tokens": 400, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=120) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                response_id = json.loads(line[len("data: "):])["response"]["id"]
+                break  # the client goes away after response.created
+    wait_until(lambda: not server.core.scheduler.running, what="the request cancelled")
+    with pytest.raises(openai.NotFoundError):
+        client_for(server).responses.retrieve(response_id)
 
 
 def test_cancel_and_compact_fail_explicitly(server):

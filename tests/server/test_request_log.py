@@ -111,6 +111,42 @@ def test_one_start_and_one_terminal_per_started_request_and_no_start_for_rejecti
     assert failed["code"] == "engine_step_failed" and failed["status"] == 500
 
 
+def test_server_start_reports_the_weight_format_workspace_and_host_tier(campaign):
+    events, _ = campaign
+    (start,) = by_event(events, "server_start")
+    # The tiny model on the CPU: float32 compute, Linear weights stored in float16 for decode.
+    assert start["identity"]["weight_format"] == "float16" and start["identity"]["dtype"] == "auto"
+    assert start["memory"]["workspace"] == {"capacity_bytes": None, "source": "not_measured"}
+    assert start["vision_workspace"] is None
+    host = start["host_tier"]
+    capacities = start["capacities"]
+    assert (host["state_slots"], host["kv_pages"]) == (capacities["host_state_slots"], capacities["host_kv_pages"])
+    assert host["state_slots_used"] == host["kv_pages_used"] == 0
+    assert host["state_slot_bytes"] > 0 and host["kv_page_bytes"] > 0
+    assert host["pinned_bytes"] == host["state_slots"] * host["state_slot_bytes"] + host["kv_pages"] * host["kv_page_bytes"]
+
+
+def test_an_error_repeats_the_configuration_its_request_started_with(campaign):
+    events, _ = campaign
+    starts = {e["request_id"]: e for e in by_event(events, "request_start")}
+    errors = by_event(events, "request_error")
+    assert sorted(e["phase"] for e in errors) == ["cancelled", "generation"]
+    for error in errors:
+        start = starts[error["request_id"]]
+        configuration = error["configuration"]
+        assert configuration == {key: start[key] for key in configuration}
+        assert {"sampler", "max_output_tokens", "prompt_tokens", "resolved_reasoning_effort"} <= set(configuration)
+        assert isinstance(configuration["sampler"]["seed"], int)
+
+
+def test_thinking_on_a_template_without_tiers_resolves_to_no_tier(campaign):
+    events, _ = campaign
+    for start in by_event(events, "request_start"):
+        assert start["requested_reasoning_effort"] is None
+        assert start["resolved_reasoning_effort"] == (None if start["thinking"] else "none")
+    assert any(start["thinking"] for start in by_event(events, "request_start"))
+
+
 def test_done_records_add_up(campaign):
     events, _ = campaign
     for done in by_event(events, "request_done"):

@@ -23,6 +23,7 @@ from PIL import Image
 
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.server.conftest import serve_config, start_server, wait_until
+from tests.server.test_request_log import VALIDATOR, Collect
 
 IMAGE_TOKENS = 72  # 300x260 px -> 288x256 -> 18x16 patches -> 72 merged tokens
 TEMPLATE_TOKENS = 3  # <|vision_start|><|image_pad|><|vision_end|>
@@ -220,6 +221,26 @@ def test_the_request_log_reports_media_preparation_and_tower_time(vl_artifact, t
     assert starts[0]["media"]["payload_bytes"] == 4 * IMAGE_TOKENS * 1536 * 2  # bf16 patches, 4 per token
     assert starts[0]["media"]["preprocess_work_seconds"] > 0
     assert done[0]["timings_seconds"]["vision"] > 0 and done[1]["timings_seconds"]["vision"] == 0
+
+
+def test_server_start_reports_the_vision_workspace_item_bound_and_hand_off(server):
+    collect = Collect()
+    server.serving.events.observers.append(collect)
+    try:
+        server.serving.record_server_start()
+    finally:
+        server.serving.events.observers.remove(collect)
+    (start,) = collect.events
+    VALIDATOR.validate(start)
+    workspace = start["vision_workspace"]
+    # The largest item: an image at 16,777,216 pixels, one token a 32x32 square, four patches a token.
+    assert (workspace["max_item_vision_tokens"], workspace["max_item_patches"]) == (16_384, 65_536)
+    assert workspace["encode_peak_bytes"] is None  # measured by --kv-capacity auto on CUDA only
+    handoff = workspace["handoff"]
+    media = server.core.runner.media
+    assert handoff["row_bytes"] == media.tower.config.out_hidden_size * media.dtype.itemsize
+    assert handoff["capacity_tokens"] == 65_536 and handoff["capacity_bytes"] == 65_536 * handoff["row_bytes"]
+    assert handoff["used_tokens"] == 0  # nothing encoded when the engine reported ready
 
 
 def test_chat_video_url_counts_one_time_stamped_block_per_temporal_patch(server):

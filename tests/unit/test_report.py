@@ -40,7 +40,7 @@ def server_start(instance: str, at_ms: int, model_id: str, max_concurrency: int)
     return {
         **_envelope("server_start", instance, at_ms),
         "identity": {"model_id": model_id, "artifact": f"/models/{model_id}", "model_type": "qwen3_5_text",
-                     "dtype": "auto"},
+                     "dtype": "auto", "weight_format": "nvfp4"},
         "sampler_defaults": {"preset": "generation defaults"},
         "sampler_overrides": {},
         "thinking": {"default_enabled": True, "supported": True, "preserve_thinking": False,
@@ -53,7 +53,9 @@ def server_start(instance: str, at_ms: int, model_id: str, max_concurrency: int)
                        "host_state_slots": 8, "host_kv_pages": 0},
         "cuda_graph_batch_sizes": [1, 2],
         "decode_overlap": True,
-        "memory": {"kv_pool": 1024},
+        "memory": {"kv_pool": 1024, "workspace": {"capacity_bytes": 1 << 30, "source": "warm_up_peak"}},
+        "host_tier": {"state_slots": 8, "state_slots_used": 0, "state_slot_bytes": 4096, "kv_pages": 0,
+                      "kv_pages_used": 0, "kv_page_bytes": 8192, "pinned_bytes": 8 * 4096},
         "context_costs": {"source": "generic", "prefill_seconds_per_token": 0.001,
                           "host_transfer_bytes_per_second": 5e9},
         "device": {"type": "cuda", "name": "NVIDIA H200", "torch": "2.9.0", "cuda": "12.8"},
@@ -78,6 +80,7 @@ def request_start(instance: str, at_ms: int, seq: int, prompt_tokens: int) -> di
         "media": {"items": 0, "acquisition_seconds": 0.0, "preprocess_wall_seconds": 0.0,
                   "preprocess_work_seconds": 0.0, "cache_hits": 0, "cache_misses": 0, "single_flight_waits": 0,
                   "payload_bytes": 0},
+        "tokenizer": {"encode_seconds": 0.0002, "encode_calls": 2},
         "prepare_seconds": 0.001,
     }
 
@@ -111,7 +114,14 @@ def _error_fields(status: int | None, code: str | None) -> dict:
 def request_error(instance: str, at_ms: int, seq: int, phase: str, status: int | None, code: str | None) -> dict:
     return {**_envelope("request_error", instance, at_ms), "request_id": f"req-{instance[0]}{seq}",
             "request_seq": seq, "protocol": "openai_chat", **_error_fields(status, code), "phase": phase,
-            "elapsed_seconds": 0.5}
+            "elapsed_seconds": 0.5, "configuration": _configuration(request_start(instance, at_ms, seq, 50))}
+
+
+def _configuration(start: dict) -> dict:
+    """The resolved configuration a request_error repeats from its request_start."""
+    omitted = {"schema", "schema_version", "event", "timestamp_unix_ms", "server_instance_id", "request_id",
+               "request_seq", "protocol", "media", "tokenizer", "prepare_seconds"}
+    return {key: value for key, value in start.items() if key not in omitted}
 
 
 def request_rejected(instance: str, at_ms: int, seq: int, code: str) -> dict:
@@ -120,15 +130,33 @@ def request_rejected(instance: str, at_ms: int, seq: int, code: str) -> dict:
             "phase": "prepare", "resolved_reasoning_effort": None, "media_items": 0}
 
 
+def context_cache(*, hits: int = 0, misses: int = 0, spills: int = 0, searches: int = 0, fallbacks: int = 0) -> dict:
+    """One interval's context-cache counters: `spills` private KV spills under pressure."""
+    degradation = {"private": {"state_spills": 0, "kv_spills": spills, "evictions": 0},
+                   "shared": {"state_spills": 0, "kv_spills": 0, "evictions": 0}}
+    return {"selection": {"hits": {"private_endpoint": hits} if hits else {}, "hit_tokens": 100 * hits,
+                          "misses": misses, "historical_forks": 0},
+            "capture": {"private_endpoint": hits + misses},
+            "transfer": {"state_spills": 0, "state_restores": 0, "kv_spills": spills, "kv_restores": 0},
+            "cow_pages": 0, "adoptions": 0, "drops": 0,
+            "pressure": {"searches": searches, "stop_reasons": {"value_of_next_expansion": searches} if searches else {},
+                         "budget_exhausted": 0, "maximal_root_fallbacks": fallbacks, "degradation": degradation},
+            "occupancy": 1,
+            "last_selection": {"target": "checkpoint", "reuse_path": "private_endpoint", "reused_tokens": 100,
+                               "prompt_tokens": 120, "stop_reason": "value_of_next_expansion",
+                               "budget_exhausted": False, "maximal_root_fallback": False} if hits else None}
+
+
 def throughput(instance: str, at_ms: int, *, prefill: int, decode: int, rounds: int, rows: int,
-               submit: float, commit: float, maintenance: float, device_wait: float) -> dict:
+               submit: float, commit: float, maintenance: float, device_wait: float, cache: dict | None = None,
+               materializing: int = 0) -> dict:
     phases = {"engine_boundary": 0.0, "program_submit": submit, "program_post": 0.0,
               "engine_commit_output": commit, "engine_maintenance": maintenance}
     return {
         **_envelope("throughput", instance, at_ms), "interval_seconds": 1.0, "active_seconds": 1.0,
         "prefill_tokens": prefill, "decode_tokens": decode, "decode_rounds": rounds, "decode_row_rounds": rows,
         "average_size": rows / rounds if rounds else None, "running": 1, "prefilling": 0, "decode_ready": 1,
-        "waiting": 0, "materializing": 0, "capture_pending": 0, "terminal_pending": 0, "kv_pages_used": 4,
+        "waiting": 0, "materializing": materializing, "capture_pending": 0, "terminal_pending": 0, "kv_pages_used": 4,
         "kv_pages_total": 512, "state_slots_used": 1, "state_slots_total": 2, "host_state_slots_used": 0,
         "host_state_slots_total": 8, "host_kv_pages_used": 0, "host_kv_pages_total": 0, "checkpoints": 1,
         "host_work": {
@@ -138,10 +166,13 @@ def throughput(instance: str, at_ms: int, *, prefill: int, decode: int, rounds: 
                                    "prefill": {"host": 0.0, "device_wait": 0.0},
                                    "control": {"host": 0.0, "device_wait": 0.0}},
             "decode_host_seconds_per_round": None, "decode_host_seconds_per_row_round": None,
+            "detail_subset_seconds": {"admission": submit / 4, "context_transaction": 0.0, "replica": 0.0,
+                                      "stats_publication": maintenance / 2},
+            "detail_invocations": {"admission": 2, "context_transaction": 0, "replica": 0, "stats_publication": 1},
+            "detail_seconds_per_invocation": {"admission": submit / 8, "context_transaction": None, "replica": None,
+                                              "stats_publication": maintenance / 2},
         },
-        "context_cache": {"selection": {"hits": {}, "hit_tokens": 0, "misses": 0}, "capture": {},
-                          "transfer": {"state_spills": 0, "state_restores": 0, "kv_spills": 0, "kv_restores": 0},
-                          "cow_pages": 0, "adoptions": 0, "drops": 0, "occupancy": 1},
+        "context_cache": cache or context_cache(),
         "request_log_dropped_events": 0,
     }
 
@@ -170,9 +201,10 @@ def campaign_events() -> list[dict]:
         request_rejected(RUN_A, T0 + 12 * s, 7, "context_length_exceeded"),
         request_start(RUN_A, T0 + 13 * s, 8, 50),
         throughput(RUN_A, T0 + 14 * s, prefill=600, decode=0, rounds=0, rows=0, submit=0.125, commit=0.0625,
-                   maintenance=0.0625, device_wait=0.25),
+                   maintenance=0.0625, device_wait=0.25, cache=context_cache(misses=1, hits=2, spills=3, searches=1),
+                   materializing=1),
         throughput(RUN_A, T0 + 15 * s, prefill=0, decode=10, rounds=5, rows=10, submit=0.25, commit=0.125,
-                   maintenance=0.125, device_wait=0.5),
+                   maintenance=0.125, device_wait=0.5, cache=context_cache(searches=2, fallbacks=1)),
         server_start(RUN_B, T0 + 16 * s, "model-b", 1),
         throughput(RUN_A, T0 + 17 * s, prefill=0, decode=4, rounds=4, rows=4, submit=0.125, commit=0.0625,
                    maintenance=0.0625, device_wait=0.75),
@@ -261,6 +293,15 @@ def test_run_summary_counts_percentiles_and_fractions(campaign_file):
     assert (totals.host_seconds, totals.device_wait_seconds) == (1.0, 1.5)
     assert totals.host_phase_seconds == {"engine_boundary": 0.0, "program_submit": 0.5, "program_post": 0.0,
                                          "engine_commit_output": 0.25, "engine_maintenance": 0.25}
+    assert totals.detail_seconds["admission"] == 0.125 and totals.detail_invocations["admission"] == 6
+
+    cache = run_a.cache
+    assert (cache.records, cache.hits, cache.hit_tokens, cache.misses) == (3, {"private_endpoint": 2}, 200, 1)
+    assert (cache.kv_spills, cache.pressure_searches, cache.maximal_root_fallbacks) == (3, 3, 1)
+    assert cache.stop_reasons == {"value_of_next_expansion": 3}
+    assert cache.degradation["private"] == {"state_spills": 0, "kv_spills": 3, "evictions": 0}
+    assert (cache.peak_materializing, cache.peak_capture_pending) == (1, 0)
+    assert cache.last_selection.target == "checkpoint" and cache.last_selection.reused_tokens == 100
 
     assert (run_b.model_id, run_b.started, run_b.done, run_b.errors, run_b.rejected) == ("model-b", 1, 1, {}, {})
     assert run_b.decode_tokens_per_second == Distribution(1, 4.0, 4.0, 4.0)
@@ -277,7 +318,8 @@ def test_report_writes_the_markdown_tables_and_the_plots(campaign_file, tmp_path
         "27 lines, 20 events read, 6 lines skipped (2 not JSON, 3 another schema or version, 1 malformed event); "
         "2 server runs.",
         "## Run 1: model-a",
-        "Started 2026-01-01 00:00:00 UTC; instance `" + RUN_A + "`, device cuda (NVIDIA H200), dtype auto.",
+        "Started 2026-01-01 00:00:00 UTC; instance `" + RUN_A + "`, device cuda (NVIDIA H200), dtype auto, "
+        "weights nvfp4.",
         "| max_concurrency | 2 |",
         "| outcome | requests |\n|---|---|\n| started | 6 |\n| done | 3 |\n"
         "| error: generation, engine_step_failed | 1 |\n| error: cancelled, no code | 1 |\n"
@@ -296,6 +338,16 @@ def test_report_writes_the_markdown_tables_and_the_plots(campaign_file, tmp_path
         "| decode batch: row-rounds / rounds | 1.56 (9 rounds) |\n"
         "| host active (s) | 1.000 |\n| device wait (s) | 1.500 |",
         "| program_submit | 0.500 | 50.0% |\n| program_post | 0.000 | 0.0% |\n| engine_commit_output | 0.250 | 25.0% |",
+        "| slow path | seconds | invocations | ms per invocation |\n|---|---|---|---|\n"
+        "| admission | 0.125 | 6 | 20.833 |",
+        "### Context cache (throughput records)",
+        "| admissions resuming a checkpoint | 2 (private_endpoint 2), 200 tokens |\n| admissions from the root | 1 |",
+        "| KV spills / restores | 3 / 0 |",
+        "| pressure searches | 3 (value_of_next_expansion 3) |",
+        "| root fallbacks despite a hit | 1 |",
+        "| pressure on private checkpoints: state spills, KV spills, evictions | 0, 3, 0 |",
+        "| peak materializing / capture pending | 1 / 0 |",
+        "| last selection | checkpoint (private_endpoint), 100 of 120 tokens reused, value_of_next_expansion |",
         "## Run 2: model-b",
         "| decode rate per request (tok/s) | 1 | 4.0 | 4.0 | 4.0 |",
         "No throughput records",
@@ -374,6 +426,7 @@ def test_report_on_a_real_server_log(tmp_path, tmp_path_factory, capsys):
     assert "| started | 2 |\n| done | 2 |\n| rejected: context_length_exceeded | 1 |" in markdown
     assert "| TTFT (ms) | 2 |" in markdown and "gaps in 2 requests |" in markdown
     assert "records over" in markdown and "0 lines skipped" in markdown
+    assert "### Context cache (throughput records)" in markdown and "| admissions from the root |" in markdown
     assert markdown in capsys.readouterr().out
     if HAS_MATPLOTLIB:
         assert sorted(path.name for path in out.glob("*.png")) == sorted(PLOTS)

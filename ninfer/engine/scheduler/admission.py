@@ -3,7 +3,8 @@
 A request reserves its full prompt plus effective-output pages and one state slot until it
 completes; nothing admitted is preempted. The head of the queue is admitted with the best
 legal plan (resume from a cache hit by copying its state, or restoring it from the host
-tier; adopt a device hit itself; or start from root), evicting the checkpoints whose loss
+tier; adopt a device hit itself; resume from a shorter hit when keeping the best leaves no room;
+or start from root; the search is bounded, see MAX_REUSE_TARGETS), evicting the checkpoints whose loss
 costs least (planner.py) when that makes room for pages, and freeing a device slot through
 placement.py when one is short; later requests wait behind it. A waiting request past its deadline ends with request_queue_timeout.
 """
@@ -31,10 +32,11 @@ from ninfer.contract.output import (
 )
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
+from ninfer.contract.sampling import fresh_seed
 from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
 from ninfer.engine.draft_policy import DraftPolicy
+from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
-from ninfer.engine.sampler import fresh_seed
 from ninfer.engine.scheduler.checkpoints import capture_frontiers
 from ninfer.engine.scheduler.outputs import error_output
 from ninfer.engine.scheduler.placement import Placement
@@ -53,6 +55,13 @@ from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
 
 log = logging.getLogger("ninfer.engine")
+
+# The search is bounded; the bound that cut an attempt short is its decision's stop reason.
+MAX_REUSE_TARGETS = 4  # reuse targets tried before the root: target_budget
+MAX_EXPANSIONS = 32  # victims added one at a time per target, then the rest at once: expansion_capacity
+# An attempt's search time, as the engine thread's CPU time (a thread descheduled on a busy host
+# has not searched longer); past it only the root is tried: time_budget.
+PLANNING_BUDGET_NS = 50_000_000
 
 
 @dataclass(frozen=True)
@@ -93,8 +102,10 @@ class Admission:
         make_stop_checker: Callable[[EngineRequest], StopChecker],
         clock: Callable[[], float],
         actions: list[SlotAction],
+        detail: HostDetail,
     ):
-        """actions: the scheduler's list of slot actions to run before the next forward."""
+        """actions: the scheduler's list of slot actions to run before the next forward; detail:
+        where committing a plan is timed (a context transaction)."""
         self.limits = limits
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -103,8 +114,11 @@ class Admission:
         self.make_stop_checker = make_stop_checker
         self.clock = clock
         self.actions = actions
+        self.detail = detail
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._projection_work = 0  # eviction sets examined by the admission attempt in progress
+        self._started_ns = self._started_cpu_ns = 0  # when the attempt in progress began planning (wall, CPU)
+        self._bound: str | None = None  # the first search bound it hit
         self._continuations = itertools.count()
 
     def add(self, request: EngineRequest) -> EngineOutput | None:
@@ -200,29 +214,66 @@ class Admission:
         return admitted
 
     def _try_admit(self, seq: Sequence) -> bool:
-        """Admit with the best legal plan: resume from the hit (copying its state), adopt the hit
-        itself, or start from root; a hit must never make a fitting request wait forever."""
-        hit = self.cache.lookup(seq.token_ids, seq.request.session_key) if self.limits.prefix_reuse else None
-        candidates: list[tuple[CacheHit | None, bool]] = []
-        if hit is not None:
-            candidates.append((hit, False))
-            if hit.is_exact_frontier and not hit.checkpoint.on_host:
-                candidates.append((hit, True))
-        candidates.append((None, False))
-        started_ns = time.perf_counter_ns()
+        """Admit with the best legal plan, trying targets in order: resume from the best hit
+        (copying its state), adopt it, resume from a shorter hit (up to MAX_REUSE_TARGETS reuse
+        targets in all), then the root; a hit must never make a fitting request wait forever."""
+        hits = self.cache.lookup_all(seq.token_ids, seq.request.session_key) if self.limits.prefix_reuse else []
+        targets: list[tuple[CacheHit, bool]] = []
+        for i, hit in enumerate(hits):
+            targets.append((hit, False))
+            if i == 0 and hit.is_exact_frontier and not hit.checkpoint.on_host:
+                targets.append((hit, True))
+        self._started_ns = time.perf_counter_ns()
+        self._started_cpu_ns = time.thread_time_ns()
         self._projection_work = 0
-        for evaluated, (candidate, adopt) in enumerate(candidates, 1):
+        self._bound = None
+        evaluated = 0
+        for candidate, adopt in [*targets[:MAX_REUSE_TARGETS], (None, False)]:
+            if candidate is None and len(targets) > MAX_REUSE_TARGETS:
+                self._note_bound("target_budget")  # shorter hits left untried: the root is next
+            elif candidate is not None and evaluated and self._past_time_budget():
+                self._note_bound("time_budget")
+                continue  # only the root is tried once planning has taken its time
+            evaluated += 1
             plan = self._plan(seq, candidate, adopt)
             if plan is not None:
                 decision = self._predict(seq, plan)
                 spills, drops = self.placement.num_spills, self.placement.num_drops
-                self._commit(seq, plan)
+                with self.detail.timed("context_transaction"):
+                    self._commit(seq, plan)
                 seq.materialization = self._decision(
-                    plan, decision, evaluated, time.perf_counter_ns() - started_ns, hit is not None,
+                    plan, decision, evaluated, time.perf_counter_ns() - self._started_ns, bool(hits),
                     self.placement.num_spills - spills, self.placement.num_drops - drops,
                 )
+                self._count(seq)
                 return True
         return False
+
+    def _note_bound(self, bound: str) -> None:
+        """A search bound cut the attempt short; the first one hit is its stop reason."""
+        self._bound = self._bound or bound
+
+    def _past_time_budget(self) -> bool:
+        return time.thread_time_ns() - self._started_cpu_ns > PLANNING_BUDGET_NS
+
+    def _count(self, seq: Sequence) -> None:
+        """The throughput record's view of the committed decision."""
+        counters = self.cache.counters
+        decision = seq.materialization
+        if self._projection_work:
+            counters.pressure_searches += 1
+            counters.pressure_stops[decision.stop_reason] += 1
+        counters.budget_exhausted += decision.budget_exhausted
+        counters.maximal_root_fallbacks += decision.maximal_root_fallback
+        counters.last_selection = {
+            "target": decision.target,
+            "reuse_path": ReusePath(seq.reuse_path).value,
+            "reused_tokens": decision.reused_tokens,
+            "prompt_tokens": seq.prompt_len,
+            "stop_reason": decision.stop_reason,
+            "budget_exhausted": decision.budget_exhausted,
+            "maximal_root_fallback": decision.maximal_root_fallback,
+        }
 
     def _predict(self, seq: Sequence, plan: AdmissionPlan) -> tuple[float, float]:
         """(immediate, future-loss) seconds of a plan, read before it changes the cache."""
@@ -263,8 +314,8 @@ class Admission:
             evaluated_targets=evaluated,
             projection_work=self._projection_work,
             planning_ns=planning_ns,
-            stop_reason=plan.stop_reason,
-            budget_exhausted=plan.budget_exhausted,
+            stop_reason=self._bound or plan.stop_reason,
+            budget_exhausted=plan.budget_exhausted or self._bound is not None,
             degradation_units=DegradationUnits(dropped, len(plan.spill_kv), state_spills),
             maximal_root_fallback=had_hit and plan.hit is None,
         )
@@ -291,9 +342,17 @@ class Admission:
         victims = self.placement.planner.drop_order(keep=ck)
         page_gains = [0, *self.cache.pages_freed_by_evicting(victims)]
         budget_exhausted = len(self.cache) > MAX_CANDIDATES
-        for num_evict in range(len(victims) + 1):
+        num_evict = 0
+        while num_evict <= len(victims):
+            if num_evict < len(victims):
+                bound = "expansion_capacity" if num_evict >= MAX_EXPANSIONS else (
+                    "time_budget" if self._past_time_budget() else None)
+                if bound is not None:
+                    self._note_bound(bound)
+                    num_evict = len(victims)  # past a bound, the whole remaining queue is projected once
             self._projection_work += 1
             if self.kv_pool.num_free + page_gains[num_evict] < pages_needed:
+                num_evict += 1
                 continue
             evict = victims[:num_evict]
             spill_kv = self._kv_to_spill(evict)
@@ -307,6 +366,7 @@ class Admission:
             if self.placement.can_free_device_slot(ck, dropped):
                 return AdmissionPlan(hit, adopt, num_full, own_partial, cow, num_private, evict, spill_kv, True,
                                      stop, budget_exhausted)
+            num_evict += 1
         return None
 
     def _kv_to_spill(self, evict: list[Checkpoint]) -> list[Checkpoint]:
@@ -327,6 +387,9 @@ class Admission:
         hit = plan.hit
         ck = hit.checkpoint if hit else None
         reused = hit.num_reused_tokens if hit else 0
+        first_action = len(self.actions)
+        if ck is not None and self.cache.forks_history(ck, seq.token_ids):
+            self.cache.counters.historical_forks += 1
         shared = ck.pages[: plan.num_full_pages] if ck is not None else []
         if ck is not None and not plan.adopt:
             self.kv_pool.share(shared)  # hold the prefix before evicting anything that might release it
@@ -335,8 +398,10 @@ class Admission:
                 host_pages = self.cache.host_kv_pool.allocate(len(victim.pages))
                 device_pages = self.cache.move_kv_to_host(victim, host_pages)
                 self.actions.append(SpillPages(tuple(device_pages), tuple(host_pages)))
+                self.cache.counters.degrade(victim.shared, "kv_spills")
             else:
                 self.cache.remove(victim)
+                self.cache.counters.degrade(victim.shared, "evictions")
         if plan.free_device_slot and not self.placement.free_device_slot(keep=ck):
             raise AssertionError("admission planned a device slot that placement cannot free")
         if ck is not None and ck.kv_on_host:
@@ -373,6 +438,8 @@ class Admission:
             else:
                 self.actions.append(ResetSlot(seq.state_slot))
         seq.reuse_path = ck.path if ck is not None else ReusePath.ROOT
+        # Context moves for it (a restore, a copy, victims spilled) run before its first step.
+        seq.materializing = any(not isinstance(a, ResetSlot) for a in self.actions[first_action:])
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "admit %s: prompt %d, reuse %d from %s%s · %d private pages%s%s",

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from ninfer.contract.request import CaptureHint
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.step import CopySlot, SlotAction
@@ -80,21 +81,25 @@ class Checkpoints:
         cache: ContextCache,
         placement: Placement,
         actions: list[SlotAction],
+        detail: HostDetail | None = None,
     ):
-        """actions: the scheduler's list of slot actions to run before the next forward."""
+        """actions: the scheduler's list of slot actions to run before the next forward; detail:
+        where captures are timed (context transactions)."""
         self.prefix_reuse = prefix_reuse
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.cache = cache
         self.placement = placement
         self.actions = actions
+        self.detail = detail if detail is not None else HostDetail()
 
     def capture_prompt_frontiers(self, seq: Sequence) -> None:
         """Snapshot the frontiers the last prefill chunk reached (chunks end at frontiers)."""
         while seq.capture_frontiers and seq.capture_frontiers[0][0] <= seq.num_computed_tokens:
             frontier, path = seq.capture_frontiers.pop(0)
             if frontier == seq.num_computed_tokens:
-                self._capture_copy(seq, frontier, path)
+                with self.detail.timed("context_transaction"):
+                    self._capture_copy(seq, frontier, path)
 
     def _capture_copy(self, seq: Sequence, frontier: int, path) -> None:
         slot = self._capture_slot(seq, frontier, path)
@@ -116,6 +121,10 @@ class Checkpoints:
 
     def keep_snapshot(self, seq: Sequence) -> None:
         """The step with seq's snapshot has run: its slot holds the StateImage at the frontier."""
+        with self.detail.timed("context_transaction"):
+            self._keep_snapshot(seq)
+
+    def _keep_snapshot(self, seq: Sequence) -> None:
         frontier, path, slot = seq.snapshot
         seq.snapshot = None
         existing = self.cache.find_identical(seq.token_ids[:frontier])  # captured by another request meanwhile
@@ -157,6 +166,10 @@ class Checkpoints:
     def release_or_capture_endpoint(self, seq: Sequence) -> None:
         """A finished request's pages and slot: kept as its endpoint checkpoint when the slot holds
         the logits of its last computed token and no identical checkpoint exists; else released."""
+        with self.detail.timed("context_transaction"):
+            self._release_or_capture_endpoint(seq)
+
+    def _release_or_capture_endpoint(self, seq: Sequence) -> None:
         frontier = seq.num_computed_tokens
         keep = (
             self.prefix_reuse

@@ -61,6 +61,7 @@ class Placement:
         host_slot = host_pool.allocate()
         device_slot = self.cache.move_to_host(victim, host_slot)
         self.actions.append(SpillSlot(device_slot, host_slot))
+        self.cache.counters.degrade(victim.shared, "state_spills")
         self.num_spills += 1
         log.debug("cache: checkpoint %d (%d tokens, %s) spills its state to host slot %d (loss if dropped %.3fs)",
                   victim.checkpoint_id, victim.frontier, victim.path, host_slot, loss[victim.checkpoint_id])
@@ -70,4 +71,5 @@ class Placement:
         log.debug("cache: checkpoint %d (%d tokens, %s) dropped to free a device slot", checkpoint.checkpoint_id,
                   checkpoint.frontier, checkpoint.path)
         self.cache.remove(checkpoint)
+        self.cache.counters.degrade(checkpoint.shared, "evictions")
         self.num_drops += 1

@@ -30,6 +30,7 @@ from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.context_costs import ContextCosts, generic_costs
+from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.admission import Admission, SchedulerLimits
 from ninfer.engine.scheduler.checkpoints import Checkpoints, Snapshot
@@ -90,10 +91,12 @@ class Scheduler:
         costs: ContextCosts | None = None,
         state_image_bytes: int = 0,
         kv_page_bytes: int = 0,
+        detail: HostDetail | None = None,
     ):
         """costs, state_image_bytes, kv_page_bytes: what the cache planner weighs (generic CPU
-        rates when absent)."""
+        rates when absent); detail: where admission and context transactions are timed."""
         self.limits = limits
+        self.detail = detail if detail is not None else HostDetail()
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.cache = cache
@@ -104,10 +107,11 @@ class Scheduler:
         placement = Placement(cache, self.planner, self._pending_actions)
         self.placement = placement
         self.admission = Admission(
-            limits, kv_pool, state_pool, cache, placement, make_stop_checker, clock, self._pending_actions
+            limits, kv_pool, state_pool, cache, placement, make_stop_checker, clock, self._pending_actions,
+            self.detail,
         )
         self.checkpoints = Checkpoints(
-            limits.prefix_reuse, kv_pool, state_pool, cache, placement, self._pending_actions
+            limits.prefix_reuse, kv_pool, state_pool, cache, placement, self._pending_actions, self.detail
         )
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -138,6 +142,17 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_materializing(self) -> int:
+        """Admitted requests whose plan's context moves (restores, copies, spills) have not landed."""
+        return sum(seq.materializing for seq in self.running)
+
+    @property
+    def num_capture_pending(self) -> int:
+        """Running requests with a checkpoint still to capture: a prompt frontier ahead of what
+        they computed (the prompt end among them), or a snapshot whose step has not landed."""
+        return sum(bool(seq.capture_frontiers) or seq.snapshot is not None for seq in self.running)
 
     @property
     def draining(self) -> list[Sequence]:
@@ -197,7 +212,11 @@ class Scheduler:
     # ---- planning ------------------------------------------------------------------
     def schedule(self) -> SchedulerStep | None:
         self._outbox.extend(self.admission.expire())
-        for seq in self.admission.admit(len(self.running)):
+        admitted = []
+        if self.waiting and len(self.running) < self.limits.max_concurrency:
+            with self.detail.timed("admission"):
+                admitted = self.admission.admit(len(self.running))
+        for seq in admitted:
             self.running.append(seq)
             self._outbox.append(delta_output(seq))
         decode_ready = [s for s in self.running if not s.is_prefilling]
@@ -442,6 +461,8 @@ class Scheduler:
         finished step."""
         now = self.clock()
         by_id = {s.request_id: s for s in self.running}
+        for seq in self.running:
+            seq.materializing = False  # the first update after an admission is its step's: the moves ran
         num_decode_rows = 0
         self._verify_rows = {}
         row = 0

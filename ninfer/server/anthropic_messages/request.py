@@ -57,9 +57,13 @@ UNSUPPORTED_FIELDS = {
 @dataclass
 class MessagesRequest(ParsedRequest):
     model: str = ""  # the client's label, echoed in the response
-    requested_effort: str | None = None  # output_config.effort as given
     thinking_omitted: bool = False  # thinking.display "omitted": text travels in the signature only
     notes: list[str] = field(default_factory=list)  # compatibility mappings applied, for the log
+
+    @property
+    def requested_effort(self) -> str | None:
+        """output_config.effort as given."""
+        return self.requested_reasoning_effort
 
     @property
     def max_tokens(self) -> int:
@@ -134,7 +138,7 @@ def parse_messages_request(body: Any, context: RequestContext, *, count_only: bo
         options=options,
         stream=stream,
         model=model,
-        requested_effort=(optional_object(body, "output_config", "output_config") or {}).get("effort"),
+        requested_reasoning_effort=(optional_object(body, "output_config", "output_config") or {}).get("effort"),
         thinking_omitted=thinking.omitted,
         notes=notes,
     )

@@ -71,7 +71,6 @@ class ChatRequest(ParsedRequest):
     include_usage: bool = False  # stream_options.include_usage
     timings_per_token: bool = False
     return_progress: bool = False
-    requested_reasoning_effort: str | None = None  # the client value, for logs
     prompt_cache_implicit: bool = True  # prompt_cache_options.mode "explicit" turns the implicit candidate off
 
     @property
@@ -166,7 +165,9 @@ def _reject_unprovidable_options(body: dict) -> None:
                 raise invalid(f"modalities[{i}]", f"modalities[{i}] must be text, got {modality!r}")
         if not modalities:
             raise invalid("modalities", "modalities must contain text")
-    if body.get("audio") is not None:
+    # Audio is produced only for an "audio" modality; with modalities naming text alone, an audio
+    # configuration (voice, format) is neutral. Omitted modalities leave it asking for audio.
+    if optional_object(body, "audio", "audio") is not None and modalities is None:
         raise cannot_provide("audio", "audio output")
     _check_logit_bias(body)
     if optional_bool(body, "logprobs", "logprobs"):

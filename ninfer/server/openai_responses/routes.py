@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from ninfer.contract.output import FinishReason
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.frontend.conversation import Conversation
+from ninfer.frontend.prompt_builder import PreparedPrompt
 from ninfer.server import endpoint
 from ninfer.server.endpoint import ParsedRequest, Protocol, Wire
 from ninfer.server.errors import APIError, invalid, unsupported
@@ -51,6 +52,11 @@ class ResponsesCreate(ParsedRequest):
     response_id: str = ""
     session_key: str | None = None
     history_bytes: int = 0
+
+    def semantic_change(self, prepared: PreparedPrompt) -> bool:
+        """A child whose resolved preserve_thinking differs from its parent's branches the chain;
+        a root, or a child that inherits or repeats the value, does not."""
+        return self.parent is not None and prepared.preserve_thinking != self.parent.preserve_thinking
 
 
 class ResponsesProtocol(Protocol):
@@ -89,6 +95,7 @@ class ResponsesProtocol(Protocol):
             response_id=response_id,
             session_key=session_key,
             history_bytes=history_bytes,
+            requested_reasoning_effort=parsed.echo["reasoning"]["effort"],
         )
 
     def wire(self, parsed: ResponsesCreate, generation: Generation, request_id: str) -> ResponsesWire:
@@ -130,14 +137,19 @@ class ResponsesWire(Wire):
 
     def finish(self, event: FinishEvent) -> list[bytes]:
         """Close the output, store it when asked, and end with exactly one terminal event."""
-        if event.reason not in (FinishReason.STOP, FinishReason.LENGTH):
+        if event.reason is FinishReason.CANCELLED:
+            # The engine cancelled it while the client still listens: a terminal status, not a failure.
+            events = self.assembler.cancel()
+            response = self.assembler.snapshot("cancelled", self._usage())
+        elif event.reason in (FinishReason.STOP, FinishReason.LENGTH):
+            incomplete = event.reason is FinishReason.LENGTH
+            events = self.assembler.finish_output(incomplete, self.generation.decoder.reasoning_open)
+            response = self.assembler.snapshot("incomplete" if incomplete else "completed", self._usage())
+        else:
             self.failure = APIError(
                 500, f"generation ended without a result ({event.reason.value})", code="server_error"
             )
             return _frames(self.assembler.fail(self.failure, self._usage()))
-        incomplete = event.reason is FinishReason.LENGTH
-        events = self.assembler.finish_output(incomplete, self.generation.decoder.reasoning_open)
-        response = self.assembler.snapshot("incomplete" if incomplete else "completed", self._usage())
         try:
             self._save(response)
         except StoreCapacityExceeded as exc:

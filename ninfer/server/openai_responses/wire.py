@@ -35,7 +35,9 @@ _RESPONSE_FIELDS = (
     "service_tier", "store", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p",
     "truncation", "usage", "user", "metadata",
 )  # fmt: skip
-_TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
+# A cancelled Response ends with the event named after its status, as the others do.
+_TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed",
+                    "cancelled": "response.cancelled"}
 
 
 class ResponseAssembler:
@@ -98,8 +100,14 @@ class ResponseAssembler:
         return events
 
     def terminal(self, response: dict[str, Any]) -> dict:
-        """The one terminal event (response.completed / .incomplete / .failed) carrying `response`."""
+        """The one terminal event (response.completed / .incomplete / .cancelled / .failed) carrying `response`."""
         return self._event(_TERMINAL_EVENTS[response["status"]], response=response)
+
+    def cancel(self) -> list[dict]:
+        """The generation was cancelled: what is open closes as incomplete, a held tool region
+        (an unfinished call) is dropped."""
+        self._held = []
+        return self._close("incomplete") if self._open is not None else []
 
     def fail(self, error: APIError, usage: dict | None = None) -> list[dict]:
         """An error after the stream started: close what is open as incomplete, then response.failed."""
