@@ -98,4 +98,4 @@ def test_ninfer_serve_serves_a_container_with_fp8_quantization(container) -> Non
     finally:
         process.terminate()
         _, stderr = process.communicate(timeout=60)
-    assert "--quantize fp8: 16 Linear layers and expert groups quantized to FP8 per output row" in stderr
+    assert "--quantize fp8: 16 FP8 Linear layers (one scale per output row)" in stderr
