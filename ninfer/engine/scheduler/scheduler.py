@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason, PromptProgress
+from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason, PromptProgress, TokenLogprobs
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
+from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.context_costs import ContextCosts, generic_costs
 from ninfer.engine.kv_pool import KVPool
@@ -90,9 +91,12 @@ class Scheduler:
         costs: ContextCosts | None = None,
         state_image_bytes: int = 0,
         kv_page_bytes: int = 0,
+        grammars: CompiledGrammars | None = None,
+        vocab_size: int = 0,
     ):
         """costs, state_image_bytes, kv_page_bytes: what the cache planner weighs (generic CPU
-        rates when absent)."""
+        rates when absent). grammars, vocab_size: output constraints' compiler and the logits
+        width their masks cover (none: constrained requests are refused)."""
         self.limits = limits
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -104,7 +108,8 @@ class Scheduler:
         placement = Placement(cache, self.planner, self._pending_actions)
         self.placement = placement
         self.admission = Admission(
-            limits, kv_pool, state_pool, cache, placement, make_stop_checker, clock, self._pending_actions
+            limits, kv_pool, state_pool, cache, placement, make_stop_checker, clock, self._pending_actions,
+            grammars, vocab_size,
         )
         self.checkpoints = Checkpoints(
             limits.prefix_reuse, kv_pool, state_pool, cache, placement, self._pending_actions
@@ -137,7 +142,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.admission.compiling)
 
     @property
     def draining(self) -> list[Sequence]:
@@ -196,6 +201,7 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------
     def schedule(self) -> SchedulerStep | None:
+        self._outbox.extend(self.admission.take_compiled())
         self._outbox.extend(self.admission.expire())
         for seq in self.admission.admit(len(self.running)):
             self.running.append(seq)
@@ -233,9 +239,12 @@ class Scheduler:
         Only for steady decode, where no token inflight can sample changes the plan except
         by finishing its request. None while a request waits for a free lane, a request
         prefills or slot actions are pending; None when a row may reach its thinking budget
-        at inflight, or has penalties (their token history must include that token). Rows
-        that reach their output limit at inflight are left out."""
+        at inflight, has penalties (their token history must include that token) or an output
+        constraint (its next mask follows that token), and when a grammar compiled meanwhile
+        (schedule() queues its request). Rows that reach their output limit at inflight are left out."""
         if inflight.kind is not StepKind.DECODE or not inflight.chunks or self._pending_actions:
+            return None
+        if self.admission.has_compiled():
             return None
         if any(c.speculative for c in inflight.chunks) or self._drafting_step(self.running, ahead=True):
             return None  # a speculative round's next input depends on what it accepts
@@ -255,6 +264,7 @@ class Scheduler:
                 or seq.num_computed_tokens != chunk.num_computed_tokens
                 or seq.num_pending_tokens != 1
                 or _has_penalties(seq.sampling)
+                or seq.constraint is not None
                 or self._budget_may_close(seq)
             ):
                 return None
@@ -273,6 +283,7 @@ class Scheduler:
                     num_generated=seq.num_output_tokens - seq.num_forced_tokens + 1,
                     output_token_ids=[],
                     previous_row=row,
+                    logprobs=seq.request.top_logprobs,
                     **self._media_fields(seq, seq.num_computed_tokens + 1, 1),
                 )
             )
@@ -290,8 +301,7 @@ class Scheduler:
         one in flight, which counts as one more plain round for each policy."""
         if not self.limits.num_draft_tokens:
             return False
-        # Requests with media decode plainly: the verify graphs and drafters take text positions.
-        policies = [s.draft_policy for s in decode_ready if not s.has_media]
+        policies = [s.draft_policy for s in decode_ready if not s.decodes_plainly]
         if not policies:
             return False
         if any(p is None for p in policies):
@@ -303,7 +313,7 @@ class Scheduler:
         to compute. A full-prompt hit samples its stored logits first; forced thinking-close
         tokens are computed as a plain row (the drafter extends its context over it and drafts
         from the next round on), so every verification row has the same shape."""
-        return drafting and seq.num_pending_tokens == 1 and not seq.has_media
+        return drafting and seq.num_pending_tokens == 1 and not seq.decodes_plainly
 
     def _speculative_chunk(self, seq: Sequence) -> ScheduledChunk:
         """The pending token and K draft places: as many of the request's drafts as its output
@@ -378,7 +388,10 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, token_ids: list[int], compute_logits: bool, sample: bool) -> ScheduledChunk:
         sample = sample and seq.num_output_tokens < seq.max_new_tokens
+        constraint = seq.constraint
         return ScheduledChunk(
+            token_bitmask=constraint.next_token_bitmask() if sample and constraint is not None else None,
+            logprobs=seq.request.top_logprobs,
             **self._media_fields(seq, seq.num_computed_tokens, len(token_ids)),
             request_id=seq.request_id,
             token_ids=token_ids,
@@ -436,10 +449,14 @@ class Scheduler:
 
     # ---- commit --------------------------------------------------------------------
     def update(
-        self, step: SchedulerStep, sampled: dict[str, int], verified: dict[str, VerifyOutcome] | None = None
+        self,
+        step: SchedulerStep,
+        sampled: dict[str, int],
+        verified: dict[str, VerifyOutcome] | None = None,
+        logprobs: dict[str, TokenLogprobs] | None = None,
     ) -> list[EngineOutput]:
-        """Apply the runner's sampled tokens (request id -> token) and speculative outcomes for a
-        finished step."""
+        """Apply the runner's sampled tokens (request id -> token), speculative outcomes and the
+        log probabilities of the rows that asked for them, for a finished step."""
         now = self.clock()
         by_id = {s.request_id: s for s in self.running}
         num_decode_rows = 0
@@ -491,7 +508,7 @@ class Scheduler:
                     seq.draft_token_ids = []  # proposals followed the token before this one
                     if seq.draft_policy is not None:
                         seq.draft_policy.plain_round()
-                self._commit(seq, sampled[chunk.request_id], now)
+                self._commit(seq, sampled[chunk.request_id], now, (logprobs or {}).get(chunk.request_id))
             elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
                 self._finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
         if num_decode_rows:
@@ -548,10 +565,10 @@ class Scheduler:
         """The chunk's first row among the step's verification rows (they lead the step in order)."""
         return self._verify_rows[chunk.request_id]
 
-    def _commit(self, seq: Sequence, token_id: int, now: float) -> None:
+    def _commit(self, seq: Sequence, token_id: int, now: float, logprobs: TokenLogprobs | None = None) -> None:
         seq.timings.first_token = seq.timings.first_token or now
         seq.timings.last_token = now
-        self._append_token(seq, token_id, forced=False)
+        self._append_token(seq, token_id, forced=False, logprobs=logprobs)
         if seq.is_finished:
             return
         # The output limit wins over the thinking cap: limits first, then the forced close.
@@ -573,19 +590,29 @@ class Scheduler:
                 if seq.is_finished:
                     return
 
-    def _append_token(self, seq: Sequence, token_id: int, forced: bool) -> None:
+    def _append_token(self, seq: Sequence, token_id: int, forced: bool, logprobs: TokenLogprobs | None = None) -> None:
         seq.token_ids.append(token_id)
         seq.unsent_token_ids.append(token_id)
+        if seq.request.top_logprobs is not None:
+            seq.unsent_logprobs.append(logprobs)
         if forced:
             seq.num_forced_tokens += 1
             seq.unsent_forced += 1
         stop = seq.stop_checker.append(token_id)
         seq.unsent_text += stop.text
+        if seq.constraint is not None and not seq.constraint.accept(token_id):
+            # The sampler only draws allowed tokens: a forced token outside the grammar, or a bug.
+            self._finish(seq, FinishReason.ERROR, error=EngineError(
+                ErrorCode.STEP_FAILED, f"token {token_id} is outside the request's output grammar"
+            ))
+            return
         if stop.stopped:
             self._finish(seq, FinishReason.STOP, stop.stop_reason)
 
     # ---- finishing -----------------------------------------------------------------
-    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None, error: EngineError | None = None
+    ) -> None:
         if seq.is_finished:
             return
         seq.status = SequenceStatus.FINISHED
@@ -596,7 +623,9 @@ class Scheduler:
             self._draining[seq.request_id] = seq  # a launched step still writes its pages and slot
         else:
             self.checkpoints.release_or_capture_endpoint(seq)
-        self._outbox.append(final_output(seq, reason, stop_reason))
+        out = final_output(seq, reason, stop_reason)
+        out.error = error
+        self._outbox.append(out)
 
     def _land_after_finish(self, seq: Sequence, chunk: ScheduledChunk) -> None:
         """The step launched ahead for a request that finished meanwhile has landed: it
