@@ -88,9 +88,13 @@ def qwen_preferences(tokenizer) -> tuple[dict[int, float], dict[int, dict[int, f
                                      ("1", 3.0), ("true", 2.0), ("null", 1.0), ("a", 2.0)]}
     liked[tokenizer.token_to_id("<|im_end|>")] = 6.0
     liked[tokenizer.token_to_id("<tool_call>")] = 6.0
+    end = tokenizer.token_to_id("<|im_end|>")
     follows = {
         one("\n"): {one("</"): 12.0},
         one("</"): {one("parameter"): 12.0},
         one("parameter"): {one(">"): 12.0},
+        # Mostly one call, sometimes more (a grammar may spell the closing tag in pieces).
+        tokenizer.token_to_id("</tool_call>"): {end: 4.0},
+        one(">"): {end: 4.0},
     }
     return liked, follows

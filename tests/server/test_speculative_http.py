@@ -397,7 +397,7 @@ def test_a_stop_string_inside_a_round_trims_as_plain_decoding(servers, protocol,
 
 def test_the_speculative_server_refuses_and_accepts_what_the_plain_server_does(servers):
     prompt = "Options case: describe a lake."
-    for refused, param in (({"logprobs": True}, "logprobs"), ({"n": 2}, "n")):
+    for refused, param in (({"logit_bias": {"5": 10}}, "logit_bias"), ({"n": 2}, "n")):
         bodies = []
         for name in ("plain", "mtp"):
             with pytest.raises(openai.BadRequestError) as err:
