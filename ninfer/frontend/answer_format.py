@@ -170,14 +170,18 @@ def tool_call(tool: ToolSchema) -> dict[str, Any]:
         raise AnswerFormatError(tool.path, f"the tool name {tool.name!r} cannot be written in a Qwen tool call")
     parameters = _resolve_root(tool.parameters, tool.path)
     elements: list[dict[str, Any]] = []
-    properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
-    required = set(parameters.get("required") or []) if isinstance(parameters, Mapping) else set()
-    definitions = {k: parameters[k] for k in _DEFINITION_KEYWORDS if isinstance(parameters, Mapping) and k in parameters}
-    names = list(properties or {}) + [name for name in required if name not in (properties or {})]
+    properties = parameters.get("properties") or {}
+    required = parameters.get("required") or []
+    if not isinstance(properties, Mapping):
+        raise AnswerFormatError(f"{tool.path}.properties", "properties must be an object")
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        raise AnswerFormatError(f"{tool.path}.required", "required must be an array of parameter names")
+    definitions = {k: parameters[k] for k in _DEFINITION_KEYWORDS if k in parameters}
+    names = list(properties) + [name for name in required if name not in properties]
     for name in names:
         if not isinstance(name, str) or not name or any(c in name for c in "<>\n"):
             raise AnswerFormatError(f"{tool.path}.properties", f"the parameter name {name!r} cannot be written in a Qwen tool call")
-        schema = (properties or {}).get(name, {})
+        schema = properties.get(name, {})
         if not isinstance(schema, (Mapping, bool)):
             raise AnswerFormatError(f"{tool.path}.properties.{name}", "a parameter schema must be an object")
         parameter = {

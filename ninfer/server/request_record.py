@@ -106,6 +106,8 @@ class RequestRecord:
             "capture_hints": len(generation.engine_request.capture_hints),
             "responses_semantic_change": None,
             "media": {**NO_MEDIA, **prepared.media_stats},
+            "structured_output": answer.kind if (answer := generation.options.answer) is not None else None,
+            "top_logprobs": generation.options.top_logprobs,
             "prepare_seconds": self.prepared_at - self.started,
         })
 

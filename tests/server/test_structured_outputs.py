@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Literal
 
 import anthropic
@@ -24,7 +25,9 @@ from pydantic import BaseModel
 from ninfer.engine.core import EngineCore
 from ninfer.server.serving import Serving
 from tests.preference_model import PreferenceLM, qwen_preferences
-from tests.server.conftest import RunningServer, serve_config, start_server
+from tests.server.conftest import RunningServer, serve_config, start_server, wait_until
+
+LOG_SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "request-log.schema.json").read_text())
 
 NO_THINKING = {"enable_thinking": False}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -63,8 +66,14 @@ class Weather(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen) -> Iterator[RunningServer]:
-    config = serve_config(tiny_qwen, max_concurrency=2, default_max_tokens=200, default_thinking_budget=2)
+def log_path(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("structured-log") / "requests.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen, log_path) -> Iterator[RunningServer]:
+    config = serve_config(tiny_qwen, max_concurrency=2, default_max_tokens=200, default_thinking_budget=2,
+                          request_log_jsonl=str(log_path))
 
     def build(serving: Serving) -> EngineCore:
         tokenizer = serving.artifact.tokenizer
@@ -306,3 +315,19 @@ def test_uncompilable_schemas_are_400s_naming_their_field(server) -> None:
         "model": "any", "max_tokens": 10, "messages": QUESTION,
         "output_config": {"format": {"type": "json_schema", "schema": {"$ref": "#/nope"}}}})
     assert resp.status_code == 400 and "output_config.format.schema" in resp.json()["error"]["message"]
+
+
+def test_the_request_log_names_the_grammar_and_the_log_probabilities(server, oai, log_path) -> None:
+    oai.chat.completions.create(model=model(server), messages=QUESTION, logprobs=True, top_logprobs=1, max_tokens=3,
+                                extra_body=NO_THINKING)
+
+    def starts() -> list[dict]:
+        lines = log_path.read_text().splitlines() if log_path.exists() else []
+        return [event for event in map(json.loads, lines) if event["event"] == "request_start"]
+
+    wait_until(lambda: any(event["top_logprobs"] == 1 for event in starts()), what="the logged request_start")
+    validator = jsonschema.Draft202012Validator(LOG_SCHEMA)
+    for event in starts():
+        validator.validate(event)
+    kinds = {event["structured_output"] for event in starts()}
+    assert {"json", "tool_calls", None} <= kinds
