@@ -412,6 +412,31 @@ def test_the_speculative_server_refuses_and_accepts_what_the_plain_server_does(s
         assert chat(servers[name], prompt, **options).key() == plain.key()
 
 
+def test_constrained_output_and_log_probabilities_equal_plain_decoding(servers):
+    """A JSON answer (greedy, with log probabilities) and a forced tool call decode without drafts
+    under --spec: the same tokens, text and values as the plain server."""
+    tool = {"type": "function", "function": {"name": "note", "strict": True, "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}}}
+    cases = [
+        dict(response_format={"type": "json_object"}, logprobs=True, top_logprobs=2),
+        dict(tools=[tool], tool_choice="required"),
+    ]
+    for i, extra in enumerate(cases):
+        prompt = f"Constraint case {i}: write it down."
+        kwargs = dict(max_tokens=12, temperature=0, extra_body={"enable_thinking": False}, **extra)
+        plain = openai_client(servers["plain"]).chat.completions.create(
+            model=servers["plain"].serving.model_id, messages=[{"role": "user", "content": prompt}], **kwargs)
+        for name in ("mtp",):
+            spec = openai_client(servers[name]).chat.completions.create(
+                model=servers[name].serving.model_id, messages=[{"role": "user", "content": prompt}], **kwargs)
+            assert spec.choices[0].message == plain.choices[0].message
+            assert spec.usage.completion_tokens == plain.usage.completion_tokens
+            if extra.get("logprobs"):
+                spec_values = [e.logprob for e in spec.choices[0].logprobs.content]
+                assert spec_values == pytest.approx([e.logprob for e in plain.choices[0].logprobs.content], abs=1e-4)
+            assert servers.events[name].done()[-1]["speculative"]["rounds"] == 0
+
+
 def test_no_draft_work_no_draft_keys(servers):
     """max_tokens 0 computes the prompt only; the first token comes from the prompt step, the
     second from the first decode step (no drafts yet), and a step with one token left before
