@@ -210,6 +210,9 @@ def _parameter_value(schema: Mapping[str, Any] | bool, definitions: dict[str, An
     types = declared_types(schema) if isinstance(schema, Mapping) else None
     if types is not None and "string" in types:
         return _raw_string(_string_branch(schema), path)
+    if types == {"boolean"} and not {"enum", "const"} & set(schema):
+        # The templates write a boolean argument as Python prints it; the parser reads either case.
+        return {"type": "or", "elements": [_const(word) for word in ("true", "false", "True", "False")]}
     full = {**definitions, **schema} if isinstance(schema, Mapping) else schema
     return json_value(full)
 
