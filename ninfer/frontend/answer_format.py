@@ -184,12 +184,7 @@ def tool_call(tool: ToolSchema) -> dict[str, Any]:
         schema = properties.get(name, {})
         if not isinstance(schema, (Mapping, bool)):
             raise AnswerFormatError(f"{tool.path}.properties.{name}", "a parameter schema must be an object")
-        parameter = {
-            "type": "tag",
-            "begin": f"{PARAMETER_OPEN}{name}>\n",
-            "content": _parameter_value(schema, definitions, f"{tool.path}.properties.{name}"),
-            "end": f"\n{PARAMETER_CLOSE}\n",
-        }
+        parameter = _parameter(name, schema, definitions, f"{tool.path}.properties.{name}")
         elements.append(parameter if name in required else {"type": "optional", "content": parameter})
     # Five parts or more, so the calls after a trigger can drop the first and the last.
     return {"type": "sequence", "elements": [
@@ -204,6 +199,19 @@ def tool_call(tool: ToolSchema) -> dict[str, Any]:
 def json_value(schema: Any) -> dict[str, Any]:
     """A JSON value of `schema`."""
     return {"type": "json_schema", "json_schema": schema, "style": "json", "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+
+
+def _parameter(name: str, schema: Mapping[str, Any] | bool, definitions: dict[str, Any], path: str) -> dict[str, Any]:
+    """`<parameter=NAME>`, the value between the template's framing newlines, `</parameter>`."""
+    begin, end = f"{PARAMETER_OPEN}{name}>\n", f"\n{PARAMETER_CLOSE}\n"
+    types = declared_types(schema) if isinstance(schema, Mapping) else None
+    if types is not None and "string" in types:
+        branch = _string_branch(schema)
+        if "enum" not in branch and "const" not in branch and "pattern" not in branch and (
+            branch.get("minLength") or branch.get("maxLength") is not None
+        ):
+            return _sequence([_const(begin), _bounded_line(branch, end, path)])
+    return {"type": "tag", "begin": begin, "content": _parameter_value(schema, definitions, path), "end": end}
 
 
 def _parameter_value(schema: Mapping[str, Any] | bool, definitions: dict[str, Any], path: str) -> dict[str, Any]:
@@ -244,13 +252,18 @@ def _raw_string(schema: Mapping[str, Any], path: str) -> dict[str, Any]:
         if any(k in schema for k in _LENGTH_KEYWORDS):
             raise AnswerFormatError(path, "a string parameter with both a pattern and length bounds is not supported")
         return {"type": "regex", "pattern": pattern}
-    low, high = schema.get("minLength", 0), schema.get("maxLength")
-    if low or high is not None:
-        if not isinstance(low, int) or (high is not None and not isinstance(high, int)) or (high is not None and high < low):
-            raise AnswerFormatError(path, "minLength and maxLength must be integers, minLength <= maxLength")
-        # No '<' at all: a bounded run of characters cannot otherwise be kept free of the markers.
-        return {"type": "regex", "pattern": f"[^<]{{{low},{'' if high is None else high}}}"}
     return {"type": "any_text", "excludes": list(VALUE_EXCLUDES)}
+
+
+def _bounded_line(schema: Mapping[str, Any], end: str, path: str) -> dict[str, Any]:
+    """A string with length bounds and the parameter's closing tag, in one grammar: one line
+    without `<` (so no marker fits in it). A character class that could also start the closing
+    tag makes the library track every split point: seconds to compile a maxLength of 1000."""
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if not isinstance(low, int) or (high is not None and not isinstance(high, int)) or (high is not None and high < low):
+        raise AnswerFormatError(path, "minLength and maxLength must be integers, minLength <= maxLength")
+    repeat = f"{{{low},{'' if high is None else high}}}"
+    return {"type": "grammar", "grammar": f"root ::= [^<\\n\\r]{repeat} {json.dumps(end)}"}
 
 
 def _calls(bodies: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
