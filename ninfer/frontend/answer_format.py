@@ -17,10 +17,11 @@ with parallel calls joined by one newline. Parameters follow the schema's declar
 required ones always appear, optional ones may, undeclared ones never (a tool without declared
 properties takes no arguments, as an omitted OpenAI parameter list means). A value is raw text
 where the parser keeps text (a parameter whose declared types include string), else compact JSON
-of the parameter's schema, which the parser loads back. Nothing inside a value can spell
-`<parameter=` or `</parameter>` (the format has no escape), so every call parses, except inside
-JSON strings with length bounds, where the grammar library cannot exclude them and keep the
-bounds, and inside a string `pattern`, which is matched as given.
+of the parameter's schema, which the parser loads back (a boolean also as the templates print
+it, `True`). A raw text value can never spell `<parameter=` or `</parameter>` (the format has no
+escape), so it always parses back whole; one with length bounds is a single line without `<`.
+Two places are matched as given: a string `pattern`, and strings nested inside a JSON value
+(keeping the markers out of those costs the grammar library most of a second per compile).
 
 The grammar is written in xgrammar's structural-tag format (plain JSON). The API process only
 parses it (milliseconds; a schema the library rejects is a 400 naming its field); the engine
