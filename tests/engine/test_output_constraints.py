@@ -25,6 +25,7 @@ from ninfer.contract.output import ErrorCode, FinishReason
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
+from ninfer.engine.scheduler.scheduler import Scheduler
 from ninfer.frontend.answer_format import AnswerFormat, JsonAnswer, ToolCalls, ToolSchema
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.frontend.tool_call_parser import ToolCallParser
@@ -57,8 +58,9 @@ def run(core: EngineCore, requests: list[EngineRequest], max_steps: int = 20_000
 
 
 @functools.cache
-def byte_engine(thinker: bool = False) -> EngineCore:
-    """thinker: likes to close its thinking more than to end the turn."""
+def byte_engine(thinker: bool = False, overlap: bool = False) -> EngineCore:
+    """thinker: likes to close its thinking more than to end the turn; overlap: decode overlap on
+    (rounds launched ahead, as on a GPU)."""
     tokenizer = make_byte_tokenizer()
     # 0xED leads the UTF-8 spelling of UTF-16 surrogates, which the library's character classes admit
     # but no text holds: a random byte model would write them, a trained one never does.
@@ -66,7 +68,7 @@ def byte_engine(thinker: bool = False) -> EngineCore:
     if thinker:
         liked.update({THINK_END: 4.0, BYTE_EOS: 2.0})
     model = PreferenceLM(257, liked, {})
-    return EngineCore(model, tokenizer, EngineConfig(**CONFIG))
+    return EngineCore(model, tokenizer, EngineConfig(**CONFIG, decode_overlap=overlap))
 
 
 @functools.cache
@@ -142,11 +144,22 @@ def test_random_json_schemas_produce_outputs_that_validate() -> None:
         jsonschema.validate(json.loads(text), schema, format_checker=checker)
 
 
-def test_the_grammar_starts_after_the_thinking_close_token() -> None:
+def test_the_grammar_starts_after_the_thinking_close_token(monkeypatch) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
     requests = [json_request(f"t{i}", schema, seed=100 + i, think_end=THINK_END) for i in range(6)]
     reasonings = []
-    for rid, (tokens, text, _, final) in run(byte_engine(thinker=True), requests).items():
+    results = run(byte_engine(thinker=True), requests)
+    # Alone (so its rounds run ahead), a request whose round launched ahead while thinking finds the
+    # previous token closed the thinking: that draw is dropped and redrawn masked.
+    drawn_before = Scheduler._drawn_before_its_grammar
+    dropped = []
+    monkeypatch.setattr(Scheduler, "_drawn_before_its_grammar",
+                        staticmethod(lambda seq, chunk: dropped.append(drawn_before(seq, chunk)) or dropped[-1]))
+    for request in requests:
+        (tokens, *_), = run(byte_engine(thinker=True, overlap=True), [request]).values()
+        assert tokens == results[request.request_id][0]
+    assert any(dropped)
+    for rid, (tokens, text, _, final) in results.items():
         assert final.finish_reason is FinishReason.STOP, text
         if THINK_END not in tokens:
             continue  # ended while thinking: nothing was constrained

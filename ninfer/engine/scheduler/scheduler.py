@@ -240,8 +240,11 @@ class Scheduler:
         by finishing its request. None while a request waits for a free lane, a request
         prefills or slot actions are pending; None when a row may reach its thinking budget
         at inflight, has penalties (their token history must include that token) or an output
-        constraint (its next mask follows that token), and when a grammar compiled meanwhile
-        (schedule() queues its request). Rows that reach their output limit at inflight are left out."""
+        constraint that has started (its next mask follows that token), and when a grammar
+        compiled meanwhile (schedule() queues its request). A request still thinking before its
+        grammar runs ahead: should inflight's token start the grammar, the draw made ahead is
+        dropped and redrawn masked (_drawn_before_its_grammar). Rows that reach their output
+        limit at inflight are left out."""
         if inflight.kind is not StepKind.DECODE or not inflight.chunks or self._pending_actions:
             return None
         if self.admission.has_compiled():
@@ -264,7 +267,7 @@ class Scheduler:
                 or seq.num_computed_tokens != chunk.num_computed_tokens
                 or seq.num_pending_tokens != 1
                 or _has_penalties(seq.sampling)
-                or seq.constraint is not None
+                or (seq.constraint is not None and seq.constraint.active)
                 or self._budget_may_close(seq)
             ):
                 return None
@@ -288,6 +291,13 @@ class Scheduler:
                 )
             )
         return self._step(StepKind.DECODE, chunks) if chunks else None
+
+    @staticmethod
+    def _drawn_before_its_grammar(seq: Sequence, chunk: ScheduledChunk) -> bool:
+        """A round launched ahead while the request's grammar had not started (it was thinking),
+        whose previous token turned out to start it (</think>): its draw was unmasked and is
+        dropped. The row still computed that token, so the slot holds the logits to draw from."""
+        return chunk.token_bitmask is None and seq.constraint is not None and seq.constraint.active
 
     @staticmethod
     def _budget_may_close(seq: Sequence) -> bool:
@@ -501,6 +511,8 @@ class Scheduler:
             # samples a full-prompt hit's stored logits: its first token, like a prefill's.
             decode_row = not was_prefilling and bool(chunk.token_ids)
             num_decode_rows += decode_row
+            if chunk.sample and self._drawn_before_its_grammar(seq, chunk):
+                continue  # the next schedule() samples the slot's stored logits again, masked
             if chunk.sample:
                 self.stats.decode_tokens += decode_row
                 if decode_row and seq.speculative is not None:
