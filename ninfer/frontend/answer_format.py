@@ -31,6 +31,7 @@ treats them as annotations).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -59,6 +60,7 @@ MAX_JSON_WHITESPACE = 1
 # After </think> the templates write a blank line before the answer.
 THINKING_ANSWER_PREFIX = "\n\n"
 _LENGTH_KEYWORDS = ("minLength", "maxLength")
+CHECKED_GRAMMARS = 256  # distinct grammars whose check the API process remembers
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # the library's time and source location
 _DEFINITION_KEYWORDS = ("$defs", "definitions")
 
@@ -111,10 +113,10 @@ class AnswerFormat:
         cannot represent or the library rejects."""
         grammar = canonical_json(self.structural_tag(think_end_token_id is not None))
         try:
-            xgrammar.Grammar.from_structural_tag(grammar)
+            key = _checked_key(grammar)
         except (RuntimeError, ValueError) as error:
             raise self._locate(error) from None
-        return OutputConstraint(hashlib.sha256(grammar.encode()).hexdigest(), grammar, think_end_token_id)
+        return OutputConstraint(key, grammar, think_end_token_id)
 
     def structural_tag(self, thinking: bool) -> dict[str, Any]:
         """The grammar of the answer; thinking: it follows </think> (the blank line comes first).
@@ -315,6 +317,14 @@ def _sequence(elements: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _tag(fmt: dict[str, Any]) -> dict[str, Any]:
     return {"type": "structural_tag", "format": fmt}
+
+
+@functools.lru_cache(maxsize=CHECKED_GRAMMARS)
+def _checked_key(grammar: str) -> str:
+    """The grammar's digest once the library has parsed it (raises what the library raises); an
+    agent sends the same tools every turn, so each distinct grammar is parsed once."""
+    xgrammar.Grammar.from_structural_tag(grammar)
+    return hashlib.sha256(grammar.encode()).hexdigest()
 
 
 def _reason(error: Exception) -> str:
