@@ -49,8 +49,9 @@ AGENT_TOOLS = {
     "multi_edit": obj({"file_path": S, "edits": {"type": "array", "minItems": 1, "items": obj(
         {"old_string": S, "new_string": S, "replace_all": B}, ["old_string", "new_string"])}}, ["file_path", "edits"]),
     "glob": obj({"pattern": S, "path": S}, ["pattern"]),
-    "grep": obj({"pattern": S, "path": S, "glob": S, "output_mode": {"enum": ["content", "files_with_matches", "count"]},
-                 "-i": B, "-n": B, "-A": I, "-B": I, "-C": I, "type": S, "head_limit": I, "multiline": B}, ["pattern"]),
+    "grep": obj({"pattern": S, "path": S, "glob": S,
+                 "output_mode": {"enum": ["content", "files_with_matches", "count"]}, "-i": B, "-n": B,
+                 "-A": I, "-B": I, "-C": I, "type": S, "head_limit": I, "multiline": B}, ["pattern"]),
     "ls": obj({"path": S, "ignore": {"type": "array", "items": S}}, ["path"]),
     "todo_write": obj({"todos": {"type": "array", "items": obj(
         {"content": {**S, "minLength": 1}, "status": {"enum": ["pending", "in_progress", "completed"]},
@@ -59,7 +60,8 @@ AGENT_TOOLS = {
     "web_search": obj({"query": {**S, "minLength": 2}, "allowed_domains": {"type": "array", "items": S},
                        "blocked_domains": {"type": "array", "items": S}}, ["query"]),
     "task": obj({"description": S, "prompt": S, "subagent_type": S}, ["description", "prompt", "subagent_type"]),
-    "notebook_edit": obj({"notebook_path": S, "cell_id": S, "new_source": S, "cell_type": {"enum": ["code", "markdown"]},
+    "notebook_edit": obj({"notebook_path": S, "cell_id": S, "new_source": S,
+                          "cell_type": {"enum": ["code", "markdown"]},
                           "edit_mode": {"enum": ["replace", "insert", "delete"]}}, ["notebook_path", "new_source"]),
     "exit_plan_mode": obj({"plan": S}, ["plan"]),
     "apply_patch": obj({"input": S}, ["input"]),
@@ -133,12 +135,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "grammar_compile.json").write_text(json.dumps(results, indent=1))
     lines = [f"CPUs: {results['cpus']}; vocabulary index (once per process): "
-             f"{results['vocabulary_index_s']:.2f} s", "", "| grammar | API check ms | compile ms (median) | cache hit µs "
-             "| mask fill µs (median / max) |", "|---|---|---|---|---|"]
+             f"{results['vocabulary_index_s']:.2f} s", "",
+             "| grammar | API check ms | compile ms (median) | cache hit µs | mask fill µs (median / max) |",
+             "|---|---|---|---|---|"]
     for name, row in results["cases"].items():
         fill = (f"{row['mask_fill_us_median']:.0f} / {row['mask_fill_us_max']:.0f}" if "mask_fill_us_median" in row
                 else "—")
-        lines.append(f"| {name} | {row['api_check_ms']:.1f} | {row['compile_ms']:.0f} | {row['cache_hit_us']:.0f} | {fill} |")
+        lines.append(f"| {name} | {row['api_check_ms']:.1f} | {row['compile_ms']:.0f} "
+                     f"| {row['cache_hit_us']:.0f} | {fill} |")
     (args.out / "grammar_compile.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

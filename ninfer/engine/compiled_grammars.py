@@ -15,11 +15,14 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-
-import xgrammar
+from typing import TYPE_CHECKING
 
 from ninfer.contract.constraint import OutputConstraint
+from ninfer.frontend.grammar_library import grammar_library
 from ninfer.frontend.grammar_vocabulary import GrammarVocabulary
+
+if TYPE_CHECKING:
+    import xgrammar
 
 log = logging.getLogger("ninfer.engine")
 
@@ -80,7 +83,9 @@ class CompiledGrammars:
         if self._compiler is None:
             threads = max(1, min(MAX_COMPILE_THREADS, (os.cpu_count() or 2) // 2))
             # Whole grammars are cached here; the library's own cache would keep a second copy.
-            self._compiler = xgrammar.GrammarCompiler(self.vocabulary.info, max_threads=threads, cache_enabled=False)
+            self._compiler = grammar_library().GrammarCompiler(
+                self.vocabulary.info, max_threads=threads, cache_enabled=False
+            )
         return self._compiler
 
     def _remember(self, key: str, compiled: xgrammar.CompiledGrammar, seconds: float) -> None:

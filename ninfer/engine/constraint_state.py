@@ -8,10 +8,14 @@ after the thinking close token: until then nothing is masked, so reasoning stays
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import xgrammar
 
+from ninfer.frontend.grammar_library import grammar_library
+
+if TYPE_CHECKING:
+    import xgrammar
 
 class ConstraintState:
     def __init__(
@@ -22,7 +26,7 @@ class ConstraintState:
         starts_after_token_id: int | None = None,
     ):
         """stop_token_ids: the request's end-of-turn ids, allowed once the grammar is complete."""
-        self._matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
+        self._matcher = grammar_library().GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
         self._starts_after = starts_after_token_id
         self.active = starts_after_token_id is None
         self._width = -(-vocab_size // 32)

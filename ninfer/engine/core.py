@@ -252,7 +252,9 @@ class EngineCore:
         loop takes new messages between steps, so the wait stays short)."""
         futures = [future for _, future in self.scheduler.admission.compiling]
         if futures:
-            concurrent.futures.wait(futures, timeout=GRAMMAR_WAIT_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(
+                futures, timeout=GRAMMAR_WAIT_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED
+            )
 
     def _contain(self, launched: list[SchedulerStep], exc: Exception) -> list[EngineOutput]:
         """End the failed steps' requests and go on, unless the device is unusable or steps keep

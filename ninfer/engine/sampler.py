@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xgrammar
 
 from ninfer.contract.sampling import TOP_K_CAP, SamplingParams
+from ninfer.frontend.grammar_library import grammar_library
 from ninfer.models.forward_batch import HostStaging
 
 # Domain tag so the sampler's noise stream never coincides with another use of the seed
@@ -196,7 +196,7 @@ class Sampler:
         masked = logits.to(torch.float32, copy=True)
         # The grammar library's kernel (C++ on the CPU, CUDA on the GPU): unpacking the bits with
         # torch ops materializes 32 ints per bitmask word.
-        xgrammar.apply_token_bitmask_inplace(masked, bitmask)
+        grammar_library().apply_token_bitmask_inplace(masked, bitmask)
         return masked
 
     @staticmethod

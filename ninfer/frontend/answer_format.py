@@ -39,9 +39,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import xgrammar
-
 from ninfer.contract.constraint import OutputConstraint
+from ninfer.frontend.grammar_library import grammar_library
 from ninfer.frontend.tool_call_parser import (
     FUNCTION_CLOSE,
     FUNCTION_OPEN,
@@ -139,7 +138,7 @@ class AnswerFormat:
         """The first field, in request order, whose schema fails on its own."""
         for path, part in self.parts():
             try:
-                xgrammar.Grammar.from_structural_tag(canonical_json(part))
+                grammar_library().Grammar.from_structural_tag(canonical_json(part))
             except (RuntimeError, ValueError) as part_error:
                 return AnswerFormatError(path, f"{path} cannot be compiled into a grammar: {_reason(part_error)}")
         path = self.json.path if self.json is not None else "tools"
@@ -183,7 +182,9 @@ def tool_call(tool: ToolSchema) -> dict[str, Any]:
     names = list(properties) + [name for name in required if name not in properties]
     for name in names:
         if not isinstance(name, str) or not name or any(c in name for c in "<>\n"):
-            raise AnswerFormatError(f"{tool.path}.properties", f"the parameter name {name!r} cannot be written in a Qwen tool call")
+            raise AnswerFormatError(
+                f"{tool.path}.properties", f"the parameter name {name!r} cannot be written in a Qwen tool call"
+            )
         schema = properties.get(name, {})
         if not isinstance(schema, (Mapping, bool)):
             raise AnswerFormatError(f"{tool.path}.properties.{name}", "a parameter schema must be an object")
@@ -263,7 +264,7 @@ def _bounded_line(schema: Mapping[str, Any], end: str, path: str) -> dict[str, A
     without `<` (so no marker fits in it). A character class that could also start the closing
     tag makes the library track every split point: seconds to compile a maxLength of 1000."""
     low, high = schema.get("minLength", 0), schema.get("maxLength")
-    if not isinstance(low, int) or (high is not None and not isinstance(high, int)) or (high is not None and high < low):
+    if not isinstance(low, int) or (high is not None and (not isinstance(high, int) or high < low)):
         raise AnswerFormatError(path, "minLength and maxLength must be integers, minLength <= maxLength")
     repeat = f"{{{low},{'' if high is None else high}}}"
     return {"type": "grammar", "grammar": f"root ::= [^<\\n\\r]{repeat} {json.dumps(end)}"}
@@ -282,7 +283,8 @@ def _after_trigger(bodies: list[dict[str, Any]], parallel: bool) -> dict[str, An
     inner = _either([_sequence(body["elements"][1:-1]) for body in bodies])
     elements = [_const("\n"), inner]
     if parallel:
-        elements.append({"type": "star", "content": _sequence([_const(f"{TOOL_CALL_CLOSE}\n{TOOL_CALL_OPEN}\n"), inner])})
+        between = _const(f"{TOOL_CALL_CLOSE}\n{TOOL_CALL_OPEN}\n")
+        elements.append({"type": "star", "content": _sequence([between, inner])})
     return _sequence(elements)
 
 
@@ -323,7 +325,7 @@ def _tag(fmt: dict[str, Any]) -> dict[str, Any]:
 def _checked_key(grammar: str) -> str:
     """The grammar's digest once the library has parsed it (raises what the library raises); an
     agent sends the same tools every turn, so each distinct grammar is parsed once."""
-    xgrammar.Grammar.from_structural_tag(grammar)
+    grammar_library().Grammar.from_structural_tag(grammar)
     return hashlib.sha256(grammar.encode()).hexdigest()
 
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xgrammar
-
+from ninfer.frontend.grammar_library import grammar_library
 from ninfer.frontend.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar
 
 _ALLOWED_CONTROLS = frozenset("\t\n\r")
 # Byte-level vocabularies write byte b < 0x21 as the character U+0100 + b (the GPT-2 byte alphabet).
@@ -31,9 +33,9 @@ _FALLBACK_CONTROLS = frozenset(f"<0x{b:02X}>" for b in range(0x20) if chr(b) not
 
 
 def _spells_control(text: str, vocab_type: xgrammar.VocabType) -> bool:
-    if vocab_type is xgrammar.VocabType.BYTE_LEVEL:
+    if vocab_type is grammar_library().VocabType.BYTE_LEVEL:
         return not _BYTE_LEVEL_CONTROLS.isdisjoint(text)
-    if vocab_type is xgrammar.VocabType.BYTE_FALLBACK and text in _FALLBACK_CONTROLS:
+    if vocab_type is grammar_library().VocabType.BYTE_FALLBACK and text in _FALLBACK_CONTROLS:
         return True
     return not _RAW_CONTROLS.isdisjoint(text)
 
@@ -44,15 +46,15 @@ def _vocab_type(decoder: dict[str, Any]) -> tuple[xgrammar.VocabType, bool]:
     parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
     kinds = {part.get("type") for part in parts if isinstance(part, dict)}
     if "ByteLevel" in kinds:
-        return xgrammar.VocabType.BYTE_LEVEL, False
+        return grammar_library().VocabType.BYTE_LEVEL, False
     strips_space = any(
         (part.get("type") == "Metaspace" and part.get("prepend_scheme", "always") != "never")
         or (part.get("type") == "Strip" and part.get("start", 0) > 0)
         for part in parts
     )
     if "ByteFallback" in kinds:
-        return xgrammar.VocabType.BYTE_FALLBACK, strips_space
-    return xgrammar.VocabType.RAW, strips_space
+        return grammar_library().VocabType.BYTE_FALLBACK, strips_space
+    return grammar_library().VocabType.RAW, strips_space
 
 
 class GrammarVocabulary:
@@ -97,6 +99,6 @@ class GrammarVocabulary:
         for token_id, token in added.items():
             if token.special and token_id < self.vocab_size:
                 encoded[token_id] = ""
-        return xgrammar.TokenizerInfo(
+        return grammar_library().TokenizerInfo(
             encoded, vocab_type=vocab_type, vocab_size=self.vocab_size, add_prefix_space=strips_space
         )

@@ -54,7 +54,9 @@ class AnswerLogprobs:
         return [
             {
                 **_token(spelled[token_id], entry.logprob),
-                "top_logprobs": [_token(spelled[i], value) for i, value in zip(entry.top_token_ids, entry.top_logprobs)],
+                "top_logprobs": [
+                    _token(spelled[i], value) for i, value in zip(entry.top_token_ids, entry.top_logprobs)
+                ],
             }
             for token_id, entry in pending
         ]

@@ -738,8 +738,11 @@ def _responses_create() -> Schema:
         },
         "client_metadata": OBJECT,
         "max_tool_calls": integer(0),
-        "top_logprobs": {**integer(0, 20), "description": "alternatives per answer token; log probabilities are "
-                                                           "returned with it, or with include message.output_text.logprobs"},
+        "top_logprobs": {
+            **integer(0, 20),
+            "description": "alternatives per answer token; log probabilities are returned with it, or with include "
+                           "message.output_text.logprobs",
+        },
         "service_tier": unprovidable(enum(("auto", "default")), "other service tiers"),
         "background": unprovidable(const(False), "background execution"),
         "include": {"type": "array", "items": unprovidable(enum(responses_request.INCLUDABLE), "other data")},

@@ -623,7 +623,11 @@ class Scheduler:
 
     # ---- finishing -----------------------------------------------------------------
     def _finish(
-        self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None, error: EngineError | None = None
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        stop_reason: int | str | None = None,
+        error: EngineError | None = None,
     ) -> None:
         if seq.is_finished:
             return

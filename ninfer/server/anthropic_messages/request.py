@@ -138,7 +138,9 @@ def parse_messages_request(body: Any, context: RequestContext, *, count_only: bo
         _json_answer(body), _declared_tools(body, schemas), list(options.tools or {}), choice, parallel,
     )
     if prefill and options.answer is not None:
-        raise cannot_provide("messages", "an assistant prefill under an output format or a forced tool (the grammar starts the answer)")
+        raise cannot_provide(
+            "messages", "an assistant prefill under an output format or a forced tool (the grammar starts the answer)"
+        )
     options.thinking_budget = thinking.budget
     return MessagesRequest(
         conversation=conversation,
@@ -174,7 +176,8 @@ def _declared_tools(body: dict, schemas: dict[str, dict]) -> list[DeclaredTool]:
     for i, raw in enumerate(optional_list(body, "tools", "tools") or []):
         name = raw.get("name")
         if name in schemas:
-            declared.append(DeclaredTool(name, schemas[name], f"tools[{i}].input_schema", tool_strict(raw, f"tools[{i}]")))
+            strict = tool_strict(raw, f"tools[{i}]")
+            declared.append(DeclaredTool(name, schemas[name], f"tools[{i}].input_schema", strict))
     return declared
 
 

@@ -188,7 +188,9 @@ def _reject_unprovidable_options(body: dict) -> None:
     _check_legacy_function_controls(body)
     for alias in CONSTRAINED_DECODING_ALIASES:
         if body.get(alias) is not None:
-            raise cannot_provide(alias, f"the {alias} extension of constrained decoding (use response_format or tool_choice)")
+            raise cannot_provide(
+                alias, f"the {alias} extension of constrained decoding (use response_format or tool_choice)"
+            )
     repetition_penalty = body.get("repetition_penalty")
     if repetition_penalty is not None:
         if not is_number(repetition_penalty):

@@ -104,7 +104,9 @@ class ChatWire(Wire):
             "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         }
 
-    def _chunk(self, delta: dict | None, finish_reason: str | None = None, logprobs: dict | None = None, **extra) -> dict:
+    def _chunk(
+        self, delta: dict | None, finish_reason: str | None = None, logprobs: dict | None = None, **extra
+    ) -> dict:
         choices = [] if delta is None else [
             {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         ]

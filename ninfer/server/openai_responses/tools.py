@@ -68,7 +68,8 @@ def parse_tools(body: dict) -> ResponsesTools:
             raise invalid(f"{path}.name", f"{path}: the function {tool.name!r} is declared twice")
         parsed.functions[tool.name] = ref
         parsed.tools.append(tool)
-        parsed.declared.append(DeclaredTool(tool.name, tool.parameters, f"{path}.parameters", tool_strict(definition, path)))
+        strict = tool_strict(definition, path)
+        parsed.declared.append(DeclaredTool(tool.name, tool.parameters, f"{path}.parameters", strict))
 
     for i, item in enumerate(raw):
         path = f"tools[{i}]"
@@ -141,9 +142,8 @@ def _callable_tools(body: dict, parsed: ResponsesTools) -> tuple[dict[str, dict 
 def _tool_choice_object(choice: dict, functions: dict[str, FunctionRef]) -> tuple[set[str], ToolChoice]:
     kind = required_str(choice, "type", "tool_choice.type")
     if kind == "function":
-        ref = FunctionRef(
-            optional_str(choice, "namespace", "tool_choice.namespace") or None, required_str(choice, "name", "tool_choice.name")
-        )
+        namespace = optional_str(choice, "namespace", "tool_choice.namespace") or None
+        ref = FunctionRef(namespace, required_str(choice, "name", "tool_choice.name"))
         if functions.get(ref.identity) != ref:
             raise invalid("tool_choice", "tool_choice does not name a declared function")
         return {ref.identity}, ToolChoice("named", ref.identity)

@@ -144,7 +144,8 @@ class ResponseAssembler:
             else:
                 logprobs = self.take_logprobs() if self.take_logprobs is not None else []
                 self._open_logprobs.extend(logprobs)
-                events.append(self._event("response.output_text.delta", **self._where(item), delta=text, logprobs=logprobs))
+                where = self._where(item)
+                events.append(self._event("response.output_text.delta", **where, delta=text, logprobs=logprobs))
         return events
 
     def _open_item(self, kind: str) -> list[dict]:
