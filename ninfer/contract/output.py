@@ -133,6 +133,16 @@ class SpeculativeCounters(msgspec.Struct):
     accepted_per_position: list[int] = []
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True):
+    """A sampled token's log probability and the most likely alternatives at its position: the
+    log-softmax of the logits it was drawn from, after an output constraint's mask and before
+    penalties, temperature and the top-k / top-p / min-p filters."""
+
+    logprob: float
+    top_token_ids: list[int] = []  # most likely first
+    top_logprobs: list[float] = []
+
+
 class EngineOutput(msgspec.Struct):
     """One step's delta for one request; the last one has finish_reason set."""
 
@@ -152,6 +162,8 @@ class EngineOutput(msgspec.Struct):
     engine_timing: EngineTiming | None = None  # on the final output only
     materialization: Materialization | None = None  # on the final output of an admitted request
     speculative: SpeculativeCounters | None = None  # on the final output, when a backend is loaded
+    # With EngineRequest.top_logprobs set: one entry per new token, None for forced tokens.
+    logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

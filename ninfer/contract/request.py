@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ninfer.contract.constraint import OutputConstraint
 from ninfer.contract.media import MediaInput
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingParams
@@ -39,3 +40,6 @@ class EngineRequest(msgspec.Struct, frozen=True):
     deadline: float | None = None  # time.monotonic() by which admission must happen
     # Images and videos in prompt order; their tokens in prompt_token_ids are the placeholder ids.
     media: list[MediaInput] = []
+    constraint: OutputConstraint | None = None  # a grammar the answer follows (structured outputs)
+    # Log probabilities of the sampled tokens with this many alternatives each (0..20); None: none.
+    top_logprobs: int | None = None

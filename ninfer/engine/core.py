@@ -11,6 +11,7 @@ one round stays in flight between step() calls.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import torch
 from ninfer.config import EngineConfig
 from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason
 from ninfer.contract.request import EngineRequest
+from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.context_cache import CacheLimits, ContextCache
 from ninfer.engine.context_costs import resolve_context_costs
 from ninfer.engine.host_detail import HostDetail
@@ -31,6 +33,7 @@ from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep, StepKind
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
+from ninfer.frontend.grammar_vocabulary import GrammarVocabulary
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.dflash import DflashDraftModel
@@ -49,6 +52,9 @@ def _work_class(step: SchedulerStep) -> str:
 
 # Steps failing one after another mean the engine itself is broken, not one request's step.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+# The longest an otherwise idle step waits for a grammar to compile before the loop looks at
+# its inbox again.
+GRAMMAR_WAIT_SECONDS = 0.01
 
 
 def kv_page_bytes(
@@ -115,6 +121,7 @@ class EngineCore:
         device_type = next(model.parameters()).device.type
         self._detail = HostDetail()  # this interval's slow paths, inside the phases of _work
         self.context_costs = resolve_context_costs(model.config, device_type, config.context_cost_presets)
+        self.grammars = CompiledGrammars(GrammarVocabulary(tokenizer, model.config.vocab_size))
         self.scheduler = Scheduler(
             SchedulerLimits(
                 config.max_concurrency,
@@ -135,6 +142,8 @@ class EngineCore:
             state_image_bytes=state_image_bytes(model),
             kv_page_bytes=page_bytes,
             detail=self._detail,
+            grammars=self.grammars,
+            vocab_size=model.config.vocab_size,
         )
         self.runner = ModelRunner(
             model,
@@ -210,6 +219,7 @@ class EngineCore:
             if current is None:
                 step = self.scheduler.schedule()
                 if step is None:
+                    self._wait_for_grammars()
                     outputs = self.scheduler.take_pending_outputs()
                     self._work.add("control", "engine_maintenance", time.perf_counter() - started)
                     self._host_active_s += time.perf_counter() - counted_from
@@ -236,13 +246,14 @@ class EngineCore:
             waited_from = time.perf_counter()
             sampled = current.result()
             verified = current.verified()
+            logprobs = current.logprobs()
             read = time.perf_counter()
             self.scheduler.charge(current.step, "program_submit", submitted - started, device_wait=read - waited_from)
             self.scheduler.charge(current.step, "engine_maintenance", waited_from - submitted)
             if self.runner.vision_seconds:
                 self.scheduler.charge_vision(self.runner.vision_seconds)
                 self.runner.vision_seconds = {}
-            outputs = self.scheduler.update(current.step, sampled, verified)
+            outputs = self.scheduler.update(current.step, sampled, verified, logprobs)
             committed = time.perf_counter()
             self.scheduler.charge(current.step, "engine_commit_output", committed - read)
             self._work.add(work_class, "device_wait", read - waited_from)
@@ -254,6 +265,15 @@ class EngineCore:
             self._host_active_s += time.perf_counter() - counted_from
         self._consecutive_failures = 0
         return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing can run but grammars compile: wait a little for one instead of spinning (the
+        loop takes new messages between steps, so the wait stays short)."""
+        futures = [future for _, future in self.scheduler.admission.compiling]
+        if futures:
+            concurrent.futures.wait(
+                futures, timeout=GRAMMAR_WAIT_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED
+            )
 
     def _contain(self, launched: list[SchedulerStep], exc: Exception) -> list[EngineOutput]:
         """End the failed steps' requests and go on, unless the device is unusable or steps keep
@@ -290,10 +310,12 @@ class EngineCore:
         self._inflight = None
         self.scheduler.drop_inflight()
         outputs = []
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+        compiling = [seq for seq, _ in self.scheduler.admission.compiling]
+        for seq in [*self.scheduler.running, *self.scheduler.waiting, *compiling]:
             outputs.append(self._failure_output(seq.request_id, seq.request))
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
+        self.scheduler.admission.compiling.clear()
         return outputs
 
     def _failure_output(self, request_id: str, request: EngineRequest) -> EngineOutput:
@@ -524,5 +546,5 @@ class EngineCore:
             "host_kv_pages_free": self.cache.host_kv_pool.num_free if self.cache.host_kv_pool else 0,
             "checkpoints": len(self.cache),
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "waiting": len(self.scheduler.waiting) + len(self.scheduler.admission.compiling),
         }

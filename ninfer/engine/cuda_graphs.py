@@ -26,7 +26,8 @@ inside it satisfy that by contract:
     slots with device tensors;
   * sampling: the general no-penalty path (greedy rows by torch.where), or argmax when
     every row is greedy; rounds with presence/frequency penalties sample eagerly from the
-    graph's logits, because their token lists change length every step.
+    graph's logits, because their token lists change length every step, and so do rounds with
+    an output constraint's token mask (built on the host each step).
 The reference MoE (`fused_experts` lists the hit experts with .tolist()) cannot be
 captured: models with MoE layers run eagerly until a fast fused_experts exists.
 
@@ -295,8 +296,10 @@ class DecodeGraphs:
         params = [c.sampling for c in chunks]
         histories = [c.output_token_ids for c in chunks]
         generated = [c.num_generated for c in chunks]
+        masks = [c.token_bitmask for c in chunks]
+        masked = any(mask is not None for mask in masks)
         host = None
-        if all(p.is_greedy and not p.presence_penalty and not p.frequency_penalty for p in params):
+        if not masked and all(p.is_greedy and not p.presence_penalty and not p.frequency_penalty for p in params):
             # Argmax rows read nothing but the logits: skip packing the sampling rows on the
             # host (tens of microseconds of Python between two rounds, with the GPU idle).
             ints[_TOP_K, :batch_size] = 1
@@ -312,9 +315,12 @@ class DecodeGraphs:
         self.ints[:_NUM_HOST_INTS].copy_(ints_host, non_blocking=True)
 
         self.graphs[batch_size].replay()
-        if host is not None and host.has_penalties:
-            # Penalty token lists grow every step: sample these batches eagerly from the graph's logits.
-            device_batch = SamplingBatch.build(params, histories, device=self.device, num_generated=generated)
+        if host is not None and (host.has_penalties or masked):
+            # Penalty token lists grow and masks change every step: sample these batches eagerly
+            # from the graph's logits.
+            device_batch = SamplingBatch.build(
+                params, histories, device=self.device, num_generated=generated, token_bitmasks=masks
+            )
             token_ids = self.sampler.sample(self.logits(batch_size), device_batch)
             sampled_row[:batch_size].copy_(token_ids)
         else:

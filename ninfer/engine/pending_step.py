@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from ninfer.contract.output import TokenLogprobs
 from ninfer.engine.scheduler import SchedulerStep, VerifyOutcome
 
 
@@ -24,20 +25,25 @@ class PendingStep:
         ready: torch.cuda.Event | None,
         on_read: Callable[[], None] | None = None,
         verified_host: torch.Tensor | None = None,
+        logprobs_host: tuple[list[int], torch.Tensor] | None = None,
     ):
         """sampled_rows: the chunks (by index) that sample; ids_host holds one id per chunk.
         ready: recorded after the step's work and the copy into ids_host (None: all done
         already); on_read: called once, when the result is first read. verified_host: the
         speculative rows' outcomes, one row per speculative chunk (they come first): accepted
-        count, K+1 tokens, K drafts."""
+        count, K+1 tokens, K drafts. logprobs_host: (the rows that asked for log probabilities,
+        one host row each: the token's log probability, then the top values, then their ids,
+        each part as wide as the runner's alternatives cap)."""
         self.step = step
         self._sampled_rows = sampled_rows
         self._ids_host = ids_host
         self._ready = ready
         self._on_read = on_read
         self._verified_host = verified_host
+        self._logprobs_host = logprobs_host
         self._result: dict[str, int] | None = None
         self._verified: dict[str, VerifyOutcome] = {}
+        self._logprobs: dict[str, TokenLogprobs] = {}
 
     def result(self) -> dict[str, int]:
         """request id -> sampled token id, for every chunk that samples (blocks until ready)."""
@@ -55,9 +61,26 @@ class PendingStep:
                     self._verified[chunk.request_id] = VerifyOutcome(
                         tokens=row[1 : accepted + 2], drafts=row[1 + num_tokens :]
                     )
+            if self._logprobs_host is not None:
+                rows, host = self._logprobs_host
+                cap = (host.shape[1] - 1) // 2
+                for row, values in zip(rows, host.tolist()):
+                    chunk = chunks[row]
+                    # Tokens a constraint leaves out (-inf) are no alternatives: fewer may remain.
+                    top = [(int(i), v) for i, v in zip(values[1 + cap : 1 + cap + (chunk.logprobs or 0)], values[1:])
+                           if v != float("-inf")]
+                    self._logprobs[chunk.request_id] = TokenLogprobs(
+                        values[0], [i for i, _ in top], [v for _, v in top]
+                    )
             if self._on_read is not None:
                 self._on_read()
         return self._result
+
+    def logprobs(self) -> dict[str, TokenLogprobs]:
+        """request id -> log probabilities of its sampled token, for the rows that asked (read
+        after result())."""
+        self.result()
+        return self._logprobs
 
     def verified(self) -> dict[str, VerifyOutcome]:
         """request id -> outcome of each speculative row (read after result())."""

@@ -65,6 +65,8 @@ log = logging.getLogger("ninfer.engine")
 MAX_UNREAD_STEPS = 2
 # Chunks with a checkpoint inside them that a step graph holds (each is a second request row).
 MAX_GRAPH_SNAPSHOTS = 2
+# Alternatives a row's log probabilities may list (OpenAI's top_logprobs range).
+MAX_TOP_LOGPROBS = 20
 
 
 class ModelRunner:
@@ -146,6 +148,12 @@ class ModelRunner:
         width = 2 * num_draft_tokens + 2
         self._verified_host = [
             torch.zeros(num_state_slots, width, dtype=torch.int64, pin_memory=pin) for _ in range(MAX_UNREAD_STEPS)
+        ]
+        # Log probabilities of the rows that ask for them: the sampled token's, then the top ones'
+        # values, then their ids (exact in float64), one row per asking row.
+        self._logprobs_host = [
+            torch.zeros(num_state_slots, 1 + 2 * MAX_TOP_LOGPROBS, dtype=torch.float64, pin_memory=pin)
+            for _ in range(MAX_UNREAD_STEPS)
         ]
         # Recorded after each launch's copy; re-recorded only once that launch has been read.
         self._ready = [torch.cuda.Event() for _ in range(MAX_UNREAD_STEPS)] if pin else None
@@ -288,25 +296,70 @@ class ModelRunner:
             ids, sampled_rows, verified = self._run_eagerly(step.chunks)
         self._last_ids = ids
         self._last_sampled_rows = frozenset(sampled_rows)
-        return self._pending(step, ids, sampled_rows, verified)
+        logprobs = self._logprobs(step.chunks, ids, sampled_rows)
+        return self._pending(step, ids, sampled_rows, verified, logprobs)
+
+    def _logprobs(
+        self, chunks: list[ScheduledChunk], ids: torch.Tensor | None, sampled_rows: list[int]
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, [rows, 1 + 2 * MAX_TOP_LOGPROBS] float64 on the device) for the sampled rows that
+        ask for log probabilities: from the logits they were sampled from (the slot's, masked by
+        the row's constraint), before penalties and temperature."""
+        rows = [row for row in sampled_rows if chunks[row].logprobs is not None]
+        if not rows:
+            return None
+        staging = HostStaging(self.device)
+        staging.next_step()
+        slots = staging.add(np.array([chunks[row].state_slot for row in rows], dtype=np.int64))
+        by_row = staging.add(np.array(rows, dtype=np.int64))
+        masks = [chunks[row].token_bitmask for row in rows]
+        bitmask = None
+        if any(mask is not None for mask in masks):
+            width = next(mask.shape[-1] for mask in masks if mask is not None)
+            bitmask = staging.add(np.stack([np.full(width, -1, np.int32) if m is None else m for m in masks]))
+        staging.flush()
+        logits = self.slot_logits.index_select(0, slots)
+        if bitmask is not None:
+            logits = self.sampler.apply_token_bitmask(logits, bitmask)
+        num_top = max(chunks[row].logprobs for row in rows)
+        chosen, top_ids, top_values = self.sampler.token_logprobs(logits, ids.index_select(0, by_row), num_top)
+        packed = torch.zeros(len(rows), 1 + 2 * MAX_TOP_LOGPROBS, dtype=torch.float64, device=self.device)
+        packed[:, 0] = chosen
+        packed[:, 1 : 1 + num_top] = top_values
+        packed[:, 1 + MAX_TOP_LOGPROBS : 1 + MAX_TOP_LOGPROBS + num_top] = top_ids
+        return rows, packed
 
     def _pending(
-        self, step: SchedulerStep, ids: torch.Tensor | None, sampled_rows: list[int], verified: torch.Tensor | None = None
+        self,
+        step: SchedulerStep,
+        ids: torch.Tensor | None,
+        sampled_rows: list[int],
+        verified: torch.Tensor | None = None,
+        logprobs: tuple[list[int], torch.Tensor] | None = None,
     ) -> PendingStep:
         turn = self._num_launches % MAX_UNREAD_STEPS
         self._num_launches += 1
         ids_host, verified_host, ready = None, None, None
+        logprobs_host = None
         if ids is not None:
             ids_host = self._ids_host[turn][: len(ids)]
             ids_host.copy_(ids, non_blocking=True)
         if verified is not None:
             verified_host = self._verified_host[turn][: len(verified)]
             verified_host.copy_(verified, non_blocking=True)
+        if logprobs is not None:
+            rows, packed = logprobs
+            host = self._logprobs_host[turn][: len(rows)]
+            host.copy_(packed, non_blocking=True)
+            logprobs_host = (rows, host)
         if self._ready is not None:
             ready = self._ready[turn]
             ready.record()
         self._num_unread += 1
-        return PendingStep(step, sampled_rows, ids_host, ready, on_read=self._read_one, verified_host=verified_host)
+        return PendingStep(
+            step, sampled_rows, ids_host, ready, on_read=self._read_one, verified_host=verified_host,
+            logprobs_host=logprobs_host,
+        )
 
     def _read_one(self) -> None:
         self._num_unread -= 1
@@ -351,6 +404,7 @@ class ModelRunner:
             device=self.device,
             num_generated=[c.num_generated for c in to_sample],
             staging=staging,
+            token_bitmasks=[c.token_bitmask for c in to_sample],
         )
         staging.flush()
         token_ids = self.sampler.sample(self.slot_logits.index_select(0, slots), batch)

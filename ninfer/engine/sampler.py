@@ -6,6 +6,7 @@ tensors moved in one copy without blocking); `Sampler.sample` then runs without 
 decode round or a CUDA graph.
 
 Order of operations, per row:
+  0. an output constraint's token bitmask (structured outputs): disallowed tokens get -inf;
   1. penalties on the row's output tokens so far (OpenAI style), greedy rows included;
   2. greedy rows (temperature 0) take the argmax;
   3. the other rows keep the top `effective_top_k` (at most TOP_K_CAP) candidates in fp32,
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from ninfer.contract.sampling import TOP_K_CAP, SamplingParams, fresh_seed  # noqa: F401 - the engine's draw
+from ninfer.frontend.grammar_library import grammar_library
 from ninfer.models.forward_batch import HostStaging
 
 # Domain tag so the sampler's noise stream never coincides with another use of the seed
@@ -39,6 +41,8 @@ _UINT64_MOD = 1 << 64
 # Columns of SamplingBatch.row_floats (one host->device copy carries all float parameters).
 _TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY = range(5)
 _NUM_FLOAT_PARAMS = 5
+# A bitmask row of all ones: every token allowed (the rows of a step that have no constraint).
+ALL_TOKENS = -1
 
 
 def exponential_noise(seed: int, num_generated: int, domain: bytes = NOISE_DOMAIN, count: int = TOP_K_CAP) -> np.ndarray:
@@ -68,6 +72,8 @@ class SamplingBatch:
     all_greedy: bool  # host-side facts that pick the code path without reading tensors
     any_greedy: bool
     has_penalties: bool
+    # [B, ceil(V / 32)] int32, bit v of a row set where token v is allowed; None: no row is constrained.
+    token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -78,6 +84,7 @@ class SamplingBatch:
         num_generated: Sequence[int] | None = None,
         staging: HostStaging | None = None,
         noise_domain: bytes = NOISE_DOMAIN,
+        token_bitmasks: Sequence[np.ndarray | None] | None = None,
     ) -> SamplingBatch:
         """Pack rows. `output_token_ids[i]`: row i's output tokens so far (for penalties; an
         array('q') or numpy array avoids a per-step list conversion). `num_generated[i]`:
@@ -86,7 +93,8 @@ class SamplingBatch:
         assigns `fresh_seed()` at admission when the request has none.
 
         staging: the caller's step staging on `device` (the tensors travel with the rest of
-        its step; the caller flushes it before sampling); default a private one, flushed here."""
+        its step; the caller flushes it before sampling); default a private one, flushed here.
+        token_bitmasks: each row's allowed tokens (an output constraint), None where it has none."""
         num_rows = len(params)
         if len(output_token_ids) != num_rows:
             raise ValueError(f"{num_rows} rows of params but {len(output_token_ids)} token histories")
@@ -125,6 +133,14 @@ class SamplingBatch:
         penalty_rows = penalty_tokens = None
         if has_penalties:
             penalty_rows, penalty_tokens = staging.add(np.stack([np.concatenate(rows), np.concatenate(tokens)]))
+        bitmask = None
+        if token_bitmasks is not None and any(mask is not None for mask in token_bitmasks):
+            width = next(mask.shape[-1] for mask in token_bitmasks if mask is not None)
+            packed = np.full((num_rows, width), ALL_TOKENS, dtype=np.int32)
+            for row, mask in enumerate(token_bitmasks):
+                if mask is not None:
+                    packed[row] = mask
+            bitmask = staging.add(packed)
         batch = cls(
             num_rows=num_rows,
             row_floats=staging.add(floats),
@@ -136,6 +152,7 @@ class SamplingBatch:
             all_greedy=bool(greedy.all()),
             any_greedy=bool(greedy.any()),
             has_penalties=has_penalties,
+            token_bitmask=bitmask,
         )
         if private:
             staging.flush()
@@ -150,6 +167,8 @@ class Sampler:
         """logits [B, V] (any float dtype) -> token ids [B] int64 on the same device."""
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match a batch of {batch.num_rows} rows")
+        if batch.token_bitmask is not None:
+            logits = self.apply_token_bitmask(logits, batch.token_bitmask)
         if batch.all_greedy and not batch.has_penalties:
             return logits.argmax(dim=-1)  # greedy fast path: no fp32 copy, no top-k, no noise
         if batch.has_penalties:
@@ -164,6 +183,29 @@ class Sampler:
         return torch.where(batch.is_greedy, scores.argmax(dim=-1), sampled)
 
     __call__ = sample
+
+    @staticmethod
+    def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """fp32 logits with every token a row's bitmask leaves out at -inf (a new tensor)."""
+        masked = logits.to(torch.float32, copy=True)
+        # The grammar library's kernel (C++ on the CPU, CUDA on the GPU): unpacking the bits with
+        # torch ops materializes 32 ints per bitmask word.
+        grammar_library().apply_token_bitmask_inplace(masked, bitmask)
+        return masked
+
+    @staticmethod
+    def token_logprobs(
+        logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-softmax of logits [R, V] (masked, before penalties and temperature): the log
+        probability of each row's token [R], and its num_top most likely tokens [R, num_top]
+        with theirs."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, token_ids.view(-1, 1)).view(-1)
+        top_values, top_ids = torch.topk(logprobs, num_top, dim=-1) if num_top else (
+            logprobs[:, :0], token_ids.view(-1, 1)[:, :0]
+        )
+        return chosen, top_ids, top_values
 
     @staticmethod
     def apply_penalties_(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -12,10 +12,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ninfer.contract.output import EngineTiming, Materialization, PromptProgress, SpeculativeCounters, Timings
+from ninfer.contract.output import (
+    EngineTiming,
+    Materialization,
+    PromptProgress,
+    SpeculativeCounters,
+    Timings,
+    TokenLogprobs,
+)
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingParams
+from ninfer.engine.constraint_state import ConstraintState
 from ninfer.engine.draft_policy import DraftPolicy
 from ninfer.models.mrope_positions import MediaPlacement, build_mrope_layout
 from ninfer.engine.stop_checker import StopChecker
@@ -54,6 +62,8 @@ class Sequence:
     unsent_text: str = ""
     unsent_forced: int = 0
     unsent_progress: PromptProgress | None = None
+    unsent_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # with top_logprobs set
+    constraint: ConstraintState | None = None  # its output grammar (structured outputs), once compiled
     engine_timing: EngineTiming = field(default_factory=EngineTiming)  # accumulated step by step
     materialization: Materialization | None = None  # the admission decision, once admitted
     materializing: bool = False  # admitted; the context moves its plan queued have not run yet
@@ -83,6 +93,12 @@ class Sequence:
     @property
     def has_media(self) -> bool:
         return bool(self.request.media)
+
+    @property
+    def decodes_plainly(self) -> bool:
+        """Never drafts: a masked row's drafts would be verified against unmasked logits, and log
+        probabilities come from plain sampling rows; media rows take text positions in drafters."""
+        return self.has_media or self.request.constraint is not None or self.request.top_logprobs is not None
 
     def chunk_rope_positions(self, start: int, end: int) -> np.ndarray:
         """Rotary positions [3, end - start] of tokens [start, end) of a request with media."""

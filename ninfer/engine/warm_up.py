@@ -16,6 +16,9 @@ tens of seconds. The phases:
          for short rows (1, 2, 4, 8, 16)
   mixed  requests decoding while another's prompt runs beside them in mixed-budget chunks and
          an odd-sized tail over cached context; penalized, greedy and sampled rows throughout
+  constrained  a request under a JSON grammar with log probabilities: the vocabulary index the
+         grammar compiler builds once (about a second on a 248K vocabulary) and the mask and
+         log-softmax kernels, so the first structured-output request waits for neither
 Requests are synthetic token ids; nothing they leave in the context cache survives, and every
 pool is back to where it started (checked).
 """
@@ -26,6 +29,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ninfer.contract.constraint import OutputConstraint
 from ninfer.contract.request import CaptureHint, EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingParams
@@ -40,6 +44,13 @@ ROTATION = (PENALIZED, SAMPLED, GREEDY)  # greedy rows also come from the worst-
 MAX_WARM_UP_STEPS = 10_000
 # Short-row tails: 1, 2, 3, 5 and 9 tokens round up to the attention kernel's query blocks 1..16.
 TAIL_LENGTHS = (1, 2, 3, 5, 9)
+# A JSON object whose shortest spelling outlasts the warm-up request's output limit, so the grammar
+# never needs an end-of-turn token (the synthetic request has none).
+WARM_UP_GRAMMAR = OutputConstraint(
+    "warm-up",
+    '{"type":"structural_tag","format":{"type":"json_schema","json_schema":{"type":"object","properties":'
+    '{"warm_up_field":{"type":"string"}},"required":["warm_up_field"]},"style":"json"}}',
+)
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,9 @@ def run_warm_up(core) -> WarmUpReport:
         num_steps += _run(core, [(0, decoding), (2, [joining])])  # joins once the others decode
     else:
         num_steps += _run(core, [(0, decoding)])
+    constrained = EngineRequest("warm-constrained", _prompt(9, 500, vocab_size), SAMPLED, max_new_tokens=3,
+                                constraint=WARM_UP_GRAMMAR, top_logprobs=2)
+    num_steps += _run(core, [(0, [constrained])])
     core.scheduler.cache.clear()
     core.reset_stats()
     after = core.pool_accounting()

@@ -20,6 +20,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ninfer.contract.constraint import OutputConstraint
+from ninfer.frontend.answer_format import AnswerFormatError
 from ninfer.frontend.conversation import Conversation
 from ninfer.frontend.prompt_builder import PreparedPrompt, PromptError
 from ninfer.server.engine_client import Overloaded
@@ -130,6 +132,22 @@ async def prepare_prompt(
             ref.release()
 
 
+async def compile_answer(serving: Serving, options: GenerationOptions, thinking: bool) -> OutputConstraint | None:
+    """The request's output constraint, checked on a worker thread (a schema the grammar cannot
+    hold is a 400 naming its field); with log probabilities, the vocabulary's token bytes are
+    indexed there too, never on the event loop."""
+    if options.top_logprobs is not None:
+        await asyncio.to_thread(serving.vocabulary.token_bytes, ())
+    if options.answer is None:
+        return None
+    think_end = serving.think_end_token_id if thinking else None
+    try:
+        return await asyncio.to_thread(options.answer.constraint, think_end)
+    except AnswerFormatError as exc:
+        message = str(exc) if exc.path in str(exc) else f"{exc.path}: {exc}"
+        raise APIError(400, message, code="invalid_schema", param=exc.path) from exc
+
+
 def reserve(serving: Serving):
     try:
         return serving.engine.reserve()
@@ -153,7 +171,8 @@ async def generate(request: Request, serving: Serving, protocol: Protocol) -> Re
         prepared: PreparedPrompt = await (
             race_disconnect(request.receive, preparing) if parsed.conversation.media_parts else preparing
         )
-        generation = Generation(serving, request_id, prepared, parsed.options, ticket, record)
+        constraint = await compile_answer(serving, parsed.options, prepared.thinking)
+        generation = Generation(serving, request_id, prepared, parsed.options, ticket, record, constraint)
         generation.check_fits()
     except APIError as error:
         mapped = protocol.map_error(error)

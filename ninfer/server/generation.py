@@ -17,13 +17,16 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from ninfer.contract.constraint import OutputConstraint
 from ninfer.contract.output import EngineOutput, ErrorCode, FinishReason, PromptProgress
 from ninfer.contract.request import CaptureHint, EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingOverrides, fresh_seed
+from ninfer.frontend.answer_format import AnswerFormat
 from ninfer.frontend.output_decoder import OutputDecoder
 from ninfer.frontend.prompt_builder import PreparedPrompt
 from ninfer.frontend.tool_call_parser import FallbackReason
+from ninfer.server.answer_logprobs import AnswerLogprobs
 from ninfer.server.engine_client import EngineUnavailable, Ticket
 from ninfer.server.errors import APIError
 from ninfer.server.serving import Serving
@@ -48,6 +51,8 @@ class GenerationOptions:
     extra_capture_hints: list[CaptureHint] = field(default_factory=list)
     session_key: str | None = None
     endpoint_path: ReusePath = ReusePath.PRIVATE_ENDPOINT  # label of the checkpoints this request leaves
+    answer: AnswerFormat | None = None  # structured outputs: the grammar the answer follows
+    top_logprobs: int | None = None  # answer tokens' log probabilities with this many alternatives; None: none
 
 
 @dataclass
@@ -102,7 +107,9 @@ class Generation:
         options: GenerationOptions,
         ticket: Ticket,
         record: RequestRecord | None = None,
+        constraint: OutputConstraint | None = None,
     ):
+        """constraint: options.answer compiled for this prompt (endpoint.compile_answer)."""
         self.serving = serving
         self.record = record  # its measurement events (request_done is emitted here)
         self.forced_tokens = 0  # committed without sampling (a thinking budget's close)
@@ -141,6 +148,12 @@ class Generation:
             endpoint_path=options.endpoint_path,
             deadline=ticket.deadline,
             media=prepared.media,
+            constraint=constraint,
+            top_logprobs=options.top_logprobs,
+        )
+        self.logprobs = (
+            AnswerLogprobs(serving.vocabulary, prepared.thinking, serving.think_end_token_id)
+            if options.top_logprobs is not None else None
         )
         self.prompt_tokens = len(prepared.token_ids)
         self.cached_tokens = 0
@@ -203,6 +216,9 @@ class Generation:
                     raise engine_error_to_api(out)
                 if out.progress is not None:
                     yield ProgressEvent(out.progress)
+                if self.logprobs is not None and out.logprobs is not None:
+                    stop_token = out.stop_reason if isinstance(out.stop_reason, int) else None
+                    self.logprobs.add(out.new_token_ids, out.logprobs, stop_token)
                 for event in self.decoder.feed(out.new_token_ids, out.text, out.forced_token_count):
                     yield event
                 if out.finished:
@@ -232,6 +248,10 @@ class Generation:
         self.cached_tokens = out.cached_tokens
         self.completion_tokens = out.completion_tokens
         self.reuse_path = out.reuse_path
+
+    def take_logprobs(self) -> list[dict] | None:
+        """Answer-token log probabilities not yet sent (answer_logprobs.py); None when not asked."""
+        return self.logprobs.take() if self.logprobs is not None else None
 
     @property
     def usage(self) -> Usage:

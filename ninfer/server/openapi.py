@@ -6,7 +6,9 @@ written beside it from the same constants and tested against it (tests/server/te
 bodies generated from a request schema are accepted by its validator, and the bodies the
 validator accepts in the tests validate against the schema. A schema describes what is
 *accepted*: options that are only ever refused (n > 1, JSON modes; media, as on a server without --vision)
-appear as their one neutral value, with the refusal in the description.
+appear as their one neutral value, with the refusal in the description. JSON schemas inside
+requests (output formats, tool parameters) are any object here: one the grammar cannot hold is a
+400 invalid_schema naming its field at preparation, after the body passed.
 
 What JSON Schema cannot say (cross-field rules, JSON text inside strings, state such as stored
 Responses, the loaded template's capabilities) is listed in ninfer/testing/openapi_cases.py.
@@ -121,12 +123,40 @@ SHARED: dict[str, Schema] = {
         "description": "Tool-definition flags every protocol refuses when they ask for something.",
         "type": "object",
         "properties": {
-            "strict": unprovidable(nullable(const(False)), "strict schemas need constrained decoding"),
+            "strict": {"type": "boolean", "description": "true: calls of this tool follow its parameters schema "
+                                                          "(a grammar over the Qwen tool-call markup)"},
             "output_schema": unprovidable(NULL, "function output schemas"),
             "async": unprovidable(nullable(const(False)), "asynchronous function calls"),
             "allowed_callers": nullable(
                 {"type": "array", "contains": const("direct"), "description": "must include direct"}
             ),
+        },
+    },
+    "JsonSchema": {
+        "type": "object",
+        "description": "A JSON Schema the answer or the arguments follow through a grammar; one the grammar cannot "
+                       "hold is 400 invalid_schema naming its field.",
+    },
+    "TokenLogprob": {
+        "type": "object",
+        "required": ["token", "logprob", "bytes", "top_logprobs"],
+        "description": "An answer token: the log-softmax of the logits it was sampled from (after an output "
+                       "constraint's mask, before penalties, temperature and top-k/top-p/min-p); bytes are its exact "
+                       "UTF-8 bytes. top_logprobs lists fewer than asked where a constraint allows fewer tokens.",
+        "properties": {
+            "token": STRING,
+            "logprob": {"type": "number", "maximum": 0},
+            "bytes": {"type": "array", "items": integer(0, 255)},
+            "top_logprobs": {
+                "type": "array",
+                "maxItems": 20,
+                "items": {
+                    "type": "object",
+                    "required": ["token", "logprob", "bytes"],
+                    "properties": {"token": STRING, "logprob": {"type": "number"},
+                                   "bytes": {"type": "array", "items": integer(0, 255)}},
+                },
+            },
         },
     },
     "Error": {
@@ -258,7 +288,7 @@ CHAT: dict[str, Schema] = {
                         {
                             "name": NON_EMPTY_STRING,
                             "description": STRING,
-                            "parameters": OBJECT,
+                            "parameters": ref("JsonSchema"),
                             "defer_loading": unprovidable(nullable(const(False)), "deferred tool loading"),
                         },
                         ("name",),
@@ -271,13 +301,18 @@ CHAT: dict[str, Schema] = {
     ),
     "ChatToolChoice": {
         "anyOf": [
-            enum(("auto", "none"), "required and named choices are unsupported_parameter"),
+            enum(("auto", "none", "required"), "required: the answer is one or more calls (a grammar)"),
+            obj(
+                {"type": const("function"), "function": obj({"name": STRING}, ("name",))},
+                ("type", "function"),
+                description="a named, declared tool: the answer is exactly one call of it",
+            ),
             obj(
                 {
                     "type": const("allowed_tools"),
                     "allowed_tools": obj(
                         {
-                            "mode": const("auto"),
+                            "mode": enum(("auto", "required")),
                             "tools": {
                                 "type": "array",
                                 "items": obj(
@@ -320,7 +355,7 @@ CHAT: dict[str, Schema] = {
             "return_progress": BOOLEAN,
             "tools": {"type": "array", "items": ref("ChatTool")},
             "tool_choice": ref("ChatToolChoice"),
-            "parallel_tool_calls": {"type": "boolean", "description": "false while tools are callable is unsupported"},
+            "parallel_tool_calls": {"type": "boolean", "description": "false: at most one call (a grammar)"},
             "reasoning_effort": enum(EFFORT_TIERS, "must be a tier the loaded template exposes (or none)"),
             "enable_thinking": BOOLEAN,
             "preserve_thinking": BOOLEAN,
@@ -329,7 +364,24 @@ CHAT: dict[str, Schema] = {
                 additionalProperties=unprovidable(NULL, "arbitrary chat template variables"),
             ),
             "n": unprovidable(const(1), "more than one choice"),
-            "response_format": obj({"type": unprovidable(const("text"), "JSON modes")}, ("type",)),
+            "response_format": {
+                "anyOf": [
+                    obj({"type": enum(("text", "json_object"))}, ("type",)),
+                    obj(
+                        {
+                            "type": const("json_schema"),
+                            "json_schema": obj(
+                                {"name": NON_EMPTY_STRING, "description": STRING, "schema": ref("JsonSchema"),
+                                 "strict": BOOLEAN},
+                                ("schema",),
+                                description="the schema is enforced whatever strict says",
+                            ),
+                        },
+                        ("type", "json_schema"),
+                    ),
+                ],
+                "description": "json_object: the answer is one JSON object; json_schema: one JSON value of the schema",
+            },
             "modalities": {"type": "array", "minItems": 1, "items": unprovidable(const("text"), "audio output")},
             "audio": {
                 "type": ["object", "null"],
@@ -340,15 +392,16 @@ CHAT: dict[str, Schema] = {
                 "type": "object",
                 "additionalProperties": unprovidable({"type": "number", "enum": [0]}, "non-zero logit biases"),
             },
-            "logprobs": unprovidable(const(False), "log probabilities"),
-            "top_logprobs": unprovidable({"type": "integer", "enum": [0]}, "log probabilities"),
+            "logprobs": {"type": "boolean", "description": "true: choices carry the answer tokens' log probabilities"},
+            "top_logprobs": {**integer(0, 20), "description": "alternatives per token; needs logprobs: true"},
             "web_search_options": unprovidable(NULL, "web search"),
             "moderation": unprovidable(NULL, "moderation"),
             "verbosity": unprovidable(const("medium"), "low/high verbosity"),
             "store": unprovidable(const(False), "stored Chat Completions"),
             "functions": unprovidable({"type": "array", "maxItems": 0}, "legacy function definitions (use tools)"),
             "function_call": enum(("none", "auto"), "legacy; forcing a function is unsupported"),
-            **{alias: unprovidable(NULL, "constrained decoding") for alias in chat_request.CONSTRAINED_DECODING_ALIASES},
+            **{alias: unprovidable(NULL, "other servers' constrained-decoding extensions (use response_format)")
+               for alias in chat_request.CONSTRAINED_DECODING_ALIASES},
             "repetition_penalty": unprovidable({"type": "number", "enum": [1]}, "repetition penalties other than 1"),
             "mm_processor_kwargs": {"type": "object", "additionalProperties": NULL},
             "user": STRING,
@@ -382,6 +435,11 @@ CHAT: dict[str, Schema] = {
                     "required": ["index", "message", "finish_reason"],
                     "properties": {
                         "index": const(0),
+                        "logprobs": {
+                            "anyOf": [NULL, obj({"content": {"type": "array", "items": ref("TokenLogprob")},
+                                                 "refusal": NULL}, ("content",))],
+                            "description": "null unless logprobs was true",
+                        },
                         "finish_reason": enum(("stop", "length", "tool_calls")),
                         "message": {
                             "type": "object",
@@ -536,7 +594,7 @@ RESPONSES: dict[str, Schema] = {
                     "type": const("function"),
                     "name": NON_EMPTY_STRING,
                     "description": STRING,
-                    "parameters": OBJECT,
+                    "parameters": ref("JsonSchema"),
                     "defer_loading": unprovidable(const(False), "deferred tool loading"),
                 },
                 ("type", "name"),
@@ -566,11 +624,16 @@ RESPONSES: dict[str, Schema] = {
     ),
     "ResponsesToolChoice": {
         "anyOf": [
-            enum(("auto", "none"), "required and forced choices are unsupported_parameter"),
+            enum(("auto", "none", "required"), "required: the answer is one or more calls (a grammar)"),
+            obj(
+                {"type": const("function"), "name": STRING, "namespace": STRING},
+                ("type", "name"),
+                description="a declared function: the answer is exactly one call of it",
+            ),
             obj(
                 {
                     "type": const("allowed_tools"),
-                    "mode": const("auto"),
+                    "mode": enum(("auto", "required")),
                     "tools": {
                         "type": "array",
                         "items": obj(
@@ -594,7 +657,17 @@ RESPONSES: dict[str, Schema] = {
     ),
     "ResponsesText": obj(
         {
-            "format": obj({"type": unprovidable(const("text"), "Structured Outputs / JSON mode")}, ("type",)),
+            "format": {
+                "anyOf": [
+                    obj({"type": enum(("text", "json_object"))}, ("type",)),
+                    obj(
+                        {"type": const("json_schema"), "name": NON_EMPTY_STRING, "description": STRING,
+                         "schema": ref("JsonSchema"), "strict": BOOLEAN},
+                        ("type", "schema"),
+                        description="the schema is enforced whatever strict says",
+                    ),
+                ]
+            },
             "verbosity": enum(("low", "medium", "high"), "a hint, echoed"),
         }
     ),
@@ -641,7 +714,7 @@ RESPONSES_PROMPT_FIELDS: dict[str, Schema] = {
     "reasoning": ref("ResponsesReasoning"),
     "tools": {"type": "array", "items": ref("ResponsesTool")},
     "tool_choice": ref("ResponsesToolChoice"),
-    "parallel_tool_calls": {"type": "boolean", "description": "false while functions are callable is unsupported"},
+    "parallel_tool_calls": {"type": "boolean", "description": "false: at most one call (a grammar)"},
     "text": ref("ResponsesText"),
     "truncation": unprovidable(const("disabled"), "automatic truncation"),
     "preserve_thinking": BOOLEAN,
@@ -669,10 +742,14 @@ def _responses_create() -> Schema:
         },
         "client_metadata": OBJECT,
         "max_tool_calls": integer(0),
-        "top_logprobs": unprovidable({"type": "integer", "enum": [0]}, "log probabilities"),
+        "top_logprobs": {
+            **integer(0, 20),
+            "description": "alternatives per answer token; log probabilities are returned with it, or with include "
+                           "message.output_text.logprobs",
+        },
         "service_tier": unprovidable(enum(("auto", "default")), "other service tiers"),
         "background": unprovidable(const(False), "background execution"),
-        "include": {"type": "array", "items": unprovidable(const(responses_request.ENCRYPTED_REASONING), "other data")},
+        "include": {"type": "array", "items": unprovidable(enum(responses_request.INCLUDABLE), "other data")},
         "stream_options": obj({"include_obfuscation": BOOLEAN}),
         "prompt_cache_key": STRING,
         "prompt_cache_options": PROMPT_CACHE_OPTIONS,
@@ -831,10 +908,16 @@ MESSAGES: dict[str, Schema] = {
     },
     "MessagesToolChoice": obj(
         {
-            "type": enum(("auto", "none"), "any and tool (forced choices) are unsupported_parameter"),
-            "disable_parallel_tool_use": {"type": "boolean", "description": "true while tools are declared is unsupported"},
+            "type": enum(("auto", "any", "tool", "none"), "any: one or more tool_use blocks; tool: one of `name`"),
+            "name": {**STRING, "description": "with type tool: a declared tool"},
+            "disable_parallel_tool_use": {"type": "boolean", "description": "true: at most one tool_use (a grammar)"},
         },
         ("type",),
+    ),
+    "MessagesOutputFormat": obj(
+        {"type": const("json_schema"), "schema": ref("JsonSchema")},
+        ("type", "schema"),
+        description="Structured Outputs: the answer text is one JSON value of the schema",
     ),
     "Message": {
         "type": "object",
@@ -868,7 +951,7 @@ def _messages_request(count_only: bool) -> Schema:
         "output_config": obj(
             {
                 "effort": enum(messages_request.EFFORTS, "served as the template's nearest tier"),
-                "format": unprovidable(NULL, "Structured Outputs"),
+                "format": ref("MessagesOutputFormat"),
             }
         ),
         "preserve_thinking": BOOLEAN,
@@ -884,6 +967,7 @@ def _messages_request(count_only: bool) -> Schema:
                 }
             }
         ),
+        "output_format": {**ref("MessagesOutputFormat"), "description": "the beta spelling of output_config.format"},
         **{key: unprovidable(EMPTY, capability) for key, capability in messages_request.UNSUPPORTED_FIELDS.items()},
     }
     if not count_only:

@@ -116,6 +116,8 @@ class RequestRecord:
             **self.configuration,
             "media": {**NO_MEDIA, **prepared.media_stats},
             "tokenizer": {"encode_seconds": prepared.tokenizer_seconds, "encode_calls": prepared.tokenizer_calls},
+            "structured_output": answer.kind if (answer := generation.options.answer) is not None else None,
+            "top_logprobs": generation.options.top_logprobs,
             "prepare_seconds": self.prepared_at - self.started,
         })
 

@@ -17,6 +17,7 @@ from ninfer.config import ServeConfig
 from ninfer.contract.request import ThinkingBudget
 from ninfer.contract.sampling import SamplingOverrides
 from ninfer.frontend.capabilities import TemplateCapabilities
+from ninfer.frontend.grammar_vocabulary import GrammarVocabulary
 from ninfer.frontend.prompt_builder import PromptBuilder
 from ninfer.frontend.sampling_defaults import SamplingDefaults
 from ninfer.frontend.template import ChatTemplate
@@ -59,6 +60,7 @@ class Serving:
     response_store: ResponseStore = field(default_factory=ResponseStore)  # stored Responses (LRU)
     events: RequestEvents = field(default_factory=RequestEvents)  # measurement events (request log, metrics)
     prompt_media: PromptMedia | None = None  # with --vision: acquires, prepares and expands media
+    vocabulary: GrammarVocabulary | None = None  # token bytes for log probabilities (indexed on first use)
 
     @classmethod
     def create(cls, config: ServeConfig, artifact: Artifact, engine: EngineClient) -> Serving:
@@ -96,6 +98,7 @@ class Serving:
             thinking_close_ids=close_ids,
             response_store=ResponseStore(config.response_store_max_records, config.response_store_max_mib << 20),
             prompt_media=_prompt_media(config, tokenizer) if config.engine.vision else None,
+            vocabulary=GrammarVocabulary(tokenizer, artifact.config.vocab_size),
         )
 
     def record_server_start(self) -> None:

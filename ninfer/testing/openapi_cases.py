@@ -95,14 +95,35 @@ INEXPRESSIBLE: list[Narrowing] = [
         "tools; parallel_tool_calls false is refused while tools are callable",
         _edits(
             ("ChatCompletionRequest.properties.tools", _items_limited(1, ref("ChatTool"))),
-            ("ChatToolChoice.anyOf.1.properties.allowed_tools.properties.tools", NO_ITEMS),
+            ("ChatToolChoice.anyOf.2.properties.allowed_tools.properties.tools", NO_ITEMS),
             ("ChatCompletionRequest.properties.parallel_tool_calls", {"enum": [True, None]}),
             *((f"{name}.properties.tools", _items_limited(1, ref("ResponsesTool"))) for name in RESPONSES_REQUESTS),
             ("ResponsesTool.anyOf.1.properties.tools.maxItems", 1),
-            ("ResponsesToolChoice.anyOf.1.properties.tools", NO_ITEMS),
+            ("ResponsesToolChoice.anyOf.2.properties.tools", NO_ITEMS),
             *((f"{name}.properties.parallel_tool_calls", {"enum": [True, None]}) for name in RESPONSES_REQUESTS),
             *((f"{name}.properties.tools", _items_limited(1, ref("MessagesTool"))) for name in MESSAGES_REQUESTS),
             ("MessagesToolChoice.properties.disable_parallel_tool_use", {"enum": [False, None]}),
+        ),
+    ),
+    Narrowing(
+        "a JSON schema in an output format or in the parameters of a tool a grammar may call compiles into a grammar "
+        "(checked at preparation); a "
+        "required or named tool choice names callable, declared tools; top_logprobs needs logprobs; an output "
+        "format or a forced tool excludes a Messages assistant prefill",
+        _edits(
+            ("JsonSchema", {"enum": [{"type": "object"}, {"type": "object", "properties": {"q": {"type": "string"}},
+                                                          "required": ["q"]}]}),
+            ("FunctionFlags.properties.strict", const(False)),
+            ("ChatToolChoice.anyOf.0", {"enum": ["auto", "none", None]}),
+            ("ChatToolChoice.anyOf.1", {"enum": ["auto"]}),
+            ("ChatToolChoice.anyOf.2.properties.allowed_tools.properties.mode", const("auto")),
+            ("ChatCompletionRequest.properties.top_logprobs", {"enum": [0, None]}),
+            ("ResponsesToolChoice.anyOf.0", {"enum": ["auto", "none", None]}),
+            ("ResponsesToolChoice.anyOf.1", {"enum": ["auto"]}),
+            ("ResponsesToolChoice.anyOf.2.properties.mode", const("auto")),
+            ("MessagesToolChoice.properties.type", {"enum": ["auto", "none"]}),
+            *((f"{name}.properties.output_format", NULL) for name in MESSAGES_REQUESTS),
+            *((f"{name}.properties.output_config.anyOf.0.properties.format", NULL) for name in MESSAGES_REQUESTS),
         ),
     ),
     Narrowing(

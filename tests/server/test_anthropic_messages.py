@@ -376,7 +376,7 @@ REJECTIONS = [
         "unsupported_parameter",
         True,
     ),
-    ({"tools": [{**WEATHER_TOOL, "strict": True}]}, "tools[0].strict", "unsupported_parameter", True),
+    ({"tools": [{**WEATHER_TOOL, "strict": "yes"}]}, "tools[0].strict", "invalid_type", True),
     (
         {"tools": [{**WEATHER_TOOL, "allowed_callers": ["code_execution_20250825"]}]},
         "tools[0].allowed_callers",
@@ -411,17 +411,13 @@ REJECTIONS = [
         True,
     ),
     ({"tools": [{"name": "f"}]}, "tools[0].input_schema", "missing_required_parameter", True),
-    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}}, "tool_choice", "unsupported_parameter", True),
+    ({"tool_choice": {"type": "any"}}, "tool_choice", "invalid_value", True),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "other"}}, "tool_choice.name", "invalid_value",
+     True),
     (
-        {"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "get_weather"}},
-        "tool_choice",
-        "unsupported_parameter",
-        True,
-    ),
-    (
-        {"tools": [WEATHER_TOOL], "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
+        {"tools": [WEATHER_TOOL], "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
         "tool_choice.disable_parallel_tool_use",
-        "unsupported_parameter",
+        "invalid_type",
         True,
     ),
     (
@@ -432,11 +428,12 @@ REJECTIONS = [
     ),
     ({"container": "container_abc"}, "container", "unsupported_parameter", True),
     (
-        {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
-        "output_config.format",
-        "unsupported_parameter",
+        {"output_config": {"format": {"type": "json_schema"}}},
+        "output_config.format.schema",
+        "missing_required_parameter",
         True,
     ),
+    ({"output_format": {"type": "json_object"}}, "output_format.type", "invalid_value", True),
     (
         {"thinking": {"type": "enabled", "budget_tokens": 512}, "max_tokens": 4096},
         "thinking.budget_tokens",
@@ -501,7 +498,8 @@ def test_request_ids_and_error_bodies(qwen_server):
     assert ok_id.startswith("req_") and raw.parse().stop_reason in ("end_turn", "max_tokens")
     with pytest.raises(anthropic.BadRequestError) as err:
         client.messages.create(
-            model=MODEL, max_tokens=2, messages=QUESTION, tool_choice={"type": "any"}, tools=[WEATHER_TOOL]
+            model=MODEL, max_tokens=2, messages=QUESTION, tool_choice={"type": "tool", "name": "other"},
+            tools=[WEATHER_TOOL],
         )
     bad = err.value
     assert bad.request_id == bad.body["request_id"] and bad.request_id != ok_id

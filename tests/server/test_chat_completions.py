@@ -155,8 +155,8 @@ def test_rejections_name_the_field(qwen_server):
     client = client_for(qwen_server)
     model = qwen_server.serving.model_id
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=model, messages=QUESTION, logprobs=True)
-    assert err.value.body["param"] == "logprobs"
+        client.chat.completions.create(model=model, messages=QUESTION, top_logprobs=3)
+    assert err.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=model, messages=QUESTION, reasoning_effort="low")
     assert err.value.body["code"] == "reasoning_effort_not_supported"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 
@@ -822,17 +823,9 @@ def test_an_audio_configuration_with_text_only_modalities_is_neutral():
     "fields, param, guarantee",
     [
         ({"n": 2}, "n", "more than one choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "JSON constrained output"),
-        (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-            "response_format",
-            "JSON constrained output",
-        ),
         ({"modalities": ["text", "audio"]}, "modalities", "audio output"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio output"),
         ({"logit_bias": {"50256": 0, "13": -100}}, "logit_bias", "logit biasing"),
-        ({"logprobs": True}, "logprobs", "log probabilities"),
-        ({"top_logprobs": 5}, "top_logprobs", "log probabilities"),
         ({"web_search_options": {}}, "web_search_options", "web search"),
         ({"web_search_options": {"search_context_size": "low"}}, "web_search_options", "web search"),
         ({"moderation": {"model": "omni-moderation-latest"}}, "moderation", "moderation"),
@@ -1002,8 +995,13 @@ def test_malformed_tools(tools, param, code):
     rejected(body(tools=tools), param=param, code=code)
 
 
-def test_strict_tools_are_unsupported():
-    unsupported(body(tools=[tool("f"), tool("g", strict=True)]), "tools[1].function.strict", "strict schema adherence")
+def test_strict_tools_constrain_the_calls_of_an_auto_choice():
+    request = parse(body(tools=[tool("f"), tool("g", strict=True)]))
+    calls = request.options.answer.calls
+    assert [t.name for t in calls.tools] == ["f", "g"] and not calls.required and calls.parallel
+    assert calls.tools[1].path == "tools[1].function.parameters"
+    assert parse(body(tools=[tool("f"), tool("g", strict=False)])).options.answer is None
+    rejected(body(tools=[tool("g", strict="yes")]), param="tools[0].function.strict", code="invalid_type")
 
 
 @pytest.mark.parametrize("kind", ["custom", "web_search", "file_search"])
@@ -1047,23 +1045,35 @@ def test_allowed_tools_with_an_empty_list_disables_calls():
 
 
 @pytest.mark.parametrize(
-    "choice, param, guarantee",
+    "choice, callable_names, required, parallel",
     [
-        ("required", "tool_choice", "required tool calls"),
-        ({"type": "function", "function": {"name": "weather"}}, "tool_choice", "named"),
-        ({"type": "custom", "custom": {"name": "x"}}, "tool_choice", "named"),
+        ("required", ["weather", "time", "search"], True, True),
+        ({"type": "function", "function": {"name": "time"}}, ["time"], True, False),
         (
             {
                 "type": "allowed_tools",
                 "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "time"}}]},
             },
-            "tool_choice.allowed_tools.mode",
-            "required tool calls",
+            ["time"],
+            True,
+            True,
         ),
     ],
 )
-def test_forcing_tool_choices_are_unsupported(choice, param, guarantee):
-    unsupported(body(tools=declared_tools(), tool_choice=choice), param, guarantee)
+def test_forcing_tool_choices_constrain_the_answer_to_calls(choice, callable_names, required, parallel):
+    request = parse(body(tools=declared_tools(), tool_choice=choice))
+    assert list(request.callable_tools) == callable_names
+    calls = request.options.answer.calls
+    assert [t.name for t in calls.tools] == callable_names
+    assert (calls.required, calls.parallel) == (required, parallel)
+
+
+def test_forcing_an_undeclared_or_custom_tool_is_rejected():
+    choice = {"type": "function", "function": {"name": "nope"}}
+    rejected(body(tools=declared_tools(), tool_choice=choice), param="tool_choice.function.name", code="invalid_value")
+    unsupported(body(tools=declared_tools(), tool_choice={"type": "custom", "custom": {"name": "x"}}), "tool_choice",
+                "custom tools")
+    rejected(body(tool_choice="required"), param="tool_choice", code="invalid_value")
 
 
 @pytest.mark.parametrize(
@@ -1102,8 +1112,46 @@ def test_malformed_tool_choice(choice, param, code):
     rejected(body(tools=declared_tools(), tool_choice=choice), param=param, code=code)
 
 
-def test_parallel_tool_calls_false_with_enabled_tools_is_unsupported():
-    unsupported(body(tools=declared_tools(), parallel_tool_calls=False), "parallel_tool_calls", "one tool call")
+def test_parallel_tool_calls_false_with_enabled_tools_allows_one_call():
+    calls = parse(body(tools=declared_tools(), parallel_tool_calls=False)).options.answer.calls
+    assert not calls.required and not calls.parallel and len(calls.tools) == 3
+
+
+@pytest.mark.parametrize(
+    "response_format, schema, path",
+    [
+        ({"type": "json_object"}, {"type": "object"}, "response_format"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}, "strict": True}},
+         {"type": "array"}, "response_format.json_schema.schema"),
+    ],
+)
+def test_json_response_formats_constrain_the_answer(response_format, schema, path):
+    answer = parse(body(response_format=response_format)).options.answer
+    assert answer.json.schema == schema and answer.json.path == path and answer.calls is None
+    assert parse(body(response_format={"type": "text"})).options.answer is None
+
+
+@pytest.mark.parametrize(
+    "response_format, param",
+    [
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "response_format.json_schema.schema"),
+        ({"type": "xml"}, "response_format.type"),
+    ],
+)
+def test_malformed_response_formats_name_the_field(response_format, param):
+    error = rejected(body(response_format=response_format), param=param, code=ANY)
+    assert error.status == 400
+
+
+def test_logprobs_and_top_logprobs():
+    assert parse(body()).options.top_logprobs is None
+    assert parse(body(logprobs=True)).options.top_logprobs == 0
+    assert parse(body(logprobs=True, top_logprobs=20)).options.top_logprobs == 20
+    assert parse(body(logprobs=False, top_logprobs=0)).options.top_logprobs is None
+    rejected(body(top_logprobs=3), param="top_logprobs", code="invalid_value")
+    rejected(body(logprobs=True, top_logprobs=21), param="top_logprobs", code="invalid_value")
 
 
 @pytest.mark.parametrize(

@@ -397,7 +397,7 @@ def test_a_stop_string_inside_a_round_trims_as_plain_decoding(servers, protocol,
 
 def test_the_speculative_server_refuses_and_accepts_what_the_plain_server_does(servers):
     prompt = "Options case: describe a lake."
-    for refused, param in (({"logprobs": True}, "logprobs"), ({"n": 2}, "n")):
+    for refused, param in (({"logit_bias": {"5": 10}}, "logit_bias"), ({"n": 2}, "n")):
         bodies = []
         for name in ("plain", "mtp"):
             with pytest.raises(openai.BadRequestError) as err:
@@ -410,6 +410,31 @@ def test_the_speculative_server_refuses_and_accepts_what_the_plain_server_does(s
     plain = chat(servers["plain"], prompt, **options)
     for name in ("oracle", "mtp"):
         assert chat(servers[name], prompt, **options).key() == plain.key()
+
+
+def test_constrained_output_and_log_probabilities_equal_plain_decoding(servers):
+    """A JSON answer (greedy, with log probabilities) and a forced tool call decode without drafts
+    under --spec: the same tokens, text and values as the plain server."""
+    tool = {"type": "function", "function": {"name": "note", "strict": True, "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}}}
+    cases = [
+        dict(response_format={"type": "json_object"}, logprobs=True, top_logprobs=2),
+        dict(tools=[tool], tool_choice="required"),
+    ]
+    for i, extra in enumerate(cases):
+        prompt = f"Constraint case {i}: write it down."
+        kwargs = dict(max_tokens=12, temperature=0, extra_body={"enable_thinking": False}, **extra)
+        plain = openai_client(servers["plain"]).chat.completions.create(
+            model=servers["plain"].serving.model_id, messages=[{"role": "user", "content": prompt}], **kwargs)
+        for name in ("mtp",):
+            spec = openai_client(servers[name]).chat.completions.create(
+                model=servers[name].serving.model_id, messages=[{"role": "user", "content": prompt}], **kwargs)
+            assert spec.choices[0].message == plain.choices[0].message
+            assert spec.usage.completion_tokens == plain.usage.completion_tokens
+            if extra.get("logprobs"):
+                spec_values = [e.logprob for e in spec.choices[0].logprobs.content]
+                assert spec_values == pytest.approx([e.logprob for e in plain.choices[0].logprobs.content], abs=1e-4)
+            assert servers.events[name].done()[-1]["speculative"]["rounds"] == 0
 
 
 def test_no_draft_work_no_draft_keys(servers):
@@ -582,8 +607,14 @@ def test_the_request_log_holds_consistent_speculative_counters(servers):
                                "adaptive_drafts": True, "verify_graph_batch_sizes": []}  # no graphs on the CPU
         done = [e for e in events if e["event"] == "request_done"]
         assert len(done) >= 2, name
+        # Constrained requests and those with log probabilities decode without drafts.
+        plainly = {e["request_id"] for e in events if e["event"] == "request_start"
+                   and (e.get("structured_output") is not None or e.get("top_logprobs") is not None)}
         for event in done:
             counters = event["speculative"]
+            if event["request_id"] in plainly:
+                assert counters["rounds"] == 0, event
+                continue
             if name == "plain":
                 assert counters == {"backend": None, "draft_window": None, "rounds": 0, "drafted_tokens": 0,
                                     "accepted_tokens": 0, "fallback_steps": 0, "accepted_per_position": []}

@@ -221,3 +221,31 @@ def test_a_sampled_row_without_a_seed_is_rejected() -> None:
     with pytest.raises(ValueError, match="seed"):
         SamplingBatch.build([SamplingParams(temperature=1.0)], [[]])
     SamplingBatch.build([SamplingParams(temperature=0.0)], [[]])  # greedy rows need none
+
+
+def bitmask(allowed: list[int], vocab: int) -> np.ndarray:
+    mask = np.zeros(-(-vocab // 32), dtype=np.uint32)
+    for token in allowed:
+        mask[token // 32] |= np.uint32(1 << (token % 32))
+    return mask.view(np.int32)
+
+
+def test_a_token_bitmask_restricts_greedy_sampled_and_penalised_rows_to_its_tokens():
+    vocab = 300
+    logits = random_logits(4, vocab, seed=7)
+    allowed = [3, 77, 290]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5),
+              SamplingParams(temperature=0.7, seed=9, presence_penalty=1.0), SamplingParams(temperature=0.0)]
+    masks = [bitmask(allowed, vocab), bitmask(allowed, vocab), bitmask(allowed, vocab), None]
+    for position in range(20):
+        batch = SamplingBatch.build(params, [[3, 77]] * 4, num_generated=[position] * 4, token_bitmasks=masks)
+        ids = SAMPLER.sample(logits, batch).tolist()
+        assert all(token in allowed for token in ids[:3]), ids
+        assert ids[3] == int(logits[3].argmax())  # the unconstrained row is untouched
+        assert ids[0] == max(allowed, key=lambda t: float(logits[0, t]))
+    masked = Sampler.apply_token_bitmask(logits[:1], torch.from_numpy(bitmask(allowed, vocab))[None])
+    assert torch.isfinite(masked).nonzero()[:, 1].tolist() == allowed
+    chosen, top_ids, top_values = Sampler.token_logprobs(masked, torch.tensor([77]), 5)
+    reference = torch.log_softmax(logits[0, allowed].double(), -1)
+    assert float(chosen[0]) == pytest.approx(float(reference[1]), abs=1e-5)
+    assert sorted(top_ids[0, :3].tolist()) == allowed and torch.isinf(top_values[0, 3:]).all()

@@ -7,6 +7,9 @@ tier; adopt a device hit itself; resume from a shorter hit when keeping the best
 or start from root; the search is bounded, see MAX_REUSE_TARGETS), evicting the checkpoints whose loss
 costs least (planner.py) when that makes room for pages, and freeing a device slot through
 placement.py when one is short; later requests wait behind it. A waiting request past its deadline ends with request_queue_timeout.
+
+A request with an output constraint whose grammar is not compiled yet waits outside the queue
+while a worker thread compiles it (compiled_grammars.py), and joins the queue's tail once it is.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import msgspec
@@ -33,6 +37,8 @@ from ninfer.contract.output import (
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import fresh_seed
+from ninfer.engine.compiled_grammars import CompiledGrammars
+from ninfer.engine.constraint_state import ConstraintState
 from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
 from ninfer.engine.draft_policy import DraftPolicy
 from ninfer.engine.host_detail import HostDetail
@@ -103,9 +109,13 @@ class Admission:
         clock: Callable[[], float],
         actions: list[SlotAction],
         detail: HostDetail,
+        grammars: CompiledGrammars | None = None,
+        vocab_size: int = 0,
     ):
         """actions: the scheduler's list of slot actions to run before the next forward; detail:
-        where committing a plan is timed (a context transaction)."""
+        where committing a plan is timed (a context transaction). grammars: compiles output
+        constraints (None: requests with one are refused); vocab_size: the logits width their token
+        bitmasks cover."""
         self.limits = limits
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -116,6 +126,9 @@ class Admission:
         self.actions = actions
         self.detail = detail
         self.waiting: collections.deque[Sequence] = collections.deque()
+        self.grammars = grammars
+        self.vocab_size = vocab_size
+        self.compiling: list[tuple[Sequence, Future]] = []  # in arrival order
         self._projection_work = 0  # eviction sets examined by the admission attempt in progress
         self._started_ns = self._started_cpu_ns = 0  # when the attempt in progress began planning (wall, CPU)
         self._bound: str | None = None  # the first search bound it hit
@@ -152,19 +165,57 @@ class Admission:
                     f"output capacity {max_new} passes the thinking budget {budget.max_thinking_tokens} "
                     f"but cannot fit the {close}-token close sequence plus one token",
                 )
+        if request.constraint is not None and self.grammars is None:
+            return error_output(request, ErrorCode.INVALID_REQUEST, "this engine takes no output constraints")
         sampling = request.sampling
         if sampling.seed is None:
             sampling = msgspec.structs.replace(sampling, seed=fresh_seed())
-        self.waiting.append(
-            Sequence(
-                request=request,
-                max_new_tokens=max_new,
-                sampling=sampling,
-                stop_checker=self.make_stop_checker(request),
-                timings=Timings(arrived=now),
-            )
+        seq = Sequence(
+            request=request,
+            max_new_tokens=max_new,
+            sampling=sampling,
+            stop_checker=self.make_stop_checker(request),
+            timings=Timings(arrived=now),
         )
+        constraint = request.constraint
+        if constraint is None:
+            self.waiting.append(seq)
+            return None
+        compiled = self.grammars.get(constraint)
+        if compiled is None:
+            self.compiling.append((seq, self.grammars.compile(constraint)))
+            return None
+        self._constrain(seq, compiled)
+        self.waiting.append(seq)
         return None
+
+    def has_compiled(self) -> bool:
+        """Whether a grammar some request waits for has finished compiling (or failed)."""
+        return any(future.done() for _, future in self.compiling)
+
+    def take_compiled(self) -> list[EngineOutput]:
+        """Queue the requests whose grammars are compiled; a grammar that failed ends its request."""
+        errors: list[EngineOutput] = []
+        still: list[tuple[Sequence, Future]] = []
+        for seq, future in self.compiling:
+            if not future.done():
+                still.append((seq, future))
+            elif future.exception() is not None:
+                seq.status = SequenceStatus.FINISHED
+                reason = (str(future.exception()).strip() or type(future.exception()).__name__).splitlines()[0]
+                errors.append(error_output(seq.request, ErrorCode.INVALID_REQUEST,
+                                           f"the output grammar does not compile: {reason}"))
+            else:
+                self._constrain(seq, future.result())
+                self.waiting.append(seq)
+        self.compiling = still
+        return errors
+
+    def _constrain(self, seq: Sequence, compiled) -> None:
+        constraint = seq.request.constraint
+        seq.constraint = ConstraintState(
+            compiled, seq.request.stop_token_ids, self.vocab_size, constraint.starts_after_token_id
+        )
 
     @property
     def spare_tokens(self) -> int:
@@ -187,17 +238,21 @@ class Admission:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.FINISHED
                 return seq
+        for entry in self.compiling:
+            if entry[0].request_id == request_id:
+                self.compiling.remove(entry)
+                entry[0].status = SequenceStatus.FINISHED
+                return entry[0]
         return None
 
     def expire(self) -> list[EngineOutput]:
         """Waiting requests past their deadline end with request_queue_timeout."""
         now = self.clock()
         expired = []
-        for seq in list(self.waiting):
+        for seq in [*self.waiting, *(seq for seq, _ in self.compiling)]:
             deadline = seq.request.deadline
             if deadline is not None and now >= deadline:
-                self.waiting.remove(seq)
-                seq.status = SequenceStatus.FINISHED
+                self.remove(seq.request_id)
                 expired.append(
                     error_output(seq.request, ErrorCode.QUEUE_TIMEOUT, "request was not admitted before its deadline")
                 )

@@ -20,9 +20,11 @@ def delta_output(seq: Sequence) -> EngineOutput:
         reuse_path=seq.reuse_path,
         progress=seq.unsent_progress,
         timings=seq.timings,
+        logprobs=seq.unsent_logprobs if seq.request.top_logprobs is not None else None,
     )
     seq.unsent_token_ids, seq.unsent_text, seq.unsent_forced = [], "", 0
     seq.unsent_progress = None
+    seq.unsent_logprobs = []
     return out
 
 

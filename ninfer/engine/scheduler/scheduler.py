@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason, PromptProgress
+from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason, PromptProgress, TokenLogprobs
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
+from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.context_costs import ContextCosts, generic_costs
 from ninfer.engine.host_detail import HostDetail
@@ -92,9 +93,13 @@ class Scheduler:
         state_image_bytes: int = 0,
         kv_page_bytes: int = 0,
         detail: HostDetail | None = None,
+        grammars: CompiledGrammars | None = None,
+        vocab_size: int = 0,
     ):
         """costs, state_image_bytes, kv_page_bytes: what the cache planner weighs (generic CPU
-        rates when absent); detail: where admission and context transactions are timed."""
+        rates when absent); detail: where admission and context transactions are timed. grammars,
+        vocab_size: output constraints' compiler and the logits width their masks cover (none:
+        constrained requests are refused)."""
         self.limits = limits
         self.detail = detail if detail is not None else HostDetail()
         self.kv_pool = kv_pool
@@ -108,7 +113,7 @@ class Scheduler:
         self.placement = placement
         self.admission = Admission(
             limits, kv_pool, state_pool, cache, placement, make_stop_checker, clock, self._pending_actions,
-            self.detail,
+            self.detail, grammars, vocab_size,
         )
         self.checkpoints = Checkpoints(
             limits.prefix_reuse, kv_pool, state_pool, cache, placement, self._pending_actions, self.detail
@@ -141,7 +146,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.admission.compiling)
 
     @property
     def num_materializing(self) -> int:
@@ -211,6 +216,7 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------
     def schedule(self) -> SchedulerStep | None:
+        self._outbox.extend(self.admission.take_compiled())
         self._outbox.extend(self.admission.expire())
         admitted = []
         if self.waiting and len(self.running) < self.limits.max_concurrency:
@@ -252,9 +258,15 @@ class Scheduler:
         Only for steady decode, where no token inflight can sample changes the plan except
         by finishing its request. None while a request waits for a free lane, a request
         prefills or slot actions are pending; None when a row may reach its thinking budget
-        at inflight, or has penalties (their token history must include that token). Rows
-        that reach their output limit at inflight are left out."""
+        at inflight, has penalties (their token history must include that token) or an output
+        constraint that has started (its next mask follows that token), and when a grammar
+        compiled meanwhile (schedule() queues its request). A request still thinking before its
+        grammar runs ahead: should inflight's token start the grammar, the draw made ahead is
+        dropped and redrawn masked (_drawn_before_its_grammar). Rows that reach their output
+        limit at inflight are left out."""
         if inflight.kind is not StepKind.DECODE or not inflight.chunks or self._pending_actions:
+            return None
+        if self.admission.has_compiled():
             return None
         if any(c.speculative for c in inflight.chunks) or self._drafting_step(self.running, ahead=True):
             return None  # a speculative round's next input depends on what it accepts
@@ -274,6 +286,7 @@ class Scheduler:
                 or seq.num_computed_tokens != chunk.num_computed_tokens
                 or seq.num_pending_tokens != 1
                 or _has_penalties(seq.sampling)
+                or (seq.constraint is not None and seq.constraint.active)
                 or self._budget_may_close(seq)
             ):
                 return None
@@ -292,10 +305,18 @@ class Scheduler:
                     num_generated=seq.num_output_tokens - seq.num_forced_tokens + 1,
                     output_token_ids=[],
                     previous_row=row,
+                    logprobs=seq.request.top_logprobs,
                     **self._media_fields(seq, seq.num_computed_tokens + 1, 1),
                 )
             )
         return self._step(StepKind.DECODE, chunks) if chunks else None
+
+    @staticmethod
+    def _drawn_before_its_grammar(seq: Sequence, chunk: ScheduledChunk) -> bool:
+        """A round launched ahead while the request's grammar had not started (it was thinking),
+        whose previous token turned out to start it (</think>): its draw was unmasked and is
+        dropped. The row still computed that token, so the slot holds the logits to draw from."""
+        return chunk.token_bitmask is None and seq.constraint is not None and seq.constraint.active
 
     @staticmethod
     def _budget_may_close(seq: Sequence) -> bool:
@@ -309,8 +330,7 @@ class Scheduler:
         one in flight, which counts as one more plain round for each policy."""
         if not self.limits.num_draft_tokens:
             return False
-        # Requests with media decode plainly: the verify graphs and drafters take text positions.
-        policies = [s.draft_policy for s in decode_ready if not s.has_media]
+        policies = [s.draft_policy for s in decode_ready if not s.decodes_plainly]
         if not policies:
             return False
         if any(p is None for p in policies):
@@ -322,7 +342,7 @@ class Scheduler:
         to compute. A full-prompt hit samples its stored logits first; forced thinking-close
         tokens are computed as a plain row (the drafter extends its context over it and drafts
         from the next round on), so every verification row has the same shape."""
-        return drafting and seq.num_pending_tokens == 1 and not seq.has_media
+        return drafting and seq.num_pending_tokens == 1 and not seq.decodes_plainly
 
     def _speculative_chunk(self, seq: Sequence) -> ScheduledChunk:
         """The pending token and K draft places: as many of the request's drafts as its output
@@ -397,7 +417,10 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, token_ids: list[int], compute_logits: bool, sample: bool) -> ScheduledChunk:
         sample = sample and seq.num_output_tokens < seq.max_new_tokens
+        constraint = seq.constraint
         return ScheduledChunk(
+            token_bitmask=constraint.next_token_bitmask() if sample and constraint is not None else None,
+            logprobs=seq.request.top_logprobs,
             **self._media_fields(seq, seq.num_computed_tokens, len(token_ids)),
             request_id=seq.request_id,
             token_ids=token_ids,
@@ -455,10 +478,14 @@ class Scheduler:
 
     # ---- commit --------------------------------------------------------------------
     def update(
-        self, step: SchedulerStep, sampled: dict[str, int], verified: dict[str, VerifyOutcome] | None = None
+        self,
+        step: SchedulerStep,
+        sampled: dict[str, int],
+        verified: dict[str, VerifyOutcome] | None = None,
+        logprobs: dict[str, TokenLogprobs] | None = None,
     ) -> list[EngineOutput]:
-        """Apply the runner's sampled tokens (request id -> token) and speculative outcomes for a
-        finished step."""
+        """Apply the runner's sampled tokens (request id -> token), speculative outcomes and the
+        log probabilities of the rows that asked for them, for a finished step."""
         now = self.clock()
         by_id = {s.request_id: s for s in self.running}
         for seq in self.running:
@@ -505,6 +532,8 @@ class Scheduler:
             # samples a full-prompt hit's stored logits: its first token, like a prefill's.
             decode_row = not was_prefilling and bool(chunk.token_ids)
             num_decode_rows += decode_row
+            if chunk.sample and self._drawn_before_its_grammar(seq, chunk):
+                continue  # the next schedule() samples the slot's stored logits again, masked
             if chunk.sample:
                 self.stats.decode_tokens += decode_row
                 if decode_row and seq.speculative is not None:
@@ -512,7 +541,7 @@ class Scheduler:
                     seq.draft_token_ids = []  # proposals followed the token before this one
                     if seq.draft_policy is not None:
                         seq.draft_policy.plain_round()
-                self._commit(seq, sampled[chunk.request_id], now)
+                self._commit(seq, sampled[chunk.request_id], now, (logprobs or {}).get(chunk.request_id))
             elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
                 self._finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
         if num_decode_rows:
@@ -569,10 +598,10 @@ class Scheduler:
         """The chunk's first row among the step's verification rows (they lead the step in order)."""
         return self._verify_rows[chunk.request_id]
 
-    def _commit(self, seq: Sequence, token_id: int, now: float) -> None:
+    def _commit(self, seq: Sequence, token_id: int, now: float, logprobs: TokenLogprobs | None = None) -> None:
         seq.timings.first_token = seq.timings.first_token or now
         seq.timings.last_token = now
-        self._append_token(seq, token_id, forced=False)
+        self._append_token(seq, token_id, forced=False, logprobs=logprobs)
         if seq.is_finished:
             return
         # The output limit wins over the thinking cap: limits first, then the forced close.
@@ -594,19 +623,33 @@ class Scheduler:
                 if seq.is_finished:
                     return
 
-    def _append_token(self, seq: Sequence, token_id: int, forced: bool) -> None:
+    def _append_token(self, seq: Sequence, token_id: int, forced: bool, logprobs: TokenLogprobs | None = None) -> None:
         seq.token_ids.append(token_id)
         seq.unsent_token_ids.append(token_id)
+        if seq.request.top_logprobs is not None:
+            seq.unsent_logprobs.append(logprobs)
         if forced:
             seq.num_forced_tokens += 1
             seq.unsent_forced += 1
         stop = seq.stop_checker.append(token_id)
         seq.unsent_text += stop.text
+        if seq.constraint is not None and not seq.constraint.accept(token_id):
+            # The sampler only draws allowed tokens: a forced token outside the grammar, or a bug.
+            self._finish(seq, FinishReason.ERROR, error=EngineError(
+                ErrorCode.STEP_FAILED, f"token {token_id} is outside the request's output grammar"
+            ))
+            return
         if stop.stopped:
             self._finish(seq, FinishReason.STOP, stop.stop_reason)
 
     # ---- finishing -----------------------------------------------------------------
-    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        stop_reason: int | str | None = None,
+        error: EngineError | None = None,
+    ) -> None:
         if seq.is_finished:
             return
         seq.status = SequenceStatus.FINISHED
@@ -617,7 +660,9 @@ class Scheduler:
             self._draining[seq.request_id] = seq  # a launched step still writes its pages and slot
         else:
             self.checkpoints.release_or_capture_endpoint(seq)
-        self._outbox.append(final_output(seq, reason, stop_reason))
+        out = final_output(seq, reason, stop_reason)
+        out.error = error
+        self._outbox.append(out)
 
     def _land_after_finish(self, seq: Sequence, chunk: ScheduledChunk) -> None:
         """The step launched ahead for a request that finished meanwhile has landed: it

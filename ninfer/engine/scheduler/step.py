@@ -122,6 +122,11 @@ class ScheduledChunk:
     # continues from the state (models/step_snapshots.py). Prompt chunks without media only.
     snapshot_tokens: int = 0
     snapshot_slot: int | None = None
+    # A sampling row of a request with an active output constraint: the tokens its grammar allows
+    # ([ceil(V / 32)] int32, bit v set where token v is allowed); the sampler masks the rest.
+    token_bitmask: np.ndarray | None = None
+    # The sampled token's log probability and this many alternatives are returned (None: not asked).
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)

@@ -42,15 +42,21 @@ from ninfer.server.validation.fields import (
 )
 from ninfer.server.validation.sampling import stop_strings
 from ninfer.server.validation.thinking import check_preserve_thinking, nearest_effort, thinking_reachable
-from ninfer.server.validation.tools import check_parallel_calls, check_template_renders_tools
+from ninfer.server.validation.structured_output import (
+    DeclaredTool,
+    ToolChoice,
+    answer_format,
+    json_format,
+    tool_strict,
+)
+from ninfer.server.validation.tools import check_template_renders_tools
 
 MIN_THINKING_BUDGET = 1024
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
-# Top-level fields that ask for an executor or constraint NInfer does not have.
+# Top-level fields that ask for an executor NInfer does not have.
 UNSUPPORTED_FIELDS = {
     "container": "containers",
     "mcp_servers": "MCP servers",
-    "output_format": "Structured Outputs (constrained decoding)",
 }
 
 
@@ -131,7 +137,14 @@ def parse_messages_request(body: Any, context: RequestContext, *, count_only: bo
         continue_final_message=prefill,
     )
     check_template_renders_tools(conversation, caps, "tools" if tools else "messages")
-    options.tools = _callable_tools(body, schemas)
+    options.tools, choice, parallel = _callable_tools(body, schemas)
+    options.answer = answer_format(
+        _json_answer(body), _declared_tools(body, schemas), list(options.tools or {}), choice, parallel,
+    )
+    if prefill and options.answer is not None:
+        raise cannot_provide(
+            "messages", "an assistant prefill under an output format or a forced tool (the grammar starts the answer)"
+        )
     options.thinking_budget = thinking.budget
     return MessagesRequest(
         conversation=conversation,
@@ -148,10 +161,28 @@ def _reject_unprovidable_fields(body: dict) -> None:
     for key, capability in UNSUPPORTED_FIELDS.items():
         if body.get(key) not in (None, [], {}):
             raise cannot_provide(key, capability)
-    output_config = optional_object(body, "output_config", "output_config") or {}
-    if output_config.get("format") is not None:
-        raise cannot_provide("output_config.format", "Structured Outputs (constrained decoding)")
     _check_context_management(body)
+
+
+def _json_answer(body: dict):
+    """Structured Outputs: output_config.format, or the beta's top-level output_format."""
+    output_config = optional_object(body, "output_config", "output_config") or {}
+    fmt = optional_object(output_config, "format", "output_config.format")
+    path = "output_config.format"
+    if fmt is None:
+        fmt, path = optional_object(body, "output_format", "output_format"), "output_format"
+    return json_format(fmt, path, nested=False, kinds=("json_schema",))
+
+
+def _declared_tools(body: dict, schemas: dict[str, dict]) -> list[DeclaredTool]:
+    """The declared tools with their strict flags (lowering.py has checked their shapes)."""
+    declared = []
+    for i, raw in enumerate(optional_list(body, "tools", "tools") or []):
+        name = raw.get("name")
+        if name in schemas:
+            strict = tool_strict(raw, f"tools[{i}]")
+            declared.append(DeclaredTool(name, schemas[name], f"tools[{i}].input_schema", strict))
+    return declared
 
 
 def _check_context_management(body: dict) -> None:
@@ -256,19 +287,23 @@ def _budget(raw: dict, max_tokens: int | None) -> int:
     return budget
 
 
-def _callable_tools(body: dict, schemas: dict[str, dict]) -> dict[str, dict | None] | None:
-    """The decoder's callable set: every declared tool under auto, nothing under none."""
+def _callable_tools(body: dict, schemas: dict[str, dict]) -> tuple[dict[str, dict | None] | None, ToolChoice, bool]:
+    """The decoder's callable set (every declared tool, the named one under `tool`, nothing under
+    none), the choice (`any` requires a call) and whether parallel calls are allowed."""
     choice = body.get("tool_choice")
     if choice is None:
-        return dict(schemas) or None
+        return dict(schemas) or None, ToolChoice("auto"), True
     choice = require_object(choice, "tool_choice")
     kind = required_str(choice, "type", "tool_choice.type")
-    if kind in ("any", "tool"):
-        raise cannot_provide("tool_choice", f"a forced tool choice ({kind}) without constrained decoding")
-    if kind not in ("auto", "none"):
+    if kind not in ("auto", "any", "tool", "none"):
         raise invalid("tool_choice.type", f"tool_choice.type must be auto, any, tool or none, got {kind!r}")
     if kind == "none":
-        return None  # the tools stay in the prompt; markup stays text
+        return None, ToolChoice("none"), True  # the tools stay in the prompt; markup stays text
     disable_parallel = optional_bool(choice, "disable_parallel_tool_use", "tool_choice.disable_parallel_tool_use")
-    check_parallel_calls(False if disable_parallel else None, "tool_choice.disable_parallel_tool_use", schemas)
-    return dict(schemas) or None
+    parallel = not disable_parallel
+    if kind == "tool":
+        name = required_str(choice, "name", "tool_choice.name")
+        if name not in schemas:
+            raise invalid("tool_choice.name", f"tool_choice.name {name!r} is not a declared tool")
+        return {name: schemas[name]}, ToolChoice("named", name), False
+    return dict(schemas) or None, ToolChoice("required" if kind == "any" else "auto"), parallel

@@ -32,7 +32,6 @@ from ninfer.server.validation.fields import (
     optional_object,
     optional_str,
     required_str,
-    text_format,
     wrong_type,
 )
 from ninfer.server.validation.sampling import openai_sampling, stop_strings
@@ -45,12 +44,14 @@ from ninfer.server.validation.thinking import (
     exact_effort,
     template_option,
 )
-from ninfer.server.validation.tools import (
-    check_allowed_tools_mode,
-    check_definition_flags,
-    check_parallel_calls,
-    check_template_renders_tools,
+from ninfer.server.validation.structured_output import (
+    DeclaredTool,
+    ToolChoice,
+    answer_format,
+    json_format,
+    tool_strict,
 )
+from ninfer.server.validation.tools import allowed_tools_mode, check_definition_flags, check_template_renders_tools
 
 MAX_STOP_STRINGS = 4
 # Accepted as constrained-decoding requests by other servers; rejected explicitly, never ignored.
@@ -101,8 +102,13 @@ def parse_chat_request(body: Any, context: RequestContext) -> ChatRequest:
     _reject_unprovidable_options(body)
     _check_advisory_fields(body)
     messages, breakpoints = parse_messages(body, context.vision_enabled)
-    tools = _parse_tools(body)
-    callable_tools = _callable_tools(body, tools)
+    tools, declared = _parse_tools(body)
+    callable_tools, choice = _callable_tools(body, tools)
+    parallel = optional_bool(body, "parallel_tool_calls", "parallel_tool_calls") is not False
+    answer = answer_format(
+        json_format(optional_object(body, "response_format", "response_format"), "response_format", nested=True),
+        declared, list(callable_tools), choice, parallel,
+    )
     thinking = _thinking(body, context)
     implicit = implicit_candidate(body)
     limit_cache_writes(messages, breakpoints, implicit)
@@ -122,6 +128,8 @@ def parse_chat_request(body: Any, context: RequestContext) -> ChatRequest:
         sampling=openai_sampling(body),
         stop=stop_strings(body, "stop", MAX_STOP_STRINGS, allow_string=True),
         tools=callable_tools or None,
+        answer=answer,
+        top_logprobs=_top_logprobs(body),
     )
     return ChatRequest(
         conversation=conversation,
@@ -155,7 +163,6 @@ def _reject_unprovidable_options(body: dict) -> None:
     n = optional_int(body, "n", 1)
     if n is not None and n != 1:
         raise cannot_provide("n", "more than one choice per request")
-    text_format(body, "response_format", "response_format", "JSON constrained output")
     modalities = optional_list(body, "modalities", "modalities")
     if modalities is not None:
         for i, modality in enumerate(modalities):
@@ -170,10 +177,6 @@ def _reject_unprovidable_options(body: dict) -> None:
     if optional_object(body, "audio", "audio") is not None and modalities is None:
         raise cannot_provide("audio", "audio output")
     _check_logit_bias(body)
-    if optional_bool(body, "logprobs", "logprobs"):
-        raise cannot_provide("logprobs", "token log probabilities")
-    if optional_int(body, "top_logprobs", 0, 20):
-        raise cannot_provide("top_logprobs", "token log probabilities")
     if body.get("web_search_options") is not None:
         raise cannot_provide("web_search_options", "web search")
     if body.get("moderation") is not None:
@@ -186,7 +189,9 @@ def _reject_unprovidable_options(body: dict) -> None:
     _check_legacy_function_controls(body)
     for alias in CONSTRAINED_DECODING_ALIASES:
         if body.get(alias) is not None:
-            raise cannot_provide(alias, "constrained decoding")
+            raise cannot_provide(
+                alias, f"the {alias} extension of constrained decoding (use response_format or tool_choice)"
+            )
     repetition_penalty = body.get("repetition_penalty")
     if repetition_penalty is not None:
         if not is_number(repetition_penalty):
@@ -241,6 +246,15 @@ def _check_advisory_fields(body: dict) -> None:
             raise wrong_type("prediction.content", "a string or an array of text parts", content)
 
 
+def _top_logprobs(body: dict) -> int | None:
+    """The alternatives per answer token when logprobs is true (top_logprobs 0..20), else None."""
+    wanted = optional_bool(body, "logprobs", "logprobs")
+    top = optional_int(body, "top_logprobs", 0, 20)
+    if top and not wanted:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+    return (top or 0) if wanted else None
+
+
 def _max_tokens(body: dict) -> int | None:
     modern = optional_int(body, "max_completion_tokens", 0)
     legacy = optional_int(body, "max_tokens", 0)
@@ -252,9 +266,10 @@ def _max_tokens(body: dict) -> int | None:
 # ---- tools -----------------------------------------------------------------------------------
 
 
-def _parse_tools(body: dict) -> list[Tool]:
+def _parse_tools(body: dict) -> tuple[list[Tool], list[DeclaredTool]]:
     raw = optional_list(body, "tools", "tools") or []
     tools: list[Tool] = []
+    declared: list[DeclaredTool] = []
     seen: set[str] = set()
     for i, item in enumerate(raw):
         path = f"tools[{i}]"
@@ -271,44 +286,53 @@ def _parse_tools(body: dict) -> list[Tool]:
             raise invalid(f"{path}.function.name", f"{path}.function.name {name!r} is declared twice")
         seen.add(name)
         check_definition_flags(function, f"{path}.function")
+        parameters = optional_object(function, "parameters", f"{path}.function.parameters")
         tools.append(
             Tool(
                 name=name,
                 description=optional_str(function, "description", f"{path}.function.description"),
-                parameters=optional_object(function, "parameters", f"{path}.function.parameters"),
+                parameters=parameters,
             )
         )
-    return tools
+        strict = tool_strict(function, f"{path}.function")
+        declared.append(DeclaredTool(name, parameters, f"{path}.function.parameters", strict))
+    return tools, declared
 
 
-def _callable_tools(body: dict, tools: list[Tool]) -> dict[str, dict | None]:
-    """The effective callable set: every declared tool, narrowed by tool_choice; empty when disabled."""
+def _callable_tools(body: dict, tools: list[Tool]) -> tuple[dict[str, dict | None], ToolChoice]:
+    """The effective callable set (every declared tool, narrowed by tool_choice; empty when
+    disabled) and the choice: auto, none, required (allowed_tools may require) or one named tool."""
     declared = {tool.name: tool.parameters for tool in tools}
     choice = body.get("tool_choice")
     if choice is None or choice == "auto":
-        allowed = declared
-    elif choice == "none":
-        allowed = {}  # tools stay in the prompt; calls stay text
-    elif choice == "required":
-        raise cannot_provide("tool_choice", "required tool calls")
-    elif isinstance(choice, dict):
-        allowed = _allowed_tools(choice, declared)
-    else:
-        raise invalid("tool_choice", f"tool_choice must be auto, none or an allowed_tools object, got {choice!r}")
-    check_parallel_calls(optional_bool(body, "parallel_tool_calls", "parallel_tool_calls"), "parallel_tool_calls", allowed)
-    return allowed
+        return declared, ToolChoice("auto")
+    if choice == "none":
+        return {}, ToolChoice("none")  # tools stay in the prompt; calls stay text
+    if choice == "required":
+        return declared, ToolChoice("required")
+    if isinstance(choice, dict):
+        return _tool_choice_object(choice, declared)
+    raise invalid("tool_choice", f"tool_choice must be auto, none, required or an object, got {choice!r}")
 
 
-def _allowed_tools(choice: dict, declared: dict[str, dict | None]) -> dict[str, dict | None]:
+def _tool_choice_object(choice: dict, declared: dict[str, dict | None]) -> tuple[dict[str, dict | None], ToolChoice]:
     kind = required_str(choice, "type", "tool_choice.type")
-    if kind in ("function", "custom"):
-        raise cannot_provide("tool_choice", "a named (forced) tool choice")
+    if kind == "custom":
+        raise cannot_provide("tool_choice", "custom tools (only function tools)")
+    if kind == "function":
+        function = choice.get("function")
+        if not isinstance(function, dict):
+            raise wrong_type("tool_choice.function", "an object", function)
+        name = required_str(function, "name", "tool_choice.function.name")
+        if name not in declared:
+            raise invalid("tool_choice.function.name", f"tool_choice.function.name {name!r} is not a declared tool")
+        return {name: declared[name]}, ToolChoice("named", name)
     if kind != "allowed_tools":
-        raise invalid("tool_choice.type", f"tool_choice.type must be allowed_tools, got {kind!r}")
+        raise invalid("tool_choice.type", f"tool_choice.type must be function or allowed_tools, got {kind!r}")
     config = choice.get("allowed_tools")
     if not isinstance(config, dict):
         raise wrong_type("tool_choice.allowed_tools", "an object", config)
-    check_allowed_tools_mode(config, "tool_choice.allowed_tools.mode")
+    mode = allowed_tools_mode(config, "tool_choice.allowed_tools.mode")
     entries = config.get("tools")
     if not isinstance(entries, list):
         raise wrong_type("tool_choice.allowed_tools.tools", "an array", entries)
@@ -323,7 +347,8 @@ def _allowed_tools(choice: dict, declared: dict[str, dict | None]) -> dict[str, 
         if name not in declared:
             raise invalid(f"{path}.function.name", f"{path}.function.name {name!r} is not a declared tool")
         names.add(name)
-    return {name: schema for name, schema in declared.items() if name in names}  # declaration order
+    allowed = {name: schema for name, schema in declared.items() if name in names}  # declaration order
+    return allowed, ToolChoice(mode)
 
 
 # ---- thinking / template options -------------------------------------------------------------

@@ -4,6 +4,8 @@ The stream starts with an assistant-role chunk, sends reasoning and content delt
 cumulative timings when timings_per_token), prompt_progress chunks when return_progress, then
 the finish-reason chunk, the usage chunk when include_usage, and [DONE]. Terminal timings sit
 on the last JSON chunk. The aggregate folds the same deltas, so both agree by construction.
+With logprobs, each content chunk carries the entries its text released (answer_logprobs.py)
+and the aggregate choice all of them; otherwise `logprobs` is null.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class ChatWire(Wire):
         self.calls: list[dict] = []
         self.reasoning: list[str] = []
         self.content: list[str] = []
+        self.logprobs: list[dict] = []  # every entry sent (with logprobs)
         self.finish_reason: str | None = None
 
     # ---- Wire --------------------------------------------------------------------------------
@@ -53,7 +56,12 @@ class ChatWire(Wire):
         if delta is None:
             return []
         extra = {"timings": self.generation.timings(terminal=False).to_dict()} if self.chat.timings_per_token else {}
-        return [data_frame(self._chunk(delta, **extra))]
+        logprobs = None
+        if isinstance(event, ContentDelta) and self.generation.logprobs is not None:
+            entries = self.generation.take_logprobs()
+            self.logprobs.extend(entries)
+            logprobs = {"content": entries, "refusal": None}
+        return [data_frame(self._chunk(delta, logprobs=logprobs, **extra))]
 
     def finish(self, event: FinishEvent) -> list[bytes]:
         if event.reason is FinishReason.LENGTH:
@@ -73,7 +81,8 @@ class ChatWire(Wire):
         return [data_frame(error.openai_body())]
 
     def body(self) -> dict[str, Any]:
-        choice = {"index": 0, "message": self._message(), "logprobs": None, "finish_reason": self.finish_reason}
+        logprobs = {"content": self.logprobs, "refusal": None} if self.generation.logprobs is not None else None
+        choice = {"index": 0, "message": self._message(), "logprobs": logprobs, "finish_reason": self.finish_reason}
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -95,9 +104,11 @@ class ChatWire(Wire):
             "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         }
 
-    def _chunk(self, delta: dict | None, finish_reason: str | None = None, **extra) -> dict:
+    def _chunk(
+        self, delta: dict | None, finish_reason: str | None = None, logprobs: dict | None = None, **extra
+    ) -> dict:
         choices = [] if delta is None else [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         ]
         return {
             "id": self.id,

@@ -19,6 +19,7 @@ from typing import Any
 
 from ninfer.contract.sampling import SamplingOverrides
 from ninfer.frontend.capabilities import EFFORT_TIERS, TemplateCapabilities
+from ninfer.frontend.answer_format import AnswerFormat, JsonAnswer
 from ninfer.frontend.conversation import Tool
 from ninfer.server.errors import APIError, invalid
 from ninfer.server.openai_responses.items import parse_input
@@ -36,9 +37,9 @@ from ninfer.server.validation.fields import (
     optional_object,
     optional_str,
     required_str,
-    text_format,
     wrong_type,
 )
+from ninfer.server.validation.structured_output import answer_format, json_format
 from ninfer.server.validation.thinking import (
     check_preserve_thinking,
     check_template_kwargs,
@@ -79,6 +80,8 @@ UNPROVIDABLE_FIELDS = {
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast")
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (ENCRYPTED_REASONING, OUTPUT_LOGPROBS)
 
 
 @dataclass
@@ -100,6 +103,8 @@ class ResponsesRequest:
     store: bool = True
     include_encrypted_reasoning: bool = False
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
+    answer: AnswerFormat | None = None  # text.format json / forced or strict tool calls
+    top_logprobs: int | None = None  # answer-token log probabilities (include or top_logprobs); None: none
     echo: dict[str, Any] = field(default_factory=dict)  # request configuration the Response repeats
 
 
@@ -129,7 +134,7 @@ def _parse(body: Any, context: RequestContext, allowed: frozenset[str], model_re
     instructions = optional_str(body, "instructions", "instructions")
     tools = parse_tools(body)
     thinking, reasoning_echo = _thinking(body, context.capabilities)
-    text = _text_config(body)
+    text, json_answer = _text_config(body)
     _check_truncation(body)
     request = ResponsesRequest(
         items=items,
@@ -144,6 +149,10 @@ def _parse(body: Any, context: RequestContext, allowed: frozenset[str], model_re
         template_effort=thinking[1],
         preserve_thinking=thinking[2],
         implicit_cache_breakpoint=True,
+        answer=answer_format(
+            json_answer, tools.declared, list(tools.callable), tools.choice,
+            parallel=body.get("parallel_tool_calls") is not False,
+        ),
     )
     request.echo = {
         "model": model,
@@ -171,14 +180,16 @@ def _parse_create_options(body: dict, request: ResponsesRequest) -> None:
         top_p=optional_number(body, "top_p", 0, 1),
     )
     max_tool_calls = optional_int(body, "max_tool_calls", 0)  # hosted-tool limit: nothing to execute here
-    if optional_int(body, "top_logprobs", 0, 20):
-        raise cannot_provide("top_logprobs", "token log probabilities")
+    top_logprobs = optional_int(body, "top_logprobs", 0, 20)
     tier = enum_value(body, "service_tier", "service_tier", SERVICE_TIERS)
     if tier not in (None, "auto", "default"):
         raise cannot_provide("service_tier", f"the {tier} service tier (only auto or default)")
     if optional_bool(body, "background", "background"):
         raise cannot_provide("background", "background execution")
-    request.include_encrypted_reasoning = _include(body)
+    include = _include(body)
+    request.include_encrypted_reasoning = ENCRYPTED_REASONING in include
+    if OUTPUT_LOGPROBS in include or top_logprobs:
+        request.top_logprobs = top_logprobs or 0
     stream_options = optional_object(body, "stream_options", "stream_options") or {}
     # Advisory: this local server never pads deltas, so there is nothing to switch off.
     optional_bool(stream_options, "include_obfuscation", "stream_options.include_obfuscation")
@@ -197,7 +208,7 @@ def _parse_create_options(body: dict, request: ResponsesRequest) -> None:
             "store": request.store,
             "background": False,
             "service_tier": "default",
-            "top_logprobs": 0,
+            "top_logprobs": top_logprobs or 0,
             "prompt_cache_key": body.get("prompt_cache_key"),
             "prompt_cache_retention": retention,
             "safety_identifier": body.get("safety_identifier"),
@@ -206,15 +217,15 @@ def _parse_create_options(body: dict, request: ResponsesRequest) -> None:
     )
 
 
-def _include(body: dict) -> bool:
+def _include(body: dict) -> set[str]:
     include = optional_list(body, "include", "include") or []
     for i, value in enumerate(include):
         if not isinstance(value, str):
             raise wrong_type(f"include[{i}]", "a string", value)
-    others = [value for value in include if value != ENCRYPTED_REASONING]
+    others = [value for value in include if value not in INCLUDABLE]
     if others:
         raise cannot_provide("include", f"additional output data ({', '.join(others)})")
-    return bool(include)
+    return set(include)
 
 
 def _check_model(body: dict, model_id: str, required: bool) -> str:
@@ -246,14 +257,16 @@ def _metadata(body: dict) -> dict[str, str]:
     return dict(metadata)
 
 
-def _text_config(body: dict) -> dict[str, Any]:
+def _text_config(body: dict) -> tuple[dict[str, Any], JsonAnswer | None]:
+    """The text echo and the JSON answer text.format asks for (None: plain text)."""
     text = optional_object(body, "text", "text") or {}
-    echo: dict[str, Any] = {"format": {"type": "text"}}
-    text_format(text, "format", "text.format", "Structured Outputs / JSON mode")
+    fmt = optional_object(text, "format", "text.format")
+    json_answer = json_format(fmt, "text.format", nested=False)
+    echo: dict[str, Any] = {"format": fmt if json_answer is not None else {"type": "text"}}
     verbosity = enum_value(text, "verbosity", "text.verbosity", ("low", "medium", "high"))
     if verbosity is not None:
         echo["verbosity"] = verbosity  # a hint (module docstring)
-    return echo
+    return echo, json_answer
 
 
 def _check_truncation(body: dict) -> None:

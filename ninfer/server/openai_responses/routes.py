@@ -83,6 +83,8 @@ class ResponsesProtocol(Protocol):
             max_tokens=parsed.max_output_tokens,
             sampling=parsed.sampling,
             tools=parsed.callable_tools or None,
+            answer=parsed.answer,
+            top_logprobs=parsed.top_logprobs,
             session_key=session_key,
             endpoint_path=ReusePath.PRIVATE_RESPONSE_REPLAY if session_key else ReusePath.PRIVATE_ENDPOINT,
         )
@@ -126,7 +128,8 @@ class ResponsesWire(Wire):
         sampling = generation.sampling
         config = {**self.parsed.echo, "temperature": sampling.temperature, "top_p": sampling.top_p}
         self.assembler = ResponseAssembler(
-            create.response_id, config, self.parsed.functions, self.parsed.include_encrypted_reasoning
+            create.response_id, config, self.parsed.functions, self.parsed.include_encrypted_reasoning,
+            generation.take_logprobs if generation.logprobs is not None else None,
         )
 
     def begin(self) -> list[bytes]:

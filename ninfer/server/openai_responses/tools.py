@@ -25,12 +25,8 @@ from ninfer.server.validation.fields import (
     required_str,
     wrong_type,
 )
-from ninfer.server.validation.tools import (
-    HOSTED_TOOL_TYPES,
-    check_allowed_tools_mode,
-    check_definition_flags,
-    check_parallel_calls,
-)
+from ninfer.server.validation.structured_output import DeclaredTool, ToolChoice, tool_strict
+from ninfer.server.validation.tools import HOSTED_TOOL_TYPES, allowed_tools_mode, check_definition_flags
 
 
 @dataclass(frozen=True)
@@ -54,6 +50,8 @@ class ResponsesTools:
     tools: list[Tool] = field(default_factory=list)  # every declared function, declaration order, by identity
     functions: dict[str, FunctionRef] = field(default_factory=dict)  # identity -> protocol name
     callable: dict[str, dict | None] = field(default_factory=dict)  # effective set: identity -> parameters
+    declared: list[DeclaredTool] = field(default_factory=list)  # for structured outputs (strict, paths)
+    choice: ToolChoice = field(default_factory=ToolChoice)
     omitted_hosted: list[str] = field(default_factory=list)  # hosted tool types left out of the prompt
     echo: list[dict] = field(default_factory=list)  # the request's tools, as the Response repeats them
     choice_echo: Any = "auto"
@@ -70,6 +68,8 @@ def parse_tools(body: dict) -> ResponsesTools:
             raise invalid(f"{path}.name", f"{path}: the function {tool.name!r} is declared twice")
         parsed.functions[tool.name] = ref
         parsed.tools.append(tool)
+        strict = tool_strict(definition, path)
+        parsed.declared.append(DeclaredTool(tool.name, tool.parameters, f"{path}.parameters", strict))
 
     for i, item in enumerate(raw):
         path = f"tools[{i}]"
@@ -96,7 +96,7 @@ def parse_tools(body: dict) -> ResponsesTools:
             parsed.omitted_hosted.append(kind)
         else:
             raise _tool_type_error(f"{path}.type", kind)
-    parsed.callable, parsed.choice_echo = _callable_tools(body, parsed)
+    parsed.callable, parsed.choice, parsed.choice_echo = _callable_tools(body, parsed)
     return parsed
 
 
@@ -118,35 +118,40 @@ def _function_definition(raw: dict, path: str, namespace: str | None) -> Tool:
     )
 
 
-def _callable_tools(body: dict, parsed: ResponsesTools) -> tuple[dict[str, dict | None], Any]:
-    """The effective callable set for the decoder (identity -> parameters, declaration order) and
-    the tool_choice echo."""
+def _callable_tools(body: dict, parsed: ResponsesTools) -> tuple[dict[str, dict | None], ToolChoice, Any]:
+    """The effective callable set for the decoder (identity -> parameters, declaration order), the
+    choice (auto, none, required or one named function) and the tool_choice echo."""
     declared = {tool.name: tool.parameters for tool in parsed.tools}
     choice = body.get("tool_choice")
+    mode = ToolChoice("auto")
     if choice is None or choice == "auto":
         allowed = set(declared)
     elif choice == "none":
-        allowed = set()  # tools stay in the prompt; calls stay text
+        allowed, mode = set(), ToolChoice("none")  # tools stay in the prompt; calls stay text
     elif choice == "required":
-        raise cannot_provide("tool_choice", "required tool calls")
+        allowed, mode = set(declared), ToolChoice("required")
     elif isinstance(choice, dict):
-        allowed = _allowed_tools(choice, parsed.functions)
+        allowed, mode = _tool_choice_object(choice, parsed.functions)
     else:
-        raise invalid("tool_choice", f"tool_choice must be auto, none or an allowed_tools object, got {choice!r}")
+        raise invalid("tool_choice", f"tool_choice must be auto, none, required or an object, got {choice!r}")
     callable_tools = {identity: schema for identity, schema in declared.items() if identity in allowed}
-    check_parallel_calls(
-        optional_bool(body, "parallel_tool_calls", "parallel_tool_calls"), "parallel_tool_calls", callable_tools
-    )
-    return callable_tools, choice if choice is not None else "auto"
+    optional_bool(body, "parallel_tool_calls", "parallel_tool_calls")
+    return callable_tools, mode, choice if choice is not None else "auto"
 
 
-def _allowed_tools(choice: dict, functions: dict[str, FunctionRef]) -> set[str]:
+def _tool_choice_object(choice: dict, functions: dict[str, FunctionRef]) -> tuple[set[str], ToolChoice]:
     kind = required_str(choice, "type", "tool_choice.type")
+    if kind == "function":
+        namespace = optional_str(choice, "namespace", "tool_choice.namespace") or None
+        ref = FunctionRef(namespace, required_str(choice, "name", "tool_choice.name"))
+        if functions.get(ref.identity) != ref:
+            raise invalid("tool_choice", "tool_choice does not name a declared function")
+        return {ref.identity}, ToolChoice("named", ref.identity)
     if kind != "allowed_tools":
-        if kind in ("function", "custom", "mcp", "apply_patch", "shell"):
+        if kind in ("custom", "mcp", "apply_patch", "shell"):
             raise cannot_provide("tool_choice", f"a forced {kind} tool choice")
         raise cannot_provide("tool_choice", f"forcing the hosted {kind} tool")
-    check_allowed_tools_mode(choice, "tool_choice.mode")
+    mode = allowed_tools_mode(choice, "tool_choice.mode")
     entries = choice.get("tools")
     if not isinstance(entries, list):
         raise wrong_type("tool_choice.tools", "an array", entries)
@@ -164,4 +169,4 @@ def _allowed_tools(choice: dict, functions: dict[str, FunctionRef]) -> set[str]:
         if functions.get(ref.identity) != ref:  # the pair must match, not just the rendered identity
             raise invalid(path, f"{path} does not name a declared function")
         allowed.add(ref.identity)
-    return allowed
+    return allowed, ToolChoice(mode)

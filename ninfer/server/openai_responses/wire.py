@@ -5,7 +5,8 @@ concatenated deltas equal the terminal Items by construction. Output order is th
 assistant turn can be replayed in: reasoning, then the message, then function calls. The decoder
 releases a tool region (its calls and any tolerant trailing text) only at the end of the output,
 so holding those events until the finish costs no latency and lets trailing text join the
-message before the calls are announced.
+message before the calls are announced. With log probabilities, each output_text delta carries
+the entries its text released (answer_logprobs.py) and the output_text part all of them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import copy
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from ninfer.frontend.output_decoder import (
@@ -47,9 +49,11 @@ class ResponseAssembler:
         config: dict[str, Any],
         functions: dict[str, FunctionRef],
         encrypted_reasoning: bool = False,
+        take_logprobs: Callable[[], list[dict]] | None = None,
     ):
         """`config`: the request configuration the Response object repeats (model, tools, ...);
-        encrypted_reasoning: reasoning Items also carry their text sealed as encrypted_content."""
+        encrypted_reasoning: reasoning Items also carry their text sealed as encrypted_content;
+        take_logprobs: the answer entries not yet sent (with log probabilities)."""
         self.id = response_id
         self.encrypted_reasoning = encrypted_reasoning
         self.created_at = int(time.time())
@@ -59,6 +63,8 @@ class ResponseAssembler:
         self._sequence = 0
         self._open: dict[str, Any] | None = None  # the reasoning or message Item receiving deltas
         self._open_text: list[str] = []
+        self._open_logprobs: list[dict] = []
+        self.take_logprobs = take_logprobs
         self._message: dict[str, Any] | None = None
         self._held: list[object] = []  # a tool region's events, released at the finish
 
@@ -144,7 +150,10 @@ class ResponseAssembler:
             if kind == "reasoning":
                 events.append(self._event("response.reasoning_text.delta", **self._where(item), delta=text))
             else:
-                events.append(self._event("response.output_text.delta", **self._where(item), delta=text, logprobs=[]))
+                logprobs = self.take_logprobs() if self.take_logprobs is not None else []
+                self._open_logprobs.extend(logprobs)
+                where = self._where(item)
+                events.append(self._event("response.output_text.delta", **where, delta=text, logprobs=logprobs))
         return events
 
     def _open_item(self, kind: str) -> list[dict]:
@@ -160,6 +169,7 @@ class ResponseAssembler:
         self.output.append(item)
         self._open = item
         self._open_text = []
+        self._open_logprobs = []
         return [
             self._event("response.output_item.added", output_index=len(self.output) - 1, item=copy.deepcopy(item)),
             self._event("response.content_part.added", **self._where(item), part=part),
@@ -175,13 +185,16 @@ class ResponseAssembler:
             done = self._event("response.reasoning_text.done", **where, text=text)
         else:
             part = {"type": "output_text", "text": text, "annotations": []}
-            done = self._event("response.output_text.done", **where, text=text, logprobs=[])
+            if self.take_logprobs is not None:
+                part["logprobs"] = self._open_logprobs
+            done = self._event("response.output_text.done", **where, text=text, logprobs=self._open_logprobs)
         item["content"] = [part]
         if item["type"] == "reasoning" and self.encrypted_reasoning:
             item["encrypted_content"] = seal(text)
         item["status"] = status
         self._open = None
         self._open_text = []
+        self._open_logprobs = []
         return [
             done,
             self._event("response.content_part.done", **where, part=copy.deepcopy(part)),

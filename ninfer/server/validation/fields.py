@@ -159,15 +159,3 @@ def required_list(obj: dict, key: str, what: str) -> list:
     if not value:
         raise invalid(key, f"{key} must contain at least one {what.removesuffix('s')}")
     return value
-
-
-def text_format(obj: dict, key: str, path: str, constrained: str) -> None:
-    """An output format that must be plain text; JSON modes ask for constrained decoding."""
-    fmt = optional_object(obj, key, path)
-    if fmt is None:
-        return
-    kind = required_str(fmt, "type", f"{path}.type")
-    if kind in ("json_object", "json_schema"):
-        raise cannot_provide(path, f"{constrained} ({kind})")
-    if kind != "text":
-        raise invalid(f"{path}.type", f"{path}.type must be text, got {kind!r}")

@@ -23,10 +23,10 @@ HOSTED_TOOL_TYPES = frozenset(
 
 
 def check_definition_flags(raw: dict, path: str, *, allow_deferred: bool = False) -> bool:
-    """Flags no protocol can honour without an executor or constrained decoding; returns whether
-    the tool is deferred (loaded on demand), which only Messages accepts."""
-    if optional_bool(raw, "strict", f"{path}.strict"):
-        raise cannot_provide(f"{path}.strict", "strict schema adherence (constrained decoding)")
+    """Flags no protocol can honour without an executor; returns whether the tool is deferred
+    (loaded on demand), which only Messages accepts. `strict` is read by the protocols
+    (structured_output.tool_strict): its calls follow the schema through a grammar."""
+    optional_bool(raw, "strict", f"{path}.strict")
     deferred = bool(optional_bool(raw, "defer_loading", f"{path}.defer_loading"))
     if deferred and not allow_deferred:
         raise cannot_provide(f"{path}.defer_loading", "deferred tool loading (tool search)")
@@ -40,18 +40,12 @@ def check_definition_flags(raw: dict, path: str, *, allow_deferred: bool = False
     return deferred
 
 
-def check_allowed_tools_mode(config: dict, path: str) -> None:
-    """allowed_tools narrows the callable set in auto mode; required would force a call."""
+def allowed_tools_mode(config: dict, path: str) -> str:
+    """allowed_tools narrows the callable set: auto, or required (one of them must be called)."""
     mode = required_str(config, "mode", path)
-    if mode == "required":
-        raise cannot_provide(path, "required tool calls")
-    if mode != "auto":
-        raise invalid(path, f"{path} must be auto, got {mode!r}")
-
-
-def check_parallel_calls(parallel: bool | None, param: str, callable_names: dict) -> None:
-    if parallel is False and callable_names:
-        raise cannot_provide(param, "limiting a turn to one tool call")
+    if mode not in ("auto", "required"):
+        raise invalid(path, f"{path} must be auto or required, got {mode!r}")
+    return mode
 
 
 def check_template_renders_tools(conversation: Conversation, caps: TemplateCapabilities, param: str) -> None:
