@@ -45,8 +45,10 @@ def quantize_rows_into(
     chunk at a time. Each chunk moves to the outputs' device and dtype (default: value's)
     before it is quantized, so a weight arriving on the CPU is never whole on the device."""
     *lead, num_rows, num_columns = value.shape
-    step = chunk_rows(num_columns, chunk_elements)
     device = outputs[0].device
+    if device.type == "meta":
+        return  # shapes only (a model laid out without storage): there are no values to write
+    step = chunk_rows(num_columns, chunk_elements)
     for lead_index in itertools.product(*(range(size) for size in lead)):
         for start in range(0, num_rows, step):
             index = (*lead_index, slice(start, start + step))
