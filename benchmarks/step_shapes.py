@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             if batch == 0 and tokens == 0:
                 continue
             chunks = decode_rows(batch) + ([prompt_chunk(tokens)] if tokens else [])
-            step = SchedulerStep(StepKind.MIXED if tokens and batch else StepKind.PREFILL if tokens else StepKind.DECODE,
-                                 chunks)
+            kind = StepKind.MIXED if tokens and batch else StepKind.PREFILL if tokens else StepKind.DECODE
+            step = SchedulerStep(kind, chunks)
             row = {"decode_rows": batch, "prompt_tokens": tokens}
             for label, timed in runners.items():
                 seconds = median_ms(lambda: timed.execute(step), args.repeats, warmup=2) / 1e3

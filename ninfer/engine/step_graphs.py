@@ -24,7 +24,6 @@ models (the routed experts' prompt path sizes its work on the host).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,8 +40,6 @@ from ninfer.models.kv_cache import KVCache
 from ninfer.models.padded_step import RULE_CHUNK, PaddedStep, RuleSegments
 from ninfer.models.state_cache import StateCache
 from ninfer.models.step_snapshots import StepSnapshots
-
-log = logging.getLogger("ninfer.engine")
 
 SMALLEST_BUCKET = 16
 # Pinned host mirrors per buffer: a step may be launched while the previous one's copies are
@@ -142,7 +139,7 @@ class StepGraphs:
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
             for snapshots in (False, True):
-                self._stage(self._dummy_step(bucket, snapshots), bucket, None)
+                self._stage(StepLayout.of(self._dummy_step(bucket, snapshots)), bucket, None)
                 graph, _ = capture_graph(lambda: self._forward(bucket, snapshots), pool, self.device)
                 self.graphs[(bucket, snapshots)] = graph
         self.discard_warmup_writes()
@@ -233,9 +230,8 @@ class StepGraphs:
         else:  # uncaptured (CPU): the same forward over the same buffers
             self._forward(bucket, snapshots)
 
-    def _stage(self, step: StepLayout | list[ScheduledChunk], bucket: int, previous_ids: torch.Tensor | None) -> None:
+    def _stage(self, layout: StepLayout, bucket: int, previous_ids: torch.Tensor | None) -> None:
         """Fill the static buffers for a step padded to bucket."""
-        layout = step if isinstance(step, StepLayout) else StepLayout.of(step)
         turn = self._num_runs % _NUM_STAGING
         self._num_runs += 1
         ints, int32s, second = self.ints.host(turn), self.int32s.host(turn), self.second_rows.host(turn)["rows"]
@@ -260,12 +256,12 @@ class StepGraphs:
             pos = positions[starts[row] : starts[row + 1]]
             first = pos[0] // page_size
             pages = np.asarray(part.chunk.page_ids[first : pos[-1] // page_size + 1], dtype=np.int64)
-            ints["slot_mapping"][starts[row] : starts[row + 1]] = pages[pos // page_size - first] * page_size + pos % page_size
+            pages_of_rows = pages[pos // page_size - first]
+            ints["slot_mapping"][starts[row] : starts[row + 1]] = pages_of_rows * page_size + pos % page_size
             self.pages.upload(row, part.chunk.page_ids)
         ints["slot_mapping"][num_tokens:] = self.scratch_page * page_size
         int32s["query_start_loc"][:] = starts
-        int32s["seq_lens"][:] = computed + lens
-        int32s["seq_lens"][num_parts:] = 0
+        int32s["seq_lens"][:] = computed + lens  # 0 for the empty requests
         ints["state_slots"][:] = slots
 
         num_logits = len(layout.logits_rows)
@@ -274,11 +270,12 @@ class StepGraphs:
         ints["logits_slots"][:num_logits] = layout.logits_slots
         ints["logits_slots"][num_logits:] = scratch
 
-        # The rule's passes: the requests before the continuing ones, then those.
+        # The rule's passes: the requests before the continuing ones, then (if any) those.
         first_continuing = num_parts - layout.num_continuing
         split_row = int(starts[first_continuing])
         num_chunks = PaddedStep.max_chunks(bucket, rows)
-        for p, (lo, hi) in enumerate(((0, first_continuing), (first_continuing, num_parts))):
+        passes = ((0, first_continuing), (first_continuing, num_parts))[: 2 if layout.num_continuing else 1]
+        for p, (lo, hi) in enumerate(passes):
             in_pass = np.zeros(rows, dtype=bool)
             in_pass[lo:hi] = True
             pass_starts = np.clip(starts, starts[lo], starts[hi])

@@ -63,7 +63,8 @@ def _assert_same_caches(padded: ModelRunner, eager: ModelRunner, slots: list[int
              ("values", padded.kv_cache.v[:, pages], eager.kv_cache.v[:, pages])]
     if eager.state_cache is not None:
         for name in ("conv", "recurrent"):
-            pairs.append((name, getattr(padded.state_cache, name)[:, slots], getattr(eager.state_cache, name)[:, slots]))
+            got, want = getattr(padded.state_cache, name), getattr(eager.state_cache, name)
+            pairs.append((name, got[:, slots], want[:, slots]))
     for name, got, want in pairs:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}, {name}: {m}")
 
@@ -141,7 +142,8 @@ def test_steps_a_bucket_cannot_hold_run_eagerly(tmp_root):
     media = [dataclasses.replace(chunk(3, tokens(64, 3), 0), rope_positions=None, media=(object(),))]
     assert not padded.step_graphs.can_run(media)
     for step in (too_long, too_many):
-        assert padded.execute(SchedulerStep(StepKind.PREFILL, step)) == eager.execute(SchedulerStep(StepKind.PREFILL, step))
+        step_ids = [runner.execute(SchedulerStep(StepKind.PREFILL, step)) for runner in (padded, eager)]
+        assert step_ids[0] == step_ids[1]
     assert runs == []  # 65 tokens > 64; 6 requests > max_batch + 2 continuations
     _assert_same_caches(padded, eager, [0, 1, 2, 4, 5, 6], "eager steps")
 

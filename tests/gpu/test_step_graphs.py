@@ -48,7 +48,8 @@ def _assert_close(graphed: ModelRunner, eager: ModelRunner, slots: list[int], wh
              ("keys", graphed.kv_cache.k[:, pages], eager.kv_cache.k[:, pages])]
     if eager.state_cache is not None:
         for name in ("conv", "recurrent"):
-            pairs.append((name, getattr(graphed.state_cache, name)[:, slots], getattr(eager.state_cache, name)[:, slots]))
+            got, want = getattr(graphed.state_cache, name), getattr(eager.state_cache, name)
+            pairs.append((name, got[:, slots], want[:, slots]))
     for name, got, want in pairs:
         diff = (got.float() - want.float()).abs().max().item()
         scale = want.float().abs().max().item()

@@ -244,7 +244,8 @@ def causal_conv1d(
     if x.shape[0] == 0 or not query_lens:
         return _output_parts(x, split)[1]
     cu_seqlens = start_offsets(tuple(query_lens), x.device, torch.int32)
-    return _varlen(x, weight, conv_state, state_slots, cu_seqlens, len(query_lens), max(query_lens), split, update_state)
+    num_requests, max_query_len = len(query_lens), max(query_lens)
+    return _varlen(x, weight, conv_state, state_slots, cu_seqlens, num_requests, max_query_len, split, update_state)
 
 
 def causal_conv1d_padded(
@@ -270,7 +271,9 @@ def _output_parts(x: torch.Tensor, split: tuple[int, ...] | None):
     bounds = [0]
     for width in widths:
         bounds.append(bounds[-1] + width)
-    parts = tuple(buffer[num_tokens * lo : num_tokens * hi].view(num_tokens, hi - lo) for lo, hi in zip(bounds, bounds[1:]))
+    parts = tuple(
+        buffer[num_tokens * lo : num_tokens * hi].view(num_tokens, hi - lo) for lo, hi in zip(bounds, bounds[1:])
+    )
     return buffer, bounds, parts if split is not None else parts[0]
 
 
