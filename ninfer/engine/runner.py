@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -33,7 +34,7 @@ from ninfer.engine.host_kv import HostKV
 from ninfer.engine.host_states import HostStates
 from ninfer.engine.media_embeddings import MediaEmbeddings
 from ninfer.engine.pending_step import PendingStep
-from ninfer.engine.sampler import Sampler, SamplingBatch
+from ninfer.engine.sampler import Sampler, SamplingBatch, pack_token_bitmasks
 from ninfer.engine.scheduler import (
     CommitVerified,
     CopyPage,
@@ -160,6 +161,8 @@ class ModelRunner:
         # Eager steps' metadata, one buffer per unread step: a pinned buffer is refilled only after
         # the copies out of it have completed (the step that used it was read; else next_step waits).
         self._staging = HostStaging(self.device, num_turns=MAX_UNREAD_STEPS)
+        # The log-probability rows' slots and masks, packed after the step's sampling (same turns).
+        self._logprobs_staging = HostStaging(self.device, num_turns=MAX_UNREAD_STEPS)
         self._num_launches = 0
         self._num_unread = 0
         # The last launched step's sampled ids by chunk row (on the device), and its sampling rows.
@@ -196,7 +199,7 @@ class ModelRunner:
         max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
         buckets = token_buckets(max_tokens)
         graphs = StepGraphs(self.model, kv, self.state_cache, self.slot_logits, self.num_valid_tokens, buckets,
-                            max(max_requests, 2), max_pages, scratch_slot, scratch_page)
+                            max_requests, max_pages, scratch_slot, scratch_page)
         if self.device.type == "cuda":
             started = time.perf_counter()
             try:
@@ -308,15 +311,12 @@ class ModelRunner:
         rows = [row for row in sampled_rows if chunks[row].logprobs is not None]
         if not rows:
             return None
-        staging = HostStaging(self.device)
+        staging = self._logprobs_staging
         staging.next_step()
         slots = staging.add(np.array([chunks[row].state_slot for row in rows], dtype=np.int64))
         by_row = staging.add(np.array(rows, dtype=np.int64))
-        masks = [chunks[row].token_bitmask for row in rows]
-        bitmask = None
-        if any(mask is not None for mask in masks):
-            width = next(mask.shape[-1] for mask in masks if mask is not None)
-            bitmask = staging.add(np.stack([np.full(width, -1, np.int32) if m is None else m for m in masks]))
+        packed = pack_token_bitmasks([chunks[row].token_bitmask for row in rows])
+        bitmask = staging.add(packed) if packed is not None else None
         staging.flush()
         logits = self.slot_logits.index_select(0, slots)
         if bitmask is not None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ninfer.contract.sampling import TOP_K_CAP, SamplingParams, fresh_seed  # noqa: F401 - the engine's draw
+from ninfer.contract.sampling import TOP_K_CAP, SamplingParams
 from ninfer.frontend.grammar_library import grammar_library
 from ninfer.models.forward_batch import HostStaging
 
@@ -43,6 +43,19 @@ _TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY = range(5)
 _NUM_FLOAT_PARAMS = 5
 # A bitmask row of all ones: every token allowed (the rows of a step that have no constraint).
 ALL_TOKENS = -1
+
+
+def pack_token_bitmasks(masks: Sequence[np.ndarray | None]) -> np.ndarray | None:
+    """Rows' bitmasks as one [rows, words] int32 array (all tokens allowed where a row has none);
+    None when no row is constrained."""
+    if all(mask is None for mask in masks):
+        return None
+    width = next(mask.shape[-1] for mask in masks if mask is not None)
+    packed = np.full((len(masks), width), ALL_TOKENS, dtype=np.int32)
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            packed[row] = mask
+    return packed
 
 
 def exponential_noise(seed: int, num_generated: int, domain: bytes = NOISE_DOMAIN, count: int = TOP_K_CAP) -> np.ndarray:
@@ -133,14 +146,8 @@ class SamplingBatch:
         penalty_rows = penalty_tokens = None
         if has_penalties:
             penalty_rows, penalty_tokens = staging.add(np.stack([np.concatenate(rows), np.concatenate(tokens)]))
-        bitmask = None
-        if token_bitmasks is not None and any(mask is not None for mask in token_bitmasks):
-            width = next(mask.shape[-1] for mask in token_bitmasks if mask is not None)
-            packed = np.full((num_rows, width), ALL_TOKENS, dtype=np.int32)
-            for row, mask in enumerate(token_bitmasks):
-                if mask is not None:
-                    packed[row] = mask
-            bitmask = staging.add(packed)
+        packed = pack_token_bitmasks(token_bitmasks or ())
+        bitmask = staging.add(packed) if packed is not None else None
         batch = cls(
             num_rows=num_rows,
             row_floats=staging.add(floats),

@@ -12,7 +12,8 @@ import torch
 from msgspec.structs import replace
 
 from ninfer.contract.sampling import TOP_K_CAP, SamplingParams
-from ninfer.engine.sampler import Sampler, SamplingBatch, exponential_noise, fresh_seed
+from ninfer.contract.sampling import fresh_seed
+from ninfer.engine.sampler import Sampler, SamplingBatch, exponential_noise
 
 SAMPLER = Sampler()
 
