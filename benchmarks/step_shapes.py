@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=4096, help="tokens in each decode row's cache")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--profile", metavar="B,P", help="also profile one step of B decode rows + P prompt tokens: "
-                        "the top kernels and host ops go to OUT's directory as step-profile.txt")
+                        "the top kernels and host ops, with step graphs and eager, go to OUT's directory as "
+                        "step-profile-graphs.txt and step-profile-eager.txt")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -178,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         batch, tokens = ints(args.profile)
         chunks = decode_rows(batch) + ([prompt_chunk(tokens)] if tokens else [])
         step = SchedulerStep(StepKind.MIXED if tokens else StepKind.DECODE, chunks)
-        profile_step(lambda: runner.execute(step), Path(args.out).parent / "step-profile.txt", f"{batch}+{tokens}")
+        for label, profiled in runners.items():
+            profile_step(lambda: profiled.execute(step), Path(args.out).parent / f"step-profile-{label}.txt",
+                         f"{batch}+{tokens} {label}")
     return 0
 
 

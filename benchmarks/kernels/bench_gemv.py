@@ -183,11 +183,29 @@ def wide_configs(m: int, n: int, k: int, kind: str, num_sms: int) -> list[Config
     ]
     # Keep the split-K of the heuristic where it split (small N).
     grid = [cfg._replace(split_k=base.split_k) if not base.use_dot else cfg for cfg in grid]
+    if base.use_dot and kind == "bf16":
+        grid = dot_grid(k, base.split_k)  # FMA at 3+ rows costs 4.6+ instructions per weight byte
     configs, seen = [base], {base}
     for cfg in grid + sweep_configs(m, n, k, kind, num_sms)[1:]:
         if cfg not in seen and valid(cfg, k, kind, m) and cfg.block_k <= max(vec * 32, 1 << (k - 1).bit_length()):
             seen.add(cfg)
             configs.append(cfg)
+    return configs
+
+
+def dot_grid(k: int, split_k: int) -> list[Config]:
+    """--wide, 16-bit weights on DOT: weight columns per program and warp (8 or more per warp,
+    the MMA's N), K step and pipeline depth, within ~200 KiB of shared memory for the staged
+    x and weight tiles; split-K as the heuristic's and, where it splits, also 1 and twice it."""
+    configs = []
+    splits = (split_k,) if split_k == 1 else (split_k, 1, 2 * split_k)
+    for block_n in (16, 32, 64, 128):
+        for warps in (2, 4, 8):
+            for block_k in (64, 128, 256):
+                for stages in (2, 3, 4, 5):
+                    staged = stages * (16 + block_n) * block_k * 2
+                    if block_n >= 8 * warps and staged <= 200 << 10 and block_k <= max(16, 1 << (k - 1).bit_length()):
+                        configs += [Config(block_n, block_k, warps, stages, True, split) for split in splits]
     return configs
 
 

@@ -334,17 +334,22 @@ def test_heuristic_on_real_shapes() -> None:
                 # the last one masked, measured fastest on 5120 x 17408).
                 assert k % cfg.block_k == 0 or (dtype == FP8 and m == 1 and k % 1024 == 0)
                 programs = -(-n // cfg.block_n) * cfg.split_k
-                assert programs >= 2 * 132 or k // cfg.split_k < 4 * cfg.block_k
+                # 16-bit DOT tiles stream at the copy bandwidth from one program per SM (measured)
+                min_programs = 132 if cfg.use_dot and dtype != FP8 else 2 * 132
+                assert programs >= min_programs or k // cfg.split_k < 4 * cfg.block_k
     assert fast._config(1, 5120, 6144, torch.bfloat16, 132) is fast._config(1, 5120, 6144, torch.bfloat16, 132)
     # FP8: FMA at M = 1, and at M = 2 from N = 4096 on, as 2 rows x 1 KiB on 2 warps (measured
-    # on the 27B shapes, docs/kernels.md); DOT below; bf16 DOT at M = 4 on the 27B shapes: 32
-    # columns on 4 warps (measured).
+    # on the 27B shapes, docs/kernels.md); DOT below; bf16 DOT at M = 4 and 16 on the 27B shapes:
+    # 32 columns on 2 warps, 128-wide K steps on wide matrices, 256-wide unsplit on 5120 rows (measured).
     assert [fast._config(m, 16480, 5120, FP8, 132).use_dot for m in (1, 2, 4, 16)] == [False, False, True, True]
     for n, k in [(16480, 5120), (5120, 6144), (34816, 5120), (5120, 17408)]:
         assert fast._config(2, n, k, FP8, 132)[:5] == (2, 1024, 2, 1, False)
     assert fast._config(2, 2048, 4096, FP8, 132).use_dot
-    for n, k in [(16480, 5120), (5120, 6144), (5120, 17408)]:
-        assert fast._config(4, n, k, torch.bfloat16, 132)[:3] == (32, 256, 4)
+    for m in (4, 16):
+        for n, k in [(16480, 5120), (14336, 5120), (34816, 5120)]:
+            assert fast._config(m, n, k, torch.bfloat16, 132)[:4] == (32, 128, 2, 3)
+        for n, k in [(5120, 6144), (5120, 17408)]:
+            assert fast._config(m, n, k, torch.bfloat16, 132)[:6] == (32, 256, 2, 4, True, 1)
 
 
 def test_invalid_inputs() -> None:

@@ -525,22 +525,26 @@ FLA_CHUNK_SIZE = 64  # fla's chunk_gated_delta_rule default; its chunk_indices a
 
 
 @functools.lru_cache(maxsize=16)
-def _varlen_metadata(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cu_seqlens, chunk_indices) on the device for fla.
+def _varlen_metadata(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(cu_seqlens, chunk_indices, chunk_offsets) on the device for fla.
 
     Built once per distinct set of request lengths (a prefill step's), then the same tensors
     for every GDN layer of the step: fla's own chunk-index build copies to the device with a
     stream sync in each call (one per layer, each draining the GPU queue). Nothing writes them.
     """
+    chunks = [triton.cdiv(n, FLA_CHUNK_SIZE) for n in lengths]
     # [sequence, chunk within it] per chunk of FLA_CHUNK_SIZE tokens, as fla's prepare_chunk_indices
     chunk_indices = torch.tensor(
-        [[seq, chunk] for seq, n in enumerate(lengths) for chunk in range(triton.cdiv(n, FLA_CHUNK_SIZE))],
-        dtype=torch.int64,
+        [[seq, chunk] for seq, count in enumerate(chunks) for chunk in range(count)], dtype=torch.int64
     ).reshape(-1, 2)
     pinned = device.type == "cuda"
     if pinned:
         chunk_indices = chunk_indices.pin_memory()
-    return start_offsets(lengths, device), chunk_indices.to(device, non_blocking=pinned)
+    return (
+        start_offsets(lengths, device),
+        chunk_indices.to(device, non_blocking=pinned),
+        start_offsets(tuple(chunks), device),
+    )
 
 
 @functools.cache
@@ -549,22 +553,33 @@ def _fla_chunk():
 
     Its public function wraps the forward in an autograd Function, input guards and
     dispatch decorators: ~1.5 ms of host time per call, 45 ms over the 30 GDN layers of a
-    prefill step, which the host must spend ahead of the GPU. The two functions below are
-    what it calls for inference (fla 0.6, pinned < 0.7 in pyproject.toml).
+    prefill step, which the host must spend ahead of the GPU. The steps below are what its
+    forward runs for inference (fla 0.6, pinned < 0.7 in pyproject.toml), with the chunk
+    offsets passed in: fla would derive them from cu_seqlens and cache them by the tensor's
+    identity, which a captured graph's static offsets would turn stale.
     """
     try:
         from fla.modules.norm.l2norm import l2norm_fwd
-        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_fwd_o
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
     except ImportError:
         return None
 
-    def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices):
+    def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, chunk_offsets):
         """-> (o, final_state), as fla's chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)."""
+        varlen = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices}
         q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
-        _, o, _, final_state, _, _ = chunk_gated_delta_rule_fwd(
-            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-            output_final_state=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        # fla's kernels exponentiate in base 2: the gates' cumulative sums are scaled by 1 / ln 2.
+        g = chunk_local_cumsum(g, chunk_size=FLA_CHUNK_SIZE, scale=RCP_LN2, **varlen)
+        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=FLA_CHUNK_SIZE, **varlen)
+        h, v_new, final_state = chunk_gated_delta_rule_fwd_h(
+            k=k, w=w, u=u, g=g, initial_state=initial_state, output_final_state=True, chunk_size=FLA_CHUNK_SIZE,
+            chunk_offsets=chunk_offsets, **varlen,
         )  # fmt: skip
+        o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=FLA_CHUNK_SIZE, **varlen)
         return o, final_state
 
     return forward
@@ -637,67 +652,3 @@ def _rule(fla_chunk, q, k, v, g, beta, state, slots, cu_seqlens, chunk_indices, 
         )
     state.index_copy_(0, slots, final.to(state.dtype))
     return out[0].to(v.dtype)
-
-
-FLA_CHUNK_SIZE = 64  # fla's chunk_gated_delta_rule default; its chunk_indices are in these units
-
-
-@functools.lru_cache(maxsize=16)
-def _varlen_metadata(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(cu_seqlens, chunk_indices, chunk_offsets) on the device for fla.
-
-    Built once per distinct set of request lengths (a prefill step's), then the same tensors
-    for every GDN layer of the step: fla's own chunk-index build copies to the device with a
-    stream sync in each call (one per layer, each draining the GPU queue). Nothing writes them.
-    """
-    chunks = [triton.cdiv(n, FLA_CHUNK_SIZE) for n in lengths]
-    # [sequence, chunk within it] per chunk of FLA_CHUNK_SIZE tokens, as fla's prepare_chunk_indices
-    chunk_indices = torch.tensor(
-        [[seq, chunk] for seq, count in enumerate(chunks) for chunk in range(count)], dtype=torch.int64
-    ).reshape(-1, 2)
-    pinned = device.type == "cuda"
-    if pinned:
-        chunk_indices = chunk_indices.pin_memory()
-    return (
-        start_offsets(lengths, device),
-        chunk_indices.to(device, non_blocking=pinned),
-        start_offsets(tuple(chunks), device),
-    )
-
-
-@functools.cache
-def _fla_chunk():
-    """fla's chunked forward, or None when flash-linear-attention is not installed.
-
-    Its public function wraps the forward in an autograd Function, input guards and
-    dispatch decorators: ~1.5 ms of host time per call, 45 ms over the 30 GDN layers of a
-    prefill step, which the host must spend ahead of the GPU. The steps below are what its
-    forward runs for inference (fla 0.6, pinned < 0.7 in pyproject.toml), with the chunk
-    offsets passed in: fla would derive them from cu_seqlens and cache them by the tensor's
-    identity, which a captured graph's static offsets would turn stale.
-    """
-    try:
-        from fla.modules.norm.l2norm import l2norm_fwd
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-        from fla.ops.common.chunk_o import chunk_fwd_o
-        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-        from fla.ops.utils import chunk_local_cumsum
-        from fla.ops.utils.constant import RCP_LN2
-    except ImportError:
-        return None
-
-    def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, chunk_offsets):
-        """-> (o, final_state), as fla's chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)."""
-        varlen = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices}
-        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
-        # fla's kernels exponentiate in base 2: the gates' cumulative sums are scaled by 1 / ln 2.
-        g = chunk_local_cumsum(g, chunk_size=FLA_CHUNK_SIZE, scale=RCP_LN2, **varlen)
-        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=FLA_CHUNK_SIZE, **varlen)
-        h, v_new, final_state = chunk_gated_delta_rule_fwd_h(
-            k=k, w=w, u=u, g=g, initial_state=initial_state, output_final_state=True, chunk_size=FLA_CHUNK_SIZE,
-            chunk_offsets=chunk_offsets, **varlen,
-        )  # fmt: skip
-        o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=FLA_CHUNK_SIZE, **varlen)
-        return o, final_state
-
-    return forward

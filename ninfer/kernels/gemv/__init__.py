@@ -48,10 +48,9 @@ def gemv_causal_conv1d_update(
     return impl(x, weight, weight_scale, bias, conv_weight, conv_state, state_slots)
 
 
-# Unquantized weights: the largest row count where the GEMV kernel beats cuBLAS on the H200
-# (bench_gemv.py on the 27B shapes: 4-12 % faster than F.linear at M = 1 and 2; at par or
-# behind from M = 4).
-UNQUANTIZED_GEMV_MAX_ROWS = 2
+# Unquantized weights: the GEMV kernel up to its row limit (bench_gemv.py on the 27B shapes:
+# 4-12 % faster than F.linear at M = 1 and 2 on the FMA path, 2-10 % at M = 4 and 16 on DOT).
+UNQUANTIZED_GEMV_MAX_ROWS = MAX_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

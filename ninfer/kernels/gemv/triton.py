@@ -570,14 +570,17 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
                 block_n, num_warps = 32, 1
             else:
                 block_n, num_warps = 16, 1
+        elif triton.cdiv(N, 64) >= 4 * target_programs:
+            # 16-bit weights (x is the A operand, 8 weight columns per warp and MMA), lm_head-wide
+            # matrices: 64 columns on 4 warps.
+            block_n, num_warps = 64, 4
         else:
-            # 16-bit weights (x is the A operand, 8 weight columns per warp and MMA): 32
-            # columns on 4 warps measured best at M = 4 on every 27B shape, down to N =
-            # 5120's 160 programs; 16 on 2 warps below one program per SM; 64 when that
-            # still leaves 4 programs per SM (lm_head).
-            block_n, num_warps = (32, 4) if triton.cdiv(N, 32) >= num_sms else (16, 2)
-            if triton.cdiv(N, 64) >= target_programs:
-                block_n = 64
+            # Measured (bench_gemv --wide, 27B shapes, M = 4 and 16): 32 columns on 2 warps, 128-wide
+            # K steps 3 deep where N / 32 fills 2 programs per SM, else 256-wide 4 deep without
+            # split-K: within 4 % of each shape's best, 97-104 % of the copy bandwidth, 2-10 %
+            # ahead of cuBLAS; 16 columns below one program per SM.
+            block_n, num_warps = (32, 2) if triton.cdiv(N, 32) >= num_sms else (16, 2)
+            block_k, num_stages = (128, 3) if triton.cdiv(N, 32) >= 2 * num_sms else (min(block_k, 256), 4)
     else:
         vec = 16 // elem_bytes
         # One 16-byte vector per thread per row and step: block_k = vec * 32 * num_warps,
@@ -607,7 +610,8 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
         num_stages = 1  # the FMA loop's loads are not pipelined by Triton: residency hides latency
     programs = triton.cdiv(N, block_n)
     split_k = 1
-    if programs < 2 * num_sms:
+    # 16-bit DOT tiles from one program per SM stream at the copy bandwidth unsplit (measured).
+    if programs < (num_sms if use_dot and not fp8 else 2 * num_sms):
         # Under two programs per SM even with the narrowest tile: split K into fp32
         # partials (one more launch), keeping >= 2 steps per split.
         split_k = min(triton.next_power_of_2(triton.cdiv(2 * num_sms, programs)), _pow2_floor(K // (2 * block_k)))
