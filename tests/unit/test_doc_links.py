@@ -1,5 +1,6 @@
 """Every relative link in README.md and docs/*.md resolves: to a file of the repository and, for
-a link with a #fragment into a Markdown file, to one of its headings (GitHub's anchors)."""
+a link with a #fragment into a Markdown file, to one of its headings (GitHub's anchors). Every
+file under docs/perf/ is linked from those pages, so no measurement is left unexplained."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from urllib.parse import unquote
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PERF = ROOT / "docs" / "perf"
 
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
@@ -55,6 +57,16 @@ def _broken(page: Path) -> list[str]:
 def test_every_relative_link_of_the_readme_and_the_docs_resolves() -> None:
     broken = {page.relative_to(ROOT).as_posix(): _broken(page) for page in PAGES}
     assert {page: links for page, links in broken.items() if links} == {}
+
+
+def test_every_file_under_docs_perf_is_linked_from_the_docs() -> None:
+    linked = set()
+    for page in PAGES:
+        for target in _links(page.read_text(encoding="utf-8")):
+            if _relative(target) and target.partition("#")[0]:
+                linked.add((page.parent / unquote(target.partition("#")[0])).resolve())
+    unlinked = sorted(p.name for p in PERF.iterdir() if p.is_file() and p.resolve() not in linked)
+    assert unlinked == []
 
 
 def test_links_and_anchors_are_read_as_github_reads_them(tmp_path: Path) -> None:
