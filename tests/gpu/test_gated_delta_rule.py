@@ -67,7 +67,6 @@ def _check_chunk(lengths: tuple[int, ...], slots: list[int], shape: str, seed: i
         rows = slice(start, start + length)
         out_err = _relative_error(out[rows], expected[rows])
         state_err = _relative_error(state[slot], expected_state[slot])
-        print(f"METRIC gdn_chunk {shape} len={length} out_rel={out_err:.2e} state_rel={state_err:.2e}")
         assert out_err < CHUNK_OUT_REL, (length, out_err)
         assert state_err < CHUNK_STATE_REL, (length, state_err)
         start += length
@@ -161,10 +160,6 @@ def test_recurrent_decode_matches_reference(shape: str, batch: int) -> None:
     lengths = (1,) * batch
     out = recurrent_gated_delta_rule(q, k, v, g, beta, state, slots, lengths)
     expected = ref.recurrent_gated_delta_rule(q, k, v, g, beta, expected_state, slots, lengths)
-    print(
-        f"METRIC gdn_decode {shape} B={batch} out_rel={_relative_error(out, expected):.2e} "
-        f"state_rel={_relative_error(state, expected_state):.2e}"
-    )
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(state, expected_state, atol=1e-4, rtol=1e-4)
     if batch == 1:

@@ -115,8 +115,6 @@ def test_matches_reference(name: str, kind: str, m: int, weights) -> None:
     weight, scale = weights(name, kind)
     x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
     out = gemv_op.gemv(x, weight, scale)
-    cfg = fast._config(m, n, k, weight.dtype, torch.cuda.get_device_properties(0).multi_processor_count)
-    print(f"METRIC gemv {name} {kind} M={m} config={tuple(cfg)}")
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     check(out, exact_fp32(x, weight, scale))
 

@@ -69,7 +69,6 @@ def test_fused_experts_matches_float64(num_tokens: int, experts: tuple[torch.Ten
     exact = ref.fused_experts(x.double(), weights.double(), ids, gate_up.double(), down.double())
     bf16_ref = ref.fused_experts(x, weights, ids, gate_up, down)
     err, ref_err = _relative_error(out, exact), _relative_error(bf16_ref, exact)
-    print(f"METRIC moe_experts T={num_tokens} rel={err:.2e} bf16_ref_rel={ref_err:.2e}")
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     assert err < EXPERTS_REL
     assert err <= ref_err * 1.5  # no worse than the all-bf16 reference
@@ -90,7 +89,6 @@ def test_prefill_paths_match_float64(num_tokens: int, grouped_mm: bool, experts)
     exact = ref.fused_experts(x.double(), weights.double(), ids, gate_up.double(), down.double())
     err = _relative_error(out, exact)
     ref_err = _relative_error(ref.fused_experts(x, weights, ids, gate_up, down), exact)
-    print(f"METRIC moe_prefill grouped_mm={grouped_mm} T={num_tokens} rel={err:.2e} bf16_ref_rel={ref_err:.2e}")
     assert err < EXPERTS_REL
     assert err <= ref_err * 1.5
 
@@ -165,7 +163,6 @@ def test_layer_graph_decode_matches_reference_ops(monkeypatch: pytest.MonkeyPatc
             expected = layer(new)
             monkeypatch.delenv("NINFER_KERNELS")
             err = _relative_error(static_out, expected)
-            print(f"METRIC moe_layer graph_vs_ref_ops rel={err:.2e}")
             assert err < EXPERTS_REL
 
 

@@ -309,17 +309,6 @@ def _qwen_like_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Te
     return quantized.contiguous(), expand_block_rows(scale, n)
 
 
-def _timed_ms(fn, repeats: int = 10) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 class TestOnGpu:
@@ -423,20 +412,3 @@ class TestOnGpu:
         torch.cuda.synchronize()
         assert torch.equal(captured, fp8_gemm_op.fp8_linear(x, weight, weight_scale))
         assert not torch.equal(captured, eager)
-
-    @pytest.mark.parametrize("name", list(PROJECTIONS_27B))
-    def test_report_rate(self, name: str, weights) -> None:
-        # Not a pass/fail check: the rate at 8K rows, against bf16 cuBLAS of a dequantized copy
-        # and the path this replaced (dequantize, then bf16), for docs/kernels.md.
-        n, k = PROJECTIONS_27B[name]
-        weight, weight_scale = weights(name)
-        x = torch.randn(8192, k, device="cuda").bfloat16()
-        w_bf16 = dequantize(weight, weight_scale).bfloat16()
-        flop = 2 * 8192 * n * k
-        fp8_ms = _timed_ms(lambda: fp8_gemm_op.fp8_linear(x, weight, weight_scale))
-        bf16_ms = _timed_ms(lambda: F.linear(x, w_bf16))
-        old_ms = _timed_ms(lambda: F.linear(x, dequantize(weight, weight_scale).to(x.dtype)), repeats=3)
-        print(
-            f"METRIC fp8_gemm {name} M=8192 N={n} K={k}: fp8 {fp8_ms:.3f} ms ({flop / fp8_ms / 1e9:.0f} TFLOP/s),"
-            f" bf16 cuBLAS {bf16_ms:.3f} ms, dequantize + bf16 {old_ms:.3f} ms"
-        )

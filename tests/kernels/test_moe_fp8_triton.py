@@ -221,7 +221,6 @@ class TestOnGpu:
         )  # fmt: skip
         fp8_ref = ref.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
         err, ref_err = _relative_error(out, exact), _relative_error(fp8_ref, exact)
-        print(f"METRIC moe_fp8_experts layout={layout} T={num_tokens} rel={err:.2e} ref_rel={ref_err:.2e}")
         assert out.dtype == torch.bfloat16 and out.shape == x.shape
         assert err < EXPERTS_REL
         assert err <= ref_err * 1.5  # no worse than the reference's bf16 roundings
@@ -239,7 +238,6 @@ class TestOnGpu:
         out = fast.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
         bf16 = fast.fused_experts(x, weights, ids, gate_up_bf16, down_bf16, grouped_mm=False)
         err = _relative_error(out, bf16)
-        print(f"METRIC moe_fp8_vs_bf16_kernels layout={layout} T={num_tokens} rel={err:.2e}")
         assert err < AGAINST_BF16_KERNELS_REL
 
     def test_decode_replays_from_a_cuda_graph(self, experts) -> None:

@@ -306,19 +306,10 @@ class TestOnGpu:
         packed, block_scale, row_scale = weights(name)
         x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
         out = gemm_op.nvfp4_matmul(x, packed, block_scale, row_scale)
-        cfg = fast._config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
         _check_gpu(out, _exact_fp32(x, packed, block_scale, row_scale), torch.bfloat16)
         # The dispatcher's choice for CUDA tensors, and the same bits on every run.
         assert torch.equal(fast.nvfp4_matmul(x, packed, block_scale, row_scale), out)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            gemm_op.nvfp4_matmul(x, packed, block_scale, row_scale)
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / 5
-        print(f"METRIC nvfp4_matmul {name} M={m} config={tuple(cfg)} {ms:.3f} ms {2 * m * n * k / ms / 1e9:.0f} TFLOP/s")
 
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
     @pytest.mark.parametrize("m", [17, 40, 300])

@@ -284,8 +284,6 @@ class TestOnGpu:
         packed, block_scale, row_scale = weights(name)
         x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
         out = nvfp4_op.gemv_nvfp4(x, packed, block_scale, row_scale)
-        cfg = fast._config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-        print(f"METRIC gemv_nvfp4 {name} M={m} config={tuple(cfg)}")
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
         _check_gpu(out, _exact_fp32(x, packed, block_scale, row_scale))
         # The dispatcher's choice for CUDA tensors, and the same bits on every run.

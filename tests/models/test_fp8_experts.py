@@ -117,7 +117,6 @@ def test_quantize_fp8_turns_moe_experts_fp8(root) -> None:
     logits = run_full(quantized, PROMPT)
     error = _relative_error(logits, run_full(fp8_linear_only, PROMPT))
     bf16_error = _relative_error(run_full(copy.deepcopy(model).to(torch.bfloat16), PROMPT), run_full(model, PROMPT))
-    print(f"METRIC fp8_experts_logits_rel={error:.2e} bf16_model_logits_rel={bf16_error:.2e}")
     assert error < FP8_EXPERTS_LOGITS_REL and error < bf16_error
     # The FP8 experts compute exactly what they hold.
     torch.testing.assert_close(run_full(_with_dequantized_experts(quantized), PROMPT), logits, atol=1e-5, rtol=1e-5)
