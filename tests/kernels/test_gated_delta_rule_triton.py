@@ -126,3 +126,22 @@ def test_verify_rows_leave_the_state_unchanged() -> None:
     expected = ref.recurrent_gated_delta_rule(q, k, v, g, beta, initial.clone(), slot_ids, lengths)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
     assert torch.equal(state, initial)
+
+
+def test_state_rows_of_a_padded_step_copy_only_live_requests() -> None:
+    """The padded rule's state copies: rows of requests with tokens gathered from their slots (and
+    written back), empty requests (the scratch slot, shared) neither read nor written."""
+    gen = torch.Generator().manual_seed(3)
+    state = torch.randn(7, 3, 4, 5, generator=gen)
+    slots = torch.tensor([4, 6, 1, 6, 6])  # slot 6: the scratch slot of the empty requests
+    starts = torch.tensor([0, 3, 3, 4, 4, 4])  # requests 1, 3 and 4 are empty
+    gathered = fast.gather_state_rows(state, slots, starts)
+    assert torch.equal(gathered[[0, 2]], state[[4, 1]])
+    torch.testing.assert_close(gathered[[0, 2]], ref.gather_state_rows(state, slots, starts)[[0, 2]])
+    rows = torch.randn(5, 3, 4, 5, generator=gen)
+    expected = state.clone()
+    ref.scatter_state_rows(expected, slots, starts, rows)
+    fast.scatter_state_rows(state, slots, starts, rows)
+    assert torch.equal(state, expected)
+    assert torch.equal(state[4], rows[0]) and torch.equal(state[1], rows[2])
+    assert not torch.equal(state[6], rows[1]) and not torch.equal(state[6], rows[4])

@@ -197,3 +197,24 @@ def test_reads_only_device_lengths(kernels):
     right = _run(kernels, case)
     wrong = _run(kernels, case, query_lens_cpu=(7, 7), seq_lens_cpu=(1, 1))
     assert torch.equal(right, wrong)
+
+
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_split_short_requests_in_a_padded_step(kernels, num_splits):
+    """A step graph's padded step: one max_query_len (the bucket) over decode, verify-sized and
+    prompt requests, empty requests and rows of none. The short requests take their own split
+    launch (partials by request), the prompts the unsplit one: every request's rows match, in
+    a NaN-poisoned output."""
+    query_lens, context_lens = (1, 40, 3, 16, 0, 0), (150, 0, 60, 90, 0, 0)
+    case = _case(query_lens, context_lens, 12, 2, 32, 16, torch.float32, seed=11)
+    want = _float64_reference(case)
+    bucket = 64
+    padded_q = torch.zeros(bucket, *case["q"].shape[1:])
+    padded_q[: case["q"].shape[0]] = case["q"]
+    padded = {**case, "q": padded_q, "max_query_len": bucket}
+    kwargs = {"num_splits": num_splits, "min_split": 16} if num_splits else {}
+    got = _run(kernels, padded, split_short_requests=True, out=torch.full_like(padded_q, float("nan")), **kwargs)
+    real = case["q"].shape[0]
+    assert torch.isfinite(got[:real]).all()
+    assert _rel_err(got[:real], want) < 1e-5
+    assert got[real:].isnan().all()  # rows of no request are left alone

@@ -110,6 +110,11 @@ def _call_every_wrapper(k) -> None:
     prefill_starts = torch.tensor([0, 20, 40, 60], dtype=torch.int32)
     prefill_lens = torch.tensor([20, 70, 128], dtype=torch.int32)
     attention(r(60, 4, 64), k_cache, v_cache, page_table, prefill_starts, prefill_lens, 0.125, max_query_len=20)
+    # A padded step (step graphs): a decode row's own split launch and merge, then the prompts.
+    padded_starts = torch.tensor([0, 1, 40, 40], dtype=torch.int32)
+    padded_lens = torch.tensor([70, 39, 0], dtype=torch.int32)
+    attention(r(64, 4, 64), k_cache, v_cache, page_table, padded_starts, padded_lens, 0.125, max_query_len=64,
+              prefetch_kv=True, split_short_requests=True)
     weights, ids = k["moe"].route(r(3, 16), 4, True)
     gate_up, down = r(16, 128, 64), r(16, 64, 64)
     k["moe"].fused_experts(r(3, 64), weights, ids, gate_up, down)  # decode grouping

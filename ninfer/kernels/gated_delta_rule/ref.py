@@ -218,6 +218,21 @@ def chunk_gated_delta_rule_padded(
     return out
 
 
+def gather_state_rows(state: torch.Tensor, state_slots: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """-> [R, ...] fp32: row b holds state[state_slots[b]] where request b has rows (starts[b] <
+    starts[b + 1]); the rows of empty requests are unspecified (here zero), never read back."""
+    out = torch.zeros((state_slots.shape[0], *state.shape[1:]), dtype=torch.float32, device=state.device)
+    live = (starts[1:] > starts[:-1]).nonzero().flatten()
+    out[live] = state.index_select(0, state_slots[live]).float()
+    return out
+
+
+def scatter_state_rows(state: torch.Tensor, state_slots: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) -> None:
+    """state[state_slots[b]] = rows[b] for the requests with rows; empty requests' slots untouched."""
+    live = (starts[1:] > starts[:-1]).nonzero().flatten()
+    state.index_copy_(0, state_slots[live], rows[live].to(state.dtype))
+
+
 def recurrent_gated_delta_rule_with_gates(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -631,11 +631,17 @@ def chunk_gated_delta_rule_padded(
     if fla_chunk is None:
         return ref.chunk_gated_delta_rule_padded(q, k, v, g, beta, state, state_slots, starts, chunk_indices,
                                                  chunk_offsets)
-    return _rule(fla_chunk, q, k, v, g, beta, state, state_slots, starts, chunk_indices, chunk_offsets)
+    return _rule(fla_chunk, q, k, v, g, beta, state, state_slots, starts, chunk_indices, chunk_offsets, padded=True)
 
 
-def _rule(fla_chunk, q, k, v, g, beta, state, slots, cu_seqlens, chunk_indices, chunk_offsets) -> torch.Tensor:
-    """fla's chunked rule from the slots' states, the final states scattered back."""
+def _rule(fla_chunk, q, k, v, g, beta, state, slots, cu_seqlens, chunk_indices, chunk_offsets, padded=False):
+    """fla's chunked rule from the slots' states, the final states scattered back. padded: the
+    copies skip the empty requests (most of a padded step's table), whose states fla reads and
+    writes but nothing uses."""
+    if padded:
+        initial = gather_state_rows(state, slots, cu_seqlens)
+    else:
+        initial = state.index_select(0, slots).float()
     with torch.no_grad():
         # fla's layout: one packed "batch" of sequences; its kernels want contiguous inputs.
         out, final = fla_chunk(
@@ -645,10 +651,58 @@ def _rule(fla_chunk, q, k, v, g, beta, state, slots, cu_seqlens, chunk_indices, 
             g.float().unsqueeze(0).contiguous(),
             beta.unsqueeze(0).contiguous(),
             q.shape[-1] ** -0.5,
-            state.index_select(0, slots).float(),
+            initial,
             cu_seqlens,
             chunk_indices,
             chunk_offsets,
         )
-    state.index_copy_(0, slots, final.to(state.dtype))
+    if padded:
+        scatter_state_rows(state, slots, cu_seqlens, final)
+    else:
+        state.index_copy_(0, slots, final.to(state.dtype))
     return out[0].to(v.dtype)
+
+
+STATE_COPY_BLOCK = 4096  # fp32 elements per program: 16 KiB
+
+
+@triton.jit
+def _state_rows_kernel(src_ptr, dst_ptr, slots_ptr, starts_ptr, row_elems, stride_slot, GATHER: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Program (request b, block): copies one block of b's state between its slot and row b,
+    nothing for an empty request."""
+    b = tl.program_id(0)
+    if tl.load(starts_ptr + b + 1) == tl.load(starts_ptr + b):
+        return
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_elems
+    if GATHER:
+        values = tl.load(src_ptr + slot * stride_slot + offs, mask=mask)
+        tl.store(dst_ptr + b.to(tl.int64) * row_elems + offs, values.to(tl.float32), mask=mask)
+    else:
+        values = tl.load(src_ptr + b.to(tl.int64) * row_elems + offs, mask=mask)
+        tl.store(dst_ptr + slot * stride_slot + offs, values.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def gather_state_rows(state: torch.Tensor, state_slots: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Same contract as ref.gather_state_rows: one launch, empty requests' programs exit."""
+    rows = state_slots.shape[0]
+    out = torch.empty((rows, *state.shape[1:]), dtype=torch.float32, device=state.device)
+    _copy_state_rows(state, out, state_slots, starts, gather=True)
+    return out
+
+
+def scatter_state_rows(state: torch.Tensor, state_slots: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) -> None:
+    """Same contract as ref.scatter_state_rows."""
+    _copy_state_rows(rows.contiguous(), state, state_slots, starts, gather=False)
+
+
+def _copy_state_rows(src: torch.Tensor, dst: torch.Tensor, state_slots, starts, gather: bool) -> None:
+    state = src if gather else dst
+    if not state[0].is_contiguous():
+        raise ValueError("each state slot must be a contiguous block")
+    row_elems = state[0].numel()
+    grid = (state_slots.shape[0], triton.cdiv(row_elems, STATE_COPY_BLOCK))
+    _state_rows_kernel[grid](src, dst, state_slots, starts, row_elems, state.stride(0), GATHER=gather,
+                             BLOCK=STATE_COPY_BLOCK)

@@ -22,6 +22,7 @@ def paged_attention(
     query_lens_cpu: tuple[int, ...] | None = None,
     seq_lens_cpu: tuple[int, ...] | None = None,
     prefetch_kv: bool = False,
+    split_short_requests: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its paged KV (see ref.py).
 
@@ -29,7 +30,9 @@ def paged_attention(
     captured decode batch), so it can be replayed from a CUDA graph; the host copies
     query_lens_cpu / seq_lens_cpu serve the reference and the CPU version (cpu.py) and pick
     dense_prefill (SDPA) for one request's long prefill chunk. prefetch_kv is a launch hint
-    for the fast path (see its docstring): same result.
+    for the fast path (see its docstring): same result. split_short_requests (a padded step's
+    mixed lengths under one max_query_len): the fast path gives requests of few queries a
+    split-K launch of their own; same result.
     """
     impl = fast_impl(__name__, "paged_attention", q)
     if impl is not None and dense_prefill.eligible(q, k_cache, query_lens_cpu, seq_lens_cpu, v_cache):
@@ -38,4 +41,4 @@ def paged_attention(
     lens = {"max_query_len": max_query_len, "query_lens_cpu": query_lens_cpu, "seq_lens_cpu": seq_lens_cpu}
     if impl is None:
         return (cpu_impl(__name__, "paged_attention", q) or ref.paged_attention)(*args, **lens)
-    return impl(*args, **lens, prefetch_kv=prefetch_kv)
+    return impl(*args, **lens, prefetch_kv=prefetch_kv, split_short_requests=split_short_requests)

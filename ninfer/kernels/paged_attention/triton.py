@@ -22,6 +22,13 @@ the device from the sequence length, so one grid serves every length: short sequ
 a few full splits and the other programs exit at once. Each split writes its normalised
 partial output and log2-sum-exp; a second kernel merges them. Split 0 always holds key 0,
 which every query sees, so every row has at least one non-empty split.
+
+Mixed lengths with device-only sizes (split_short_requests, a step graph's padded step): a
+single grid sized for the longest request would give a decode row's whole context to one
+program with the prefill tile. There, requests of at most SPLIT_MAX_QUERY_LEN queries run in
+a split-K launch of their own (partials indexed by request and query, not by token, so the
+buffers do not grow with the step's rows) and the longer ones in a second, unsplit launch;
+each launch's programs for the other kind exit at once.
 """
 
 from __future__ import annotations
@@ -262,8 +269,13 @@ def _paged_attention_kernel(
     V_FMT: tl.constexpr,
     K_ROW: tl.constexpr,
     V_ROW: tl.constexpr,
+    ROWS: tl.constexpr = 0,
+    SHORT_QUERY: tl.constexpr = 16,
 ):
-    """EARLY_KV (needs USE_PDL): the step's metadata (query starts, lengths, page table) are
+    """ROWS: 0 every request; 1 only requests of at most SHORT_QUERY queries, their split
+    partials at row b * SHORT_QUERY + query (not the token); 2 only the longer requests.
+
+    EARLY_KV (needs USE_PDL): the step's metadata (query starts, lengths, page table) are
     read before pdl_sync, and the K/V lines of this program's first tile that hold keys
     before the request's new queries are prefetched into L2 there; see paged_attention.
 
@@ -317,6 +329,12 @@ def _paged_attention_kernel(
         pdl_sync(USE_PDL)  # q and the new keys are the previous launch's
     if block_start >= q_len:
         return
+    if ROWS == 1:
+        if q_len > SHORT_QUERY:
+            return
+    if ROWS == 2:
+        if q_len <= SHORT_QUERY:
+            return
 
     rows = tl.arange(0, BLOCK_M)
     t = rows // G
@@ -328,7 +346,11 @@ def _paged_attention_kernel(
     d_valid = d < HEAD_DIM
 
     if SPLIT_K:
-        part = (token * (NUM_KV_HEADS * G) + head) * num_splits + split
+        if ROWS == 1:
+            part_row = b.to(tl.int64) * SHORT_QUERY + block_start + t
+        else:
+            part_row = token
+        part = (part_row * (NUM_KV_HEADS * G) + head) * num_splits + split
         if lo >= hi:
             # Nothing here: the merge gives this split weight 0 and never reads its output.
             tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
@@ -381,6 +403,7 @@ def _merge_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    query_start_loc_ptr,
     stride_ot,
     stride_oh,
     num_splits,
@@ -389,11 +412,24 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SHORT_QUERY: tl.constexpr = 0,
 ):
+    """Program (row, head, d-slice). SHORT_QUERY = 0: row is the token; else row is
+    b * SHORT_QUERY + query of request b's short-request partials (ROWS = 1), others exit."""
     pdl_sync(USE_PDL)  # before the first global load or store
-    token = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    base = (token * NUM_HEADS + head) * num_splits
+    if SHORT_QUERY > 0:
+        b = row // SHORT_QUERY
+        query = row % SHORT_QUERY
+        q_start = tl.load(query_start_loc_ptr + b)
+        q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+        if (q_len > SHORT_QUERY) | (query >= q_len):
+            return
+        token = (q_start + query).to(tl.int64)
+    else:
+        token = row
+    base = (row * NUM_HEADS + head) * num_splits
     s = tl.arange(0, BLOCK_S)
     lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits: exp2(-inf) = 0
@@ -490,17 +526,18 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     prefetch_kv: bool = False,
+    split_short_requests: bool = False,
 ) -> torch.Tensor:
     """Same contract as ref.paged_attention; reads no per-step host values.
 
     prefetch_kv (PDL launches): read query_start_loc, seq_lens and the page table before the
     PDL wait and prefetch the older keys' K/V into L2 there (see ninfer.kernels.pdl). Only
     when the launch just before this one writes none of those but the new keys' K/V: a
-    decode step's prepare_qkv.
+    decode step's prepare_qkv. split_short_requests: with max_query_len above
+    SPLIT_MAX_QUERY_LEN, requests of at most that many queries take a split-K launch of
+    their own (see the module docstring).
     """
-    num_tokens, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
+    num_tokens = q.shape[0]
     num_requests = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(q)
@@ -510,6 +547,27 @@ def paged_attention(
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or page_table.stride(-1) != 1:
         raise ValueError("paged_attention needs unit-stride head_dim in the caches and a row-major page table")
+    args = (q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale, out)
+    tiles = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
+    if split_short_requests and max_query_len > SPLIT_MAX_QUERY_LEN:
+        _launch(*args, SPLIT_MAX_QUERY_LEN, num_splits, min_split, prefetch_kv, rows=1)
+        # The launch before the second one (the first's merge) writes only out: the keys'
+        # prefetch stays valid.
+        _launch(*args, max_query_len, None, None, prefetch_kv, rows=2, **tiles)
+    else:
+        _launch(*args, max_query_len, num_splits, min_split, prefetch_kv, rows=0, **tiles)
+    return out
+
+
+def _launch(
+    q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale, out, max_query_len, num_splits, min_split,
+    prefetch_kv, *, rows, block_m=None, block_n=None, num_warps=None, num_stages=None,
+) -> None:
+    """One attention launch (and its split merge) over the requests ROWS = rows selects."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_requests = seq_lens.shape[0]
     k_fmt, v_fmt = cache_format(k_cache, head_dim), cache_format(v_cache, head_dim)
     quantized = (k_fmt, v_fmt) != ("plain", "plain")
     block_q, default_m, default_n, default_warps, default_stages = _block_config(
@@ -528,9 +586,11 @@ def paged_attention(
         splits, planned_min = split_plan(num_requests, num_kv_heads, num_q_blocks, block_n, q.device)
         splits = num_splits or splits
         min_split = min_split or planned_min
+    # Split partials by token, or (short requests only) by request and query.
+    part_rows = num_requests * SPLIT_MAX_QUERY_LEN if rows == 1 else num_tokens
     if splits > 1:
-        part_out = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+        part_out = torch.empty((part_rows, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((part_rows, num_heads, splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # never touched without SPLIT_K
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -581,16 +641,19 @@ def paged_attention(
         V_FMT=v_fmt,
         K_ROW=k_cache.shape[-1],
         V_ROW=v_cache.shape[-1],
+        ROWS=rows,
+        SHORT_QUERY=SPLIT_MAX_QUERY_LEN,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=use_pdl,
     )
     if splits > 1:
         merge_block_d = min(block_d, 64)
-        _merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(head_dim, merge_block_d))](
+        _merge_splits_kernel[(part_rows, num_heads, triton.cdiv(head_dim, merge_block_d))](
             part_out,
             part_lse,
             out,
+            query_start_loc,
             out.stride(0),
             out.stride(1),
             splits,
@@ -599,7 +662,9 @@ def paged_attention(
             BLOCK_D=merge_block_d,
             BLOCK_S=triton.next_power_of_2(splits),
             USE_PDL=use_pdl,
+            SHORT_QUERY=SPLIT_MAX_QUERY_LEN if rows == 1 else 0,
             num_warps=4,
             launch_pdl=use_pdl,
         )
-    return out
+
+

@@ -79,6 +79,8 @@ class Attention(nn.Module):
             query_lens_cpu=batch.query_lens_cpu,
             seq_lens_cpu=batch.seq_lens_cpu,
             prefetch_kv=True,  # prepare_qkv, launched just before, writes only the new keys
+            # A padded step's max_query_len is its bucket: decode rows beside a prompt get their own split launch.
+            split_short_requests=batch.padded is not None,
         )
         if gate is not None:
             out = sigmoid_mul(out, gate)
