@@ -179,7 +179,8 @@ class ModelRunner:
             # two such chunks are rare and run eagerly (every request row costs the rule a state copy).
             max_chunks = max_batch or max(cuda_graph_batch_sizes, default=num_state_slots)
             max_requests = max_chunks + min(max_chunks, MAX_GRAPH_SNAPSHOTS)
-            self._build_step_graphs(step_graph_tokens, max_requests, max_context, num_state_slots, num_pages)
+            self._build_step_graphs(step_graph_tokens, max_chunks, max_requests, max_context, num_state_slots,
+                                    num_pages)
 
     @staticmethod
     def _step_graph_blocker(model: CausalLM, num_draft_tokens: int) -> str | None:
@@ -193,11 +194,12 @@ class ModelRunner:
         return None
 
     def _build_step_graphs(
-        self, max_tokens: int, max_requests: int, max_context: int, scratch_slot: int, scratch_page: int
+        self, max_tokens: int, max_decode_rows: int, max_requests: int, max_context: int, scratch_slot: int,
+        scratch_page: int,
     ) -> None:
         kv = self.kv_cache
         max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
-        buckets = token_buckets(max_tokens)
+        buckets = token_buckets(max_tokens, max_decode_rows)
         graphs = StepGraphs(self.model, kv, self.state_cache, self.slot_logits, self.num_valid_tokens, buckets,
                             max_requests, max_pages, scratch_slot, scratch_page)
         if self.device.type == "cuda":

@@ -93,6 +93,9 @@ def test_token_buckets() -> None:
     assert token_buckets(1032) == [16, 32, 64, 128, 256, 512, 1024, 1032]
     assert token_buckets(64) == [16, 32, 64]
     assert token_buckets(10) == [10]
+    # A full batch of 8 decode rows beside a power-of-two prompt chunk fits its bucket exactly.
+    assert token_buckets(1032, 8) == [24, 40, 72, 136, 264, 520, 1032]
+    assert token_buckets(40, 8) == [24, 40]
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
