@@ -494,7 +494,7 @@ class Admission:
                 self.actions.append(ResetSlot(seq.state_slot))
         seq.reuse_path = ck.path if ck is not None else ReusePath.ROOT
         # Context moves for it (a restore, a copy, victims spilled) run before its first step.
-        seq.materializing = any(not isinstance(a, ResetSlot) for a in self.actions[first_action:])
+        seq.materializing = any(a.moves_context for a in self.actions[first_action:])
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "admit %s: prompt %d, reuse %d from %s%s · %d private pages%s%s",

@@ -41,11 +41,6 @@ from ninfer.engine.scheduler.planner import CachePlanner
 from ninfer.engine.scheduler.step import (
     PENDING_TOKEN,
     CommitVerified,
-    CopyPage,
-    CopySlot,
-    ResetSlot,
-    RestorePages,
-    RestoreSlot,
     ScheduledChunk,
     SchedulerStep,
     SlotAction,
@@ -179,14 +174,8 @@ class Scheduler:
         touched_pages: set[int] = set()
         for step in steps:
             for action in step.before:
-                if isinstance(action, (ResetSlot, RestoreSlot)):
-                    touched_slots.add(action.slot if isinstance(action, ResetSlot) else action.device_slot)
-                elif isinstance(action, (CopySlot, CommitVerified)):
-                    touched_slots.add(action.dst if isinstance(action, CopySlot) else action.slot)
-                elif isinstance(action, CopyPage):
-                    touched_pages.add(action.dst)
-                elif isinstance(action, RestorePages):
-                    touched_pages.update(action.device_pages)
+                touched_slots.update(action.device_slots_written())
+                touched_pages.update(action.device_pages_written())
         for seq in self.running:
             if seq.state_slot in touched_slots or touched_pages.intersection(seq.pages):
                 failed_ids.add(seq.request_id)
