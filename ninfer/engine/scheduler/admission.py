@@ -43,6 +43,7 @@ from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
 from ninfer.engine.draft_policy import DraftPolicy
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.checkpoints import capture_frontiers
 from ninfer.engine.scheduler.outputs import error_output
 from ninfer.engine.scheduler.placement import Placement
@@ -53,7 +54,6 @@ from ninfer.engine.scheduler.step import (
     ResetSlot,
     RestorePages,
     RestoreSlot,
-    SlotAction,
     SpillPages,
 )
 from ninfer.engine.sequence import Sequence, SequenceStatus
@@ -107,12 +107,12 @@ class Admission:
         placement: Placement,
         make_stop_checker: Callable[[EngineRequest], StopChecker],
         clock: Callable[[], float],
-        actions: list[SlotAction],
+        actions: ActionQueue,
         detail: HostDetail,
         grammars: CompiledGrammars | None = None,
         vocab_size: int = 0,
     ):
-        """actions: the scheduler's list of slot actions to run before the next forward; detail:
+        """actions: where a plan's context moves go, to run before the next forward; detail:
         where committing a plan is timed (a context transaction). grammars: compiles output
         constraints (None: requests with one are refused); vocab_size: the logits width their token
         bitmasks cover."""
@@ -452,7 +452,7 @@ class Admission:
             if victim in plan.spill_kv:
                 host_pages = self.cache.host_kv_pool.allocate(len(victim.pages))
                 device_pages = self.cache.move_kv_to_host(victim, host_pages)
-                self.actions.append(SpillPages(tuple(device_pages), tuple(host_pages)))
+                self.actions.add(SpillPages(tuple(device_pages), tuple(host_pages)))
                 self.cache.counters.degrade(victim.shared, "kv_spills")
             else:
                 self.cache.remove(victim)
@@ -463,7 +463,7 @@ class Admission:
             # After the spills above in the action order: a page they gave up may be reused here.
             device_pages = self.kv_pool.allocate(len(ck.host_pages))
             host_pages = self.cache.move_kv_to_device(ck, device_pages)
-            self.actions.append(RestorePages(tuple(host_pages), tuple(device_pages)))
+            self.actions.add(RestorePages(tuple(host_pages), tuple(device_pages)))
             shared = ck.pages[: plan.num_full_pages]
             if not plan.adopt:
                 self.kv_pool.share(shared)
@@ -471,7 +471,7 @@ class Admission:
         private = self.kv_pool.allocate(plan.num_private_pages)
         if cow_src is not None:
             # Runs before any forward writes, so the source still holds the prefix's tokens.
-            self.actions.append(CopyPage(cow_src, private[0]))
+            self.actions.add(CopyPage(cow_src, private[0]))
             self.cache.counters.cow_pages += 1
         if plan.adopt:
             self.cache.remove(ck, release_resources=False)  # its page references and slot become ours
@@ -485,16 +485,16 @@ class Admission:
             seq.state_slot = self.state_pool.allocate()
             if hit is not None and hit.is_exact_frontier:
                 if ck.on_host:
-                    self.actions.append(RestoreSlot(ck.host_slot, seq.state_slot))
+                    self.actions.add(RestoreSlot(ck.host_slot, seq.state_slot))
                     self.cache.counters.state_restores += 1
                 else:
-                    self.actions.append(CopySlot(ck.state_slot, seq.state_slot))
+                    self.actions.add(CopySlot(ck.state_slot, seq.state_slot))
                 self.cache.touch(ck)
             else:
-                self.actions.append(ResetSlot(seq.state_slot))
+                self.actions.add(ResetSlot(seq.state_slot))
         seq.reuse_path = ck.path if ck is not None else ReusePath.ROOT
         # Context moves for it (a restore, a copy, victims spilled) run before its first step.
-        seq.materializing = any(a.moves_context for a in self.actions[first_action:])
+        seq.materializing = any(a.moves_context for a in self.actions.since(first_action))
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "admit %s: prompt %d, reuse %d from %s%s · %d private pages%s%s",

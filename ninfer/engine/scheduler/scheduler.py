@@ -33,6 +33,7 @@ from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.context_costs import ContextCosts, generic_costs
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.admission import Admission, SchedulerLimits
 from ninfer.engine.scheduler.checkpoints import Checkpoints, Snapshot
 from ninfer.engine.scheduler.outputs import delta_output, final_output
@@ -43,7 +44,6 @@ from ninfer.engine.scheduler.step import (
     CommitVerified,
     ScheduledChunk,
     SchedulerStep,
-    SlotAction,
     StepKind,
     VerifyOutcome,
 )
@@ -101,17 +101,16 @@ class Scheduler:
         self.state_pool = state_pool
         self.cache = cache
         self.clock = clock
-        # Slot and page actions for the next step, appended by admission and capture too.
-        self._pending_actions: list[SlotAction] = []
+        self.actions = ActionQueue()  # slot and page actions for the next step
         self.planner = CachePlanner(cache, costs or generic_costs(), state_image_bytes, kv_page_bytes)
-        placement = Placement(cache, self.planner, self._pending_actions)
+        placement = Placement(cache, self.planner, self.actions)
         self.placement = placement
         self.admission = Admission(
-            limits, kv_pool, state_pool, cache, placement, make_stop_checker, clock, self._pending_actions,
+            limits, kv_pool, state_pool, cache, placement, make_stop_checker, clock, self.actions,
             self.detail, grammars, vocab_size,
         )
         self.checkpoints = Checkpoints(
-            limits.prefix_reuse, kv_pool, state_pool, cache, placement, self._pending_actions, self.detail
+            limits.prefix_reuse, kv_pool, state_pool, cache, placement, self.actions, self.detail
         )
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -179,7 +178,7 @@ class Scheduler:
         for seq in self.running:
             if seq.state_slot in touched_slots or touched_pages.intersection(seq.pages):
                 failed_ids.add(seq.request_id)
-        self._pending_actions.clear()
+        self.actions.clear()
         for seq in [*self.running, *self._draining.values()]:
             if seq.request_id not in failed_ids:
                 continue
@@ -236,8 +235,8 @@ class Scheduler:
                 StepKind.MIXED if decode_ready else StepKind.PREFILL
             )
             return self._step(kind, chunks)
-        if self._pending_actions:
-            return SchedulerStep(StepKind.DECODE, [], before=self._take_actions())
+        if self.actions:
+            return SchedulerStep(StepKind.DECODE, [], before=self.actions.drain())
         return None
 
     def schedule_ahead(self, inflight: SchedulerStep) -> SchedulerStep | None:
@@ -253,7 +252,7 @@ class Scheduler:
         grammar runs ahead: should inflight's token start the grammar, the draw made ahead is
         dropped and redrawn masked (_drawn_before_its_grammar). Rows that reach their output
         limit at inflight are left out."""
-        if inflight.kind is not StepKind.DECODE or not inflight.chunks or self._pending_actions:
+        if inflight.kind is not StepKind.DECODE or not inflight.chunks or self.actions:
             return None
         if self.admission.has_compiled():
             return None
@@ -428,12 +427,7 @@ class Scheduler:
         by_id = {s.request_id: s for s in self.running}
         for chunk in chunks:
             by_id[chunk.request_id].num_steps_in_flight += 1
-        return SchedulerStep(kind, chunks, before=self._take_actions())
-
-    def _take_actions(self) -> list[SlotAction]:
-        actions = list(self._pending_actions)
-        self._pending_actions.clear()  # the list is shared with admission and capture
-        return actions
+        return SchedulerStep(kind, chunks, before=self.actions.drain())
 
     # ---- accounting ----------------------------------------------------------------
     def charge(self, step: SchedulerStep, phase: str, seconds: float, device_wait: float = 0.0) -> None:
@@ -564,7 +558,7 @@ class Scheduler:
             if len(seq.token_ids) > length + 1:
                 break  # the thinking budget appended forced tokens after it
         num_rows = seq.num_computed_tokens - start
-        self._pending_actions.append(CommitVerified(chunk.state_slot, self._verify_row(chunk), num_rows))
+        self.actions.add(CommitVerified(chunk.state_slot, self._verify_row(chunk), num_rows))
         keep_drafts = not seq.is_finished and committed == len(outcome.tokens) and seq.num_pending_tokens == 1
         seq.draft_token_ids = list(outcome.drafts) if keep_drafts else []
         self.stats.decode_tokens += committed
