@@ -40,7 +40,7 @@ from ninfer.contract.sampling import fresh_seed
 from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.constraint_state import ConstraintState
 from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
-from ninfer.engine.draft_policy import DraftPolicy
+from ninfer.engine.speculative.draft_policy import DraftPolicy
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
