@@ -26,7 +26,7 @@ from ninfer.engine.context_cache import CacheLimits, ContextCache
 from ninfer.engine.context_costs import resolve_context_costs
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.host_kv import HostKV
-from ninfer.engine.host_work import HostWork
+from ninfer.engine.host_time import HostTime
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.runner import ModelRunner
@@ -172,7 +172,7 @@ class EngineCore:
         self.decode_overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._inflight: PendingStep | None = None  # launched, not yet committed
         self._consecutive_failures = 0
-        self._work = HostWork()  # this interval's host and device-wait seconds by phase and class
+        self._work = HostTime()  # this interval's host and device-wait seconds by phase and class
         # Device memory by use in bytes (KV pool, state slots, and with --kv-capacity auto the
         # measured worst step, graphs and headroom); the builder fills it.
         self.memory_ledger: dict[str, int] = {}
@@ -332,7 +332,7 @@ class EngineCore:
         self.cache.counters.take(len(self.cache))
         self.cache.counters.last_selection = None
         self._host_active_s = 0.0
-        self._work = HostWork()
+        self._work = HostTime()
         self._detail.take()
         self.stats_records.clear()
         self._last_stats_at = self.clock()
@@ -371,7 +371,7 @@ class EngineCore:
         active = self._host_active_s
         self._host_active_s = 0.0
         self._last_stats_at = now
-        work, self._work = self._work, HostWork()
+        work, self._work = self._work, HostTime()
         detail = self._detail.take()
         cache = self.cache.counters.take(len(self.cache))
         if not active_interval:
