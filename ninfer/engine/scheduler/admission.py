@@ -439,15 +439,38 @@ class Admission:
         return spill
 
     def _commit(self, seq: Sequence, plan: AdmissionPlan) -> None:
-        hit = plan.hit
-        ck = hit.checkpoint if hit else None
-        reused = hit.num_reused_tokens if hit else 0
+        """Carry out a plan: pages and a slot for seq, the context moves that fill them queued
+        before its first step, the cache's bookkeeping, and seq started."""
+        ck = plan.hit.checkpoint if plan.hit is not None else None
         first_action = len(self.actions)
         if ck is not None and self.cache.forks_history(ck, seq.token_ids):
             self.cache.counters.historical_forks += 1
+        shared = self._hold_prefix(plan)
+        self._evict(plan)
+        if plan.free_device_slot and not self.placement.free_device_slot(keep=ck):
+            raise AssertionError("admission planned a device slot that placement cannot free")
+        if ck is not None and ck.kv_on_host:
+            shared = self._restore_kv(plan)
+        self._assign_pages_and_slot(seq, plan, shared)
+        seq.reuse_path = ck.path if ck is not None else ReusePath.ROOT
+        # Context moves for it (a restore, a copy, victims spilled) run before its first step.
+        seq.materializing = any(a.moves_context for a in self.actions.since(first_action))
+        self._log_admission(seq, plan)
+        self._count_reuse(plan.hit)
+        self._join_continuation(seq, ck)
+        self._start(seq, plan.hit)
+
+    def _hold_prefix(self, plan: AdmissionPlan) -> list[int]:
+        """The hit's fully reused pages, shared now unless adopted: held before anything is
+        evicted that might release them."""
+        ck = plan.hit.checkpoint if plan.hit is not None else None
         shared = ck.pages[: plan.num_full_pages] if ck is not None else []
         if ck is not None and not plan.adopt:
-            self.kv_pool.share(shared)  # hold the prefix before evicting anything that might release it
+            self.kv_pool.share(shared)
+        return shared
+
+    def _evict(self, plan: AdmissionPlan) -> None:
+        """The plan's victims give up their device pages: spilled to the host tier or dropped."""
         for victim in plan.evict:
             if victim in plan.spill_kv:
                 host_pages = self.cache.host_kv_pool.allocate(len(victim.pages))
@@ -457,16 +480,19 @@ class Admission:
             else:
                 self.cache.remove(victim)
                 self.cache.counters.degrade(victim.shared, "evictions")
-        if plan.free_device_slot and not self.placement.free_device_slot(keep=ck):
-            raise AssertionError("admission planned a device slot that placement cannot free")
-        if ck is not None and ck.kv_on_host:
-            # After the spills above in the action order: a page they gave up may be reused here.
-            device_pages = self.kv_pool.allocate(len(ck.host_pages))
-            host_pages = self.cache.move_kv_to_device(ck, device_pages)
-            self.actions.add(RestorePages(tuple(host_pages), tuple(device_pages)))
-            shared = ck.pages[: plan.num_full_pages]
-            if not plan.adopt:
-                self.kv_pool.share(shared)
+
+    def _restore_kv(self, plan: AdmissionPlan) -> list[int]:
+        """Bring the hit's spilled KV back into fresh device pages and hold its prefix there.
+        Queued after the evictions' spills: a page they gave up may be reused here."""
+        ck = plan.hit.checkpoint
+        device_pages = self.kv_pool.allocate(len(ck.host_pages))
+        host_pages = self.cache.move_kv_to_device(ck, device_pages)
+        self.actions.add(RestorePages(tuple(host_pages), tuple(device_pages)))
+        return self._hold_prefix(plan)
+
+    def _assign_pages_and_slot(self, seq: Sequence, plan: AdmissionPlan, shared: list[int]) -> None:
+        """seq's pages (the reused prefix, then private pages) and its state slot."""
+        ck = plan.hit.checkpoint if plan.hit is not None else None
         cow_src = ck.pages[plan.num_full_pages] if plan.cow else None
         private = self.kv_pool.allocate(plan.num_private_pages)
         if cow_src is not None:
@@ -477,44 +503,60 @@ class Admission:
             self.cache.remove(ck, release_resources=False)  # its page references and slot become ours
             if cow_src is not None:
                 self.kv_pool.release([cow_src])
-            kept = ck.pages[: plan.num_full_pages + (1 if plan.own_partial else 0)]
-            seq.pages = kept + private
+            seq.pages = ck.pages[: plan.num_full_pages + (1 if plan.own_partial else 0)] + private
             seq.state_slot = ck.state_slot
         else:
             seq.pages = shared + private
             seq.state_slot = self.state_pool.allocate()
-            if hit is not None and hit.is_exact_frontier:
-                if ck.on_host:
-                    self.actions.add(RestoreSlot(ck.host_slot, seq.state_slot))
-                    self.cache.counters.state_restores += 1
-                else:
-                    self.actions.add(CopySlot(ck.state_slot, seq.state_slot))
-                self.cache.touch(ck)
-            else:
-                self.actions.add(ResetSlot(seq.state_slot))
-        seq.reuse_path = ck.path if ck is not None else ReusePath.ROOT
-        # Context moves for it (a restore, a copy, victims spilled) run before its first step.
-        seq.materializing = any(a.moves_context for a in self.actions.since(first_action))
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "admit %s: prompt %d, reuse %d from %s%s · %d private pages%s%s",
-                seq.request_id, seq.prompt_len, reused,
-                f"checkpoint {ck.checkpoint_id} ({ReusePath(ck.path).value})" if ck is not None else "root",
-                " (adopted)" if plan.adopt else "", plan.num_private_pages,
-                f" · evicts {len(plan.evict)} ({len(plan.spill_kv)} KV to host)" if plan.evict else "",
-                " · copy-on-write" if plan.cow else "",
-            )
-        if ck is not None:
-            self.cache.counters.hits[ReusePath(ck.path).value] += 1
-            self.cache.counters.hit_tokens += reused
+            self._fill_slot(seq, plan.hit)
+
+    def _fill_slot(self, seq: Sequence, hit: CacheHit | None) -> None:
+        """seq's own slot starts from the hit's StateImage (restored or copied) at an exact
+        frontier, else empty."""
+        if hit is None or not hit.is_exact_frontier:
+            self.actions.add(ResetSlot(seq.state_slot))
+            return
+        ck = hit.checkpoint
+        if ck.on_host:
+            self.actions.add(RestoreSlot(ck.host_slot, seq.state_slot))
+            self.cache.counters.state_restores += 1
         else:
-            self.cache.counters.misses += 1
+            self.actions.add(CopySlot(ck.state_slot, seq.state_slot))
+        self.cache.touch(ck)
+
+    def _log_admission(self, seq: Sequence, plan: AdmissionPlan) -> None:
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        ck = plan.hit.checkpoint if plan.hit is not None else None
+        log.debug(
+            "admit %s: prompt %d, reuse %d from %s%s · %d private pages%s%s",
+            seq.request_id, seq.prompt_len, plan.hit.num_reused_tokens if plan.hit is not None else 0,
+            f"checkpoint {ck.checkpoint_id} ({ReusePath(ck.path).value})" if ck is not None else "root",
+            " (adopted)" if plan.adopt else "", plan.num_private_pages,
+            f" · evicts {len(plan.evict)} ({len(plan.spill_kv)} KV to host)" if plan.evict else "",
+            " · copy-on-write" if plan.cow else "",
+        )
+
+    def _count_reuse(self, hit: CacheHit | None) -> None:
+        counters = self.cache.counters
+        if hit is None:
+            counters.misses += 1
+            return
+        counters.hits[ReusePath(hit.checkpoint.path).value] += 1
+        counters.hit_tokens += hit.num_reused_tokens
+
+    def _join_continuation(self, seq: Sequence, ck: Checkpoint | None) -> None:
+        """The conversation seq's private checkpoints will belong to."""
         if ck is not None and not ck.shared:
             seq.continuation = ck.continuation  # resuming a private checkpoint continues its conversation
         else:
             recalled = self.cache.forecast.recall(seq.token_ids) if self.limits.prefix_reuse else None
             seq.continuation = recalled or f"c{next(self._continuations)}"
         self.cache.note_admission(seq.continuation, seq.token_ids)
+
+    def _start(self, seq: Sequence, hit: CacheHit | None) -> None:
+        """seq runs from the reused prefix: its counters, timings and capture frontiers."""
+        reused = hit.num_reused_tokens if hit is not None else 0
         seq.num_computed_tokens = seq.num_cached_tokens = reused
         if hit is not None and hit.is_exact_frontier:
             seq.logits_frontier = reused
