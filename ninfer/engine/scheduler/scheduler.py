@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason, PromptProgress, TokenLogprobs
 from ninfer.contract.request import EngineRequest
@@ -34,11 +33,13 @@ from ninfer.engine.context_costs import ContextCosts, generic_costs
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
+from ninfer.engine.scheduler.active_requests import ActiveRequests
 from ninfer.engine.scheduler.admission import Admission, SchedulerLimits
 from ninfer.engine.scheduler.checkpoints import Checkpoints, Snapshot
-from ninfer.engine.scheduler.outputs import delta_output, final_output
+from ninfer.engine.scheduler.outputs import Outbox, delta_output, final_output
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import CachePlanner
+from ninfer.engine.scheduler.stats import SchedulerStats
 from ninfer.engine.scheduler.step import (
     PENDING_TOKEN,
     CommitVerified,
@@ -54,25 +55,6 @@ from ninfer.engine.stop_checker import StopChecker
 
 def _has_penalties(sampling: SamplingParams) -> bool:
     return sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0
-
-
-@dataclass
-class SchedulerStats:
-    """Counters since the last throughput record (the engine reads and resets them)."""
-
-    prefill_tokens: int = 0
-    decode_tokens: int = 0  # committed by decode rows (with speculation: accepted, never drafted)
-    decode_rounds: int = 0
-    decode_rows: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-
-    def reset(self) -> SchedulerStats:
-        snapshot = SchedulerStats(self.prefill_tokens, self.decode_tokens, self.decode_rounds, self.decode_rows,
-                                  self.drafted_tokens, self.accepted_tokens)
-        self.prefill_tokens = self.decode_tokens = self.decode_rounds = self.decode_rows = 0
-        self.drafted_tokens = self.accepted_tokens = 0
-        return snapshot
 
 
 class Scheduler:
@@ -112,14 +94,17 @@ class Scheduler:
         self.checkpoints = Checkpoints(
             limits.prefix_reuse, kv_pool, state_pool, cache, placement, self.actions, self.detail
         )
-        self.running: list[Sequence] = []
         self.stats = SchedulerStats()
-        self._outbox: list[EngineOutput] = []  # outputs ready to send (admission progress, finals, errors)
-        # Finished requests whose next token a launched step is still computing (by request id).
-        self._draining: dict[str, Sequence] = {}
+        self.outbox = Outbox()
+        self.active = ActiveRequests(self.checkpoints, self.outbox)
         self._verify_rows: dict[str, int] = {}  # the updated step's first verification row per request
 
     # ---- requests in ---------------------------------------------------------------
+    @property
+    def running(self) -> list[Sequence]:
+        """Admitted requests that take part in steps, in admission order."""
+        return self.active.running
+
     @property
     def waiting(self):
         return self.admission.waiting
@@ -134,8 +119,8 @@ class Scheduler:
             return final_output(seq, FinishReason.CANCELLED)
         for seq in self.running:
             if seq.request_id == request_id:
-                self._finish(seq, FinishReason.CANCELLED)
-                return self._drain_outbox_for(request_id)
+                self.active.finish(seq, FinishReason.CANCELLED)
+                return self.outbox.take_final(request_id)
         return None
 
     @property
@@ -156,11 +141,11 @@ class Scheduler:
     @property
     def draining(self) -> list[Sequence]:
         """Finished requests whose pages and slot a launched step still writes."""
-        return list(self._draining.values())
+        return list(self.active.draining.values())
 
     def drop_inflight(self) -> None:
         """The engine failed with a step in flight: forget requests waiting for it to land."""
-        self._draining.clear()
+        self.active.draining.clear()
 
     def fail_steps(self, steps: list[SchedulerStep], message: str) -> list[EngineOutput]:
         """Launched steps failed on the device: end their requests, and every request their slot
@@ -179,7 +164,7 @@ class Scheduler:
             if seq.state_slot in touched_slots or touched_pages.intersection(seq.pages):
                 failed_ids.add(seq.request_id)
         self.actions.clear()
-        for seq in [*self.running, *self._draining.values()]:
+        for seq in [*self.running, *self.active.draining.values()]:
             if seq.request_id not in failed_ids:
                 continue
             if not seq.is_finished:
@@ -187,16 +172,16 @@ class Scheduler:
                 self.running.remove(seq)
                 out = final_output(seq, FinishReason.ERROR)
                 out.error = EngineError(ErrorCode.STEP_FAILED, message)
-                self._outbox.append(out)
+                self.outbox.add(out)
             seq.num_steps_in_flight = 0
             self.checkpoints.release_snapshot(seq)
             self.kv_pool.release(seq.pages)
             if seq.state_slot is not None:
                 self.state_pool.release(seq.state_slot)
             seq.pages, seq.state_slot = [], None
-        self._draining.clear()
+        self.active.draining.clear()
         self.cache.clear()
-        return self._collect_outputs()
+        return self.outbox.collect(self.running)
 
     @property
     def num_active(self) -> int:
@@ -204,15 +189,15 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------
     def schedule(self) -> SchedulerStep | None:
-        self._outbox.extend(self.admission.take_compiled())
-        self._outbox.extend(self.admission.expire())
+        self.outbox.extend(self.admission.take_compiled())
+        self.outbox.extend(self.admission.expire())
         admitted = []
         if self.waiting and len(self.running) < self.limits.max_concurrency:
             with self.detail.timed("admission"):
                 admitted = self.admission.admit(len(self.running))
         for seq in admitted:
             self.running.append(seq)
-            self._outbox.append(delta_output(seq))
+            self.outbox.add(delta_output(seq))
         decode_ready = [s for s in self.running if not s.is_prefilling]
         drafting = self._drafting_step(decode_ready)
         # Speculative rows first: the runner verifies them ahead of the rest of the forward.
@@ -435,7 +420,7 @@ class Scheduler:
         request in it: each of them waited for the whole step."""
         by_id = {s.request_id: s for s in self.running}
         for chunk in step.chunks:
-            seq = by_id.get(chunk.request_id) or self._draining.get(chunk.request_id)
+            seq = by_id.get(chunk.request_id) or self.active.draining.get(chunk.request_id)
             if seq is None:
                 continue
             timing = seq.engine_timing
@@ -455,7 +440,7 @@ class Scheduler:
         """Add vision tower time to the requests whose media it encoded."""
         by_id = {s.request_id: s for s in self.running}
         for request_id, seconds in seconds_by_request.items():
-            seq = by_id.get(request_id) or self._draining.get(request_id)
+            seq = by_id.get(request_id) or self.active.draining.get(request_id)
             if seq is not None:
                 seq.timings.vision_seconds += seconds
 
@@ -481,11 +466,11 @@ class Scheduler:
                 self._verify_rows[chunk.request_id] = row
                 row += len(chunk.token_ids)
         for chunk in step.chunks:
-            seq = by_id.get(chunk.request_id) or self._draining.get(chunk.request_id)
+            seq = by_id.get(chunk.request_id) or self.active.draining.get(chunk.request_id)
             if seq is not None:
                 seq.num_steps_in_flight -= 1
                 if seq.is_finished and seq.num_steps_in_flight == 0:
-                    self._land_after_finish(self._draining.pop(seq.request_id), chunk)
+                    self._land_after_finish(self.active.draining.pop(seq.request_id), chunk)
                     continue
             if seq is None or seq.is_finished:
                 if seq is not None:
@@ -526,11 +511,11 @@ class Scheduler:
                         seq.draft_policy.plain_round()
                 self._commit(seq, sampled[chunk.request_id], now, (logprobs or {}).get(chunk.request_id))
             elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
-                self._finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
+                self.active.finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
         if num_decode_rows:
             self.stats.decode_rounds += 1
             self.stats.decode_rows += num_decode_rows
-        return self._collect_outputs()
+        return self.outbox.collect(self.running)
 
     def _commit_verified(self, seq: Sequence, chunk: ScheduledChunk, outcome: VerifyOutcome, now: float) -> None:
         """Commit a speculative round's tokens one by one (stop strings, limits and the thinking
@@ -589,7 +574,7 @@ class Scheduler:
             return
         # The output limit wins over the thinking cap: limits first, then the forced close.
         if seq.num_output_tokens >= seq.max_new_tokens:
-            self._finish(seq, FinishReason.LENGTH)
+            self.active.finish(seq, FinishReason.LENGTH)
             return
         budget = seq.request.thinking_budget
         if budget is None or not seq.thinking_open:
@@ -618,34 +603,12 @@ class Scheduler:
         seq.unsent_text += stop.text
         if seq.constraint is not None and not seq.constraint.accept(token_id):
             # The sampler only draws allowed tokens: a forced token outside the grammar, or a bug.
-            self._finish(seq, FinishReason.ERROR, error=EngineError(
+            self.active.finish(seq, FinishReason.ERROR, error=EngineError(
                 ErrorCode.STEP_FAILED, f"token {token_id} is outside the request's output grammar"
             ))
             return
         if stop.stopped:
-            self._finish(seq, FinishReason.STOP, stop.stop_reason)
-
-    # ---- finishing -----------------------------------------------------------------
-    def _finish(
-        self,
-        seq: Sequence,
-        reason: FinishReason,
-        stop_reason: int | str | None = None,
-        error: EngineError | None = None,
-    ) -> None:
-        if seq.is_finished:
-            return
-        seq.status = SequenceStatus.FINISHED
-        if reason is FinishReason.LENGTH or reason is FinishReason.CANCELLED:
-            seq.unsent_text += seq.stop_checker.flush()
-        self.running.remove(seq)
-        if seq.num_steps_in_flight:
-            self._draining[seq.request_id] = seq  # a launched step still writes its pages and slot
-        else:
-            self.checkpoints.release_or_capture_endpoint(seq)
-        out = final_output(seq, reason, stop_reason)
-        out.error = error
-        self._outbox.append(out)
+            self.active.finish(seq, FinishReason.STOP, stop.stop_reason)
 
     def _land_after_finish(self, seq: Sequence, chunk: ScheduledChunk) -> None:
         """The step launched ahead for a request that finished meanwhile has landed: it
@@ -657,21 +620,6 @@ class Scheduler:
             self.checkpoints.keep_snapshot(seq)
         self.checkpoints.release_or_capture_endpoint(seq)
 
-    # ---- outputs -------------------------------------------------------------------
-    def _collect_outputs(self) -> list[EngineOutput]:
-        outputs = self._outbox
-        self._outbox = []
-        for seq in self.running:
-            if seq.unsent_token_ids or seq.unsent_progress is not None:
-                outputs.append(delta_output(seq))
-        return outputs
-
-    def _drain_outbox_for(self, request_id: str) -> EngineOutput | None:
-        for i, out in enumerate(self._outbox):
-            if out.request_id == request_id and out.finished:
-                return self._outbox.pop(i)
-        return None
-
     def take_pending_outputs(self) -> list[EngineOutput]:
         """Outputs produced outside a step (deadline expiry, progress at admission)."""
-        return self._collect_outputs()
+        return self.outbox.collect(self.running)
