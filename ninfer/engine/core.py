@@ -248,14 +248,15 @@ class EngineCore:
             verified = current.verified()
             logprobs = current.logprobs()
             read = time.perf_counter()
-            self.scheduler.charge(current.step, "program_submit", submitted - started, device_wait=read - waited_from)
-            self.scheduler.charge(current.step, "engine_maintenance", waited_from - submitted)
+            timing = self.scheduler.timing
+            timing.charge(current.step, "program_submit", submitted - started, device_wait=read - waited_from)
+            timing.charge(current.step, "engine_maintenance", waited_from - submitted)
             if self.runner.vision_seconds:
-                self.scheduler.charge_vision(self.runner.vision_seconds)
+                timing.charge_vision(self.runner.vision_seconds)
                 self.runner.vision_seconds = {}
             outputs = self.scheduler.update(current.step, sampled, verified, logprobs)
             committed = time.perf_counter()
-            self.scheduler.charge(current.step, "engine_commit_output", committed - read)
+            timing.charge(current.step, "engine_commit_output", committed - read)
             self._work.add(work_class, "device_wait", read - waited_from)
             self._work.add(work_class, "engine_commit_output", committed - read)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down

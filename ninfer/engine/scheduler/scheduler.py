@@ -39,6 +39,7 @@ from ninfer.engine.scheduler.checkpoints import Checkpoints, Snapshot
 from ninfer.engine.scheduler.outputs import Outbox, delta_output, final_output
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import CachePlanner
+from ninfer.engine.scheduler.request_timing import RequestTiming
 from ninfer.engine.scheduler.stats import SchedulerStats
 from ninfer.engine.scheduler.step import (
     PENDING_TOKEN,
@@ -97,6 +98,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.outbox = Outbox()
         self.active = ActiveRequests(self.checkpoints, self.outbox)
+        self.timing = RequestTiming(self.active)  # what the engine charges each step's requests
         self._verify_rows: dict[str, int] = {}  # the updated step's first verification row per request
 
     # ---- requests in ---------------------------------------------------------------
@@ -413,36 +415,6 @@ class Scheduler:
         for chunk in chunks:
             by_id[chunk.request_id].num_steps_in_flight += 1
         return SchedulerStep(kind, chunks, before=self.actions.drain())
-
-    # ---- accounting ----------------------------------------------------------------
-    def charge(self, step: SchedulerStep, phase: str, seconds: float, device_wait: float = 0.0) -> None:
-        """Add a step's host time in `phase` (a HostExposure field) and its device wait to every
-        request in it: each of them waited for the whole step."""
-        by_id = {s.request_id: s for s in self.running}
-        for chunk in step.chunks:
-            seq = by_id.get(chunk.request_id) or self.active.draining.get(chunk.request_id)
-            if seq is None:
-                continue
-            timing = seq.engine_timing
-            host = timing.host_exposed_seconds
-            setattr(host, phase, getattr(host, phase) + seconds)
-            timing.device_wait_exposed_seconds += device_wait
-            if seq.is_prefilling or not chunk.token_ids:
-                if phase == "program_submit":
-                    timing.units.prefill += 1
-            else:
-                timing.decode.host_exposed_seconds += seconds
-                timing.decode.device_wait_seconds += device_wait
-                if phase == "program_submit":
-                    timing.decode.rounds += 1
-
-    def charge_vision(self, seconds_by_request: dict[str, float]) -> None:
-        """Add vision tower time to the requests whose media it encoded."""
-        by_id = {s.request_id: s for s in self.running}
-        for request_id, seconds in seconds_by_request.items():
-            seq = by_id.get(request_id) or self.active.draining.get(request_id)
-            if seq is not None:
-                seq.timings.vision_seconds += seconds
 
     # ---- commit --------------------------------------------------------------------
     def update(
