@@ -41,6 +41,7 @@ from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import CachePlanner
 from ninfer.engine.scheduler.request_timing import RequestTiming
 from ninfer.engine.scheduler.stats import SchedulerStats
+from ninfer.engine.scheduler.step_failures import StepFailures
 from ninfer.engine.scheduler.step import (
     PENDING_TOKEN,
     CommitVerified,
@@ -49,7 +50,7 @@ from ninfer.engine.scheduler.step import (
     StepKind,
     VerifyOutcome,
 )
-from ninfer.engine.sequence import Sequence, SequenceStatus
+from ninfer.engine.sequence import Sequence
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
 
@@ -99,6 +100,9 @@ class Scheduler:
         self.outbox = Outbox()
         self.active = ActiveRequests(self.checkpoints, self.outbox)
         self.timing = RequestTiming(self.active)  # what the engine charges each step's requests
+        self.failures = StepFailures(
+            self.active, self.checkpoints, self.actions, kv_pool, state_pool, cache, self.outbox
+        )
         self._verify_rows: dict[str, int] = {}  # the updated step's first verification row per request
 
     # ---- requests in ---------------------------------------------------------------
@@ -151,38 +155,8 @@ class Scheduler:
 
     def fail_steps(self, steps: list[SchedulerStep], message: str) -> list[EngineOutput]:
         """Launched steps failed on the device: end their requests, and every request their slot
-        and page actions prepared, with STEP_FAILED, keeping nothing those wrote; the others go on.
-
-        Which actions ran is unknown, so every checkpoint is dropped too (a capture or spill
-        may be half-written); requests outside the steps keep their own slots and pages."""
-        failed_ids = {c.request_id for step in steps for c in step.chunks}
-        touched_slots: set[int] = set()
-        touched_pages: set[int] = set()
-        for step in steps:
-            for action in step.before:
-                touched_slots.update(action.device_slots_written())
-                touched_pages.update(action.device_pages_written())
-        for seq in self.running:
-            if seq.state_slot in touched_slots or touched_pages.intersection(seq.pages):
-                failed_ids.add(seq.request_id)
-        self.actions.clear()
-        for seq in [*self.running, *self.active.draining.values()]:
-            if seq.request_id not in failed_ids:
-                continue
-            if not seq.is_finished:
-                seq.status = SequenceStatus.FINISHED
-                self.running.remove(seq)
-                out = final_output(seq, FinishReason.ERROR)
-                out.error = EngineError(ErrorCode.STEP_FAILED, message)
-                self.outbox.add(out)
-            seq.num_steps_in_flight = 0
-            self.checkpoints.release_snapshot(seq)
-            self.kv_pool.release(seq.pages)
-            if seq.state_slot is not None:
-                self.state_pool.release(seq.state_slot)
-            seq.pages, seq.state_slot = [], None
-        self.active.draining.clear()
-        self.cache.clear()
+        and page actions prepared, with STEP_FAILED (StepFailures); the others go on."""
+        self.failures.fail(steps, message)
         return self.outbox.collect(self.running)
 
     @property
