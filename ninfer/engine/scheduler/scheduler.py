@@ -20,13 +20,11 @@ endpoint checkpoint with that token included, when N+1 lands (update of N+1).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
 from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason, PromptProgress, TokenLogprobs
 from ninfer.contract.request import EngineRequest
-from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.context_costs import ContextCosts, generic_costs
@@ -35,28 +33,24 @@ from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.active_requests import ActiveRequests
 from ninfer.engine.scheduler.admission import Admission, SchedulerLimits
-from ninfer.engine.scheduler.checkpoints import Checkpoints, Snapshot
+from ninfer.engine.scheduler.checkpoints import Checkpoints
+from ninfer.engine.scheduler.chunks import PromptChunks, chained_chunk, decode_chunk, has_penalties, plain_chunk
 from ninfer.engine.scheduler.outputs import Outbox, delta_output, final_output
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import CachePlanner
 from ninfer.engine.scheduler.request_timing import RequestTiming
 from ninfer.engine.scheduler.stats import SchedulerStats
-from ninfer.engine.scheduler.step_failures import StepFailures
 from ninfer.engine.scheduler.step import (
-    PENDING_TOKEN,
     CommitVerified,
     ScheduledChunk,
     SchedulerStep,
     StepKind,
     VerifyOutcome,
 )
+from ninfer.engine.scheduler.step_failures import StepFailures
 from ninfer.engine.sequence import Sequence
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
-
-
-def _has_penalties(sampling: SamplingParams) -> bool:
-    return sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0
 
 
 class Scheduler:
@@ -96,6 +90,7 @@ class Scheduler:
         self.checkpoints = Checkpoints(
             limits.prefix_reuse, kv_pool, state_pool, cache, placement, self.actions, self.detail
         )
+        self.prompt_chunks = PromptChunks(limits, self.checkpoints)
         self.stats = SchedulerStats()
         self.outbox = Outbox()
         self.active = ActiveRequests(self.checkpoints, self.outbox)
@@ -179,8 +174,7 @@ class Scheduler:
         # Speculative rows first: the runner verifies them ahead of the rest of the forward.
         decode_ready.sort(key=lambda s: not self._speculates(s, drafting))
         chunks = [
-            self._speculative_chunk(s) if self._speculates(s, drafting)
-            else self._chunk(s, s.token_ids[s.num_computed_tokens :], compute_logits=True, sample=True)
+            self._speculative_chunk(s) if self._speculates(s, drafting) else decode_chunk(s)
             for s in decode_ready
         ]
         budget = self.limits.mixed_prefill_chunk if decode_ready else self.limits.prefill_chunk
@@ -188,7 +182,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.is_prefilling:
-                chunk = self._prefill_chunk(seq, budget)
+                chunk = self.prompt_chunks.chunk(seq, budget)
                 budget -= len(chunk.token_ids)
                 chunks.append(chunk)
         if chunks:
@@ -234,30 +228,14 @@ class Scheduler:
                 or len(chunk.token_ids) != 1
                 or seq.num_computed_tokens != chunk.num_computed_tokens
                 or seq.num_pending_tokens != 1
-                or _has_penalties(seq.sampling)
+                or has_penalties(seq.sampling)
                 or (seq.constraint is not None and seq.constraint.active)
                 or self._budget_may_close(seq)
             ):
                 return None
             if seq.num_output_tokens + 1 >= seq.max_new_tokens:
                 continue  # inflight's token is its last
-            chunks.append(
-                ScheduledChunk(
-                    request_id=seq.request_id,
-                    token_ids=[PENDING_TOKEN],
-                    num_computed_tokens=seq.num_computed_tokens + 1,
-                    page_ids=seq.pages,
-                    state_slot=seq.state_slot,
-                    compute_logits=True,
-                    sample=True,
-                    sampling=seq.sampling,
-                    num_generated=seq.num_output_tokens - seq.num_forced_tokens + 1,
-                    output_token_ids=[],
-                    previous_row=row,
-                    logprobs=seq.request.top_logprobs,
-                    **self._media_fields(seq, seq.num_computed_tokens + 1, 1),
-                )
-            )
+            chunks.append(chained_chunk(seq, row))
         return self._step(StepKind.DECODE, chunks) if chunks else None
 
     @staticmethod
@@ -301,7 +279,7 @@ class Scheduler:
         room = seq.max_new_tokens - seq.num_output_tokens - 1
         drafts = seq.draft_token_ids[: max(0, min(room, self.limits.num_draft_tokens))]
         filler = pending[-1:] * (self.limits.num_draft_tokens - len(drafts))
-        chunk = self._chunk(seq, pending + drafts + filler, compute_logits=True, sample=True)
+        chunk = plain_chunk(seq, pending + drafts + filler, compute_logits=True, sample=True)
         histories = chunk.output_token_ids
         return ScheduledChunk(
             request_id=chunk.request_id,
@@ -316,72 +294,6 @@ class Scheduler:
             output_token_ids=histories,
             speculative=True,
             num_draft_tokens=len(drafts),
-        )
-
-    def _prefill_chunk(self, seq: Sequence, max_tokens: int) -> ScheduledChunk:
-        """At most max_tokens of seq's prompt. The first capture frontier inside is snapshotted
-        within the step where it can be, so the chunk goes on past it (a chat's generation
-        prompt after its turn closure costs no step of its own); the next one ends the chunk."""
-        start = seq.num_computed_tokens
-        end = min(seq.prompt_len, start + max_tokens)
-        snapshot_at, snapshot_slot = 0, None
-        for frontier, path in seq.capture_frontiers:
-            if not start < frontier < end:
-                continue
-            if snapshot_slot is None and self._snapshots_in_step(seq):
-                reserved = self.checkpoints.reserve_snapshot(seq, frontier, path)
-                if reserved is Snapshot.NOT_NEEDED:
-                    continue
-                if reserved is not Snapshot.NO_SLOT:
-                    snapshot_at, snapshot_slot = frontier, reserved
-                    continue
-            end = frontier
-            break
-        last = end == seq.prompt_len
-        captures_here = any(f == end for f, _ in seq.capture_frontiers)
-        chunk = self._chunk(seq, seq.token_ids[start:end], compute_logits=last or captures_here, sample=last)
-        if snapshot_slot is None:
-            return chunk
-        return dataclasses.replace(chunk, snapshot_tokens=snapshot_at - start, snapshot_slot=snapshot_slot)
-
-    def _snapshots_in_step(self, seq: Sequence) -> bool:
-        # Speculative steps carry drafter state per slot, and media rows are placed by token order:
-        # both keep the plain path (a step that ends at the frontier, then a copy).
-        return self.limits.prefix_reuse and self.limits.spec_backend is None and not seq.has_media
-
-    @staticmethod
-    def _media_fields(seq: Sequence, start: int, num_tokens: int) -> dict:
-        """ScheduledChunk's media fields for tokens [start, start + num_tokens) of seq."""
-        if not seq.has_media or not num_tokens:
-            return {}  # no media, or nothing to compute (the slot's stored logits are sampled)
-        end = start + num_tokens
-        return {
-            "rope_positions": seq.chunk_rope_positions(start, end),
-            "rope_offset": seq.rope_offset,
-            "media": tuple(
-                item for item in seq.request.media
-                if any(span_start < end and start < span_end for span_start, span_end in item.token_spans())
-            ),
-        }
-
-    def _chunk(self, seq: Sequence, token_ids: list[int], compute_logits: bool, sample: bool) -> ScheduledChunk:
-        sample = sample and seq.num_output_tokens < seq.max_new_tokens
-        constraint = seq.constraint
-        return ScheduledChunk(
-            token_bitmask=constraint.next_token_bitmask() if sample and constraint is not None else None,
-            logprobs=seq.request.top_logprobs,
-            **self._media_fields(seq, seq.num_computed_tokens, len(token_ids)),
-            request_id=seq.request_id,
-            token_ids=token_ids,
-            num_computed_tokens=seq.num_computed_tokens,
-            page_ids=seq.pages,
-            state_slot=seq.state_slot,
-            compute_logits=compute_logits,
-            sample=sample,
-            sampling=seq.sampling,
-            num_generated=seq.num_output_tokens - seq.num_forced_tokens,
-            # Copying the history costs O(output) per step; only penalties read it.
-            output_token_ids=seq.token_ids[seq.prompt_len :] if _has_penalties(seq.sampling) else [],
         )
 
     def _step(self, kind: StepKind, chunks: list[ScheduledChunk]) -> SchedulerStep:
