@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason, PromptProgress, TokenLogprobs
+from ninfer.contract.output import EngineOutput, FinishReason, PromptProgress, TokenLogprobs
 from ninfer.contract.request import EngineRequest
 from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.context_cache import ContextCache
@@ -48,6 +48,7 @@ from ninfer.engine.scheduler.step import (
     VerifyOutcome,
 )
 from ninfer.engine.scheduler.step_failures import StepFailures
+from ninfer.engine.scheduler.token_commit import TokenCommit
 from ninfer.engine.sequence import Sequence
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
@@ -95,6 +96,7 @@ class Scheduler:
         self.outbox = Outbox()
         self.active = ActiveRequests(self.checkpoints, self.outbox)
         self.timing = RequestTiming(self.active)  # what the engine charges each step's requests
+        self.tokens = TokenCommit(self.active)
         self.failures = StepFailures(
             self.active, self.checkpoints, self.actions, kv_pool, state_pool, cache, self.outbox
         )
@@ -367,7 +369,7 @@ class Scheduler:
                     seq.draft_token_ids = []  # proposals followed the token before this one
                     if seq.draft_policy is not None:
                         seq.draft_policy.plain_round()
-                self._commit(seq, sampled[chunk.request_id], now, (logprobs or {}).get(chunk.request_id))
+                self.tokens.commit(seq, sampled[chunk.request_id], now, (logprobs or {}).get(chunk.request_id))
             elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
                 self.active.finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
         if num_decode_rows:
@@ -392,7 +394,7 @@ class Scheduler:
             # request: the pending rows and the drafts before this token.
             seq.num_computed_tokens = seq.logits_frontier = start + num_pending + min(committed, num_accepted)
             length = len(seq.token_ids)
-            self._commit(seq, token, now)
+            self.tokens.commit(seq, token, now)
             committed += 1
             if seq.is_finished:
                 break
@@ -423,50 +425,6 @@ class Scheduler:
     def _verify_row(self, chunk: ScheduledChunk) -> int:
         """The chunk's first row among the step's verification rows (they lead the step in order)."""
         return self._verify_rows[chunk.request_id]
-
-    def _commit(self, seq: Sequence, token_id: int, now: float, logprobs: TokenLogprobs | None = None) -> None:
-        seq.timings.first_token = seq.timings.first_token or now
-        seq.timings.last_token = now
-        self._append_token(seq, token_id, forced=False, logprobs=logprobs)
-        if seq.is_finished:
-            return
-        # The output limit wins over the thinking cap: limits first, then the forced close.
-        if seq.num_output_tokens >= seq.max_new_tokens:
-            self.active.finish(seq, FinishReason.LENGTH)
-            return
-        budget = seq.request.thinking_budget
-        if budget is None or not seq.thinking_open:
-            return
-        if token_id == budget.think_end_token_id:
-            seq.thinking_open = False
-            return
-        seq.num_thinking_tokens += 1
-        if seq.num_thinking_tokens >= budget.max_thinking_tokens:
-            # Close thinking without sampling; the close tokens are computed with the next step.
-            seq.thinking_open = False
-            for forced in budget.close_token_ids:
-                self._append_token(seq, forced, forced=True)
-                if seq.is_finished:
-                    return
-
-    def _append_token(self, seq: Sequence, token_id: int, forced: bool, logprobs: TokenLogprobs | None = None) -> None:
-        seq.token_ids.append(token_id)
-        seq.unsent_token_ids.append(token_id)
-        if seq.request.top_logprobs is not None:
-            seq.unsent_logprobs.append(logprobs)
-        if forced:
-            seq.num_forced_tokens += 1
-            seq.unsent_forced += 1
-        stop = seq.stop_checker.append(token_id)
-        seq.unsent_text += stop.text
-        if seq.constraint is not None and not seq.constraint.accept(token_id):
-            # The sampler only draws allowed tokens: a forced token outside the grammar, or a bug.
-            self.active.finish(seq, FinishReason.ERROR, error=EngineError(
-                ErrorCode.STEP_FAILED, f"token {token_id} is outside the request's output grammar"
-            ))
-            return
-        if stop.stopped:
-            self.active.finish(seq, FinishReason.STOP, stop.stop_reason)
 
     def _land_after_finish(self, seq: Sequence, chunk: ScheduledChunk) -> None:
         """The step launched ahead for a request that finished meanwhile has landed: it
