@@ -34,14 +34,14 @@ from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.active_requests import ActiveRequests
 from ninfer.engine.scheduler.admission import Admission, SchedulerLimits
 from ninfer.engine.scheduler.checkpoints import Checkpoints
-from ninfer.engine.scheduler.chunks import PromptChunks, chained_chunk, decode_chunk, has_penalties, plain_chunk
+from ninfer.engine.scheduler.chunks import PromptChunks, chained_chunk, has_penalties
 from ninfer.engine.scheduler.outputs import Outbox, delta_output, final_output
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import CachePlanner
 from ninfer.engine.scheduler.request_timing import RequestTiming
+from ninfer.engine.scheduler.speculation import Speculation, verify_rows
 from ninfer.engine.scheduler.stats import SchedulerStats
 from ninfer.engine.scheduler.step import (
-    CommitVerified,
     ScheduledChunk,
     SchedulerStep,
     StepKind,
@@ -97,10 +97,10 @@ class Scheduler:
         self.active = ActiveRequests(self.checkpoints, self.outbox)
         self.timing = RequestTiming(self.active)  # what the engine charges each step's requests
         self.tokens = TokenCommit(self.active)
+        self.speculation = Speculation(limits, self.stats, self.actions, self.tokens)
         self.failures = StepFailures(
             self.active, self.checkpoints, self.actions, kv_pool, state_pool, cache, self.outbox
         )
-        self._verify_rows: dict[str, int] = {}  # the updated step's first verification row per request
 
     # ---- requests in ---------------------------------------------------------------
     @property
@@ -172,13 +172,7 @@ class Scheduler:
             self.running.append(seq)
             self.outbox.add(delta_output(seq))
         decode_ready = [s for s in self.running if not s.is_prefilling]
-        drafting = self._drafting_step(decode_ready)
-        # Speculative rows first: the runner verifies them ahead of the rest of the forward.
-        decode_ready.sort(key=lambda s: not self._speculates(s, drafting))
-        chunks = [
-            self._speculative_chunk(s) if self._speculates(s, drafting) else decode_chunk(s)
-            for s in decode_ready
-        ]
+        chunks = self.speculation.decode_rows(decode_ready)
         budget = self.limits.mixed_prefill_chunk if decode_ready else self.limits.prefill_chunk
         for seq in self.running:  # admission order
             if budget <= 0:
@@ -213,7 +207,7 @@ class Scheduler:
             return None
         if self.admission.has_compiled():
             return None
-        if any(c.speculative for c in inflight.chunks) or self._drafting_step(self.running, ahead=True):
+        if any(c.speculative for c in inflight.chunks) or self.speculation.drafting(self.running, ahead=True):
             return None  # a speculative round's next input depends on what it accepts
         if self.waiting and len(self.running) < self.limits.max_concurrency:
             return None  # a lane is free: let schedule() admit (full lanes free up only at update)
@@ -253,51 +247,6 @@ class Scheduler:
         budget = seq.request.thinking_budget
         return budget is not None and seq.thinking_open and seq.num_thinking_tokens + 1 >= budget.max_thinking_tokens
 
-    def _drafting_step(self, decode_ready: list[Sequence], ahead: bool = False) -> bool:
-        """Whether this step's decode rows verify drafts: with a backend loaded, when any of them
-        drafts (DraftPolicy; every round without adaptive drafts). ahead: the round after the
-        one in flight, which counts as one more plain round for each policy."""
-        if not self.limits.num_draft_tokens:
-            return False
-        policies = [s.draft_policy for s in decode_ready if not s.decodes_plainly]
-        if not policies:
-            return False
-        if any(p is None for p in policies):
-            return True
-        return any(p.wants_drafts(rounds_ahead=int(ahead)) for p in policies)
-
-    def _speculates(self, seq: Sequence, drafting: bool) -> bool:
-        """A decode row of a drafting step becomes a speculative round when exactly one token is
-        to compute. A full-prompt hit samples its stored logits first; forced thinking-close
-        tokens are computed as a plain row (the drafter extends its context over it and drafts
-        from the next round on), so every verification row has the same shape."""
-        return drafting and seq.num_pending_tokens == 1 and not seq.decodes_plainly
-
-    def _speculative_chunk(self, seq: Sequence) -> ScheduledChunk:
-        """The pending token and K draft places: as many of the request's drafts as its output
-        limit can take (a round commits at most drafts + 1 tokens), then filler that is never
-        accepted. Every verification row has K + 1 tokens, the shape the verify graphs replay."""
-        pending = seq.token_ids[seq.num_computed_tokens :]
-        room = seq.max_new_tokens - seq.num_output_tokens - 1
-        drafts = seq.draft_token_ids[: max(0, min(room, self.limits.num_draft_tokens))]
-        filler = pending[-1:] * (self.limits.num_draft_tokens - len(drafts))
-        chunk = plain_chunk(seq, pending + drafts + filler, compute_logits=True, sample=True)
-        histories = chunk.output_token_ids
-        return ScheduledChunk(
-            request_id=chunk.request_id,
-            token_ids=chunk.token_ids,
-            num_computed_tokens=chunk.num_computed_tokens,
-            page_ids=chunk.page_ids,
-            state_slot=chunk.state_slot,
-            compute_logits=True,
-            sample=chunk.sample,
-            sampling=chunk.sampling,
-            num_generated=chunk.num_generated,
-            output_token_ids=histories,
-            speculative=True,
-            num_draft_tokens=len(drafts),
-        )
-
     def _step(self, kind: StepKind, chunks: list[ScheduledChunk]) -> SchedulerStep:
         by_id = {s.request_id: s for s in self.running}
         for chunk in chunks:
@@ -319,12 +268,7 @@ class Scheduler:
         for seq in self.running:
             seq.materializing = False  # the first update after an admission is its step's: the moves ran
         num_decode_rows = 0
-        self._verify_rows = {}
-        row = 0
-        for chunk in step.chunks:
-            if chunk.speculative:
-                self._verify_rows[chunk.request_id] = row
-                row += len(chunk.token_ids)
+        rows = verify_rows(step)
         for chunk in step.chunks:
             seq = by_id.get(chunk.request_id) or self.active.draining.get(chunk.request_id)
             if seq is not None:
@@ -338,7 +282,7 @@ class Scheduler:
                 continue  # cancelled while the step ran
             if chunk.speculative:
                 num_decode_rows += 1
-                self._commit_verified(seq, chunk, verified[chunk.request_id], now)
+                self.speculation.commit(seq, chunk, verified[chunk.request_id], rows[chunk.request_id], now)
                 continue
             was_prefilling = seq.is_prefilling
             seq.num_computed_tokens += len(chunk.token_ids)
@@ -364,11 +308,8 @@ class Scheduler:
                 continue  # the next schedule() samples the slot's stored logits again, masked
             if chunk.sample:
                 self.stats.decode_tokens += decode_row
-                if decode_row and seq.speculative is not None:
-                    seq.speculative.fallback_steps += 1  # a decode row without drafts (plain or forced)
-                    seq.draft_token_ids = []  # proposals followed the token before this one
-                    if seq.draft_policy is not None:
-                        seq.draft_policy.plain_round()
+                if decode_row:
+                    self.speculation.plain_round(seq)
                 self.tokens.commit(seq, sampled[chunk.request_id], now, (logprobs or {}).get(chunk.request_id))
             elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
                 self.active.finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
@@ -376,55 +317,6 @@ class Scheduler:
             self.stats.decode_rounds += 1
             self.stats.decode_rows += num_decode_rows
         return self.outbox.collect(self.running)
-
-    def _commit_verified(self, seq: Sequence, chunk: ScheduledChunk, outcome: VerifyOutcome, now: float) -> None:
-        """Commit a speculative round's tokens one by one (stop strings, limits and the thinking
-        budget apply to each), then ask the runner to advance the state by exactly the rows
-        whose tokens were kept: the last committed token is computed when it was a draft, unless
-        the request finished on it. A finished request leaves the endpoint plain decoding leaves
-        (which never computes a request's last token), so the next turn reuses the same prefix:
-        a stop string's last token never comes back in the client's next prompt, and a state
-        past it would match nothing there."""
-        num_pending = 1  # _speculates: exactly one pending token
-        num_accepted = len(outcome.tokens) - 1
-        start = chunk.num_computed_tokens
-        committed = 0
-        for token in outcome.tokens:
-            # Set before the commit, which captures the endpoint when this token finishes the
-            # request: the pending rows and the drafts before this token.
-            seq.num_computed_tokens = seq.logits_frontier = start + num_pending + min(committed, num_accepted)
-            length = len(seq.token_ids)
-            self.tokens.commit(seq, token, now)
-            committed += 1
-            if seq.is_finished:
-                break
-            # Kept and the request goes on: this token's row (a draft's) is computed as well.
-            seq.num_computed_tokens = seq.logits_frontier = start + num_pending + min(committed, num_accepted)
-            if len(seq.token_ids) > length + 1:
-                break  # the thinking budget appended forced tokens after it
-        num_rows = seq.num_computed_tokens - start
-        self.actions.add(CommitVerified(chunk.state_slot, self._verify_row(chunk), num_rows))
-        keep_drafts = not seq.is_finished and committed == len(outcome.tokens) and seq.num_pending_tokens == 1
-        seq.draft_token_ids = list(outcome.drafts) if keep_drafts else []
-        self.stats.decode_tokens += committed
-        self.stats.drafted_tokens += chunk.num_draft_tokens
-        self.stats.accepted_tokens += num_accepted
-        if seq.draft_policy is not None:
-            seq.draft_policy.observe(chunk.num_draft_tokens, num_accepted, seq.num_computed_tokens)
-        counters = seq.speculative
-        if counters is not None:
-            if chunk.num_draft_tokens:
-                counters.rounds += 1
-                counters.drafted_tokens += chunk.num_draft_tokens
-                counters.accepted_tokens += num_accepted
-                for position in range(num_accepted):
-                    counters.accepted_per_position[position] += 1
-            else:
-                counters.fallback_steps += 1
-
-    def _verify_row(self, chunk: ScheduledChunk) -> int:
-        """The chunk's first row among the step's verification rows (they lead the step in order)."""
-        return self._verify_rows[chunk.request_id]
 
     def _land_after_finish(self, seq: Sequence, chunk: ScheduledChunk) -> None:
         """The step launched ahead for a request that finished meanwhile has landed: it
