@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ninfer.contract.output import EngineOutput, FinishReason, PromptProgress, TokenLogprobs
+from ninfer.contract.output import EngineOutput, FinishReason, TokenLogprobs
 from ninfer.contract.request import EngineRequest
 from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.context_cache import ContextCache
@@ -39,7 +39,7 @@ from ninfer.engine.scheduler.outputs import Outbox, delta_output, final_output
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import CachePlanner
 from ninfer.engine.scheduler.request_timing import RequestTiming
-from ninfer.engine.scheduler.speculation import Speculation, verify_rows
+from ninfer.engine.scheduler.speculation import Speculation
 from ninfer.engine.scheduler.stats import SchedulerStats
 from ninfer.engine.scheduler.step import (
     ScheduledChunk,
@@ -47,6 +47,7 @@ from ninfer.engine.scheduler.step import (
     StepKind,
     VerifyOutcome,
 )
+from ninfer.engine.scheduler.step_commit import StepCommit
 from ninfer.engine.scheduler.step_failures import StepFailures
 from ninfer.engine.scheduler.token_commit import TokenCommit
 from ninfer.engine.sequence import Sequence
@@ -98,6 +99,7 @@ class Scheduler:
         self.timing = RequestTiming(self.active)  # what the engine charges each step's requests
         self.tokens = TokenCommit(self.active)
         self.speculation = Speculation(limits, self.stats, self.actions, self.tokens)
+        self.commit = StepCommit(self.active, self.checkpoints, self.stats, self.tokens, self.speculation, clock)
         self.failures = StepFailures(
             self.active, self.checkpoints, self.actions, kv_pool, state_pool, cache, self.outbox
         )
@@ -201,7 +203,7 @@ class Scheduler:
         constraint that has started (its next mask follows that token), and when a grammar
         compiled meanwhile (schedule() queues its request). A request still thinking before its
         grammar runs ahead: should inflight's token start the grammar, the draw made ahead is
-        dropped and redrawn masked (_drawn_before_its_grammar). Rows that reach their output
+        dropped and redrawn masked (StepCommit). Rows that reach their output
         limit at inflight are left out."""
         if inflight.kind is not StepKind.DECODE or not inflight.chunks or self.actions:
             return None
@@ -235,13 +237,6 @@ class Scheduler:
         return self._step(StepKind.DECODE, chunks) if chunks else None
 
     @staticmethod
-    def _drawn_before_its_grammar(seq: Sequence, chunk: ScheduledChunk) -> bool:
-        """A round launched ahead while the request's grammar had not started (it was thinking),
-        whose previous token turned out to start it (</think>): its draw was unmasked and is
-        dropped. The row still computed that token, so the slot holds the logits to draw from."""
-        return chunk.token_bitmask is None and seq.constraint is not None and seq.constraint.active
-
-    @staticmethod
     def _budget_may_close(seq: Sequence) -> bool:
         """The next model token may reach the thinking budget (forced close tokens follow it)."""
         budget = seq.request.thinking_budget
@@ -262,71 +257,10 @@ class Scheduler:
         logprobs: dict[str, TokenLogprobs] | None = None,
     ) -> list[EngineOutput]:
         """Apply the runner's sampled tokens (request id -> token), speculative outcomes and the
-        log probabilities of the rows that asked for them, for a finished step."""
-        now = self.clock()
-        by_id = {s.request_id: s for s in self.running}
-        for seq in self.running:
-            seq.materializing = False  # the first update after an admission is its step's: the moves ran
-        num_decode_rows = 0
-        rows = verify_rows(step)
-        for chunk in step.chunks:
-            seq = by_id.get(chunk.request_id) or self.active.draining.get(chunk.request_id)
-            if seq is not None:
-                seq.num_steps_in_flight -= 1
-                if seq.is_finished and seq.num_steps_in_flight == 0:
-                    self._land_after_finish(self.active.draining.pop(seq.request_id), chunk)
-                    continue
-            if seq is None or seq.is_finished:
-                if seq is not None:
-                    self.checkpoints.release_snapshot(seq)
-                continue  # cancelled while the step ran
-            if chunk.speculative:
-                num_decode_rows += 1
-                self.speculation.commit(seq, chunk, verified[chunk.request_id], rows[chunk.request_id], now)
-                continue
-            was_prefilling = seq.is_prefilling
-            seq.num_computed_tokens += len(chunk.token_ids)
-            if chunk.compute_logits:
-                seq.logits_frontier = seq.num_computed_tokens
-            if was_prefilling:
-                self.stats.prefill_tokens += len(chunk.token_ids)
-                if seq.snapshot is not None:
-                    self.checkpoints.keep_snapshot(seq)
-                self.checkpoints.capture_prompt_frontiers(seq)
-            if was_prefilling and not seq.is_prefilling:
-                seq.timings.prompt_done = now
-            if was_prefilling:
-                elapsed_ms = (now - seq.timings.admitted) * 1000.0
-                seq.unsent_progress = PromptProgress(
-                    seq.prompt_len, seq.num_cached_tokens, min(seq.num_computed_tokens, seq.prompt_len), elapsed_ms
-                )
-            # A decode row computes the last committed token; a row with nothing to compute
-            # samples a full-prompt hit's stored logits: its first token, like a prefill's.
-            decode_row = not was_prefilling and bool(chunk.token_ids)
-            num_decode_rows += decode_row
-            if chunk.sample and self._drawn_before_its_grammar(seq, chunk):
-                continue  # the next schedule() samples the slot's stored logits again, masked
-            if chunk.sample:
-                self.stats.decode_tokens += decode_row
-                if decode_row:
-                    self.speculation.plain_round(seq)
-                self.tokens.commit(seq, sampled[chunk.request_id], now, (logprobs or {}).get(chunk.request_id))
-            elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
-                self.active.finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
-        if num_decode_rows:
-            self.stats.decode_rounds += 1
-            self.stats.decode_rows += num_decode_rows
+        log probabilities of the rows that asked for them, for a finished step (StepCommit);
+        returns the outputs to send."""
+        self.commit.land(step, sampled, verified, logprobs)
         return self.outbox.collect(self.running)
-
-    def _land_after_finish(self, seq: Sequence, chunk: ScheduledChunk) -> None:
-        """The step launched ahead for a request that finished meanwhile has landed: it
-        computed the last committed token (and stored its logits); now release or keep."""
-        seq.num_computed_tokens += len(chunk.token_ids)
-        if chunk.compute_logits:
-            seq.logits_frontier = seq.num_computed_tokens
-        if seq.snapshot is not None:
-            self.checkpoints.keep_snapshot(seq)
-        self.checkpoints.release_or_capture_endpoint(seq)
 
     def take_pending_outputs(self) -> list[EngineOutput]:
         """Outputs produced outside a step (deadline expiry, progress at admission)."""
