@@ -1,9 +1,13 @@
 """Scheduler: step planning and commit — pure CPU logic, no tensors.
 
 Contract with the runner (step.py): schedule() returns a SchedulerStep; update() takes the
-sampled token ids back and returns the EngineOutputs to stream. Admission (admission.py)
-decides which waiting requests run and from which checkpoint; checkpoints.py decides what
-an active request leaves behind.
+sampled token ids back and returns the EngineOutputs to stream. The Scheduler composes small
+nouns: Admission (admission.py) decides which waiting requests run and from which checkpoint;
+Checkpoints what an active request leaves behind; ActiveRequests holds the admitted requests
+and finishes them; chunks.py builds a step's rows; Speculation plans and commits verification
+rows; StepCommit and TokenCommit apply a landed step; StepFailures ends what failed steps
+touched; RequestTiming charges steps' time to their requests. The slot and page actions they
+queue for the next step go through one ActionQueue, and their outputs through one Outbox.
 
 Policy: every step carries one row for each decode-ready request (decode is never starved)
 and prompt chunks of prefilling requests in admission order (FIFO) under a token budget:
@@ -53,6 +57,28 @@ from ninfer.engine.scheduler.token_commit import TokenCommit
 from ninfer.engine.sequence import Sequence
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
+
+
+def _runs_ahead(seq: Sequence, chunk: ScheduledChunk) -> bool:
+    """Whether seq's row of the launched step can be followed by a chained row: one sampled
+    token and nothing else pending, and no penalty, started grammar or thinking budget that
+    needs the sampled token to plan the next row."""
+    return (
+        seq.num_steps_in_flight == 1
+        and chunk.sample
+        and len(chunk.token_ids) == 1
+        and seq.num_computed_tokens == chunk.num_computed_tokens
+        and seq.num_pending_tokens == 1
+        and not has_penalties(seq.sampling)
+        and not (seq.constraint is not None and seq.constraint.active)
+        and not _budget_may_close(seq)
+    )
+
+
+def _budget_may_close(seq: Sequence) -> bool:
+    """The next model token may reach the thinking budget (forced close tokens follow it)."""
+    budget = seq.request.thinking_budget
+    return budget is not None and seq.thinking_open and seq.num_thinking_tokens + 1 >= budget.max_thinking_tokens
 
 
 class Scheduler:
@@ -164,25 +190,13 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------
     def schedule(self) -> SchedulerStep | None:
-        self.outbox.extend(self.admission.take_compiled())
-        self.outbox.extend(self.admission.expire())
-        admitted = []
-        if self.waiting and len(self.running) < self.limits.max_concurrency:
-            with self.detail.timed("admission"):
-                admitted = self.admission.admit(len(self.running))
-        for seq in admitted:
-            self.running.append(seq)
-            self.outbox.add(delta_output(seq))
+        """The next step: admit what fits, then every decode-ready request's row and prompt
+        chunks under the token budget; a step of slot actions only when nothing computes."""
+        self._admit()
         decode_ready = [s for s in self.running if not s.is_prefilling]
         chunks = self.speculation.decode_rows(decode_ready)
         budget = self.limits.mixed_prefill_chunk if decode_ready else self.limits.prefill_chunk
-        for seq in self.running:  # admission order
-            if budget <= 0:
-                break
-            if seq.is_prefilling:
-                chunk = self.prompt_chunks.chunk(seq, budget)
-                budget -= len(chunk.token_ids)
-                chunks.append(chunk)
+        chunks += self._prompt_chunks(budget)
         if chunks:
             kind = StepKind.DECODE if len(chunks) == len(decode_ready) else (
                 StepKind.MIXED if decode_ready else StepKind.PREFILL
@@ -191,6 +205,31 @@ class Scheduler:
         if self.actions:
             return SchedulerStep(StepKind.DECODE, [], before=self.actions.drain())
         return None
+
+    def _admit(self) -> None:
+        """Queue the requests whose grammars compiled, expire the overdue, and admit from the
+        head of the queue while lanes are free (their first progress goes out)."""
+        self.outbox.extend(self.admission.take_compiled())
+        self.outbox.extend(self.admission.expire())
+        if not self.waiting or len(self.running) >= self.limits.max_concurrency:
+            return
+        with self.detail.timed("admission"):
+            admitted = self.admission.admit(len(self.running))
+        for seq in admitted:
+            self.running.append(seq)
+            self.outbox.add(delta_output(seq))
+
+    def _prompt_chunks(self, budget: int) -> list[ScheduledChunk]:
+        """Prompt chunks of the prefilling requests, in admission order, within `budget` tokens."""
+        chunks = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.is_prefilling:
+                chunk = self.prompt_chunks.chunk(seq, budget)
+                budget -= len(chunk.token_ids)
+                chunks.append(chunk)
+        return chunks
 
     def schedule_ahead(self, inflight: SchedulerStep) -> SchedulerStep | None:
         """The decode round after `inflight` (launched, not yet updated), planned before its
@@ -205,45 +244,34 @@ class Scheduler:
         grammar runs ahead: should inflight's token start the grammar, the draw made ahead is
         dropped and redrawn masked (StepCommit). Rows that reach their output
         limit at inflight are left out."""
-        if inflight.kind is not StepKind.DECODE or not inflight.chunks or self.actions:
+        if not self._may_run_ahead(inflight):
             return None
-        if self.admission.has_compiled():
-            return None
-        if any(c.speculative for c in inflight.chunks) or self.speculation.drafting(self.running, ahead=True):
-            return None  # a speculative round's next input depends on what it accepts
-        if self.waiting and len(self.running) < self.limits.max_concurrency:
-            return None  # a lane is free: let schedule() admit (full lanes free up only at update)
-        if len(self.running) != len(inflight.chunks):
-            return None
-        by_id = {s.request_id: s for s in self.running}
+        by_id = self.active.running_by_id()
         chunks = []
         for row, chunk in enumerate(inflight.chunks):
             seq = by_id.get(chunk.request_id)
-            if (
-                seq is None
-                or seq.num_steps_in_flight != 1
-                or not chunk.sample
-                or len(chunk.token_ids) != 1
-                or seq.num_computed_tokens != chunk.num_computed_tokens
-                or seq.num_pending_tokens != 1
-                or has_penalties(seq.sampling)
-                or (seq.constraint is not None and seq.constraint.active)
-                or self._budget_may_close(seq)
-            ):
+            if seq is None or not _runs_ahead(seq, chunk):
                 return None
             if seq.num_output_tokens + 1 >= seq.max_new_tokens:
                 continue  # inflight's token is its last
             chunks.append(chained_chunk(seq, row))
         return self._step(StepKind.DECODE, chunks) if chunks else None
 
-    @staticmethod
-    def _budget_may_close(seq: Sequence) -> bool:
-        """The next model token may reach the thinking budget (forced close tokens follow it)."""
-        budget = seq.request.thinking_budget
-        return budget is not None and seq.thinking_open and seq.num_thinking_tokens + 1 >= budget.max_thinking_tokens
+    def _may_run_ahead(self, inflight: SchedulerStep) -> bool:
+        """Whether nothing but inflight's tokens can change the next decode round's plan."""
+        if inflight.kind is not StepKind.DECODE or not inflight.chunks or self.actions:
+            return False
+        if self.admission.has_compiled():
+            return False
+        if any(c.speculative for c in inflight.chunks) or self.speculation.drafting(self.running, ahead=True):
+            return False  # a speculative round's next input depends on what it accepts
+        if self.waiting and len(self.running) < self.limits.max_concurrency:
+            return False  # a lane is free: let schedule() admit (full lanes free up only at update)
+        return len(self.running) == len(inflight.chunks)
 
     def _step(self, kind: StepKind, chunks: list[ScheduledChunk]) -> SchedulerStep:
-        by_id = {s.request_id: s for s in self.running}
+        """A step of chunks of running requests, carrying every queued slot and page action."""
+        by_id = self.active.running_by_id()
         for chunk in chunks:
             by_id[chunk.request_id].num_steps_in_flight += 1
         return SchedulerStep(kind, chunks, before=self.actions.drain())
