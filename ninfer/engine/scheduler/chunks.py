@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from ninfer.contract.sampling import SamplingParams
-from ninfer.engine.scheduler.admission import SchedulerLimits
 from ninfer.engine.scheduler.checkpoints import Checkpoints, Snapshot
+from ninfer.engine.scheduler.limits import SchedulerLimits
 from ninfer.engine.scheduler.step import PENDING_TOKEN, ScheduledChunk
 from ninfer.engine.sequence import Sequence
 

@@ -36,9 +36,10 @@ from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.active_requests import ActiveRequests
-from ninfer.engine.scheduler.admission import Admission, SchedulerLimits
+from ninfer.engine.scheduler.admission import Admission
 from ninfer.engine.scheduler.checkpoints import Checkpoints
 from ninfer.engine.scheduler.chunks import PromptChunks, chained_chunk, has_penalties
+from ninfer.engine.scheduler.limits import SchedulerLimits
 from ninfer.engine.scheduler.outputs import Outbox, delta_output, final_output
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import CachePlanner

@@ -11,8 +11,8 @@ by one, and the runner is asked to advance the state slot by exactly the rows ke
 from __future__ import annotations
 
 from ninfer.engine.scheduler.action_queue import ActionQueue
-from ninfer.engine.scheduler.admission import SchedulerLimits
 from ninfer.engine.scheduler.chunks import decode_chunk, plain_chunk
+from ninfer.engine.scheduler.limits import SchedulerLimits
 from ninfer.engine.scheduler.stats import SchedulerStats
 from ninfer.engine.scheduler.step import CommitVerified, ScheduledChunk, SchedulerStep, VerifyOutcome
 from ninfer.engine.scheduler.token_commit import TokenCommit
