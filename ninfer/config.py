@@ -61,7 +61,7 @@ class EngineConfig:
     spec: str | None = None  # speculative backend: mtp | dflash | dflash2; None: plain decode
     draft_tokens: int | None = None  # drafts verified per round (required with spec)
     lm_head_draft: bool = False  # draft through the reduced-vocabulary proposal head
-    # Each request drafts only while its acceptance pays for the round (engine/draft_policy.py);
+    # Each request drafts only while its acceptance pays for the round (engine/speculative/draft_policy.py);
     # --no-adaptive-drafts verifies K drafts every round.
     adaptive_drafts: bool = True
     vision: bool = False  # load the vision tower: prompts may carry images and videos

@@ -26,7 +26,7 @@ from ninfer.engine.context_cache import CacheLimits, ContextCache
 from ninfer.engine.context_costs import resolve_context_costs
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.host_kv import HostKV
-from ninfer.engine.host_work import HostWork
+from ninfer.engine.host_time import HostTime
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.runner import ModelRunner
@@ -172,7 +172,7 @@ class EngineCore:
         self.decode_overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._inflight: PendingStep | None = None  # launched, not yet committed
         self._consecutive_failures = 0
-        self._work = HostWork()  # this interval's host and device-wait seconds by phase and class
+        self._work = HostTime()  # this interval's host and device-wait seconds by phase and class
         # Device memory by use in bytes (KV pool, state slots, and with --kv-capacity auto the
         # measured worst step, graphs and headroom); the builder fills it.
         self.memory_ledger: dict[str, int] = {}
@@ -248,14 +248,15 @@ class EngineCore:
             verified = current.verified()
             logprobs = current.logprobs()
             read = time.perf_counter()
-            self.scheduler.charge(current.step, "program_submit", submitted - started, device_wait=read - waited_from)
-            self.scheduler.charge(current.step, "engine_maintenance", waited_from - submitted)
+            timing = self.scheduler.timing
+            timing.charge(current.step, "program_submit", submitted - started, device_wait=read - waited_from)
+            timing.charge(current.step, "engine_maintenance", waited_from - submitted)
             if self.runner.vision_seconds:
-                self.scheduler.charge_vision(self.runner.vision_seconds)
+                timing.charge_vision(self.runner.vision_seconds)
                 self.runner.vision_seconds = {}
             outputs = self.scheduler.update(current.step, sampled, verified, logprobs)
             committed = time.perf_counter()
-            self.scheduler.charge(current.step, "engine_commit_output", committed - read)
+            timing.charge(current.step, "engine_commit_output", committed - read)
             self._work.add(work_class, "device_wait", read - waited_from)
             self._work.add(work_class, "engine_commit_output", committed - read)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
@@ -332,7 +333,7 @@ class EngineCore:
         self.cache.counters.take(len(self.cache))
         self.cache.counters.last_selection = None
         self._host_active_s = 0.0
-        self._work = HostWork()
+        self._work = HostTime()
         self._detail.take()
         self.stats_records.clear()
         self._last_stats_at = self.clock()
@@ -371,7 +372,7 @@ class EngineCore:
         active = self._host_active_s
         self._host_active_s = 0.0
         self._last_stats_at = now
-        work, self._work = self._work, HostWork()
+        work, self._work = self._work, HostTime()
         detail = self._detail.take()
         cache = self.cache.counters.take(len(self.cache))
         if not active_interval:

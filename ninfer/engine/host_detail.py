@@ -1,9 +1,9 @@
-"""HostDetail: the host's slow paths over one throughput interval, inside the phases HostWork counts.
+"""HostDetail: the host's slow paths over one throughput interval, inside the phases HostTime counts.
 
 Four named paths, each timed where it runs and counted per invocation: admission (the admission
 pass of a scheduling step), context_transaction (committing a plan's or a capture's changes to
 the context cache), replica (copying StateImages and KV pages to or from the host tier) and
-stats_publication (building a throughput record). Their seconds are already part of a HostWork
+stats_publication (building a throughput record). Their seconds are already part of a HostTime
 phase (program_submit, engine_commit_output or engine_maintenance), so they are a subset of its
 total and never added to it.
 """

@@ -24,7 +24,7 @@ from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.constraint_state import ConstraintState
-from ninfer.engine.draft_policy import DraftPolicy
+from ninfer.engine.speculative.draft_policy import DraftPolicy
 from ninfer.models.mrope_positions import MediaPlacement, build_mrope_layout
 from ninfer.engine.stop_checker import StopChecker
 

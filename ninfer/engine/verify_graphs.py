@@ -1,7 +1,7 @@
 """VerifyGraphs: CUDA graphs for speculative rounds, per batch size.
 
 A speculative round of B requests, each verification row the pending token and K draft
-places (Scheduler._speculative_chunk), is the same sequence of kernels every round; only
+places (Speculation.verification_chunk), is the same sequence of kernels every round; only
 the values differ. At start-up we capture, for every B asked for (the engine:
 1..max_concurrency):
   * the forward: embedding -> model over the B * (K+1) rows (Gated DeltaNet scores them

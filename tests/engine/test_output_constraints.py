@@ -26,7 +26,7 @@ from ninfer.contract.output import ErrorCode, FinishReason
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
-from ninfer.engine.scheduler.scheduler import Scheduler
+from ninfer.engine.scheduler.step_commit import StepCommit
 from ninfer.frontend.answer_format import AnswerFormat, JsonAnswer, ToolCalls, ToolSchema
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.frontend.tool_call_parser import ToolCallParser
@@ -152,9 +152,9 @@ def test_the_grammar_starts_after_the_thinking_close_token(monkeypatch) -> None:
     results = run(byte_engine(thinker=True), requests)
     # Alone (so its rounds run ahead), a request whose round launched ahead while thinking finds the
     # previous token closed the thinking: that draw is dropped and redrawn masked.
-    drawn_before = Scheduler._drawn_before_its_grammar
+    drawn_before = StepCommit._drawn_before_its_grammar
     dropped = []
-    monkeypatch.setattr(Scheduler, "_drawn_before_its_grammar",
+    monkeypatch.setattr(StepCommit, "_drawn_before_its_grammar",
                         staticmethod(lambda seq, chunk: dropped.append(drawn_before(seq, chunk)) or dropped[-1]))
     for request in requests:
         (tokens, *_), = run(byte_engine(thinker=True, overlap=True), [request]).values()

@@ -11,7 +11,8 @@ from ninfer.contract.request import CaptureHint, EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
-from ninfer.engine.scheduler import Scheduler, StepKind
+from ninfer.engine.scheduler import StepKind
+from ninfer.engine.scheduler.chunks import PromptChunks
 from tests.engine.test_engine_core import run_to_end, tokens_of
 from tests.engine.test_engine_generation import _models, hf_greedy
 from tests.unit.conftest import make_byte_tokenizer
@@ -40,8 +41,8 @@ def _recording_engine(model) -> tuple[EngineCore, dict, list]:
 def _run(model, monkeypatch, in_step: bool):
     """Both turns on a fresh engine; -> (prompt steps of the first turn, the checkpoint's state
     and logits, both turns' outputs)."""
-    original = Scheduler._snapshots_in_step
-    monkeypatch.setattr(Scheduler, "_snapshots_in_step", lambda self, seq: in_step and original(self, seq))
+    original = PromptChunks._snapshots_in_step
+    monkeypatch.setattr(PromptChunks, "_snapshots_in_step", lambda self, seq: in_step and original(self, seq))
     core, baseline, steps = _recording_engine(model)
     greedy = SamplingParams(temperature=0.0)
     hint = [CaptureHint(FRONTIER, ReusePath.PRIVATE_TURN_CLOSURE)]

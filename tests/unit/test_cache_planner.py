@@ -10,6 +10,7 @@ from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.context_costs import ContextCostError, ContextCosts, read_presets, resolve_context_costs
 from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import SUPERSEDED_WEIGHT, CachePlanner
 from ninfer.engine.scheduler.step import SpillSlot
@@ -24,7 +25,7 @@ def make(device_slots: int, host_slots: int):
     kv = KVPool(256, 4)
     cache = ContextCache(kv, StatePool(device_slots), exact_frontier_only=True, host_pool=StatePool(host_slots))
     planner = CachePlanner(cache, COSTS, STATE_BYTES)
-    actions: list = []
+    actions = ActionQueue()
     return cache, planner, Placement(cache, planner, actions), actions
 
 
@@ -64,7 +65,7 @@ def test_spill_only_what_is_worth_restoring():
     assert placement.free_device_slot()  # the cheapest leaves: dropped, not spilled
     assert near.checkpoint_id not in cache.checkpoints and placement.num_drops == 1 and not actions
     assert placement.free_device_slot()  # then the long one: spilled to the host
-    assert long_one.on_host and actions == [SpillSlot(device_slot=0, host_slot=0)]
+    assert long_one.on_host and list(actions) == [SpillSlot(device_slot=0, host_slot=0)]
     assert cache.state_pool.num_free == 2 and cache.host_pool.num_free == 1
     assert not placement.free_device_slot()  # nothing left on the device
     cache.clear()

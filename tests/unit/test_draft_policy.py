@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ninfer.engine.draft_policy import (
+from ninfer.engine.speculative.draft_policy import (
     FIRST_PROBE_INTERVAL,
     MAX_PROBE_INTERVAL,
     DraftPolicy,

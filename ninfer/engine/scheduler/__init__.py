@@ -1,7 +1,8 @@
 """The scheduler: admission, checkpoints, step planning and commit (pure CPU logic)."""
 
-from ninfer.engine.scheduler.admission import SchedulerLimits
-from ninfer.engine.scheduler.scheduler import Scheduler, SchedulerStats
+from ninfer.engine.scheduler.limits import SchedulerLimits
+from ninfer.engine.scheduler.scheduler import Scheduler
+from ninfer.engine.scheduler.stats import SchedulerStats
 from ninfer.engine.scheduler.step import (
     PENDING_TOKEN,
     CommitVerified,

@@ -6,7 +6,8 @@ legal plan (resume from a cache hit by copying its state, or restoring it from t
 tier; adopt a device hit itself; resume from a shorter hit when keeping the best leaves no room;
 or start from root; the search is bounded, see MAX_REUSE_TARGETS), evicting the checkpoints whose loss
 costs least (planner.py) when that makes room for pages, and freeing a device slot through
-placement.py when one is short; later requests wait behind it. A waiting request past its deadline ends with request_queue_timeout.
+placement.py when one is short; later requests wait behind it. The chosen plan is carried out by
+PlanCommit (admission_plan.py). A waiting request past its deadline ends with request_queue_timeout.
 
 A request with an output constraint whose grammar is not compiled yet waits outside the queue
 while a worker thread compiles it (compiled_grammars.py), and joins the queue's tail once it is.
@@ -15,12 +16,9 @@ while a worker thread compiles it (compiled_grammars.py), and joins the queue's 
 from __future__ import annotations
 
 import collections
-import itertools
-import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import msgspec
 
@@ -30,8 +28,6 @@ from ninfer.contract.output import (
     EngineOutput,
     ErrorCode,
     Materialization,
-    PromptProgress,
-    SpeculativeCounters,
     Timings,
 )
 from ninfer.contract.request import EngineRequest
@@ -40,27 +36,17 @@ from ninfer.contract.sampling import fresh_seed
 from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.constraint_state import ConstraintState
 from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
-from ninfer.engine.draft_policy import DraftPolicy
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
-from ninfer.engine.scheduler.checkpoints import capture_frontiers
+from ninfer.engine.scheduler.action_queue import ActionQueue
+from ninfer.engine.scheduler.admission_plan import AdmissionPlan, PlanCommit
+from ninfer.engine.scheduler.limits import SchedulerLimits
 from ninfer.engine.scheduler.outputs import error_output
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import MAX_CANDIDATES
-from ninfer.engine.scheduler.step import (
-    CopyPage,
-    CopySlot,
-    ResetSlot,
-    RestorePages,
-    RestoreSlot,
-    SlotAction,
-    SpillPages,
-)
 from ninfer.engine.sequence import Sequence, SequenceStatus
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
-
-log = logging.getLogger("ninfer.engine")
 
 # The search is bounded; the bound that cut an attempt short is its decision's stop reason.
 MAX_REUSE_TARGETS = 4  # reuse targets tried before the root: target_budget
@@ -68,33 +54,6 @@ MAX_EXPANSIONS = 32  # victims added one at a time per target, then the rest at 
 # An attempt's search time, as the engine thread's CPU time (a thread descheduled on a busy host
 # has not searched longer); past it only the root is tried: time_budget.
 PLANNING_BUDGET_NS = 50_000_000
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_concurrency: int
-    max_context: int
-    prefill_chunk: int  # prompt tokens of a step with no decode rows
-    prefix_reuse: bool = True
-    mixed_prefill_chunk: int = 1024  # prompt tokens of a step beside decode rows
-    spec_backend: str | None = None  # speculative backend (mtp, dflash, dflash2) or None
-    num_draft_tokens: int = 0  # drafts a speculative round verifies per request
-    adaptive_drafts: bool = False  # requests draft only while it pays (DraftPolicy)
-
-
-@dataclass(frozen=True)
-class AdmissionPlan:
-    hit: CacheHit | None
-    adopt: bool  # take over the checkpoint's slot and pages instead of copying its state
-    num_full_pages: int  # fully reused pages, shared (or, when adopting, taken over)
-    own_partial: bool  # the adopted checkpoint's partial last page is written in place
-    cow: bool  # the hit's partial last page is copied into the first private page
-    num_private_pages: int
-    evict: list[Checkpoint]  # give up their device KV pages: dropped, or spilled when in spill_kv
-    spill_kv: list[Checkpoint]
-    free_device_slot: bool  # spill (or drop) one more device checkpoint for the request's slot
-    stop_reason: str = "no_pressure"  # how the eviction search ended (Materialization.stop_reason)
-    budget_exhausted: bool = False  # more checkpoints than the planner ranks by cost
 
 
 class Admission:
@@ -107,12 +66,12 @@ class Admission:
         placement: Placement,
         make_stop_checker: Callable[[EngineRequest], StopChecker],
         clock: Callable[[], float],
-        actions: list[SlotAction],
+        actions: ActionQueue,
         detail: HostDetail,
         grammars: CompiledGrammars | None = None,
         vocab_size: int = 0,
     ):
-        """actions: the scheduler's list of slot actions to run before the next forward; detail:
+        """actions: where a plan's context moves go, to run before the next forward; detail:
         where committing a plan is timed (a context transaction). grammars: compiles output
         constraints (None: requests with one are refused); vocab_size: the logits width their token
         bitmasks cover."""
@@ -123,7 +82,6 @@ class Admission:
         self.placement = placement
         self.make_stop_checker = make_stop_checker
         self.clock = clock
-        self.actions = actions
         self.detail = detail
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.grammars = grammars
@@ -132,11 +90,42 @@ class Admission:
         self._projection_work = 0  # eviction sets examined by the admission attempt in progress
         self._started_ns = self._started_cpu_ns = 0  # when the attempt in progress began planning (wall, CPU)
         self._bound: str | None = None  # the first search bound it hit
-        self._continuations = itertools.count()
+        self.plan_commit = PlanCommit(limits, kv_pool, state_pool, cache, placement, actions, clock)
 
     def add(self, request: EngineRequest) -> EngineOutput | None:
         """Validate and queue a request; returns a terminal error output if it can never run."""
         now = self.clock()
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        sampling = request.sampling
+        if sampling.seed is None:
+            sampling = msgspec.structs.replace(sampling, seed=fresh_seed())
+        seq = Sequence(
+            request=request,
+            max_new_tokens=self._output_limit(request),
+            sampling=sampling,
+            stop_checker=self.make_stop_checker(request),
+            timings=Timings(arrived=now),
+        )
+        constraint = request.constraint
+        if constraint is None:
+            self.waiting.append(seq)
+            return None
+        compiled = self.grammars.get(constraint)
+        if compiled is None:
+            self.compiling.append((seq, self.grammars.compile(constraint)))
+            return None
+        self._constrain(seq, compiled)
+        self.waiting.append(seq)
+        return None
+
+    def _output_limit(self, request: EngineRequest) -> int:
+        """The request's output limit clamped to the context ceiling."""
+        return min(request.max_new_tokens, self.limits.max_context - len(request.prompt_token_ids))
+
+    def _refusal(self, request: EngineRequest) -> EngineOutput | None:
+        """Why the request can never run (its error output), or None."""
         prompt_len = len(request.prompt_token_ids)
         if prompt_len == 0:
             return error_output(request, ErrorCode.INVALID_REQUEST, "prompt has no tokens")
@@ -146,7 +135,7 @@ class Admission:
             )
         if request.max_new_tokens < 0:
             return error_output(request, ErrorCode.INVALID_REQUEST, "max_new_tokens must be >= 0")
-        max_new = min(request.max_new_tokens, self.limits.max_context - prompt_len)
+        max_new = self._output_limit(request)
         if self.kv_pool.pages_for(prompt_len + max_new + self.spare_tokens) > self.kv_pool.num_pages:
             return self._context_error(
                 request,
@@ -167,26 +156,6 @@ class Admission:
                 )
         if request.constraint is not None and self.grammars is None:
             return error_output(request, ErrorCode.INVALID_REQUEST, "this engine takes no output constraints")
-        sampling = request.sampling
-        if sampling.seed is None:
-            sampling = msgspec.structs.replace(sampling, seed=fresh_seed())
-        seq = Sequence(
-            request=request,
-            max_new_tokens=max_new,
-            sampling=sampling,
-            stop_checker=self.make_stop_checker(request),
-            timings=Timings(arrived=now),
-        )
-        constraint = request.constraint
-        if constraint is None:
-            self.waiting.append(seq)
-            return None
-        compiled = self.grammars.get(constraint)
-        if compiled is None:
-            self.compiling.append((seq, self.grammars.compile(constraint)))
-            return None
-        self._constrain(seq, compiled)
-        self.waiting.append(seq)
         return None
 
     def has_compiled(self) -> bool:
@@ -295,7 +264,7 @@ class Admission:
                 decision = self._predict(seq, plan)
                 spills, drops = self.placement.num_spills, self.placement.num_drops
                 with self.detail.timed("context_transaction"):
-                    self._commit(seq, plan)
+                    self.plan_commit.commit(seq, plan)
                 seq.materialization = self._decision(
                     plan, decision, evaluated, time.perf_counter_ns() - self._started_ns, bool(hits),
                     self.placement.num_spills - spills, self.placement.num_drops - drops,
@@ -437,101 +406,3 @@ class Admission:
                 spill.append(c)
                 room -= len(c.pages)
         return spill
-
-    def _commit(self, seq: Sequence, plan: AdmissionPlan) -> None:
-        hit = plan.hit
-        ck = hit.checkpoint if hit else None
-        reused = hit.num_reused_tokens if hit else 0
-        first_action = len(self.actions)
-        if ck is not None and self.cache.forks_history(ck, seq.token_ids):
-            self.cache.counters.historical_forks += 1
-        shared = ck.pages[: plan.num_full_pages] if ck is not None else []
-        if ck is not None and not plan.adopt:
-            self.kv_pool.share(shared)  # hold the prefix before evicting anything that might release it
-        for victim in plan.evict:
-            if victim in plan.spill_kv:
-                host_pages = self.cache.host_kv_pool.allocate(len(victim.pages))
-                device_pages = self.cache.move_kv_to_host(victim, host_pages)
-                self.actions.append(SpillPages(tuple(device_pages), tuple(host_pages)))
-                self.cache.counters.degrade(victim.shared, "kv_spills")
-            else:
-                self.cache.remove(victim)
-                self.cache.counters.degrade(victim.shared, "evictions")
-        if plan.free_device_slot and not self.placement.free_device_slot(keep=ck):
-            raise AssertionError("admission planned a device slot that placement cannot free")
-        if ck is not None and ck.kv_on_host:
-            # After the spills above in the action order: a page they gave up may be reused here.
-            device_pages = self.kv_pool.allocate(len(ck.host_pages))
-            host_pages = self.cache.move_kv_to_device(ck, device_pages)
-            self.actions.append(RestorePages(tuple(host_pages), tuple(device_pages)))
-            shared = ck.pages[: plan.num_full_pages]
-            if not plan.adopt:
-                self.kv_pool.share(shared)
-        cow_src = ck.pages[plan.num_full_pages] if plan.cow else None
-        private = self.kv_pool.allocate(plan.num_private_pages)
-        if cow_src is not None:
-            # Runs before any forward writes, so the source still holds the prefix's tokens.
-            self.actions.append(CopyPage(cow_src, private[0]))
-            self.cache.counters.cow_pages += 1
-        if plan.adopt:
-            self.cache.remove(ck, release_resources=False)  # its page references and slot become ours
-            if cow_src is not None:
-                self.kv_pool.release([cow_src])
-            kept = ck.pages[: plan.num_full_pages + (1 if plan.own_partial else 0)]
-            seq.pages = kept + private
-            seq.state_slot = ck.state_slot
-        else:
-            seq.pages = shared + private
-            seq.state_slot = self.state_pool.allocate()
-            if hit is not None and hit.is_exact_frontier:
-                if ck.on_host:
-                    self.actions.append(RestoreSlot(ck.host_slot, seq.state_slot))
-                    self.cache.counters.state_restores += 1
-                else:
-                    self.actions.append(CopySlot(ck.state_slot, seq.state_slot))
-                self.cache.touch(ck)
-            else:
-                self.actions.append(ResetSlot(seq.state_slot))
-        seq.reuse_path = ck.path if ck is not None else ReusePath.ROOT
-        # Context moves for it (a restore, a copy, victims spilled) run before its first step.
-        seq.materializing = any(not isinstance(a, ResetSlot) for a in self.actions[first_action:])
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "admit %s: prompt %d, reuse %d from %s%s · %d private pages%s%s",
-                seq.request_id, seq.prompt_len, reused,
-                f"checkpoint {ck.checkpoint_id} ({ReusePath(ck.path).value})" if ck is not None else "root",
-                " (adopted)" if plan.adopt else "", plan.num_private_pages,
-                f" · evicts {len(plan.evict)} ({len(plan.spill_kv)} KV to host)" if plan.evict else "",
-                " · copy-on-write" if plan.cow else "",
-            )
-        if ck is not None:
-            self.cache.counters.hits[ReusePath(ck.path).value] += 1
-            self.cache.counters.hit_tokens += reused
-        else:
-            self.cache.counters.misses += 1
-        if ck is not None and not ck.shared:
-            seq.continuation = ck.continuation  # resuming a private checkpoint continues its conversation
-        else:
-            recalled = self.cache.forecast.recall(seq.token_ids) if self.limits.prefix_reuse else None
-            seq.continuation = recalled or f"c{next(self._continuations)}"
-        self.cache.note_admission(seq.continuation, seq.token_ids)
-        seq.num_computed_tokens = seq.num_cached_tokens = reused
-        if hit is not None and hit.is_exact_frontier:
-            seq.logits_frontier = reused
-        seq.status = SequenceStatus.RUNNING
-        if self.limits.spec_backend is not None:
-            draft_window = self.limits.num_draft_tokens
-            seq.speculative = SpeculativeCounters(
-                self.limits.spec_backend, draft_window, accepted_per_position=[0] * draft_window
-            )
-            if self.limits.adaptive_drafts:
-                seq.draft_policy = DraftPolicy(draft_window)
-        seq.timings.admitted = self.clock()
-        if reused == seq.prompt_len:
-            seq.timings.prompt_done = seq.timings.admitted
-        if self.limits.prefix_reuse and reused < seq.prompt_len:
-            seq.capture_frontiers = capture_frontiers(
-                seq.request.capture_hints, reused, seq.prompt_len, seq.request.endpoint_path
-            )
-        # The first progress event reports the reuse choice: processed == cache.
-        seq.unsent_progress = PromptProgress(seq.prompt_len, reused, reused, 0.0)

@@ -18,8 +18,9 @@ from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.placement import Placement
-from ninfer.engine.scheduler.step import CopySlot, SlotAction
+from ninfer.engine.scheduler.step import CopySlot
 from ninfer.engine.sequence import Sequence
 from ninfer.engine.state_pool import StatePool
 
@@ -80,11 +81,11 @@ class Checkpoints:
         state_pool: StatePool,
         cache: ContextCache,
         placement: Placement,
-        actions: list[SlotAction],
+        actions: ActionQueue,
         detail: HostDetail | None = None,
     ):
-        """actions: the scheduler's list of slot actions to run before the next forward; detail:
-        where captures are timed (context transactions)."""
+        """actions: where capture copies go, to run before the next forward; detail: where
+        captures are timed (context transactions)."""
         self.prefix_reuse = prefix_reuse
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -107,7 +108,7 @@ class Checkpoints:
             return  # nothing to keep, or every device slot is active: skip this capture
         self._insert(seq, frontier, path, slot, "")
         # Runs before the next forward, so it still sees the state right after this frontier.
-        self.actions.append(CopySlot(seq.state_slot, slot))
+        self.actions.add(CopySlot(seq.state_slot, slot))
 
     def reserve_snapshot(self, seq: Sequence, frontier: int, path) -> int | Snapshot:
         """Ready a capture at `frontier` inside the chunk being scheduled: the device slot it

@@ -1,4 +1,5 @@
-"""EngineOutputs built from a sequence's unsent delta, and terminal error outputs."""
+"""EngineOutputs built from a sequence's unsent delta, terminal error outputs, and the Outbox
+that holds them until the engine sends them."""
 
 from __future__ import annotations
 
@@ -57,3 +58,32 @@ def error_output(
         prompt_tokens=len(request.prompt_token_ids),
         error=EngineError(code, message, prompt_tokens=prompt_tokens, max_context=max_context),
     )
+
+
+class Outbox:
+    """Outputs ready to send: admission progress, finals and errors as they happen, then each
+    running request's unsent delta when collected."""
+
+    def __init__(self) -> None:
+        self._ready: list[EngineOutput] = []
+
+    def add(self, out: EngineOutput) -> None:
+        self._ready.append(out)
+
+    def extend(self, outs: list[EngineOutput]) -> None:
+        self._ready.extend(outs)
+
+    def collect(self, running: list[Sequence]) -> list[EngineOutput]:
+        """Everything ready, then the deltas of running requests with tokens or progress unsent."""
+        outputs, self._ready = self._ready, []
+        for seq in running:
+            if seq.unsent_token_ids or seq.unsent_progress is not None:
+                outputs.append(delta_output(seq))
+        return outputs
+
+    def take_final(self, request_id: str) -> EngineOutput | None:
+        """The final output of request_id, taken out of the outbox (an abort answers with it)."""
+        for i, out in enumerate(self._ready):
+            if out.request_id == request_id and out.finished:
+                return self._ready.pop(i)
+        return None

@@ -14,15 +14,16 @@ from __future__ import annotations
 import logging
 
 from ninfer.engine.context_cache import Checkpoint, ContextCache
+from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.planner import CachePlanner
-from ninfer.engine.scheduler.step import SlotAction, SpillSlot
+from ninfer.engine.scheduler.step import SpillSlot
 
 log = logging.getLogger("ninfer.engine")
 
 
 class Placement:
-    def __init__(self, cache: ContextCache, planner: CachePlanner, actions: list[SlotAction]):
-        """actions: the scheduler's list of slot actions to run before the next forward."""
+    def __init__(self, cache: ContextCache, planner: CachePlanner, actions: ActionQueue):
+        """actions: where the spills go, to run before the next forward."""
         self.cache = cache
         self.planner = planner
         self.actions = actions
@@ -60,7 +61,7 @@ class Placement:
             self.last_loss_seconds = restore + loss[on_host[0].checkpoint_id]
         host_slot = host_pool.allocate()
         device_slot = self.cache.move_to_host(victim, host_slot)
-        self.actions.append(SpillSlot(device_slot, host_slot))
+        self.actions.add(SpillSlot(device_slot, host_slot))
         self.cache.counters.degrade(victim.shared, "state_spills")
         self.num_spills += 1
         log.debug("cache: checkpoint %d (%d tokens, %s) spills its state to host slot %d (loss if dropped %.3fs)",

@@ -1,9 +1,13 @@
 """Scheduler: step planning and commit — pure CPU logic, no tensors.
 
 Contract with the runner (step.py): schedule() returns a SchedulerStep; update() takes the
-sampled token ids back and returns the EngineOutputs to stream. Admission (admission.py)
-decides which waiting requests run and from which checkpoint; checkpoints.py decides what
-an active request leaves behind.
+sampled token ids back and returns the EngineOutputs to stream. The Scheduler composes small
+nouns: Admission (admission.py) decides which waiting requests run and from which checkpoint;
+Checkpoints what an active request leaves behind; ActiveRequests holds the admitted requests
+and finishes them; chunks.py builds a step's rows; Speculation plans and commits verification
+rows; StepCommit and TokenCommit apply a landed step; StepFailures ends what failed steps
+touched; RequestTiming charges steps' time to their requests. The slot and page actions they
+queue for the next step go through one ActionQueue, and their outputs through one Outbox.
 
 Policy: every step carries one row for each decode-ready request (decode is never starved)
 and prompt chunks of prefilling requests in admission order (FIFO) under a token budget:
@@ -20,64 +24,62 @@ endpoint checkpoint with that token included, when N+1 lands (update of N+1).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason, PromptProgress, TokenLogprobs
+from ninfer.contract.output import EngineOutput, FinishReason, TokenLogprobs
 from ninfer.contract.request import EngineRequest
-from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.context_costs import ContextCosts, generic_costs
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
-from ninfer.engine.scheduler.admission import Admission, SchedulerLimits
-from ninfer.engine.scheduler.checkpoints import Checkpoints, Snapshot
-from ninfer.engine.scheduler.outputs import delta_output, final_output
+from ninfer.engine.scheduler.action_queue import ActionQueue
+from ninfer.engine.scheduler.active_requests import ActiveRequests
+from ninfer.engine.scheduler.admission import Admission
+from ninfer.engine.scheduler.checkpoints import Checkpoints
+from ninfer.engine.scheduler.chunks import PromptChunks, chained_chunk, has_penalties
+from ninfer.engine.scheduler.limits import SchedulerLimits
+from ninfer.engine.scheduler.outputs import Outbox, delta_output, final_output
 from ninfer.engine.scheduler.placement import Placement
 from ninfer.engine.scheduler.planner import CachePlanner
+from ninfer.engine.scheduler.request_timing import RequestTiming
+from ninfer.engine.scheduler.speculation import Speculation
+from ninfer.engine.scheduler.stats import SchedulerStats
 from ninfer.engine.scheduler.step import (
-    PENDING_TOKEN,
-    CommitVerified,
-    CopyPage,
-    CopySlot,
-    ResetSlot,
-    RestorePages,
-    RestoreSlot,
     ScheduledChunk,
     SchedulerStep,
-    SlotAction,
     StepKind,
     VerifyOutcome,
 )
-from ninfer.engine.sequence import Sequence, SequenceStatus
+from ninfer.engine.scheduler.step_commit import StepCommit
+from ninfer.engine.scheduler.step_failures import StepFailures
+from ninfer.engine.scheduler.token_commit import TokenCommit
+from ninfer.engine.sequence import Sequence
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
 
 
-def _has_penalties(sampling: SamplingParams) -> bool:
-    return sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0
+def _runs_ahead(seq: Sequence, chunk: ScheduledChunk) -> bool:
+    """Whether seq's row of the launched step can be followed by a chained row: one sampled
+    token and nothing else pending, and no penalty, started grammar or thinking budget that
+    needs the sampled token to plan the next row."""
+    return (
+        seq.num_steps_in_flight == 1
+        and chunk.sample
+        and len(chunk.token_ids) == 1
+        and seq.num_computed_tokens == chunk.num_computed_tokens
+        and seq.num_pending_tokens == 1
+        and not has_penalties(seq.sampling)
+        and not (seq.constraint is not None and seq.constraint.active)
+        and not _budget_may_close(seq)
+    )
 
 
-@dataclass
-class SchedulerStats:
-    """Counters since the last throughput record (the engine reads and resets them)."""
-
-    prefill_tokens: int = 0
-    decode_tokens: int = 0  # committed by decode rows (with speculation: accepted, never drafted)
-    decode_rounds: int = 0
-    decode_rows: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-
-    def reset(self) -> SchedulerStats:
-        snapshot = SchedulerStats(self.prefill_tokens, self.decode_tokens, self.decode_rounds, self.decode_rows,
-                                  self.drafted_tokens, self.accepted_tokens)
-        self.prefill_tokens = self.decode_tokens = self.decode_rounds = self.decode_rows = 0
-        self.drafted_tokens = self.accepted_tokens = 0
-        return snapshot
+def _budget_may_close(seq: Sequence) -> bool:
+    """The next model token may reach the thinking budget (forced close tokens follow it)."""
+    budget = seq.request.thinking_budget
+    return budget is not None and seq.thinking_open and seq.num_thinking_tokens + 1 >= budget.max_thinking_tokens
 
 
 class Scheduler:
@@ -106,26 +108,35 @@ class Scheduler:
         self.state_pool = state_pool
         self.cache = cache
         self.clock = clock
-        # Slot and page actions for the next step, appended by admission and capture too.
-        self._pending_actions: list[SlotAction] = []
+        self.actions = ActionQueue()  # slot and page actions for the next step
         self.planner = CachePlanner(cache, costs or generic_costs(), state_image_bytes, kv_page_bytes)
-        placement = Placement(cache, self.planner, self._pending_actions)
+        placement = Placement(cache, self.planner, self.actions)
         self.placement = placement
         self.admission = Admission(
-            limits, kv_pool, state_pool, cache, placement, make_stop_checker, clock, self._pending_actions,
+            limits, kv_pool, state_pool, cache, placement, make_stop_checker, clock, self.actions,
             self.detail, grammars, vocab_size,
         )
         self.checkpoints = Checkpoints(
-            limits.prefix_reuse, kv_pool, state_pool, cache, placement, self._pending_actions, self.detail
+            limits.prefix_reuse, kv_pool, state_pool, cache, placement, self.actions, self.detail
         )
-        self.running: list[Sequence] = []
+        self.prompt_chunks = PromptChunks(limits, self.checkpoints)
         self.stats = SchedulerStats()
-        self._outbox: list[EngineOutput] = []  # outputs ready to send (admission progress, finals, errors)
-        # Finished requests whose next token a launched step is still computing (by request id).
-        self._draining: dict[str, Sequence] = {}
-        self._verify_rows: dict[str, int] = {}  # the updated step's first verification row per request
+        self.outbox = Outbox()
+        self.active = ActiveRequests(self.checkpoints, self.outbox)
+        self.timing = RequestTiming(self.active)  # what the engine charges each step's requests
+        self.tokens = TokenCommit(self.active)
+        self.speculation = Speculation(limits, self.stats, self.actions, self.tokens)
+        self.commit = StepCommit(self.active, self.checkpoints, self.stats, self.tokens, self.speculation, clock)
+        self.failures = StepFailures(
+            self.active, self.checkpoints, self.actions, kv_pool, state_pool, cache, self.outbox
+        )
 
     # ---- requests in ---------------------------------------------------------------
+    @property
+    def running(self) -> list[Sequence]:
+        """Admitted requests that take part in steps, in admission order."""
+        return self.active.running
+
     @property
     def waiting(self):
         return self.admission.waiting
@@ -140,8 +151,8 @@ class Scheduler:
             return final_output(seq, FinishReason.CANCELLED)
         for seq in self.running:
             if seq.request_id == request_id:
-                self._finish(seq, FinishReason.CANCELLED)
-                return self._drain_outbox_for(request_id)
+                self.active.finish(seq, FinishReason.CANCELLED)
+                return self.outbox.take_final(request_id)
         return None
 
     @property
@@ -162,53 +173,17 @@ class Scheduler:
     @property
     def draining(self) -> list[Sequence]:
         """Finished requests whose pages and slot a launched step still writes."""
-        return list(self._draining.values())
+        return list(self.active.draining.values())
 
     def drop_inflight(self) -> None:
         """The engine failed with a step in flight: forget requests waiting for it to land."""
-        self._draining.clear()
+        self.active.draining.clear()
 
     def fail_steps(self, steps: list[SchedulerStep], message: str) -> list[EngineOutput]:
         """Launched steps failed on the device: end their requests, and every request their slot
-        and page actions prepared, with STEP_FAILED, keeping nothing those wrote; the others go on.
-
-        Which actions ran is unknown, so every checkpoint is dropped too (a capture or spill
-        may be half-written); requests outside the steps keep their own slots and pages."""
-        failed_ids = {c.request_id for step in steps for c in step.chunks}
-        touched_slots: set[int] = set()
-        touched_pages: set[int] = set()
-        for step in steps:
-            for action in step.before:
-                if isinstance(action, (ResetSlot, RestoreSlot)):
-                    touched_slots.add(action.slot if isinstance(action, ResetSlot) else action.device_slot)
-                elif isinstance(action, (CopySlot, CommitVerified)):
-                    touched_slots.add(action.dst if isinstance(action, CopySlot) else action.slot)
-                elif isinstance(action, CopyPage):
-                    touched_pages.add(action.dst)
-                elif isinstance(action, RestorePages):
-                    touched_pages.update(action.device_pages)
-        for seq in self.running:
-            if seq.state_slot in touched_slots or touched_pages.intersection(seq.pages):
-                failed_ids.add(seq.request_id)
-        self._pending_actions.clear()
-        for seq in [*self.running, *self._draining.values()]:
-            if seq.request_id not in failed_ids:
-                continue
-            if not seq.is_finished:
-                seq.status = SequenceStatus.FINISHED
-                self.running.remove(seq)
-                out = final_output(seq, FinishReason.ERROR)
-                out.error = EngineError(ErrorCode.STEP_FAILED, message)
-                self._outbox.append(out)
-            seq.num_steps_in_flight = 0
-            self.checkpoints.release_snapshot(seq)
-            self.kv_pool.release(seq.pages)
-            if seq.state_slot is not None:
-                self.state_pool.release(seq.state_slot)
-            seq.pages, seq.state_slot = [], None
-        self._draining.clear()
-        self.cache.clear()
-        return self._collect_outputs()
+        and page actions prepared, with STEP_FAILED (StepFailures); the others go on."""
+        self.failures.fail(steps, message)
+        return self.outbox.collect(self.running)
 
     @property
     def num_active(self) -> int:
@@ -216,40 +191,46 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------
     def schedule(self) -> SchedulerStep | None:
-        self._outbox.extend(self.admission.take_compiled())
-        self._outbox.extend(self.admission.expire())
-        admitted = []
-        if self.waiting and len(self.running) < self.limits.max_concurrency:
-            with self.detail.timed("admission"):
-                admitted = self.admission.admit(len(self.running))
-        for seq in admitted:
-            self.running.append(seq)
-            self._outbox.append(delta_output(seq))
+        """The next step: admit what fits, then every decode-ready request's row and prompt
+        chunks under the token budget; a step of slot actions only when nothing computes."""
+        self._admit()
         decode_ready = [s for s in self.running if not s.is_prefilling]
-        drafting = self._drafting_step(decode_ready)
-        # Speculative rows first: the runner verifies them ahead of the rest of the forward.
-        decode_ready.sort(key=lambda s: not self._speculates(s, drafting))
-        chunks = [
-            self._speculative_chunk(s) if self._speculates(s, drafting)
-            else self._chunk(s, s.token_ids[s.num_computed_tokens :], compute_logits=True, sample=True)
-            for s in decode_ready
-        ]
+        chunks = self.speculation.decode_rows(decode_ready)
         budget = self.limits.mixed_prefill_chunk if decode_ready else self.limits.prefill_chunk
-        for seq in self.running:  # admission order
-            if budget <= 0:
-                break
-            if seq.is_prefilling:
-                chunk = self._prefill_chunk(seq, budget)
-                budget -= len(chunk.token_ids)
-                chunks.append(chunk)
+        chunks += self._prompt_chunks(budget)
         if chunks:
             kind = StepKind.DECODE if len(chunks) == len(decode_ready) else (
                 StepKind.MIXED if decode_ready else StepKind.PREFILL
             )
             return self._step(kind, chunks)
-        if self._pending_actions:
-            return SchedulerStep(StepKind.DECODE, [], before=self._take_actions())
+        if self.actions:
+            return SchedulerStep(StepKind.DECODE, [], before=self.actions.drain())
         return None
+
+    def _admit(self) -> None:
+        """Queue the requests whose grammars compiled, expire the overdue, and admit from the
+        head of the queue while lanes are free (their first progress goes out)."""
+        self.outbox.extend(self.admission.take_compiled())
+        self.outbox.extend(self.admission.expire())
+        if not self.waiting or len(self.running) >= self.limits.max_concurrency:
+            return
+        with self.detail.timed("admission"):
+            admitted = self.admission.admit(len(self.running))
+        for seq in admitted:
+            self.running.append(seq)
+            self.outbox.add(delta_output(seq))
+
+    def _prompt_chunks(self, budget: int) -> list[ScheduledChunk]:
+        """Prompt chunks of the prefilling requests, in admission order, within `budget` tokens."""
+        chunks = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.is_prefilling:
+                chunk = self.prompt_chunks.chunk(seq, budget)
+                budget -= len(chunk.token_ids)
+                chunks.append(chunk)
+        return chunks
 
     def schedule_ahead(self, inflight: SchedulerStep) -> SchedulerStep | None:
         """The decode round after `inflight` (launched, not yet updated), planned before its
@@ -262,219 +243,39 @@ class Scheduler:
         constraint that has started (its next mask follows that token), and when a grammar
         compiled meanwhile (schedule() queues its request). A request still thinking before its
         grammar runs ahead: should inflight's token start the grammar, the draw made ahead is
-        dropped and redrawn masked (_drawn_before_its_grammar). Rows that reach their output
+        dropped and redrawn masked (StepCommit). Rows that reach their output
         limit at inflight are left out."""
-        if inflight.kind is not StepKind.DECODE or not inflight.chunks or self._pending_actions:
+        if not self._may_run_ahead(inflight):
             return None
-        if self.admission.has_compiled():
-            return None
-        if any(c.speculative for c in inflight.chunks) or self._drafting_step(self.running, ahead=True):
-            return None  # a speculative round's next input depends on what it accepts
-        if self.waiting and len(self.running) < self.limits.max_concurrency:
-            return None  # a lane is free: let schedule() admit (full lanes free up only at update)
-        if len(self.running) != len(inflight.chunks):
-            return None
-        by_id = {s.request_id: s for s in self.running}
+        by_id = self.active.running_by_id()
         chunks = []
         for row, chunk in enumerate(inflight.chunks):
             seq = by_id.get(chunk.request_id)
-            if (
-                seq is None
-                or seq.num_steps_in_flight != 1
-                or not chunk.sample
-                or len(chunk.token_ids) != 1
-                or seq.num_computed_tokens != chunk.num_computed_tokens
-                or seq.num_pending_tokens != 1
-                or _has_penalties(seq.sampling)
-                or (seq.constraint is not None and seq.constraint.active)
-                or self._budget_may_close(seq)
-            ):
+            if seq is None or not _runs_ahead(seq, chunk):
                 return None
             if seq.num_output_tokens + 1 >= seq.max_new_tokens:
                 continue  # inflight's token is its last
-            chunks.append(
-                ScheduledChunk(
-                    request_id=seq.request_id,
-                    token_ids=[PENDING_TOKEN],
-                    num_computed_tokens=seq.num_computed_tokens + 1,
-                    page_ids=seq.pages,
-                    state_slot=seq.state_slot,
-                    compute_logits=True,
-                    sample=True,
-                    sampling=seq.sampling,
-                    num_generated=seq.num_output_tokens - seq.num_forced_tokens + 1,
-                    output_token_ids=[],
-                    previous_row=row,
-                    logprobs=seq.request.top_logprobs,
-                    **self._media_fields(seq, seq.num_computed_tokens + 1, 1),
-                )
-            )
+            chunks.append(chained_chunk(seq, row))
         return self._step(StepKind.DECODE, chunks) if chunks else None
 
-    @staticmethod
-    def _drawn_before_its_grammar(seq: Sequence, chunk: ScheduledChunk) -> bool:
-        """A round launched ahead while the request's grammar had not started (it was thinking),
-        whose previous token turned out to start it (</think>): its draw was unmasked and is
-        dropped. The row still computed that token, so the slot holds the logits to draw from."""
-        return chunk.token_bitmask is None and seq.constraint is not None and seq.constraint.active
-
-    @staticmethod
-    def _budget_may_close(seq: Sequence) -> bool:
-        """The next model token may reach the thinking budget (forced close tokens follow it)."""
-        budget = seq.request.thinking_budget
-        return budget is not None and seq.thinking_open and seq.num_thinking_tokens + 1 >= budget.max_thinking_tokens
-
-    def _drafting_step(self, decode_ready: list[Sequence], ahead: bool = False) -> bool:
-        """Whether this step's decode rows verify drafts: with a backend loaded, when any of them
-        drafts (DraftPolicy; every round without adaptive drafts). ahead: the round after the
-        one in flight, which counts as one more plain round for each policy."""
-        if not self.limits.num_draft_tokens:
+    def _may_run_ahead(self, inflight: SchedulerStep) -> bool:
+        """Whether nothing but inflight's tokens can change the next decode round's plan."""
+        if inflight.kind is not StepKind.DECODE or not inflight.chunks or self.actions:
             return False
-        policies = [s.draft_policy for s in decode_ready if not s.decodes_plainly]
-        if not policies:
+        if self.admission.has_compiled():
             return False
-        if any(p is None for p in policies):
-            return True
-        return any(p.wants_drafts(rounds_ahead=int(ahead)) for p in policies)
-
-    def _speculates(self, seq: Sequence, drafting: bool) -> bool:
-        """A decode row of a drafting step becomes a speculative round when exactly one token is
-        to compute. A full-prompt hit samples its stored logits first; forced thinking-close
-        tokens are computed as a plain row (the drafter extends its context over it and drafts
-        from the next round on), so every verification row has the same shape."""
-        return drafting and seq.num_pending_tokens == 1 and not seq.decodes_plainly
-
-    def _speculative_chunk(self, seq: Sequence) -> ScheduledChunk:
-        """The pending token and K draft places: as many of the request's drafts as its output
-        limit can take (a round commits at most drafts + 1 tokens), then filler that is never
-        accepted. Every verification row has K + 1 tokens, the shape the verify graphs replay."""
-        pending = seq.token_ids[seq.num_computed_tokens :]
-        room = seq.max_new_tokens - seq.num_output_tokens - 1
-        drafts = seq.draft_token_ids[: max(0, min(room, self.limits.num_draft_tokens))]
-        filler = pending[-1:] * (self.limits.num_draft_tokens - len(drafts))
-        chunk = self._chunk(seq, pending + drafts + filler, compute_logits=True, sample=True)
-        histories = chunk.output_token_ids
-        return ScheduledChunk(
-            request_id=chunk.request_id,
-            token_ids=chunk.token_ids,
-            num_computed_tokens=chunk.num_computed_tokens,
-            page_ids=chunk.page_ids,
-            state_slot=chunk.state_slot,
-            compute_logits=True,
-            sample=chunk.sample,
-            sampling=chunk.sampling,
-            num_generated=chunk.num_generated,
-            output_token_ids=histories,
-            speculative=True,
-            num_draft_tokens=len(drafts),
-        )
-
-    def _prefill_chunk(self, seq: Sequence, max_tokens: int) -> ScheduledChunk:
-        """At most max_tokens of seq's prompt. The first capture frontier inside is snapshotted
-        within the step where it can be, so the chunk goes on past it (a chat's generation
-        prompt after its turn closure costs no step of its own); the next one ends the chunk."""
-        start = seq.num_computed_tokens
-        end = min(seq.prompt_len, start + max_tokens)
-        snapshot_at, snapshot_slot = 0, None
-        for frontier, path in seq.capture_frontiers:
-            if not start < frontier < end:
-                continue
-            if snapshot_slot is None and self._snapshots_in_step(seq):
-                reserved = self.checkpoints.reserve_snapshot(seq, frontier, path)
-                if reserved is Snapshot.NOT_NEEDED:
-                    continue
-                if reserved is not Snapshot.NO_SLOT:
-                    snapshot_at, snapshot_slot = frontier, reserved
-                    continue
-            end = frontier
-            break
-        last = end == seq.prompt_len
-        captures_here = any(f == end for f, _ in seq.capture_frontiers)
-        chunk = self._chunk(seq, seq.token_ids[start:end], compute_logits=last or captures_here, sample=last)
-        if snapshot_slot is None:
-            return chunk
-        return dataclasses.replace(chunk, snapshot_tokens=snapshot_at - start, snapshot_slot=snapshot_slot)
-
-    def _snapshots_in_step(self, seq: Sequence) -> bool:
-        # Speculative steps carry drafter state per slot, and media rows are placed by token order:
-        # both keep the plain path (a step that ends at the frontier, then a copy).
-        return self.limits.prefix_reuse and self.limits.spec_backend is None and not seq.has_media
-
-    @staticmethod
-    def _media_fields(seq: Sequence, start: int, num_tokens: int) -> dict:
-        """ScheduledChunk's media fields for tokens [start, start + num_tokens) of seq."""
-        if not seq.has_media or not num_tokens:
-            return {}  # no media, or nothing to compute (the slot's stored logits are sampled)
-        end = start + num_tokens
-        return {
-            "rope_positions": seq.chunk_rope_positions(start, end),
-            "rope_offset": seq.rope_offset,
-            "media": tuple(
-                item for item in seq.request.media
-                if any(span_start < end and start < span_end for span_start, span_end in item.token_spans())
-            ),
-        }
-
-    def _chunk(self, seq: Sequence, token_ids: list[int], compute_logits: bool, sample: bool) -> ScheduledChunk:
-        sample = sample and seq.num_output_tokens < seq.max_new_tokens
-        constraint = seq.constraint
-        return ScheduledChunk(
-            token_bitmask=constraint.next_token_bitmask() if sample and constraint is not None else None,
-            logprobs=seq.request.top_logprobs,
-            **self._media_fields(seq, seq.num_computed_tokens, len(token_ids)),
-            request_id=seq.request_id,
-            token_ids=token_ids,
-            num_computed_tokens=seq.num_computed_tokens,
-            page_ids=seq.pages,
-            state_slot=seq.state_slot,
-            compute_logits=compute_logits,
-            sample=sample,
-            sampling=seq.sampling,
-            num_generated=seq.num_output_tokens - seq.num_forced_tokens,
-            # Copying the history costs O(output) per step; only penalties read it.
-            output_token_ids=seq.token_ids[seq.prompt_len :] if _has_penalties(seq.sampling) else [],
-        )
+        if any(c.speculative for c in inflight.chunks) or self.speculation.drafting(self.running, ahead=True):
+            return False  # a speculative round's next input depends on what it accepts
+        if self.waiting and len(self.running) < self.limits.max_concurrency:
+            return False  # a lane is free: let schedule() admit (full lanes free up only at update)
+        return len(self.running) == len(inflight.chunks)
 
     def _step(self, kind: StepKind, chunks: list[ScheduledChunk]) -> SchedulerStep:
-        by_id = {s.request_id: s for s in self.running}
+        """A step of chunks of running requests, carrying every queued slot and page action."""
+        by_id = self.active.running_by_id()
         for chunk in chunks:
             by_id[chunk.request_id].num_steps_in_flight += 1
-        return SchedulerStep(kind, chunks, before=self._take_actions())
-
-    def _take_actions(self) -> list[SlotAction]:
-        actions = list(self._pending_actions)
-        self._pending_actions.clear()  # the list is shared with admission and capture
-        return actions
-
-    # ---- accounting ----------------------------------------------------------------
-    def charge(self, step: SchedulerStep, phase: str, seconds: float, device_wait: float = 0.0) -> None:
-        """Add a step's host time in `phase` (a HostExposure field) and its device wait to every
-        request in it: each of them waited for the whole step."""
-        by_id = {s.request_id: s for s in self.running}
-        for chunk in step.chunks:
-            seq = by_id.get(chunk.request_id) or self._draining.get(chunk.request_id)
-            if seq is None:
-                continue
-            timing = seq.engine_timing
-            host = timing.host_exposed_seconds
-            setattr(host, phase, getattr(host, phase) + seconds)
-            timing.device_wait_exposed_seconds += device_wait
-            if seq.is_prefilling or not chunk.token_ids:
-                if phase == "program_submit":
-                    timing.units.prefill += 1
-            else:
-                timing.decode.host_exposed_seconds += seconds
-                timing.decode.device_wait_seconds += device_wait
-                if phase == "program_submit":
-                    timing.decode.rounds += 1
-
-    def charge_vision(self, seconds_by_request: dict[str, float]) -> None:
-        """Add vision tower time to the requests whose media it encoded."""
-        by_id = {s.request_id: s for s in self.running}
-        for request_id, seconds in seconds_by_request.items():
-            seq = by_id.get(request_id) or self._draining.get(request_id)
-            if seq is not None:
-                seq.timings.vision_seconds += seconds
+        return SchedulerStep(kind, chunks, before=self.actions.drain())
 
     # ---- commit --------------------------------------------------------------------
     def update(
@@ -485,210 +286,11 @@ class Scheduler:
         logprobs: dict[str, TokenLogprobs] | None = None,
     ) -> list[EngineOutput]:
         """Apply the runner's sampled tokens (request id -> token), speculative outcomes and the
-        log probabilities of the rows that asked for them, for a finished step."""
-        now = self.clock()
-        by_id = {s.request_id: s for s in self.running}
-        for seq in self.running:
-            seq.materializing = False  # the first update after an admission is its step's: the moves ran
-        num_decode_rows = 0
-        self._verify_rows = {}
-        row = 0
-        for chunk in step.chunks:
-            if chunk.speculative:
-                self._verify_rows[chunk.request_id] = row
-                row += len(chunk.token_ids)
-        for chunk in step.chunks:
-            seq = by_id.get(chunk.request_id) or self._draining.get(chunk.request_id)
-            if seq is not None:
-                seq.num_steps_in_flight -= 1
-                if seq.is_finished and seq.num_steps_in_flight == 0:
-                    self._land_after_finish(self._draining.pop(seq.request_id), chunk)
-                    continue
-            if seq is None or seq.is_finished:
-                if seq is not None:
-                    self.checkpoints.release_snapshot(seq)
-                continue  # cancelled while the step ran
-            if chunk.speculative:
-                num_decode_rows += 1
-                self._commit_verified(seq, chunk, verified[chunk.request_id], now)
-                continue
-            was_prefilling = seq.is_prefilling
-            seq.num_computed_tokens += len(chunk.token_ids)
-            if chunk.compute_logits:
-                seq.logits_frontier = seq.num_computed_tokens
-            if was_prefilling:
-                self.stats.prefill_tokens += len(chunk.token_ids)
-                if seq.snapshot is not None:
-                    self.checkpoints.keep_snapshot(seq)
-                self.checkpoints.capture_prompt_frontiers(seq)
-            if was_prefilling and not seq.is_prefilling:
-                seq.timings.prompt_done = now
-            if was_prefilling:
-                elapsed_ms = (now - seq.timings.admitted) * 1000.0
-                seq.unsent_progress = PromptProgress(
-                    seq.prompt_len, seq.num_cached_tokens, min(seq.num_computed_tokens, seq.prompt_len), elapsed_ms
-                )
-            # A decode row computes the last committed token; a row with nothing to compute
-            # samples a full-prompt hit's stored logits: its first token, like a prefill's.
-            decode_row = not was_prefilling and bool(chunk.token_ids)
-            num_decode_rows += decode_row
-            if chunk.sample and self._drawn_before_its_grammar(seq, chunk):
-                continue  # the next schedule() samples the slot's stored logits again, masked
-            if chunk.sample:
-                self.stats.decode_tokens += decode_row
-                if decode_row and seq.speculative is not None:
-                    seq.speculative.fallback_steps += 1  # a decode row without drafts (plain or forced)
-                    seq.draft_token_ids = []  # proposals followed the token before this one
-                    if seq.draft_policy is not None:
-                        seq.draft_policy.plain_round()
-                self._commit(seq, sampled[chunk.request_id], now, (logprobs or {}).get(chunk.request_id))
-            elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
-                self._finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
-        if num_decode_rows:
-            self.stats.decode_rounds += 1
-            self.stats.decode_rows += num_decode_rows
-        return self._collect_outputs()
-
-    def _commit_verified(self, seq: Sequence, chunk: ScheduledChunk, outcome: VerifyOutcome, now: float) -> None:
-        """Commit a speculative round's tokens one by one (stop strings, limits and the thinking
-        budget apply to each), then ask the runner to advance the state by exactly the rows
-        whose tokens were kept: the last committed token is computed when it was a draft, unless
-        the request finished on it. A finished request leaves the endpoint plain decoding leaves
-        (which never computes a request's last token), so the next turn reuses the same prefix:
-        a stop string's last token never comes back in the client's next prompt, and a state
-        past it would match nothing there."""
-        num_pending = 1  # _speculates: exactly one pending token
-        num_accepted = len(outcome.tokens) - 1
-        start = chunk.num_computed_tokens
-        committed = 0
-        for token in outcome.tokens:
-            # Set before the commit, which captures the endpoint when this token finishes the
-            # request: the pending rows and the drafts before this token.
-            seq.num_computed_tokens = seq.logits_frontier = start + num_pending + min(committed, num_accepted)
-            length = len(seq.token_ids)
-            self._commit(seq, token, now)
-            committed += 1
-            if seq.is_finished:
-                break
-            # Kept and the request goes on: this token's row (a draft's) is computed as well.
-            seq.num_computed_tokens = seq.logits_frontier = start + num_pending + min(committed, num_accepted)
-            if len(seq.token_ids) > length + 1:
-                break  # the thinking budget appended forced tokens after it
-        num_rows = seq.num_computed_tokens - start
-        self._pending_actions.append(CommitVerified(chunk.state_slot, self._verify_row(chunk), num_rows))
-        keep_drafts = not seq.is_finished and committed == len(outcome.tokens) and seq.num_pending_tokens == 1
-        seq.draft_token_ids = list(outcome.drafts) if keep_drafts else []
-        self.stats.decode_tokens += committed
-        self.stats.drafted_tokens += chunk.num_draft_tokens
-        self.stats.accepted_tokens += num_accepted
-        if seq.draft_policy is not None:
-            seq.draft_policy.observe(chunk.num_draft_tokens, num_accepted, seq.num_computed_tokens)
-        counters = seq.speculative
-        if counters is not None:
-            if chunk.num_draft_tokens:
-                counters.rounds += 1
-                counters.drafted_tokens += chunk.num_draft_tokens
-                counters.accepted_tokens += num_accepted
-                for position in range(num_accepted):
-                    counters.accepted_per_position[position] += 1
-            else:
-                counters.fallback_steps += 1
-
-    def _verify_row(self, chunk: ScheduledChunk) -> int:
-        """The chunk's first row among the step's verification rows (they lead the step in order)."""
-        return self._verify_rows[chunk.request_id]
-
-    def _commit(self, seq: Sequence, token_id: int, now: float, logprobs: TokenLogprobs | None = None) -> None:
-        seq.timings.first_token = seq.timings.first_token or now
-        seq.timings.last_token = now
-        self._append_token(seq, token_id, forced=False, logprobs=logprobs)
-        if seq.is_finished:
-            return
-        # The output limit wins over the thinking cap: limits first, then the forced close.
-        if seq.num_output_tokens >= seq.max_new_tokens:
-            self._finish(seq, FinishReason.LENGTH)
-            return
-        budget = seq.request.thinking_budget
-        if budget is None or not seq.thinking_open:
-            return
-        if token_id == budget.think_end_token_id:
-            seq.thinking_open = False
-            return
-        seq.num_thinking_tokens += 1
-        if seq.num_thinking_tokens >= budget.max_thinking_tokens:
-            # Close thinking without sampling; the close tokens are computed with the next step.
-            seq.thinking_open = False
-            for forced in budget.close_token_ids:
-                self._append_token(seq, forced, forced=True)
-                if seq.is_finished:
-                    return
-
-    def _append_token(self, seq: Sequence, token_id: int, forced: bool, logprobs: TokenLogprobs | None = None) -> None:
-        seq.token_ids.append(token_id)
-        seq.unsent_token_ids.append(token_id)
-        if seq.request.top_logprobs is not None:
-            seq.unsent_logprobs.append(logprobs)
-        if forced:
-            seq.num_forced_tokens += 1
-            seq.unsent_forced += 1
-        stop = seq.stop_checker.append(token_id)
-        seq.unsent_text += stop.text
-        if seq.constraint is not None and not seq.constraint.accept(token_id):
-            # The sampler only draws allowed tokens: a forced token outside the grammar, or a bug.
-            self._finish(seq, FinishReason.ERROR, error=EngineError(
-                ErrorCode.STEP_FAILED, f"token {token_id} is outside the request's output grammar"
-            ))
-            return
-        if stop.stopped:
-            self._finish(seq, FinishReason.STOP, stop.stop_reason)
-
-    # ---- finishing -----------------------------------------------------------------
-    def _finish(
-        self,
-        seq: Sequence,
-        reason: FinishReason,
-        stop_reason: int | str | None = None,
-        error: EngineError | None = None,
-    ) -> None:
-        if seq.is_finished:
-            return
-        seq.status = SequenceStatus.FINISHED
-        if reason is FinishReason.LENGTH or reason is FinishReason.CANCELLED:
-            seq.unsent_text += seq.stop_checker.flush()
-        self.running.remove(seq)
-        if seq.num_steps_in_flight:
-            self._draining[seq.request_id] = seq  # a launched step still writes its pages and slot
-        else:
-            self.checkpoints.release_or_capture_endpoint(seq)
-        out = final_output(seq, reason, stop_reason)
-        out.error = error
-        self._outbox.append(out)
-
-    def _land_after_finish(self, seq: Sequence, chunk: ScheduledChunk) -> None:
-        """The step launched ahead for a request that finished meanwhile has landed: it
-        computed the last committed token (and stored its logits); now release or keep."""
-        seq.num_computed_tokens += len(chunk.token_ids)
-        if chunk.compute_logits:
-            seq.logits_frontier = seq.num_computed_tokens
-        if seq.snapshot is not None:
-            self.checkpoints.keep_snapshot(seq)
-        self.checkpoints.release_or_capture_endpoint(seq)
-
-    # ---- outputs -------------------------------------------------------------------
-    def _collect_outputs(self) -> list[EngineOutput]:
-        outputs = self._outbox
-        self._outbox = []
-        for seq in self.running:
-            if seq.unsent_token_ids or seq.unsent_progress is not None:
-                outputs.append(delta_output(seq))
-        return outputs
-
-    def _drain_outbox_for(self, request_id: str) -> EngineOutput | None:
-        for i, out in enumerate(self._outbox):
-            if out.request_id == request_id and out.finished:
-                return self._outbox.pop(i)
-        return None
+        log probabilities of the rows that asked for them, for a finished step (StepCommit);
+        returns the outputs to send."""
+        self.commit.land(step, sampled, verified, logprobs)
+        return self.outbox.collect(self.running)
 
     def take_pending_outputs(self) -> list[EngineOutput]:
         """Outputs produced outside a step (deadline expiry, progress at admission)."""
-        return self._collect_outputs()
+        return self.outbox.collect(self.running)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -21,27 +22,51 @@ class StepKind(enum.Enum):
     MIXED = "mixed"  # decode rows and prompt chunks in one forward
 
 
+class _Action:
+    """What every slot action tells the scheduler: the device slots and pages it writes (a failed
+    step leaves them unknown) and whether it moves context from elsewhere (a copy or a transfer)."""
+
+    moves_context: ClassVar[bool] = True
+
+    def device_slots_written(self) -> tuple[int, ...]:
+        return ()
+
+    def device_pages_written(self) -> tuple[int, ...]:
+        return ()
+
+
 @dataclass(frozen=True)
-class ResetSlot:
+class ResetSlot(_Action):
     slot: int
 
+    moves_context: ClassVar[bool] = False
+
+    def device_slots_written(self) -> tuple[int, ...]:
+        return (self.slot,)
+
 
 @dataclass(frozen=True)
-class CopySlot:
+class CopySlot(_Action):
     """Copy a whole StateImage (recurrent + conv state and the stored last logits)."""
 
     src: int
     dst: int
 
+    def device_slots_written(self) -> tuple[int, ...]:
+        return (self.dst,)
+
 
 @dataclass(frozen=True)
-class CopyPage:
+class CopyPage(_Action):
     src: int
     dst: int
 
+    def device_pages_written(self) -> tuple[int, ...]:
+        return (self.dst,)
+
 
 @dataclass(frozen=True)
-class SpillSlot:
+class SpillSlot(_Action):
     """Copy a device StateImage (and its stored logits) to a pinned host slot; the device slot is
     then free for other use, so the copy is ordered before any later action or forward."""
 
@@ -50,15 +75,18 @@ class SpillSlot:
 
 
 @dataclass(frozen=True)
-class RestoreSlot:
+class RestoreSlot(_Action):
     """Copy a host StateImage back into a device slot, ordered before the forward that reads it."""
 
     host_slot: int
     device_slot: int
 
+    def device_slots_written(self) -> tuple[int, ...]:
+        return (self.device_slot,)
+
 
 @dataclass(frozen=True)
-class SpillPages:
+class SpillPages(_Action):
     """Copy device KV pages to pinned host pages (pairwise); the device pages are then free."""
 
     device_pages: tuple[int, ...]
@@ -66,15 +94,18 @@ class SpillPages:
 
 
 @dataclass(frozen=True)
-class RestorePages:
+class RestorePages(_Action):
     """Copy host KV pages back into device pages (pairwise), before the forward that reads them."""
 
     host_pages: tuple[int, ...]
     device_pages: tuple[int, ...]
 
+    def device_pages_written(self) -> tuple[int, ...]:
+        return self.device_pages
+
 
 @dataclass(frozen=True)
-class CommitVerified:
+class CommitVerified(_Action):
     """Advance a slot by the first num_rows verification rows of the last speculative step
     (from row `row` of its verification scratch), and take that last row's logits and hidden
     state as the slot's: the state after exactly the tokens the scheduler committed."""
@@ -82,6 +113,11 @@ class CommitVerified:
     slot: int
     row: int
     num_rows: int
+
+    moves_context: ClassVar[bool] = False  # the slot advances in place
+
+    def device_slots_written(self) -> tuple[int, ...]:
+        return (self.slot,)
 
 
 SlotAction = ResetSlot | CopySlot | CopyPage | SpillSlot | RestoreSlot | SpillPages | RestorePages | CommitVerified

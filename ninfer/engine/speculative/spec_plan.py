@@ -53,7 +53,7 @@ class SpecPlan:
 
 def plan_step(chunks: Sequence[ScheduledChunk], num_verify: int, num_draft_tokens: int, page_size: int) -> SpecPlan:
     """chunks: the step's computed chunks, its num_verify verification rows first (each the
-    pending token and K draft places, Scheduler._speculative_chunk)."""
+    pending token and K draft places, Speculation.verification_chunk)."""
     k = num_draft_tokens
     verifying = chunks[:num_verify]
     if any(len(c.token_ids) != k + 1 for c in verifying):

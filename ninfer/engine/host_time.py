@@ -1,4 +1,5 @@
-"""HostWork: the engine worker's wall time over one throughput interval, each segment once.
+"""HostTime: where the engine worker's wall time went over one throughput interval, each
+segment counted once.
 
 Host-active time splits into five mutually exclusive phases (EngineTiming's names):
 engine_boundary (applying requests and aborts), program_submit (planning and launching steps),
@@ -18,7 +19,7 @@ CLASSES = ("decode", "prefill", "control")
 
 
 @dataclass
-class HostWork:
+class HostTime:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*PHASES, "device_wait"), 0.0))
     class_seconds: dict[str, dict[str, float]] = field(
         default_factory=lambda: {c: {"host": 0.0, "device_wait": 0.0} for c in CLASSES}

@@ -1,0 +1,17 @@
+"""SchedulerLimits: the lanes, context and token budgets the scheduler plans within."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_concurrency: int
+    max_context: int
+    prefill_chunk: int  # prompt tokens of a step with no decode rows
+    prefix_reuse: bool = True
+    mixed_prefill_chunk: int = 1024  # prompt tokens of a step beside decode rows
+    spec_backend: str | None = None  # speculative backend (mtp, dflash, dflash2) or None
+    num_draft_tokens: int = 0  # drafts a speculative round verifies per request
+    adaptive_drafts: bool = False  # requests draft only while it pays (DraftPolicy)
