@@ -47,6 +47,11 @@ from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 # split-K path; longer chunks have enough q-blocks to fill the GPU on their own.
 SPLIT_MAX_QUERY_LEN = 16
 MAX_SPLITS = 128
+# A padded step's short-request launch: its table holds max-concurrency rows but usually one or
+# two decode rows, so the split plan assumes this many (a plan for the whole table would give a
+# lone 4K decode row 6 splits instead of 16); partial buffers bounded by PADDED_MAX_SPLITS.
+PADDED_ACTIVE_REQUESTS = 2
+PADDED_MAX_SPLITS = 16
 SPLIT_WAVES = 4  # split programs per SM at long contexts
 SHORT_CONTEXT = 4096  # a context this long gets about two split programs per SM
 PREFILL_BLOCK_M = 64
@@ -414,22 +419,28 @@ def _merge_splits_kernel(
     USE_PDL: tl.constexpr,
     SHORT_QUERY: tl.constexpr = 0,
 ):
-    """Program (row, head, d-slice). SHORT_QUERY = 0: row is the token; else row is
-    b * SHORT_QUERY + query of request b's short-request partials (ROWS = 1), others exit."""
+    """Program (row, head, d-slice). SHORT_QUERY = 0: row is the token; else row is request b,
+    whose queries (at most SHORT_QUERY, else none) have partials at rows b * SHORT_QUERY + query."""
     pdl_sync(USE_PDL)  # before the first global load or store
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if SHORT_QUERY > 0:
-        b = row // SHORT_QUERY
-        query = row % SHORT_QUERY
-        q_start = tl.load(query_start_loc_ptr + b)
-        q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-        if (q_len > SHORT_QUERY) | (query >= q_len):
-            return
-        token = (q_start + query).to(tl.int64)
+        q_start = tl.load(query_start_loc_ptr + row)
+        q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+        num_rows = tl.where(q_len > SHORT_QUERY, 0, q_len)
+        for query in range(num_rows):
+            _merge_row(part_out_ptr, part_lse_ptr, out_ptr, row * SHORT_QUERY + query, (q_start + query).to(tl.int64),
+                       head, stride_ot, stride_oh, num_splits, NUM_HEADS, HEAD_DIM, BLOCK_D, BLOCK_S)
     else:
-        token = row
-    base = (row * NUM_HEADS + head) * num_splits
+        _merge_row(part_out_ptr, part_lse_ptr, out_ptr, row, row, head, stride_ot, stride_oh, num_splits, NUM_HEADS,
+                   HEAD_DIM, BLOCK_D, BLOCK_S)
+
+
+@triton.jit
+def _merge_row(part_out_ptr, part_lse_ptr, out_ptr, part_row, token, head, stride_ot, stride_oh, num_splits,
+               NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One query row's output from its split partials (d-slice program_id(2))."""
+    base = (part_row * NUM_HEADS + head) * num_splits
     s = tl.arange(0, BLOCK_S)
     lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits: exp2(-inf) = 0
@@ -550,6 +561,10 @@ def paged_attention(
     args = (q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale, out)
     tiles = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
     if split_short_requests and max_query_len > SPLIT_MAX_QUERY_LEN:
+        if num_splits is None:
+            block_n = _block_config(q.shape[2], q.shape[1] // k_cache.shape[2], SPLIT_MAX_QUERY_LEN)[2]
+            planned, planned_min = split_plan(PADDED_ACTIVE_REQUESTS, k_cache.shape[2], 1, block_n, q.device)
+            num_splits, min_split = min(planned, PADDED_MAX_SPLITS), min_split or planned_min
         _launch(*args, SPLIT_MAX_QUERY_LEN, num_splits, min_split, prefetch_kv, rows=1)
         # The launch before the second one (the first's merge) writes only out: the keys'
         # prefetch stays valid.
@@ -649,7 +664,8 @@ def _launch(
     )
     if splits > 1:
         merge_block_d = min(block_d, 64)
-        _merge_splits_kernel[(part_rows, num_heads, triton.cdiv(head_dim, merge_block_d))](
+        merge_rows = num_requests if rows == 1 else num_tokens  # a program per request (its rows) or token
+        _merge_splits_kernel[(merge_rows, num_heads, triton.cdiv(head_dim, merge_block_d))](
             part_out,
             part_lse,
             out,
