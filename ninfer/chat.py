@@ -11,8 +11,8 @@ from ninfer.contract.sampling import SamplingOverrides
 from ninfer.frontend.conversation import Conversation, Message, TextPart
 from ninfer.frontend.output_decoder import ContentDelta, ReasoningDelta
 from ninfer.log import setup_logging
+from ninfer.server.api_process import build_serving
 from ninfer.server.generation import Generation, GenerationOptions
-from ninfer.server.server import build_serving
 
 _DIM, _RESET = "\x1b[2m", "\x1b[0m"
 

@@ -223,7 +223,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
 
 def _run_serve(args: argparse.Namespace, prog: str) -> int:
     from ninfer.artifact import ArtifactError
-    from ninfer.server.server import ListenError, serve
+    from ninfer.server.api_process import ListenError, serve
 
     try:
         config, kv_auto = serve_config(args)

@@ -18,7 +18,7 @@ from ninfer.config import ConfigValueError, EngineConfig
 from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
 from ninfer.engine.host_kv import HostKV
-from ninfer.engine.speculative.residency import check_speculative
+from ninfer.engine.startup_checks import check_speculative
 from ninfer.engine.warm_up import run_warm_up
 from ninfer.kernels.backend import persist_compile_caches
 from ninfer.kernels.kv_quant import check_head_dim

@@ -1,10 +1,10 @@
-"""Speculative residency: which backend an artifact can serve, decided once at start-up.
+"""Start-up checks: options the artifact cannot serve fail before any weight loads.
 
---spec freezes the backend for the process's life. A combination the artifact cannot serve
-fails start-up naming the missing part, before any weight is loaded: no MTP head; no DFlash /
-DFlash2 drafter companion (artifact/draft_companion.py says where one is looked for); a
-companion whose hidden size, mask token, target layers or vocabulary do not fit the target; a
-draft count its block cannot hold.
+Each raises ConfigValueError naming the option, which reaches the user as a command-line error.
+Speculative residency: --spec freezes the backend for the process's life, and a combination the
+artifact cannot serve names the missing part: no MTP head; no DFlash / DFlash2 drafter companion
+(artifact/draft_companion.py says where one is looked for); a companion whose hidden size, mask
+token, target layers or vocabulary do not fit the target; a draft count its block cannot hold.
 """
 
 from __future__ import annotations

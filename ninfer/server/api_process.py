@@ -1,4 +1,4 @@
-"""Run the HTTP server: bind the port, open the artifact, start the engine, serve with uvicorn.
+"""The API process's main: bind the port, open the artifact, start the engine, serve with uvicorn.
 
 Shutdown: SIGTERM or SIGINT stops accepting, lets in-flight requests finish for up to
 SHUTDOWN_GRACE_S, then stops the engine process and exits 0; a second SIGINT cuts the wait.
@@ -22,13 +22,13 @@ from ninfer.artifact import ArtifactError, open_artifact
 from ninfer.artifact.default_model import open_default_model
 from ninfer.config import ServeConfig
 from ninfer.engine.builder import EngineSpec, build_engine_core, check_kv_dtype
-from ninfer.engine.speculative.residency import check_speculative
+from ninfer.engine.startup_checks import check_speculative
 from ninfer.log import setup_logging
-from ninfer.server.app import create_app
 from ninfer.server.engine_client import EngineClient, InProcessEngineClient, ProcessEngineClient
+from ninfer.server.http_app import create_app
 from ninfer.server.http_protocol import GuardedHttpProtocol
 from ninfer.server.request_log import open_request_log
-from ninfer.server.serving import Serving
+from ninfer.server.served_model import ServedModel
 
 log = logging.getLogger("ninfer.server")
 
@@ -79,7 +79,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Serving:
+def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> ServedModel:
     """Open the artifact on the API side (tokenizer and template; weights stay lazy) and the engine client."""
     if config.artifact is None:
         artifact = open_default_model()
@@ -108,7 +108,7 @@ def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Servin
     if config.request_log_jsonl is not None:
         # Before the model loads: a bad path fails start-up at once.
         observers.append(open_request_log(config.request_log_jsonl, artifact_path))
-    serving = Serving.create(config, artifact, client)
+    serving = ServedModel.create(config, artifact, client)
     serving.events.observers.extend(observers)
     client.on_stats = lambda record: serving.events.emit("throughput", record)
     client.on_gauges = serving.events.gauges
@@ -151,7 +151,7 @@ def uvicorn_config(app, **overrides) -> uvicorn.Config:
     return uvicorn.Config(app, **{**settings, **overrides})
 
 
-async def _run(serving: Serving, config: ServeConfig, started: float, sock: socket.socket) -> None:
+async def _run(serving: ServedModel, config: ServeConfig, started: float, sock: socket.socket) -> None:
     try:
         await serving.engine.start()
     except BaseException:
