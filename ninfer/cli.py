@@ -17,8 +17,8 @@ from ninfer.config import (
     EngineConfig,
     ServeConfig,
 )
+from ninfer.context_cost_presets import ContextCostError, read_presets
 from ninfer.contract.sampling import SamplingOverrides
-from ninfer.engine.context_costs import ContextCostError, read_presets
 from ninfer.log import LEVELS
 
 
