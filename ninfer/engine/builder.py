@@ -1,7 +1,7 @@
 """Build an EngineCore from an EngineSpec: runs in the engine process (or an in-process engine's thread).
 
-The start-up checks come first, before anything is logged or loaded, so a refused start
-reports one error and nothing else.
+The start-up checks come first, before any weight is read or the load is logged, so a refused
+start reports its one error.
 """
 
 from __future__ import annotations

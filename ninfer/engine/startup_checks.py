@@ -3,12 +3,13 @@
 They need torch or the model, so they run where the engine does (engine/builder.py, first
 thing); each raises ConfigValueError naming the option, which the engine process reports as
 Refused and the API process prints as a command-line error (exit code 2).
-The device: --device names a CUDA device this process can see (CPU when none is present).
-The KV formats: --kv-dtype must fit the model's attention head size.
-Speculative residency: --spec freezes the backend for the process's life, and a combination the
-artifact cannot serve names the missing part: no MTP head; no DFlash / DFlash2 drafter companion
-(artifact/draft_companion.py says where one is looked for); a companion whose hidden size, mask
-token, target layers or vocabulary do not fit the target; a draft count its block cannot hold.
+- The device: --device names a CUDA device this process can see (CPU when none is present).
+- The KV formats: --kv-dtype must fit the model's attention head size.
+- Speculative residency: --spec freezes the backend for the process's life, and a combination
+  the artifact cannot serve names the missing part: no MTP head; no DFlash / DFlash2 drafter
+  companion (artifact/draft_companion.py says where one is looked for); a companion whose hidden
+  size, mask token, target layers or vocabulary do not fit the target; a draft count its block
+  cannot hold.
 """
 
 from __future__ import annotations
