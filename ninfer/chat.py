@@ -11,17 +11,15 @@ from ninfer.contract.sampling import SamplingOverrides
 from ninfer.frontend.conversation import Conversation, Message, TextPart
 from ninfer.frontend.output_decoder import ContentDelta, ReasoningDelta
 from ninfer.log import setup_logging
+from ninfer.server.api_process import build_serving
 from ninfer.server.generation import Generation, GenerationOptions
-from ninfer.server.server import build_serving
 
 _DIM, _RESET = "\x1b[2m", "\x1b[0m"
 
 
 async def run_chat(args: argparse.Namespace) -> int:
-    from ninfer.cli import resolve_device
-
     setup_logging(args.log_level)
-    engine = EngineConfig(max_context=8192, device=resolve_device(args.device), log_stats_interval_ms=0)
+    engine = EngineConfig(max_context=8192, log_stats_interval_ms=0)
     config = ServeConfig(
         engine=engine,
         sampling=SamplingOverrides(temperature=args.temperature, seed=args.seed),
@@ -29,6 +27,7 @@ async def run_chat(args: argparse.Namespace) -> int:
         greedy=args.greedy,
         no_thinking=args.no_thinking,
         dtype=args.dtype,
+        device_index=args.device,
         engine_process=False,
         log_level=args.log_level,
     )

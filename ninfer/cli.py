@@ -17,8 +17,8 @@ from ninfer.config import (
     EngineConfig,
     ServeConfig,
 )
+from ninfer.context_cost_presets import ContextCostError, read_presets
 from ninfer.contract.sampling import SamplingOverrides
-from ninfer.engine.context_costs import ContextCostError, read_presets
 from ninfer.log import LEVELS
 
 
@@ -129,16 +129,6 @@ def _sampling_overrides(args: argparse.Namespace) -> SamplingOverrides:
     )
 
 
-def resolve_device(index: int) -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        if not 0 <= index < torch.cuda.device_count():
-            raise ConfigValueError(f"--device {index}: only {torch.cuda.device_count()} CUDA devices are visible")
-        return f"cuda:{index}"
-    return "cpu"
-
-
 def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
     """-> (config, kv_capacity_auto)."""
     if args.no_prefix_reuse:
@@ -180,7 +170,6 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         step_graphs=not args.no_step_graphs,
         decode_overlap=False if args.no_decode_overlap else None,
         log_stats_interval_ms=args.log_stats_interval_ms,
-        device=resolve_device(args.device),
         spec=args.spec,
         draft_tokens=args.draft_tokens,
         lm_head_draft=args.lm_head_draft,
@@ -208,6 +197,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         log_level=args.log_level,
         dtype=args.dtype,
         quantize=args.quantize,
+        device_index=args.device,  # resolved by the engine: the API process never imports torch
         engine_process=not args.in_process_engine,
         response_store_max_records=args.response_store_max_records,
         response_store_max_mib=args.response_store_max_mib,
@@ -223,7 +213,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
 
 def _run_serve(args: argparse.Namespace, prog: str) -> int:
     from ninfer.artifact import ArtifactError
-    from ninfer.server.server import ListenError, serve
+    from ninfer.server.api_process import ListenError, serve
 
     try:
         config, kv_auto = serve_config(args)

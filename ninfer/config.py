@@ -1,4 +1,9 @@
-"""Frozen configuration objects, validated once at start-up (ServeConfig comes with the server)."""
+"""Frozen configuration objects, validated once at start-up (ServeConfig comes with the server).
+
+Both processes import this module, so it imports neither torch nor the engine: what needs them
+(the device, the model's KV formats, the speculative backend) is checked by the engine process
+when it starts (engine/startup_checks.py).
+"""
 
 from __future__ import annotations
 
@@ -186,6 +191,9 @@ class ServeConfig:
     log_level: str = "info"
     dtype: str = "auto"  # auto: the artifact's dtype on GPU; on CPU float32 with float16 Linear weights
     quantize: str | None = None  # "fp8" | "nvfp4": bf16 Linear layers quantized at load
+    # --device: a CUDA index the engine resolves where it runs (CPU when no GPU is present);
+    # None keeps engine.device as given.
+    device_index: int | None = None
     engine_process: bool = True  # False: the engine runs in a thread of the API process
     response_store_max_records: int = 1024
     response_store_max_mib: int = 256
@@ -221,3 +229,14 @@ class ServeConfig:
         check(self.media_cache_mib <= self.media_live_mib, "--media-cache-mib must not exceed --media-live-mib (retained payloads are live)")
         check(0 <= self.media_preprocess_threads <= 16, "--media-preprocess-threads must be in 0..16 (0: automatic)")
 
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engine process builds its core from (picklable: it crosses to the spawned process)."""
+
+    artifact_path: str
+    engine: EngineConfig
+    dtype: str = "auto"
+    quantize: str | None = None  # "fp8" | "nvfp4": the model's Linear layers quantized at load
+    kv_capacity_auto: bool = False
+    device_index: int | None = None  # ServeConfig.device_index: resolved by the engine, replacing engine.device

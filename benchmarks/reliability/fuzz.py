@@ -49,7 +49,7 @@ from ninfer.artifact import open_artifact  # noqa: E402
 from ninfer.artifact.default_model import open_default_model  # noqa: E402
 from ninfer.frontend.capabilities import TemplateCapabilities  # noqa: E402
 from ninfer.frontend.template import ChatTemplate  # noqa: E402
-from ninfer.server.serving import FALLBACK_TEMPLATE  # noqa: E402
+from ninfer.server.served_model import FALLBACK_TEMPLATE  # noqa: E402
 from ninfer.testing.openapi_cases import (  # noqa: E402
     MEDIA_SOURCE_CODES,
     PROMPT_LIMIT_CODES,

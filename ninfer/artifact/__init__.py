@@ -14,10 +14,14 @@ from ninfer.artifact.ninfer_file import is_container, open_ninfer_file
 GGUF_MAGIC = b"GGUF"
 
 
-def open_artifact(path: str | os.PathLike[str]) -> Artifact:
-    """Open an HF model directory, a GGUF file or a .ninfer container; ArtifactError names what is wrong."""
+def open_artifact(path: str | os.PathLike[str], weights: bool = True) -> Artifact:
+    """Open an HF model directory, a GGUF file or a .ninfer container; ArtifactError names what is wrong.
+
+    weights=False opens the metadata only (identity, config, tokenizer, template, generation
+    defaults): no tensor is read or checked, and torch is not imported.
+    """
     path = Path(path).expanduser()
-    artifact = _open(path)
+    artifact = _open(path, weights)
     _check_vocabulary(artifact, path)
     return artifact
 
@@ -32,9 +36,9 @@ def _check_vocabulary(artifact: Artifact, path: Path) -> None:
         )
 
 
-def _open(path: Path) -> Artifact:
+def _open(path: Path, weights: bool) -> Artifact:
     if path.is_dir():
-        return open_hf_directory(path)
+        return open_hf_directory(path, weights)
     if not path.exists():
         raise ArtifactError(f"{path}: does not exist")
     try:
@@ -43,9 +47,9 @@ def _open(path: Path) -> Artifact:
     except OSError as error:
         raise ArtifactError(f"{path}: cannot read ({error.strerror or error})") from error
     if magic == GGUF_MAGIC:
-        return open_gguf(path)
+        return open_gguf(path, weights)
     if path.suffix == ".ninfer" or is_container(path):
-        return open_ninfer_file(path)
+        return open_ninfer_file(path, weights)
     raise ArtifactError(f"{path}: neither a model directory, a GGUF file nor a .ninfer container")
 
 

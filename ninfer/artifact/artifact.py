@@ -2,7 +2,9 @@
 
 Opening reads only metadata (config, tokenizer, template, tensor headers) and checks
 that the tensors fill the model exactly, so a broken artifact fails at open naming the
-file; weights are read lazily, one tensor at a time, when the model is loaded.
+file; weights are read lazily, one tensor at a time, when the model is loaded. Opened
+without weights (the API process: identity, tokenizer, template), no tensor is looked at
+and torch is never imported; the engine process's own open checks the tensors.
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ninfer.frontend.tokenizer import Tokenizer
-from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ModelConfig
-from ninfer.models.loader import WeightLoadError, load_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from ninfer.models.causal_lm import CausalLM
 
 HF_DIRECTORY = "hf_directory"
 GGUF = "gguf"
@@ -43,7 +46,7 @@ class Artifact:
     chat_template: str | None  # the artifact's own template, byte for byte
     generation_defaults: dict[str, Any]
     num_tensors: int  # how many (name, tensor) pairs weights() yields
-    read_weights: Callable[..., Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+    read_weights: Callable[..., Iterator[tuple[str, torch.Tensor]]] = field(repr=False)  # without_weights: raises
     # Block-scaled FP8 weights (name -> shape) a model can keep in FP8; empty for other checkpoints.
     fp8_weights: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     # NVFP4 weights (name -> unpacked shape) a model can keep in NVFP4; empty for other checkpoints.
@@ -79,6 +82,10 @@ class Artifact:
         as their weights arrive, as quantize_fp8_ / quantize_nvfp4_ would quantize them loaded.
         A .ninfer container loads as it was packed (its FP8 layers stay FP8; keep_fp8 is moot), and
         quantize quantizes the layers it holds unquantized, likewise as they arrive."""
+        import torch
+
+        from ninfer.models.loader import load_model
+
         if self.runtime_loader is not None:
             return self.runtime_loader(self.config, dtype, device, progress, quantize)
         if keep_fp8 is None:
@@ -133,8 +140,22 @@ def check_weights(config: ModelConfig, shapes: Iterable[tuple[str, tuple[int, ..
 
     No tensor data is read; this catches missing, unknown and mis-shaped tensors at open.
     """
+    # Imported here, as in load_model: a metadata-only open never needs torch.
+    import torch
+
+    from ninfer.models.loader import WeightLoadError, load_model
+
     tensors = ((name, torch.empty(shape, device="meta")) for name, shape in shapes)
     try:
         load_model(config, tensors, dtype=torch.float32, device="meta", progress=False, source=source)
     except WeightLoadError as error:
         raise ArtifactError(str(error)) from error
+
+
+def without_weights(path: Path) -> Callable[..., Iterator[tuple[str, torch.Tensor]]]:
+    """read_weights of an artifact opened for its metadata only."""
+
+    def read(*_: object, **__: object) -> Iterator[tuple[str, torch.Tensor]]:
+        raise ArtifactError(f"{path}: opened without its weights (metadata only)")
+
+    return read

@@ -36,10 +36,10 @@ def default_model_path() -> Path:
     )
 
 
-def open_default_model() -> Artifact:
+def open_default_model(weights: bool = True) -> Artifact:
     """The default model's artifact, with the model card's sampling as its generation defaults."""
     from ninfer.artifact import open_artifact
 
-    artifact = open_artifact(default_model_path())
+    artifact = open_artifact(default_model_path(), weights)
     artifact.generation_defaults = {**MODEL_CARD_SAMPLING, **artifact.generation_defaults}
     return artifact

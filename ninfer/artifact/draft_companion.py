@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from ninfer.artifact.artifact import ArtifactError, read_json, read_json_text
-from ninfer.artifact.hf_directory import SafetensorsWeights
+from ninfer.artifact.safetensors_weights import SafetensorsWeights
 from ninfer.models.config import ConfigError
 from ninfer.models.dflash import DflashDraftModel
 from ninfer.models.draft_config import DraftConfig

@@ -12,17 +12,27 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType, ReaderTensor
 from gguf.quants import dequantize
 
-from ninfer.artifact.artifact import GGUF, MANIFEST_NAME, Artifact, ArtifactError, check_weights, read_model_id
+from ninfer.artifact.artifact import (
+    GGUF,
+    MANIFEST_NAME,
+    Artifact,
+    ArtifactError,
+    check_weights,
+    read_model_id,
+    without_weights,
+)
 from ninfer.artifact.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 # general.architecture -> HF model_type
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
@@ -143,6 +153,8 @@ class _Tensors:
             yield hf_name, stacked[tensor.name][expert]
 
     def _dequantize(self, tensor: ReaderTensor, hf_name: str) -> torch.Tensor:
+        import torch  # here, not at the top: opening a GGUF file for its metadata only never needs it
+
         values = dequantize(tensor.data, tensor.tensor_type)
         if values.dtype != np.float32 or not values.flags.writeable:  # F32/F16 come back as views of the mmap
             values = values.astype(np.float32)
@@ -296,7 +308,8 @@ def _generation_defaults(metadata: dict[str, Any]) -> dict[str, Any]:
     return defaults
 
 
-def open_gguf(path: Path) -> Artifact:
+def open_gguf(path: Path, weights: bool = True) -> Artifact:
+    """weights=False: config, tokenizer and template only; no tensor is read or checked."""
     try:
         reader = GGUFReader(path)
     # gguf's reader reports a malformed or truncated file with whatever indexing error it hits
@@ -308,8 +321,10 @@ def open_gguf(path: Path) -> Artifact:
         config = ModelConfig.from_hf(hf_config, source=str(path))
     except ConfigError as error:
         raise ArtifactError(str(error)) from error
-    tensors = _Tensors(path, reader, metadata["general.architecture"], hf_config)
-    check_weights(config, tensors.shapes(), str(path))
+    tensors = None
+    if weights:
+        tensors = _Tensors(path, reader, metadata["general.architecture"], hf_config)
+        check_weights(config, tensors.shapes(), str(path))
 
     try:
         backend, tokenizer_config = build_gguf_tokenizer(metadata)
@@ -335,6 +350,6 @@ def open_gguf(path: Path) -> Artifact:
         tokenizer=tokenizer,
         chat_template=chat_template,
         generation_defaults=_generation_defaults(metadata),
-        num_tensors=len(tensors.entries),
-        read_weights=tensors.read,
+        num_tensors=0 if tensors is None else len(tensors.entries),
+        read_weights=without_weights(path) if tensors is None else tensors.read,
     )

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors import SafetensorError, safe_open
+from typing import TYPE_CHECKING, Any
 
 from ninfer.artifact.artifact import (
     HF_DIRECTORY,
@@ -18,24 +14,20 @@ from ninfer.artifact.artifact import (
     check_weights,
     read_json,
     read_model_id,
+    without_weights,
 )
 from ninfer.frontend.tokenizer import Tokenizer
-from ninfer.kernels.nvfp4_gemv import dequantize_nvfp4
 from ninfer.models.config import ConfigError, ModelConfig
-from ninfer.models.loader import NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX
+
+if TYPE_CHECKING:
+    from ninfer.artifact.safetensors_weights import SafetensorsWeights
 
 log = logging.getLogger(__name__)
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # Keys of generation_config.json that are bookkeeping, not defaults.
 _GENERATION_BOOKKEEPING = ("transformers_version", "_from_model_config")
 
-
-_SCALE_SUFFIX = "_scale_inv"
 HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's quantization description beside config.json
-# ModelOpt NVFP4: each uint8 weight of e2m1 codes has these companions (input_scale: W4A4 only).
-_NVFP4_COMPANIONS = (NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX, "input_scale")
 
 
 def fp8_block_size(hf_config: dict[str, Any]) -> tuple[int, int] | None:
@@ -76,154 +68,6 @@ def nvfp4_checkpoint(hf_config: dict[str, Any], directory: Path) -> bool:
     if group_size != 16:
         raise ArtifactError(f"{source}: NVFP4 group_size {group_size!r}; only 16 (the format's block) is supported")
     return True
-
-
-def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """weight [out, in] e4m3, scale_inv [ceil(out/b0), ceil(in/b1)] -> bf16 weight * scale of its block."""
-    rows, cols = weight.shape[-2:]
-    scale = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
-    return (weight.float() * scale).to(torch.bfloat16)
-
-
-class SafetensorsWeights:
-    """Tensor names and shapes from the safetensors headers; data read lazily (mmap) by file.
-
-    Block-scaled FP8 checkpoints are dequantized exactly to bf16 as they are read: the
-    inverse-scale tensors are consumed with their weights and never reach the model.
-    """
-
-    def __init__(self, directory: Path, fp8_block: tuple[int, int] | None = None, nvfp4: bool = False):
-        self.fp8_block = fp8_block
-        self.nvfp4 = nvfp4
-        self.names_by_file: dict[Path, list[str]] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, str] = {}
-        index_path = directory / INDEX_FILE
-        if index_path.is_file():
-            self._read_index(index_path)
-        elif (directory / SINGLE_FILE).is_file():
-            file = directory / SINGLE_FILE
-            self.names_by_file[file] = list(self._read_header(file))
-        else:
-            raise ArtifactError(
-                f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)"
-            )
-
-    def _read_index(self, index_path: Path) -> None:
-        index = read_json(index_path)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ArtifactError(f'{index_path}: no "weight_map" of tensor name -> shard file')
-        for name, shard in weight_map.items():
-            self.names_by_file.setdefault(index_path.parent / str(shard), []).append(name)
-        for file, names in self.names_by_file.items():
-            if not file.is_file():
-                raise ArtifactError(f"{index_path}: shard {file.name!r} is missing")
-            stored = self._read_header(file)
-            absent = [name for name in names if name not in stored]
-            if absent:
-                raise ArtifactError(f"{file}: lacks {len(absent)} tensors listed in {INDEX_FILE}, e.g. {absent[0]!r}")
-
-    def _read_header(self, file: Path) -> set[str]:
-        try:
-            with safe_open(file, framework="pt", device="cpu") as handle:
-                names = set(handle.keys())
-                for name in names:
-                    tensor_slice = handle.get_slice(name)
-                    self.shapes[name] = tuple(tensor_slice.get_shape())
-                    self.dtypes[name] = tensor_slice.get_dtype()
-        except (SafetensorError, OSError) as error:
-            raise ArtifactError(f"{file}: unreadable safetensors file ({error})") from error
-        return names
-
-    @property
-    def names(self) -> list[str]:
-        names = [name for names in self.names_by_file.values() for name in names]
-        if self.fp8_block is not None:
-            names = [name for name in names if not name.endswith(_SCALE_SUFFIX)]
-        if self.nvfp4:
-            companions = {f"{weight}{suffix}" for weight in self.nvfp4_weights for suffix in _NVFP4_COMPANIONS}
-            companions |= {weight.removesuffix("weight") + "input_scale" for weight in self.nvfp4_weights}
-            names = [name for name in names if name not in companions]
-        return names
-
-    @property
-    def nvfp4_weights(self) -> dict[str, tuple[int, ...]]:
-        """NVFP4 weights (uint8 codes with both scales) -> their unpacked shape [.., out, in]."""
-        if not self.nvfp4:
-            return {}
-        return {
-            name: (*shape[:-1], shape[-1] * 2)
-            for name, shape in self.shapes.items()
-            if self.dtypes[name] == "U8"
-            and name + NVFP4_BLOCK_SUFFIX in self.shapes
-            and name + NVFP4_GLOBAL_SUFFIX in self.shapes
-        }
-
-    def logical_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
-        """(name, shape) of every weight the model reads, NVFP4 ones unpacked."""
-        nvfp4 = self.nvfp4_weights
-        for name in self.names:
-            yield name, nvfp4.get(name, self.shapes[name])
-
-    @property
-    def fp8_weights(self) -> dict[str, tuple[int, ...]]:
-        """Block-scaled e4m3 weights the model can keep in FP8 (128 x 128 blocks, what the GEMV takes)."""
-        if self.fp8_block != (128, 128):
-            return {}
-        stored = set(self.shapes)
-        return {name: self.shapes[name] for name in self.names if name + _SCALE_SUFFIX in stored}
-
-    def read(
-        self, keep_fp8: bool = False, only: Callable[[str], bool] | None = None, keep_nvfp4: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """keep_fp8: yield each fp8_weights entry as stored, right after its `_scale_inv` scales;
-        otherwise block-scaled weights come dequantized exactly to bf16. keep_nvfp4: likewise
-        each NVFP4 weight after its `_scale` and `_scale_2`; otherwise dequantized (fp32 products,
-        rounded once to bf16).
-        only: read just the tensors whose names it accepts (e.g. the vision tower's)."""
-        file_of = {name: file for file, names in self.names_by_file.items() for name in names}
-        kept = self.fp8_weights if keep_fp8 else {}
-        nvfp4 = self.nvfp4_weights
-        wanted = set(self.names)
-        for file, names in self.names_by_file.items():
-            names = [name for name in names if name in wanted and (only is None or only(name))]
-            if not names:
-                continue
-            with safe_open(file, framework="pt", device="cpu") as handle:
-                for name in names:
-                    tensor = handle.get_tensor(name)
-                    if name in nvfp4:
-                        yield from self._read_nvfp4(name, tensor, file_of, keep_nvfp4)
-                        continue
-                    scale_name = name + _SCALE_SUFFIX
-                    if self.fp8_block is not None and scale_name in file_of:
-                        with safe_open(file_of[scale_name], framework="pt", device="cpu") as scales:
-                            scale = scales.get_tensor(scale_name)
-                        if name in kept:
-                            yield scale_name, scale
-                        else:
-                            tensor = dequantize_block_fp8(tensor, scale, self.fp8_block)
-                    yield name, tensor
-
-    def _read_nvfp4(
-        self, name: str, codes: torch.Tensor, file_of: dict[str, Path], keep: bool
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        scales = {}
-        for suffix in (NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX):
-            with safe_open(file_of[name + suffix], framework="pt", device="cpu") as handle:
-                scales[suffix] = handle.get_tensor(name + suffix)
-        if keep:
-            for suffix, scale in scales.items():
-                yield name + suffix, scale
-            yield name, codes
-            return
-        flat = codes.reshape(-1, codes.shape[-1])
-        rows = flat.shape[0]
-        row_scale = scales[NVFP4_GLOBAL_SUFFIX].float().reshape(-1)[:1].expand(rows)
-        dense = dequantize_nvfp4(flat, scales[NVFP4_BLOCK_SUFFIX].reshape(rows, -1), row_scale)
-        yield name, dense.reshape(*codes.shape[:-1], codes.shape[-1] * 2).to(torch.bfloat16)
 
 
 def _tokenizer(directory: Path) -> tuple[Tokenizer, dict[str, Any]]:
@@ -284,7 +128,8 @@ def _generation_defaults(directory: Path, config: ModelConfig) -> dict[str, Any]
     return defaults
 
 
-def open_hf_directory(directory: Path) -> Artifact:
+def open_hf_directory(directory: Path, weights: bool = True) -> Artifact:
+    """weights=False: config, tokenizer and template only; no tensor is read or checked."""
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ArtifactError(f"{config_path}: missing (not a Hugging Face model directory)")
@@ -295,17 +140,9 @@ def open_hf_directory(directory: Path) -> Artifact:
         config = ModelConfig.from_hf(hf_config, source=str(config_path))
     except ConfigError as error:
         raise ArtifactError(str(error)) from error
-
-    weights = SafetensorsWeights(directory, fp8_block_size(hf_config), nvfp4_checkpoint(hf_config, directory))
-    if config.mtp_num_hidden_layers and not any(name.startswith("mtp.") for name in weights.shapes):
-        # Published checkpoints often strip the MTP head; serve without speculative MTP.
-        log.info(
-            "%s: config declares %d MTP layers but holds no mtp.* tensors; loading without MTP",
-            directory,
-            config.mtp_num_hidden_layers,
-        )
-        config = config.replace(mtp_num_hidden_layers=0)
-    check_weights(config, weights.logical_shapes(), str(directory))
+    stored = None
+    if weights:
+        stored, config = _checked_weights(directory, hf_config, config)
 
     tokenizer, tokenizer_config = _tokenizer(directory)
     return Artifact(
@@ -317,8 +154,28 @@ def open_hf_directory(directory: Path) -> Artifact:
         tokenizer=tokenizer,
         chat_template=_chat_template(directory, tokenizer_config),
         generation_defaults=_generation_defaults(directory, config),
-        num_tensors=len(weights.names),
-        read_weights=weights.read,
-        fp8_weights=weights.fp8_weights,
-        nvfp4_weights=weights.nvfp4_weights,
+        num_tensors=0 if stored is None else len(stored.names),
+        read_weights=without_weights(directory) if stored is None else stored.read,
+        fp8_weights={} if stored is None else stored.fp8_weights,
+        nvfp4_weights={} if stored is None else stored.nvfp4_weights,
     )
+
+
+def _checked_weights(
+    directory: Path, hf_config: dict[str, Any], config: ModelConfig
+) -> tuple[SafetensorsWeights, ModelConfig]:
+    """The stored tensors, dry-run against the model, and the config (without an MTP head the checkpoint lacks)."""
+    # Imported here: reading tensors needs torch, which a metadata-only open never imports.
+    from ninfer.artifact.safetensors_weights import SafetensorsWeights
+
+    weights = SafetensorsWeights(directory, fp8_block_size(hf_config), nvfp4_checkpoint(hf_config, directory))
+    if config.mtp_num_hidden_layers and not any(name.startswith("mtp.") for name in weights.shapes):
+        # Published checkpoints often strip the MTP head; serve without speculative MTP.
+        log.info(
+            "%s: config declares %d MTP layers but holds no mtp.* tensors; loading without MTP",
+            directory,
+            config.mtp_num_hidden_layers,
+        )
+        config = config.replace(mtp_num_hidden_layers=0)
+    check_weights(config, weights.logical_shapes(), str(directory))
+    return weights, config

@@ -26,19 +26,20 @@ import mmap
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from ninfer.artifact.artifact import NINFER, Artifact, ArtifactError, read_json_text
-from ninfer.artifact.safetensors_writer import DIGESTS_KEY, DTYPE_NAMES
+from ninfer.artifact.artifact import NINFER, Artifact, ArtifactError, read_json_text, without_weights
 from ninfer.frontend.tokenizer import Tokenizer
-from ninfer.models.causal_lm import CausalLM
 from ninfer.models.config import ConfigError, ModelConfig
-from ninfer.models.loader import WeightLoadError
-from ninfer.models.runtime_layout import build_runtime_model, load_runtime_tensors, quantized_modules
+
+if TYPE_CHECKING:
+    # Only reading tensors needs torch: a container opened for its metadata only never imports it.
+    import torch
+
+    from ninfer.models.causal_lm import CausalLM
 
 FORMAT_NAME = "ninfer"
 FORMAT_VERSION = 1
@@ -179,6 +180,8 @@ def container_part(artifact: Artifact, prefix: str) -> ContainerPart:
 
 def verify_container(path: Path, progress: bool = True) -> list[str]:
     """Recompute every tensor's SHA-256; returns the names whose bytes differ from sha256.json."""
+    from ninfer.artifact.safetensors_writer import DIGESTS_KEY  # the writer imports torch
+
     header = read_header(path)
     metadata = header.get("__metadata__", {})
     read_manifest(path, metadata)
@@ -200,7 +203,8 @@ def verify_container(path: Path, progress: bool = True) -> list[str]:
     return sorted(set(mismatched))
 
 
-def open_ninfer_file(path: Path) -> Artifact:
+def open_ninfer_file(path: Path, weights: bool = True) -> Artifact:
+    """weights=False: config, tokenizer and template only; no tensor is read or checked."""
     header = read_header(path)
     metadata = header.get("__metadata__", {})
     manifest = read_manifest(path, metadata)
@@ -211,36 +215,12 @@ def open_ninfer_file(path: Path) -> Artifact:
         config = ModelConfig.from_hf(hf_config, source=f"{path}:{CONFIG_KEY}")
     except ConfigError as error:
         raise ArtifactError(str(error)) from error
-    tensors = ContainerTensors(path, header)
-    if config.mtp_num_hidden_layers and not any(name.startswith("mtp.") for name in tensors.names):
-        config = config.replace(mtp_num_hidden_layers=0)
-    modules: dict[str, dict[str, Any]] = manifest.get("weights", {}).get("modules", {})
-    source = str(path)
-
-    def load(
-        config: ModelConfig, dtype: torch.dtype | None, device: torch.device | str, progress: bool,
-        quantize: str | None = None,
-    ) -> CausalLM:
-        """config: the artifact's, possibly narrowed since opening (no MTP head without --spec mtp).
-        quantize: the layers the container holds unquantized, quantized as their tensors arrive."""
-        dtype = dtype or getattr(torch, config.torch_dtype, torch.bfloat16)
-        model = build_runtime_model(config, dtype, device, modules, source, quantize)
-        device_name = str(torch.device(device))
-        reader = tensors.read(tensors.model_names(), device=device_name, progress=progress)
-        quantized_at_load = quantized_modules(model).keys() - modules.keys()
-        load_runtime_tensors(model, reader, source, quantized_at_load, dtype)
-        return model.eval()
-
-    # Dry run on the meta device: every tensor the model holds is present with its shape.
-    try:
-        meta_model = build_runtime_model(config, torch.float32, "meta", modules, source)
-        meta_tensors = (
-            (name, torch.empty(tensors.shapes[name], device="meta", dtype=_stored_dtype(header[name]["dtype"])))
-            for name in tensors.model_names()
-        )
-        load_runtime_tensors(meta_model, meta_tensors, source)
-    except WeightLoadError as error:
-        raise ArtifactError(str(error)) from error
+    tensors = None
+    if weights:
+        tensors = ContainerTensors(path, header)
+        if config.mtp_num_hidden_layers and not any(name.startswith("mtp.") for name in tensors.names):
+            config = config.replace(mtp_num_hidden_layers=0)
+        _check_tensors(config, header, tensors, _modules(manifest), str(path))
 
     tokenizer_config = _json_resource(path, metadata, TOKENIZER_CONFIG_KEY)
     if not isinstance(tokenizer_config, dict):
@@ -258,16 +238,68 @@ def open_ninfer_file(path: Path) -> Artifact:
         tokenizer=tokenizer,
         chat_template=_resource(path, metadata, TEMPLATE_KEY, required=False),
         generation_defaults=dict(manifest.get("generation_defaults") or {}),
-        num_tensors=len(tensors.model_names()),
-        read_weights=_runtime_layout_only(path),
-        runtime_loader=load,
-        read_part=_part_reader(tensors),
+        num_tensors=0 if tensors is None else len(tensors.model_names()),
+        read_weights=without_weights(path) if tensors is None else _runtime_layout_only(path),
+        runtime_loader=None if tensors is None else _runtime_loader(tensors, _modules(manifest), str(path)),
+        read_part=None if tensors is None else _part_reader(tensors),
         manifest=manifest,
         resources=metadata,
     )
 
 
+def _modules(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The manifest's quantized modules: name -> how its weight is stored."""
+    return manifest.get("weights", {}).get("modules", {})
+
+
+def _runtime_loader(
+    tensors: ContainerTensors, modules: dict[str, dict[str, Any]], source: str
+) -> Callable[..., CausalLM]:
+    def load(
+        config: ModelConfig, dtype: torch.dtype | None, device: torch.device | str, progress: bool,
+        quantize: str | None = None,
+    ) -> CausalLM:
+        """config: the artifact's, possibly narrowed since opening (no MTP head without --spec mtp).
+        quantize: the layers the container holds unquantized, quantized as their tensors arrive."""
+        import torch
+
+        from ninfer.models.runtime_layout import build_runtime_model, load_runtime_tensors, quantized_modules
+
+        dtype = dtype or getattr(torch, config.torch_dtype, torch.bfloat16)
+        model = build_runtime_model(config, dtype, device, modules, source, quantize)
+        device_name = str(torch.device(device))
+        reader = tensors.read(tensors.model_names(), device=device_name, progress=progress)
+        quantized_at_load = quantized_modules(model).keys() - modules.keys()
+        load_runtime_tensors(model, reader, source, quantized_at_load, dtype)
+        return model.eval()
+
+    return load
+
+
+def _check_tensors(
+    config: ModelConfig, header: dict[str, Any], tensors: ContainerTensors, modules: dict[str, dict[str, Any]],
+    source: str,
+) -> None:
+    """Dry run on the meta device: every tensor the model holds is present with its shape."""
+    import torch
+
+    from ninfer.models.loader import WeightLoadError
+    from ninfer.models.runtime_layout import build_runtime_model, load_runtime_tensors
+
+    try:
+        meta_model = build_runtime_model(config, torch.float32, "meta", modules, source)
+        meta_tensors = (
+            (name, torch.empty(tensors.shapes[name], device="meta", dtype=_stored_dtype(header[name]["dtype"])))
+            for name in tensors.model_names()
+        )
+        load_runtime_tensors(meta_model, meta_tensors, source)
+    except WeightLoadError as error:
+        raise ArtifactError(str(error)) from error
+
+
 def _stored_dtype(name: str) -> torch.dtype:
+    from ninfer.artifact.safetensors_writer import DTYPE_NAMES
+
     for dtype, dtype_name in DTYPE_NAMES.items():
         if dtype_name == name:
             return dtype

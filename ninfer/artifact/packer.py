@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ninfer.artifact.artifact import ArtifactError
 from ninfer.artifact.draft_companion import companion_locations, open_draft_companion
-from ninfer.artifact.hf_directory import SafetensorsWeights, fp8_block_size
+from ninfer.artifact.hf_directory import fp8_block_size
 from ninfer.artifact.ninfer_file import (
     CONFIG_KEY,
     FORMAT_NAME,
@@ -36,6 +36,7 @@ from ninfer.artifact.ninfer_file import (
     VISION_PREFIX,
     open_ninfer_file,
 )
+from ninfer.artifact.safetensors_weights import SafetensorsWeights
 from ninfer.artifact.safetensors_writer import write_safetensors
 from ninfer.models.runtime_layout import quantized_modules, runtime_tensors
 

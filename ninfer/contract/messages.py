@@ -47,8 +47,16 @@ class Failed(msgspec.Struct, tag=True):
     message: str
 
 
+class Refused(msgspec.Struct, tag=True):
+    """The engine will not start: an option the artifact cannot serve, or a malformed artifact
+    (its start-up checks). The API process stops with the message as a command-line error."""
+
+    message: str
+    artifact: bool = False  # the artifact's fault (an ArtifactError), else an option's (a ConfigValueError)
+
+
 ToEngine = AddRequest | Abort | Shutdown
-FromEngine = Outputs | Ready | Failed | Stats | Gauges
+FromEngine = Outputs | Ready | Failed | Refused | Stats | Gauges
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -1,4 +1,8 @@
-"""Build an EngineCore from an artifact path: runs inside the engine process (picklable spec)."""
+"""Build an EngineCore from an EngineSpec: runs in the engine process (or an in-process engine's thread).
+
+The start-up checks come first, before any weight is read or the load is logged, so a refused
+start reports its one error.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +13,17 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
 from ninfer.assets.qwen_tokenizer import cache_dir
-from ninfer.config import ConfigValueError, EngineConfig
+from ninfer.config import EngineConfig, EngineSpec
 from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
 from ninfer.engine.host_kv import HostKV
-from ninfer.engine.speculative.residency import check_speculative
+from ninfer.engine.startup_checks import check_kv_dtype, check_speculative, resolve_device
 from ninfer.engine.warm_up import run_warm_up
 from ninfer.kernels.backend import persist_compile_caches
-from ninfer.kernels.kv_quant import check_head_dim
-from ninfer.models.config import ModelConfig
-from ninfer.models.kv_cache import KV_DTYPES
 from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.fp8_experts import Fp8Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
@@ -33,15 +33,6 @@ log = logging.getLogger("ninfer.engine")
 
 KV_HEADROOM_BYTES = 1 << 30  # --kv-capacity auto leaves this much device memory free
 _AUTO_LEDGER: dict[str, int] = {}  # the last auto sizing's terms, for the server_start record
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    artifact_path: str
-    engine: EngineConfig
-    dtype: str = "auto"
-    quantize: str | None = None  # "fp8" | "nvfp4": the model's Linear layers quantized at load
-    kv_capacity_auto: bool = False
 
 
 def resolve_dtype(name: str, artifact_dtype: str, device: str) -> torch.dtype:
@@ -81,25 +72,20 @@ def cpu_threads() -> int:
     return max(1, available // 2)
 
 
-def check_kv_dtype(config: ModelConfig, engine: EngineConfig) -> None:
-    """ConfigValueError when the model's attention heads cannot be stored in --kv-dtype's formats."""
-    for fmt in KV_DTYPES[engine.kv_dtype]:
-        problem = None if fmt is None else check_head_dim(fmt, config.head_dim)
-        if problem is not None:
-            raise ConfigValueError(f"--kv-dtype {engine.kv_dtype}: {problem}")
-
-
 def build_engine_core(spec: EngineSpec) -> EngineCore:
     from ninfer.artifact import open_artifact
 
     started = time.perf_counter()
+    engine = spec.engine
+    if spec.device_index is not None:
+        engine = dataclasses.replace(engine, device=resolve_device(spec.device_index))
     artifact = open_artifact(spec.artifact_path)
-    check_kv_dtype(artifact.config, spec.engine)
-    companion = check_speculative(artifact, spec.engine)  # a DFlash / DFlash2 drafter, still unread
-    if artifact.config.mtp_num_hidden_layers and spec.engine.spec != "mtp":
+    check_kv_dtype(artifact.config, engine)
+    companion = check_speculative(artifact, engine)  # a DFlash / DFlash2 drafter, still unread
+    if artifact.config.mtp_num_hidden_layers and engine.spec != "mtp":
         # The MTP head's weights and KV layer are loaded only when speculation uses them.
         artifact.config = artifact.config.replace(mtp_num_hidden_layers=0)
-    device = spec.engine.device
+    device = engine.device
     dtype = resolve_dtype(spec.dtype, artifact.config.torch_dtype, device)
     on_cpu = not device.startswith("cuda")
     if on_cpu:
@@ -149,16 +135,15 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         draft_model = companion.load_model(dtype=dtype, device=device)
         log.info(
             "%s drafter loaded from %s: %d layers, block %d, %.2fB parameters",
-            spec.engine.spec, companion.path, companion.config.num_hidden_layers, companion.config.block_size,
+            engine.spec, companion.path, companion.config.num_hidden_layers, companion.config.block_size,
             sum(p.numel() for p in draft_model.parameters()) / 1e9,
         )
     vision_tower = None
-    if spec.engine.vision:
+    if engine.vision:
         from ninfer.models.vision_loader import load_vision_tower
 
         vision_tower = load_vision_tower(artifact, device=device, dtype=dtype)
         log.info("vision tower loaded: %.2fB parameters", sum(p.numel() for p in vision_tower.parameters()) / 1e9)
-    engine = spec.engine
     if spec.kv_capacity_auto:
         engine = dataclasses.replace(
             engine, kv_capacity=_auto_kv_tokens(model, artifact.tokenizer, engine, draft_model, vision_tower)

@@ -9,16 +9,10 @@ device type; compiled defaults measured on the model shapes we publish figures f
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
+from ninfer.context_cost_presets import read_presets
 from ninfer.models.config import ModelConfig
-
-
-class ContextCostError(ValueError):
-    """A presets file that cannot be used; the message names the file and the problem."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +42,6 @@ _COMPILED = {
     ("qwen3_5_moe_text", 2048, 40): (1.0 / 52000.0, 25e9),  # Qwen3.5/3.6-35B-A3B
 }
 
-_PRESET_KEYS = {"prefill_seconds_per_token", "host_transfer_bytes_per_second"}
-
 
 def generic_costs(device_type: str = "cpu") -> ContextCosts:
     prefill, transfer = _GENERIC.get(device_type, _GENERIC["cuda"])
@@ -69,26 +61,3 @@ def resolve_context_costs(config: ModelConfig, device_type: str, presets_path: s
         transfer = values.get("host_transfer_bytes_per_second", transfer)
         source = f"{presets_path} (over {source})"
     return ContextCosts(prefill, transfer, source)
-
-
-def read_presets(path: str) -> dict[str, float]:
-    """The rates a presets file sets; a malformed file raises ContextCostError naming the problem."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise ContextCostError(f"--context-cost-presets {path}: cannot read it ({error.strerror})") from error
-    except json.JSONDecodeError as error:
-        raise ContextCostError(f"--context-cost-presets {path}: not JSON ({error.msg} at line {error.lineno})") from error
-    if not isinstance(data, dict):
-        raise ContextCostError(f"--context-cost-presets {path}: expected a JSON object")
-    unknown = sorted(set(data) - _PRESET_KEYS)
-    if unknown:
-        raise ContextCostError(
-            f"--context-cost-presets {path}: unknown key {unknown[0]!r} (known: {', '.join(sorted(_PRESET_KEYS))})"
-        )
-    values = {}
-    for key, value in data.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ContextCostError(f"--context-cost-presets {path}: {key} must be a positive number, got {value!r}")
-        values[key] = float(value)
-    return values

@@ -1,7 +1,9 @@
 """The engine process's main function: build the core, then serve the loop over ZMQ.
 
-The API process spawns it (server/engine_client.py) and talks to it with the messages of
-contract/messages.py; a start-up failure is reported as Failed before the process exits.
+The API process spawns it by name (server/engine_client.py), so the API process never imports
+the engine or torch, and talks to it with the messages of contract/messages.py. A start the
+start-up checks refuse is reported as Refused, any other start-up failure as Failed, before
+the process exits.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import signal
 import sys
 from collections.abc import Callable
 
-from ninfer.contract.messages import Failed, Ready, ToEngine, decode_to_engine, encode
+from ninfer.artifact.artifact import ArtifactError
+from ninfer.config import ConfigValueError
+from ninfer.contract.messages import Failed, FromEngine, Ready, Refused, ToEngine, decode_to_engine, encode
 
 log = logging.getLogger("ninfer.engine")
 
@@ -41,9 +45,13 @@ def engine_process_main(
     push.connect(outbox_addr)
     try:
         core = build_core()
+    except (ConfigValueError, ArtifactError) as exc:
+        # The user's to fix, not a crash: no traceback here; the API process prints the one line.
+        _close(context, push, pull, Refused(str(exc), artifact=isinstance(exc, ArtifactError)))
+        return
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits
         log.exception("engine start-up failed")
-        push.send(encode(Failed(f"start-up failed: {type(exc).__name__}: {exc}")))
+        _close(context, push, pull, Failed(f"start-up failed: {type(exc).__name__}: {exc}"))
         return
     push.send(encode(Ready({"pid": os.getpid(), **core.describe()})))
 
@@ -60,6 +68,13 @@ def engine_process_main(
         return None
 
     EngineLoop(core, receive, lambda m: push.send(encode(m))).run()
+    _close(context, push, pull)
+
+
+def _close(context, push, pull, last: FromEngine | None = None) -> None:
+    """Send the last message, if any, and give it a second to leave before the sockets close."""
+    if last is not None:
+        push.send(encode(last))
     push.close(linger=1000)
     pull.close(linger=0)
     context.term()

@@ -13,17 +13,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ninfer.contract.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    # Annotations only: the API process reads families (configs, sampling presets) without torch.
+    import torch
+
     from ninfer.models.config import ModelConfig
 
 # A checkpoint rule maps one stored tensor to zero or more (parameter name, index, tensor)
 # writes; index None writes the whole parameter, otherwise param[index] = tensor.
-WeightSlice = tuple[str, Any, torch.Tensor]
-CheckpointRule = Callable[[str, torch.Tensor, "ModelConfig"], Iterable[WeightSlice]]
+WeightSlice = tuple[str, Any, "torch.Tensor"]
+CheckpointRule = Callable[[str, "torch.Tensor", "ModelConfig"], Iterable[WeightSlice]]
 # (the text config, its rope parameters, the model_type without "_text") -> ModelConfig fields.
 ConfigFields = Callable[[dict[str, Any], dict[str, Any], str], dict[str, Any]]
 

@@ -12,8 +12,9 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ninfer.artifact.artifact import HF_DIRECTORY, NINFER, Artifact, ArtifactError
-from ninfer.artifact.hf_directory import SafetensorsWeights, fp8_block_size
+from ninfer.artifact.hf_directory import fp8_block_size
 from ninfer.artifact.ninfer_file import VISION_PREFIX
+from ninfer.artifact.safetensors_weights import SafetensorsWeights
 from ninfer.models.config import ConfigError
 from ninfer.models.family import WeightSlice
 from ninfer.models.loader import WeightLoadError, load_weights

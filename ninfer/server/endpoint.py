@@ -29,7 +29,7 @@ from ninfer.server.errors import APIError
 from ninfer.server.generation import FinishEvent, Generation, GenerationOptions, ProgressEvent, race_disconnect
 from ninfer.server.http import read_json, request_id_of
 from ninfer.server.request_record import RequestRecord
-from ninfer.server.serving import Serving
+from ninfer.server.served_model import ServedModel
 from ninfer.server.sse import with_keepalive
 
 log = logging.getLogger("ninfer.server")
@@ -82,13 +82,13 @@ class Protocol(abc.ABC):
     prompt_param = "messages"  # the field a prompt-rendering error names
 
     @abc.abstractmethod
-    def parse(self, body: object, serving: Serving) -> ParsedRequest:
+    def parse(self, body: object, serving: ServedModel) -> ParsedRequest:
         """Validate a create body; raises APIError naming the field."""
 
     @abc.abstractmethod
     def wire(self, parsed: ParsedRequest, generation: Generation, request_id: str) -> Wire: ...
 
-    def parse_count(self, body: object, serving: Serving) -> Conversation:
+    def parse_count(self, body: object, serving: ServedModel) -> Conversation:
         """Validate a token-count body (the prompt-shaping subset of create)."""
         raise NotImplementedError
 
@@ -100,7 +100,7 @@ class Protocol(abc.ABC):
         return error
 
 
-async def _parse(request: Request, parse, serving: Serving):
+async def _parse(request: Request, parse, serving: ServedModel):
     body, large = await read_json(request)
     if large:
         return await asyncio.to_thread(parse, body, serving)
@@ -108,7 +108,7 @@ async def _parse(request: Request, parse, serving: Serving):
 
 
 async def prepare_prompt(
-    serving: Serving,
+    serving: ServedModel,
     conversation: Conversation,
     param: str,
     with_capture_hints: bool = True,
@@ -132,7 +132,7 @@ async def prepare_prompt(
             ref.release()
 
 
-async def compile_answer(serving: Serving, options: GenerationOptions, thinking: bool) -> OutputConstraint | None:
+async def compile_answer(serving: ServedModel, options: GenerationOptions, thinking: bool) -> OutputConstraint | None:
     """The request's output constraint, checked on a worker thread (a schema the grammar cannot
     hold is a 400 naming its field); with log probabilities, the vocabulary's token bytes are
     indexed there too, never on the event loop."""
@@ -148,14 +148,14 @@ async def compile_answer(serving: Serving, options: GenerationOptions, thinking:
         raise APIError(400, message, code="invalid_schema", param=exc.path) from exc
 
 
-def reserve(serving: Serving):
+def reserve(serving: ServedModel):
     try:
         return serving.engine.reserve()
     except Overloaded as exc:
         raise APIError(429, "the server is at capacity; retry later", code="server_overloaded") from exc
 
 
-async def generate(request: Request, serving: Serving, protocol: Protocol) -> Response:
+async def generate(request: Request, serving: ServedModel, protocol: Protocol) -> Response:
     """POST of a generation endpoint: the whole lifecycle (module docstring)."""
     try:
         parsed = await _parse(request, protocol.parse, serving)
@@ -218,7 +218,7 @@ async def generate(request: Request, serving: Serving, protocol: Protocol) -> Re
     return JSONResponse(payload)
 
 
-async def count_tokens(request: Request, serving: Serving, protocol: Protocol) -> Response:
+async def count_tokens(request: Request, serving: ServedModel, protocol: Protocol) -> Response:
     """The prompt tokens a create with the same input would use: no engine work, no place taken."""
     try:
         conversation = await _parse(request, protocol.parse_count, serving)

@@ -1,7 +1,9 @@
 """EngineClient: the API process's asyncio handle on the engine.
 
 Two transports behind one interface: the engine in its own OS process (ZMQ + msgpack;
-production) or in a thread of this process (tests, `ninfer chat`). The client also owns
+production) or in a thread of this process (tests, `ninfer chat`). The engine's modules are
+imported by name where the engine runs (call_by_name), so the API process imports neither the
+engine nor torch unless the engine runs in one of its threads. The client also owns
 the bounded-waiting rules: at most max_concurrency + max_pending_requests requests may
 exist from the start of preparation until their response is released (else
 Overloaded), and each carries a deadline set before preparation.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import importlib
 import logging
 import math
 import multiprocessing
@@ -31,7 +34,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ninfer.config import EngineConfig
+from ninfer.artifact.artifact import ArtifactError
+from ninfer.config import ConfigValueError, EngineConfig
 from ninfer.contract.messages import (
     Abort,
     AddRequest,
@@ -40,6 +44,7 @@ from ninfer.contract.messages import (
     Gauges,
     Outputs,
     Ready,
+    Refused,
     Shutdown,
     Stats,
     ToEngine,
@@ -48,9 +53,11 @@ from ninfer.contract.messages import (
 )
 from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason
 from ninfer.contract.request import EngineRequest
-from ninfer.engine.process import engine_process_main
 
 log = logging.getLogger("ninfer.engine")
+
+# The engine process's main function, imported by name in the spawned process.
+ENGINE_PROCESS_MAIN = "ninfer.engine.process:engine_process_main"
 
 # A fault that recurs more often than MAX_RESTARTS times in RESTART_WINDOW_S is not transient:
 # the engine then stays failed until the server itself is restarted.
@@ -62,6 +69,13 @@ ENGINE_STOP_TIMEOUT_S = 10.0
 
 RESTARTING_NOTICE = "the engine failed and is restarting; retry the request"
 FAILED_NOTICE = "the engine failed and was not restarted; see the server log"
+
+
+def call_by_name(target: str, *args: object) -> object:
+    """Import "module:function" and call it with args: importing only here keeps the engine's modules
+    (and torch) out of the API process, and a partial of this function pickles by name into a spawn."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)(*args)
 
 
 class Overloaded(RuntimeError):
@@ -193,6 +207,13 @@ class EngineClient:
                 self._ready.set_result(None)
         elif isinstance(message, Failed):
             self._engine_down(message.message)
+        elif isinstance(message, Refused):
+            if self._ready is None:  # no start in progress: nothing to refuse, the engine is just gone
+                self._engine_down(message.message)
+            else:
+                # Raised by the start as the check itself would raise it: the command line prints it (exit 2).
+                self._start_failed(ArtifactError(message.message) if message.artifact
+                                   else ConfigValueError(message.message))
         elif isinstance(message, Stats) and self.on_stats is not None:
             self.on_stats(message.record)
         elif isinstance(message, Gauges) and self.on_gauges is not None:
@@ -423,11 +444,13 @@ class ProcessEngineClient(EngineClient):
         self._log_level = log_level
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader: asyncio.Task | None = None
+        self._exiting = False  # the process reported a failed start and leaves on its own
 
     async def _start_engine(self) -> None:
         import zmq
         import zmq.asyncio
 
+        self._exiting = False
         self._socket_dir = tempfile.mkdtemp(prefix="ninfer-")
         inbox_addr = f"ipc://{self._socket_dir}/in"
         outbox_addr = f"ipc://{self._socket_dir}/out"
@@ -440,7 +463,8 @@ class ProcessEngineClient(EngineClient):
         self._pull.bind(outbox_addr)
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
-            target=engine_process_main, args=(self._build_core, inbox_addr, outbox_addr, self._log_level),
+            target=call_by_name,
+            args=(ENGINE_PROCESS_MAIN, self._build_core, inbox_addr, outbox_addr, self._log_level),
             name="ninfer-engine",
         )
         self._process.start()
@@ -462,6 +486,11 @@ class ProcessEngineClient(EngineClient):
                 return
             self._dispatch(decode_from_engine(data))
 
+    def _dispatch(self, message: FromEngine) -> None:
+        if isinstance(message, (Failed, Refused)) and not self._engine_ready:
+            self._exiting = True
+        super()._dispatch(message)
+
     def _send(self, message: ToEngine) -> None:
         """Never blocks the event loop: a PUSH socket whose peer is gone (the engine process died
         or was killed) would wait forever for one to connect."""
@@ -473,15 +502,18 @@ class ProcessEngineClient(EngineClient):
             raise EngineUnavailable("the engine process is not receiving requests") from error
 
     async def _stop_engine(self) -> None:
-        """Shutdown and a bounded wait (none for a process still loading), then SIGKILL; it returns
-        once the process is gone, so its device memory is free for the next one. Cancelled
-        half-way, a second call finishes the job."""
+        """Shutdown and a bounded wait (none for a process still loading, unless it reported a failed
+        start and is leaving), then SIGKILL; it returns once the process is gone, so its device
+        memory is free for the next one. Cancelled half-way, a second call finishes the job."""
         if self._process is None:
             return
         self._reader.cancel()  # the process leaving now is no failure to report
         if self._engine_ready:
             with contextlib.suppress(Exception):
                 self._send(Shutdown())
+        if self._engine_ready or self._exiting:
+            # Left to exit, a process releases what it holds (the device, named semaphores); one killed
+            # mid-exit leaves its semaphores for the resource tracker to complain about at shutdown.
             await asyncio.to_thread(self._process.join, ENGINE_STOP_TIMEOUT_S)
         if self._process.is_alive():
             self._process.kill()

@@ -29,7 +29,7 @@ from ninfer.frontend.tool_call_parser import FallbackReason
 from ninfer.server.answer_logprobs import AnswerLogprobs
 from ninfer.server.engine_client import EngineUnavailable, Ticket
 from ninfer.server.errors import APIError
-from ninfer.server.serving import Serving
+from ninfer.server.served_model import ServedModel
 
 if TYPE_CHECKING:
     from ninfer.server.request_record import RequestRecord
@@ -101,7 +101,7 @@ def engine_error_to_api(output: EngineOutput) -> APIError:
 class Generation:
     def __init__(
         self,
-        serving: Serving,
+        serving: ServedModel,
         request_id: str,
         prepared: PreparedPrompt,
         options: GenerationOptions,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from ninfer.server.serving import Serving
+    from ninfer.server.served_model import ServedModel
 
 # generate_latest writes the classic text format whatever the library version calls "latest".
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -230,7 +230,7 @@ class Metrics:
         self.waiting.set(self._num_waiting)
 
 
-def install_metrics(serving: Serving) -> Metrics:
+def install_metrics(serving: ServedModel) -> Metrics:
     """A Metrics observer registered on the serving's request events."""
     metrics = Metrics(serving.model_id, serving.config.engine.max_concurrency, serving.max_model_len)
     serving.events.observers.append(metrics)

@@ -266,7 +266,7 @@ def test_block_scaled_fp8_checkpoint_is_dequantized_exactly(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from ninfer.artifact import open_artifact as _open
-    from ninfer.artifact.hf_directory import dequantize_block_fp8
+    from ninfer.artifact.safetensors_weights import dequantize_block_fp8
 
     hf = _make_fp8_source(tmp_path / "bf16")
     config = _json.loads((hf / "config.json").read_text())

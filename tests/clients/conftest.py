@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ninfer.engine.core import EngineCore
-from ninfer.server.serving import Serving
+from ninfer.server.served_model import ServedModel
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.scripted_model import ScriptedLM
 from tests.server.conftest import RunningServer, serve_config, start_server
@@ -49,7 +49,7 @@ def agent_server(artifact: str, function: str, arguments: dict[str, str]) -> Run
     """A server whose model calls `function` unless the prompt ends with a tool result, then answers."""
     config = serve_config(artifact, max_context=65536, prefill_chunk=8192, max_concurrency=2, log_stats_interval_ms=0)
 
-    def build(serving: Serving) -> EngineCore:
+    def build(serving: ServedModel) -> EngineCore:
         tokenizer = serving.artifact.tokenizer
         result_close = tokenizer.token_to_id("</tool_response>")
         scripts = [

@@ -20,16 +20,16 @@ import uvicorn
 
 from ninfer.config import EngineConfig, ServeConfig
 from ninfer.engine.core import EngineCore
-from ninfer.server.app import create_app
+from ninfer.server.api_process import build_serving, listen_socket, uvicorn_config
 from ninfer.server.engine_client import InProcessEngineClient
-from ninfer.server.server import build_serving, listen_socket, uvicorn_config
-from ninfer.server.serving import Serving
+from ninfer.server.http_app import create_app
+from ninfer.server.served_model import ServedModel
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.scripted_model import ScriptedLM
 
 
 class RunningServer:
-    def __init__(self, serving: Serving):
+    def __init__(self, serving: ServedModel):
         self.serving = serving
         self.sock = listen_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
@@ -74,7 +74,7 @@ class RunningServer:
         self.sock.close()
 
 
-def start_server(config: ServeConfig, build_core: Callable[[Serving], EngineCore] | None = None) -> RunningServer:
+def start_server(config: ServeConfig, build_core: Callable[[ServedModel], EngineCore] | None = None) -> RunningServer:
     """In-process engine (fast tests); build_core swaps in another model behind the same artifact."""
     serving = build_serving(dataclasses.replace(config, engine_process=False))
     if build_core is not None:
@@ -118,7 +118,7 @@ def scripted_server(artifact: str, text: str, **overrides) -> RunningServer:
     """A server whose model answers every prompt with exactly `text` (then <|im_end|>)."""
     config = serve_config(artifact, **overrides)
 
-    def build(serving: Serving) -> EngineCore:
+    def build(serving: ServedModel) -> EngineCore:
         tokenizer = serving.artifact.tokenizer
         end = tokenizer.token_to_id("<|im_end|>")
         model = ScriptedLM(serving.artifact.config.vocab_size, [tokenizer.encode(text)], end)

@@ -25,7 +25,7 @@ from ninfer.config import EngineConfig
 from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason
 from ninfer.engine.core import EngineCore
 from ninfer.server.engine_client import MAX_RESTARTS, EngineUnavailable, InProcessEngineClient
-from ninfer.server.serving import Serving
+from ninfer.server.served_model import ServedModel
 from ninfer.testing.processes import engine_process_of
 from tests.engine.test_engine_generation import PROMPTS, _models
 from tests.engine.test_engine_generation import greedy as greedy_request
@@ -263,7 +263,7 @@ def test_health_and_refusals_over_http_while_the_engine_restarts(tiny_qwen):
     builds = []
     may_rebuild = threading.Event()
 
-    def build(serving: Serving) -> EngineCore:
+    def build(serving: ServedModel) -> EngineCore:
         if builds:
             may_rebuild.wait(30)
         tokenizer = serving.artifact.tokenizer

@@ -21,8 +21,8 @@ from fastapi.routing import APIRoute
 from jsonschema import Draft202012Validator
 
 from ninfer.server.anthropic_messages.request import parse_messages_request
-from ninfer.server.app import create_app
 from ninfer.server.errors import APIError
+from ninfer.server.http_app import create_app
 from ninfer.server.openai_chat.request import parse_chat_request
 from ninfer.server.openai_responses.history import build_conversation
 from ninfer.server.openai_responses.request import parse_create, parse_input_tokens

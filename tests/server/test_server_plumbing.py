@@ -10,7 +10,7 @@ import pytest
 
 from ninfer.cli import add_serve_options, serve_config
 from ninfer.config import ConfigValueError
-from ninfer.server.server import TCP_USER_TIMEOUT_MS, listen_socket
+from ninfer.server.api_process import TCP_USER_TIMEOUT_MS, listen_socket
 from ninfer.server.sse import KEEPALIVE_FRAME, with_keepalive
 
 

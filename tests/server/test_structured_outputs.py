@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel
 
 from ninfer.engine.core import EngineCore
-from ninfer.server.serving import Serving
+from ninfer.server.served_model import ServedModel
 from tests.preference_model import PreferenceLM, qwen_preferences
 from tests.server.conftest import RunningServer, serve_config, start_server, wait_until
 
@@ -75,7 +75,7 @@ def server(tiny_qwen, log_path) -> Iterator[RunningServer]:
     config = serve_config(tiny_qwen, max_concurrency=2, default_max_tokens=200, default_thinking_budget=2,
                           request_log_jsonl=str(log_path))
 
-    def build(serving: Serving) -> EngineCore:
+    def build(serving: ServedModel) -> EngineCore:
         tokenizer = serving.artifact.tokenizer
         liked, follows = qwen_preferences(tokenizer)
         return EngineCore(PreferenceLM(serving.artifact.config.vocab_size, liked, follows), tokenizer, config.engine)

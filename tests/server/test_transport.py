@@ -78,7 +78,7 @@ def test_pipelined_requests_are_answered_in_order(server):
 
 
 def test_an_idle_kept_alive_connection_is_closed_by_the_server(tiny_qwen):
-    import ninfer.server.server as server_module
+    import ninfer.server.api_process as server_module
 
     keep_alive = server_module.KEEP_ALIVE_S
     server_module.KEEP_ALIVE_S = 0.5

@@ -27,9 +27,9 @@ from starlette.testclient import TestClient
 
 from ninfer.cli import add_serve_options, serve_config as cli_serve_config
 from ninfer.engine.core import EngineCore
-from ninfer.server.app import create_app
-from ninfer.server.server import build_serving
-from ninfer.server.serving import Serving
+from ninfer.server.api_process import build_serving
+from ninfer.server.http_app import create_app
+from ninfer.server.served_model import ServedModel
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.scripted_model import ScriptedLM
 from tests.server.conftest import RunningServer, serve_config, start_server, wait_until
@@ -75,7 +75,7 @@ def page_server(artifact: str, request_log: Path) -> RunningServer:
     config = serve_config(artifact, api_key=KEY, request_log_jsonl=str(request_log), max_context=4096,
                           prefill_chunk=256, default_max_tokens=600)
 
-    def build(serving: Serving) -> EngineCore:
+    def build(serving: ServedModel) -> EngineCore:
         tokenizer = serving.artifact.tokenizer
         chosen = [MARKDOWN]
 

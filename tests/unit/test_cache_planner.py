@@ -6,9 +6,10 @@ import json
 
 import pytest
 
+from ninfer.context_cost_presets import ContextCostError, read_presets
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.engine.context_cache import ContextCache
-from ninfer.engine.context_costs import ContextCostError, ContextCosts, read_presets, resolve_context_costs
+from ninfer.engine.context_costs import ContextCosts, resolve_context_costs
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.placement import Placement

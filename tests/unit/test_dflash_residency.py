@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from ninfer.artifact import open_artifact
 from ninfer.artifact.draft_companion import companion_locations
 from ninfer.config import ConfigValueError, EngineConfig
-from ninfer.engine.speculative.residency import check_speculative
+from ninfer.engine.startup_checks import check_speculative
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from ninfer.testing.tiny_dflash import write_tiny_dflash
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ninfer.models.config import ConfigError, ModelConfig
 from ninfer.models.family import ModelFamily, WeightSlice
+
+if TYPE_CHECKING:
+    import torch  # annotations only: the API process reads families without torch
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # Buffers some exporters save; we recompute them.

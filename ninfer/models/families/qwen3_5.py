@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 
 from ninfer.contract.sampling import SamplingParams
 from ninfer.models.config import ModelConfig
 from ninfer.models.family import ModelFamily, SamplingPreset, WeightSlice
+
+if TYPE_CHECKING:
+    import torch  # annotations only: the API process reads families without torch
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 

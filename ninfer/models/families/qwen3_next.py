@@ -10,13 +10,14 @@ which we split into in_proj_qkv ([q | k | v], head-major) / in_proj_z / in_proj_
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ninfer.models.config import ModelConfig
 from ninfer.models.families import qwen3_5
 from ninfer.models.family import ModelFamily, WeightSlice
+
+if TYPE_CHECKING:
+    import torch  # annotations only: the API process reads families without torch
 
 
 def _split_qkvz(prefix: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[WeightSlice]:

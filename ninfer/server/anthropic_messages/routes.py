@@ -20,7 +20,7 @@ from ninfer.server.anthropic_messages.wire import MessagesWire
 from ninfer.server.endpoint import Protocol
 from ninfer.server.errors import APIError
 from ninfer.server.generation import Generation
-from ninfer.server.serving import Serving
+from ninfer.server.served_model import ServedModel
 
 log = logging.getLogger("ninfer.server")
 
@@ -32,7 +32,7 @@ class MessagesProtocol(Protocol):
     name = "anthropic_messages"
     prompt_param = "messages"
 
-    def parse(self, body: object, serving: Serving) -> MessagesRequest:
+    def parse(self, body: object, serving: ServedModel) -> MessagesRequest:
         parsed = parse_messages_request(body, serving.request_context)
         for note in parsed.notes:
             log.info("compatibility: %s", note)
@@ -41,7 +41,7 @@ class MessagesProtocol(Protocol):
     def wire(self, parsed: MessagesRequest, generation: Generation, request_id: str) -> MessagesWire:
         return MessagesWire(Generation.new_id("msg_"), parsed, generation, request_id)
 
-    def parse_count(self, body: object, serving: Serving) -> Conversation:
+    def parse_count(self, body: object, serving: ServedModel) -> Conversation:
         return parse_messages_request(body, serving.request_context, count_only=True).conversation
 
     def count_body(self, num_tokens: int) -> dict[str, Any]:
@@ -55,7 +55,7 @@ class MessagesProtocol(Protocol):
         return error
 
 
-def register(app: FastAPI, serving: Serving) -> None:
+def register(app: FastAPI, serving: ServedModel) -> None:
     protocol = MessagesProtocol()
 
     @app.post("/v1/messages")

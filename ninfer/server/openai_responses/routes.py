@@ -34,7 +34,7 @@ from ninfer.server.openai_responses.store import (
     session_key_for,
 )
 from ninfer.server.openai_responses.wire import ResponseAssembler
-from ninfer.server.serving import Serving
+from ninfer.server.served_model import ServedModel
 from ninfer.server.sse import event_frame
 from ninfer.server.validation.tools import check_template_renders_tools
 
@@ -63,7 +63,7 @@ class ResponsesProtocol(Protocol):
     name = "openai_responses"
     prompt_param = "input"
 
-    def parse(self, body: object, serving: Serving) -> ResponsesCreate:
+    def parse(self, body: object, serving: ServedModel) -> ResponsesCreate:
         parsed = parse_create(body, serving.request_context)
         store = serving.response_store
         parent, conversation = _conversation(serving, parsed)
@@ -103,7 +103,7 @@ class ResponsesProtocol(Protocol):
     def wire(self, parsed: ResponsesCreate, generation: Generation, request_id: str) -> ResponsesWire:
         return ResponsesWire(generation.serving.response_store, parsed, generation)
 
-    def parse_count(self, body: object, serving: Serving) -> Conversation:
+    def parse_count(self, body: object, serving: ServedModel) -> Conversation:
         parsed = parse_input_tokens(body, serving.request_context)
         return _conversation(serving, parsed)[1]
 
@@ -201,7 +201,7 @@ def _frames(payloads: list[dict]) -> list[bytes]:
     return [event_frame(payload["type"], payload) for payload in payloads]
 
 
-def _conversation(serving: Serving, parsed: ResponsesRequest) -> tuple[StoredResponse | None, Conversation]:
+def _conversation(serving: ServedModel, parsed: ResponsesRequest) -> tuple[StoredResponse | None, Conversation]:
     """The parent record (if any) and the prompt: its stored chain, then this request (create and
     input_tokens share this path, so their token counts agree)."""
     parent = _parent(serving.response_store, parsed.previous_response_id)
@@ -247,7 +247,7 @@ def _reject_include(request: Request) -> None:
         raise unsupported("include", f"NInfer cannot provide additional output data ({', '.join(include)})")
 
 
-def register(app: FastAPI, serving: Serving) -> None:
+def register(app: FastAPI, serving: ServedModel) -> None:
     protocol = ResponsesProtocol()
     store = serving.response_store
 

@@ -1,4 +1,4 @@
-"""Serving: what the API process resolved once at start-up about the loaded artifact.
+"""ServedModel: what the API process resolved once at start-up about the loaded artifact.
 
 Identity, tokenizer, chat template and its capabilities, prompt builder, sampling
 defaults, stop tokens and the thinking-budget close sequence, plus the engine client.
@@ -44,7 +44,7 @@ FALLBACK_TEMPLATE = (
 
 
 @dataclass
-class Serving:
+class ServedModel:
     config: ServeConfig
     artifact: Artifact
     engine: EngineClient
@@ -63,7 +63,7 @@ class Serving:
     vocabulary: GrammarVocabulary | None = None  # token bytes for log probabilities (indexed on first use)
 
     @classmethod
-    def create(cls, config: ServeConfig, artifact: Artifact, engine: EngineClient) -> Serving:
+    def create(cls, config: ServeConfig, artifact: Artifact, engine: EngineClient) -> ServedModel:
         source = artifact.chat_template
         if source is None:
             log.warning("the artifact has no chat template; using a plain ChatML template")

@@ -1,23 +1,50 @@
-"""Speculative residency: which backend an artifact can serve, decided once at start-up.
+"""Start-up checks of the engine process: options it cannot serve fail before any weight loads.
 
---spec freezes the backend for the process's life. A combination the artifact cannot serve
-fails start-up naming the missing part, before any weight is loaded: no MTP head; no DFlash /
-DFlash2 drafter companion (artifact/draft_companion.py says where one is looked for); a
-companion whose hidden size, mask token, target layers or vocabulary do not fit the target; a
-draft count its block cannot hold.
+They need torch or the model, so they run where the engine does (engine/builder.py, first
+thing); each raises ConfigValueError naming the option, which the engine process reports as
+Refused and the API process prints as a command-line error (exit code 2).
+- The device: --device names a CUDA device this process can see (CPU when none is present).
+- The KV formats: --kv-dtype must fit the model's attention head size.
+- Speculative residency: --spec freezes the backend for the process's life, and a combination
+  the artifact cannot serve names the missing part: no MTP head; no DFlash / DFlash2 drafter
+  companion (artifact/draft_companion.py says where one is looked for); a companion whose hidden
+  size, mask token, target layers or vocabulary do not fit the target; a draft count its block
+  cannot hold.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ninfer.artifact.artifact import ArtifactError
 from ninfer.artifact.draft_companion import DraftCompanion, open_draft_companion
 from ninfer.config import ConfigValueError, EngineConfig
 from ninfer.contract.sampling import TOP_K_CAP
+from ninfer.kernels.kv_quant import check_head_dim
 from ninfer.models.config import ModelConfig
 from ninfer.models.draft_config import DraftConfig
+from ninfer.models.kv_cache import KV_DTYPES
 
 # Families whose forward writes ForwardBatch.aux_hidden (the residual streams a DFlash drafter reads).
 AUX_HIDDEN_FAMILIES = ("qwen3_5", "qwen3_next")
+
+
+def resolve_device(index: int) -> str:
+    """--device: "cuda:<index>" when CUDA is available, else "cpu"; an index past the visible
+    devices raises ConfigValueError."""
+    if torch.cuda.is_available():
+        if not 0 <= index < torch.cuda.device_count():
+            raise ConfigValueError(f"--device {index}: only {torch.cuda.device_count()} CUDA devices are visible")
+        return f"cuda:{index}"
+    return "cpu"
+
+
+def check_kv_dtype(config: ModelConfig, engine: EngineConfig) -> None:
+    """ConfigValueError when the model's attention heads cannot be stored in --kv-dtype's formats."""
+    for fmt in KV_DTYPES[engine.kv_dtype]:
+        problem = None if fmt is None else check_head_dim(fmt, config.head_dim)
+        if problem is not None:
+            raise ConfigValueError(f"--kv-dtype {engine.kv_dtype}: {problem}")
 
 
 def check_speculative(artifact, engine: EngineConfig) -> DraftCompanion | None:

@@ -22,13 +22,13 @@ from ninfer.server.middleware import PUBLIC_PATHS, AuthMiddleware, BodyLimitMidd
 from ninfer.server.openai_chat import routes as chat_routes
 from ninfer.server.openai_responses import routes as responses_routes
 from ninfer.server.openapi import openapi_document
-from ninfer.server.serving import Serving
+from ninfer.server.served_model import ServedModel
 from ninfer.server.web_ui import page as web_ui
 
 log = logging.getLogger("ninfer.server")
 
 
-def create_app(serving: Serving):
+def create_app(serving: ServedModel):
     created = int(time.time())
     app = FastAPI(title="NInfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving

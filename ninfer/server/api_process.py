@@ -1,4 +1,9 @@
-"""Run the HTTP server: bind the port, open the artifact, start the engine, serve with uvicorn.
+"""The API process's main: bind the port, open the artifact, start the engine, serve with uvicorn.
+
+The API process reads the artifact's metadata only (tokenizer, template, config) and imports
+neither torch nor the engine: the engine process is started by name, opens the weights and runs
+the start-up checks that need the model (device, KV formats, speculative backend). A start it
+refuses ends this process with the check's message, exactly as a bad option does.
 
 Shutdown: SIGTERM or SIGINT stops accepting, lets in-flight requests finish for up to
 SHUTDOWN_GRACE_S, then stops the engine process and exits 0; a second SIGINT cuts the wait.
@@ -20,15 +25,13 @@ import uvicorn
 
 from ninfer.artifact import ArtifactError, open_artifact
 from ninfer.artifact.default_model import open_default_model
-from ninfer.config import ServeConfig
-from ninfer.engine.builder import EngineSpec, build_engine_core, check_kv_dtype
-from ninfer.engine.speculative.residency import check_speculative
+from ninfer.config import EngineSpec, ServeConfig
 from ninfer.log import setup_logging
-from ninfer.server.app import create_app
-from ninfer.server.engine_client import EngineClient, InProcessEngineClient, ProcessEngineClient
+from ninfer.server.engine_client import EngineClient, InProcessEngineClient, ProcessEngineClient, call_by_name
+from ninfer.server.http_app import create_app
 from ninfer.server.http_protocol import GuardedHttpProtocol
 from ninfer.server.request_log import open_request_log
-from ninfer.server.serving import Serving
+from ninfer.server.served_model import ServedModel
 
 log = logging.getLogger("ninfer.server")
 
@@ -39,6 +42,8 @@ TCP_KEEPALIVE_INTERVAL_S = 5
 TCP_KEEPALIVE_PROBES = 2
 SHUTDOWN_GRACE_S = 30  # how long a stop signal lets in-flight requests finish
 KEEP_ALIVE_S = 30  # an idle kept-alive connection is closed after this long
+# What builds the engine core from an EngineSpec, imported by name where the engine runs.
+BUILD_ENGINE_CORE = "ninfer.engine.builder:build_engine_core"
 
 
 class ListenError(RuntimeError):
@@ -79,16 +84,15 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Serving:
-    """Open the artifact on the API side (tokenizer and template; weights stay lazy) and the engine client."""
+def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> ServedModel:
+    """Open the artifact's metadata on the API side (tokenizer and template, no weights) and the engine
+    client; the engine opens the weights and checks what needs the model when it starts."""
     if config.artifact is None:
-        artifact = open_default_model()
+        artifact = open_default_model(weights=False)
         artifact_path = str(artifact.path)
     else:
         artifact_path = config.artifact
-        artifact = open_artifact(artifact_path)
-    check_speculative(artifact, config.engine)  # before the model loads: a missing drafter fails at once
-    check_kv_dtype(artifact.config, config.engine)
+        artifact = open_artifact(artifact_path, weights=False)
     if config.engine.vision and not artifact.hf_config.get("vision_config"):
         raise ArtifactError(f"--vision: {artifact_path} has no vision tower (its config has no vision_config)")
     spec = EngineSpec(
@@ -97,8 +101,9 @@ def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Servin
         dtype=config.dtype,
         quantize=config.quantize,
         kv_capacity_auto=kv_capacity_auto,
+        device_index=config.device_index,
     )
-    build = functools.partial(build_engine_core, spec)
+    build = functools.partial(call_by_name, BUILD_ENGINE_CORE, spec)
     client: EngineClient
     if config.engine_process:
         client = ProcessEngineClient(config.engine, build, log_level=config.log_level)
@@ -108,7 +113,7 @@ def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Servin
     if config.request_log_jsonl is not None:
         # Before the model loads: a bad path fails start-up at once.
         observers.append(open_request_log(config.request_log_jsonl, artifact_path))
-    serving = Serving.create(config, artifact, client)
+    serving = ServedModel.create(config, artifact, client)
     serving.events.observers.extend(observers)
     client.on_stats = lambda record: serving.events.emit("throughput", record)
     client.on_gauges = serving.events.gauges
@@ -131,6 +136,10 @@ def serve(config: ServeConfig, kv_capacity_auto: bool = False) -> None:
 
 def _serve_on(sock: socket.socket, config: ServeConfig, kv_capacity_auto: bool, started: float) -> None:
     serving = build_serving(config, kv_capacity_auto)
+    asyncio.run(_run(serving, config, started, sock))
+
+
+def _log_served_model(serving: ServedModel) -> None:
     caps = serving.capabilities
     log.info(
         "model %s · template: thinking %s%s%s",
@@ -140,7 +149,6 @@ def _serve_on(sock: socket.socket, config: ServeConfig, kv_capacity_auto: bool, 
         " · preserve_thinking" if caps.supports_preserve_thinking else "",
     )
     log.info("sampling defaults: %s", serving.sampling_defaults.describe())
-    asyncio.run(_run(serving, config, started, sock))
 
 
 def uvicorn_config(app, **overrides) -> uvicorn.Config:
@@ -151,12 +159,14 @@ def uvicorn_config(app, **overrides) -> uvicorn.Config:
     return uvicorn.Config(app, **{**settings, **overrides})
 
 
-async def _run(serving: Serving, config: ServeConfig, started: float, sock: socket.socket) -> None:
+async def _run(serving: ServedModel, config: ServeConfig, started: float, sock: socket.socket) -> None:
     try:
         await serving.engine.start()
     except BaseException:
         serving.close()
         raise
+    # Once the engine is up: a start it refuses prints its one error line and nothing else.
+    _log_served_model(serving)
     serving.record_server_start()
     server = _Server(
         uvicorn_config(create_app(serving), timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
