@@ -96,6 +96,10 @@ def _call_every_wrapper(k) -> None:
     )
     k["causal_conv1d"].causal_conv1d_update(r(3, 256), r(256, 4), r(4, 256, 3), slots)
     k["causal_conv1d"].causal_conv1d(r(10, 256), r(256, 4), r(4, 256, 3), slots[:2], (6, 4))
+    # Speculative verification rows: conv output and input rows straight into the scratch, no state written.
+    k["causal_conv1d"].causal_conv1d(
+        r(8, 256), r(256, 4), r(4, 256, 3), slots[:2], (4, 4), update_state=False, out=r(8, 256), inputs_out=r(8, 256)
+    )
     k_cache, v_cache = r(8, 16, 2, 64), r(8, 16, 2, 64)
     k["attention_prep"].prepare_qkv(
         r(3, 4, 64), r(3, 2, 64), r(3, 2, 64), r(64), r(64), 1e-6, True,
