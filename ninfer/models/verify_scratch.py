@@ -5,7 +5,9 @@ the request's state slot (the drafts may be rejected). Each layer keeps, per ver
 row, its pre-conv q|k|v (to advance the conv state), its post-conv q|k|v and its raw gate
 projections a|b (to advance the recurrent state); once the engine knows how many rows it
 accepts, `CausalLM.commit_verified` replays exactly those rows into the slot, which leaves the state
-plain decode would have reached. Rows are flat over the step's verification requests.
+plain decode would have reached. Rows are flat over the step's verification requests. The
+verification kernels write these rows as they run (no copies): causal_conv1d's out and
+inputs_out, recurrent_gated_delta_rule_with_gates' gates_out.
 """
 
 from __future__ import annotations

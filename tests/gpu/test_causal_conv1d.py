@@ -52,6 +52,33 @@ def test_varlen_prefill_matches_reference(shape: str, lengths: tuple[int, ...], 
 
 
 @pytest.mark.parametrize("shape", list(CONV_DIMS))
+@pytest.mark.parametrize("lengths", [(4,), (4,) * 8, (2, 4, 17)], ids=["b1", "b8", "varlen"])
+def test_verify_rows_write_the_scratch(shape: str, lengths: tuple[int, ...]) -> None:
+    """Speculative verification rows (update_state=False) with out and inputs_out, one layer's rows
+    of a [layers, rows, C] scratch: the output as the reference's, x (a column slice of the packed
+    projection, as the layer's q|k|v) copied exactly; no slot, other layer or later row written."""
+    conv_dim, num_rows = CONV_DIMS[shape], sum(lengths)
+    slots = torch.tensor([8, 1, 4, 0, 7, 2, 5, 3][: len(lengths)], device="cuda")
+    _, weight, state = _inputs(1, conv_dim, seed=num_rows)
+    gen = torch.Generator("cuda").manual_seed(num_rows)
+    packed = torch.randn(num_rows, conv_dim + 160, device="cuda", generator=gen).bfloat16()
+    x = packed[:, :conv_dim]
+    initial = state.clone()
+    mixed, conv_inputs = (torch.full((3, num_rows + 4, conv_dim), 7.0, device="cuda").bfloat16() for _ in range(2))
+    out = causal_conv1d(
+        x, weight, state, slots, lengths, update_state=False, out=mixed[1, :num_rows],
+        inputs_out=conv_inputs[1, :num_rows],
+    )  # fmt: skip
+    expected = ref.causal_conv1d(x, weight, initial.clone(), slots, lengths, update_state=False)
+    assert out.data_ptr() == mixed[1].data_ptr()
+    torch.testing.assert_close(mixed[1, :num_rows], expected, **BF16)
+    assert torch.equal(conv_inputs[1, :num_rows], x)
+    for written in (mixed, conv_inputs):
+        assert (written[[0, 2]] == 7.0).all() and (written[1, num_rows:] == 7.0).all()
+    assert torch.equal(state, initial)
+
+
+@pytest.mark.parametrize("shape", list(CONV_DIMS))
 @pytest.mark.parametrize("batch", [1, 8])
 def test_decode_update_matches_reference(shape: str, batch: int) -> None:
     x, weight, state = _inputs(batch, CONV_DIMS[shape], seed=batch)

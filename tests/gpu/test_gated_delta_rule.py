@@ -187,6 +187,35 @@ def test_gates_in_the_recurrent_kernel_equal_the_gates_kernel_then_the_rule(shap
     torch.testing.assert_close(state, two_step_state, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("batch", [1, 8])
+def test_verify_rows_store_the_raw_gates(shape: str, batch: int) -> None:
+    """Speculative verification rows (4 a request, update_state=False) with gates_out, one layer's
+    rows of a [layers, rows, 2*Hv] scratch: a | b stored as loaded, once per row and head whatever
+    the column strips (16 columns at batch 1), outputs as the reference's, no slot written."""
+    rows, lengths = 4 * batch, (4,) * batch
+    q, k, v, _, _, state = _inputs(rows, shape, seed=300 + batch)
+    num_v_heads = v.shape[1]
+    gen = torch.Generator("cuda").manual_seed(batch)
+    packed = (torch.randn(rows, 2 * num_v_heads + 8, device="cuda", generator=gen) * 3).bfloat16()
+    b, a = packed[:, 8 : 8 + num_v_heads], packed[:, 8 + num_v_heads :]  # the layer's order: b, then a
+    A_log = (torch.rand(num_v_heads, device="cuda", generator=gen) * 4 - 2).bfloat16()
+    dt_bias = torch.randn(num_v_heads, device="cuda", generator=gen).bfloat16()
+    slots = torch.tensor([8, 1, 4, 0, 7, 2, 5, 3][:batch], device="cuda")
+    initial = state.clone()
+    gates = torch.full((3, rows + 4, 2 * num_v_heads), 7.0, device="cuda").bfloat16()
+    out = recurrent_gated_delta_rule_with_gates(
+        q, k, v, a, b, A_log, dt_bias, state, slots, lengths, False, gates_out=gates[1, :rows]
+    )
+    expected = ref.recurrent_gated_delta_rule_with_gates(
+        q, k, v, a, b, A_log, dt_bias, initial.clone(), slots, lengths, False
+    )
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(gates[1, :rows], torch.cat((a, b), dim=-1))
+    assert (gates[[0, 2]] == 7.0).all() and (gates[1, rows:] == 7.0).all()
+    assert torch.equal(state, initial)
+
+
 def test_prefill_then_decode_continues_the_sequence() -> None:
     """fla chunk over 100 tokens, then 3 decode steps of our kernel == the reference over 103."""
     q, k, v, g, beta, state = _inputs(103, "35B-A3B", seed=3)

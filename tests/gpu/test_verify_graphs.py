@@ -3,6 +3,9 @@ VerifyGraphs replay against the eager speculative path, through the real engine.
 
 - commit_gated_delta_rule / commit_conv_state (Triton) against ref.py at the 27B and
   35B-A3B Gated DeltaNet shapes, then captured: replay equals eager bit for bit;
+- the verification pass that fills the scratch (the conv writing its output and inputs there,
+  the rule its raw gates) captured and replayed like eager, and through a GatedDeltaNet layer:
+  the scratch holds the layer's own projection rows and their conv, no slot written;
 - a tiny random bf16 Qwen3.5 with an MTP head: an engine whose speculative rounds replay
   the verify graphs and one that runs them eagerly (--no-cuda-graph) step in lockstep on
   greedy and seeded sampled requests; every delta and the per-slot logits must be equal bit
@@ -25,10 +28,15 @@ from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
 from ninfer.engine.speculative.proposal_head import ProposalHead
-from ninfer.kernels.causal_conv1d import commit_conv_state
+from ninfer.kernels.causal_conv1d import causal_conv1d, commit_conv_state
 from ninfer.kernels.causal_conv1d import ref as conv_ref
-from ninfer.kernels.gated_delta_rule import commit_gated_delta_rule
+from ninfer.kernels.gated_delta_rule import commit_gated_delta_rule, recurrent_gated_delta_rule_with_gates
 from ninfer.kernels.gated_delta_rule import ref as gdn_ref
+from ninfer.models.config import ModelConfig
+from ninfer.models.forward_batch import ForwardBatch
+from ninfer.models.layers.gated_deltanet import GatedDeltaNet
+from ninfer.models.state_cache import StateCache
+from ninfer.models.verify_scratch import VerifyRows, VerifyScratch
 from ninfer.testing.oracle_drafter import TableOracleDrafter
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.engine.test_verify_graphs import count_rounds
@@ -98,6 +106,117 @@ def test_commit_kernels_replay_like_eager() -> None:
         return inputs
 
     assert_replay_equals_eager(step, fresh)
+
+
+def test_verification_pass_fills_the_scratch_and_replays_like_eager() -> None:
+    """One layer's verification pass as GatedDeltaNet._verify_rows launches it (the conv into the
+    scratch's post-conv and pre-conv rows, the rule from the post-conv rows storing the raw gates),
+    captured once and replayed on new rows: outputs and scratch equal eager bit for bit, the scratch
+    holds the rows' inputs exactly, and no slot is written."""
+    num_k_heads, num_v_heads = SHAPES["27B"]
+    key_dim, value_dim = num_k_heads * HEAD_DIM, num_v_heads * HEAD_DIM
+    conv_dim, rows, lengths, layer = 2 * key_dim + value_dim, 4 * len(SLOTS), (4,) * len(SLOTS), 1
+    gen = torch.Generator("cuda").manual_seed(5)
+    weight = (torch.randn(conv_dim, CONV_KERNEL, device="cuda", generator=gen) * 0.5).bfloat16()
+    conv_state = torch.randn(NUM_SLOTS, conv_dim, CONV_KERNEL - 1, device="cuda", generator=gen).bfloat16()
+    state = torch.randn(NUM_SLOTS, num_v_heads, HEAD_DIM, HEAD_DIM, device="cuda", generator=gen) * 0.3
+    a_log = torch.rand(num_v_heads, device="cuda", generator=gen).log1p()
+    dt_bias = torch.randn(num_v_heads, device="cuda", generator=gen)
+    scratch = VerifyScratch.allocate(NUM_LAYERS, rows + 4, conv_dim, num_v_heads, torch.bfloat16, "cuda")
+    slots = torch.tensor(SLOTS, device="cuda")
+    initial = conv_state.clone(), state.clone()
+
+    def step(t):
+        qkv, b, a = t["packed"].split([conv_dim, num_v_heads, num_v_heads], dim=-1)  # the layer's order
+        mixed = causal_conv1d(
+            qkv, weight, conv_state, slots, lengths, update_state=False, out=scratch.mixed[layer, :rows],
+            inputs_out=scratch.conv_inputs[layer, :rows],
+        )  # fmt: skip
+        q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
+        out = recurrent_gated_delta_rule_with_gates(
+            q.reshape(rows, num_k_heads, HEAD_DIM), k.reshape(rows, num_k_heads, HEAD_DIM),
+            v.reshape(rows, num_v_heads, HEAD_DIM), a, b, a_log, dt_bias, state, slots, lengths, False,
+            gates_out=scratch.gates[layer, :rows],
+        )  # fmt: skip
+        return [out, scratch.mixed.clone(), scratch.conv_inputs.clone(), scratch.gates.clone()]
+
+    def fresh(seed):
+        gen = torch.Generator("cuda").manual_seed(seed)
+        return {"packed": torch.randn(rows, conv_dim + 2 * num_v_heads, device="cuda", generator=gen).bfloat16()}
+
+    assert_replay_equals_eager(step, fresh)
+    last = fresh(300)["packed"]  # the eager step ran last, on these rows
+    assert torch.equal(scratch.conv_inputs[layer, :rows], last[:, :conv_dim])
+    b, a = last[:, conv_dim:].split(num_v_heads, dim=-1)
+    assert torch.equal(scratch.gates[layer, :rows], torch.cat((a, b), dim=-1))
+    expected = conv_ref.causal_conv1d(last[:, :conv_dim], weight, initial[0], slots, lengths, update_state=False)
+    torch.testing.assert_close(scratch.mixed[layer, :rows], expected, atol=1e-2, rtol=1e-2)
+    assert torch.equal(conv_state, initial[0]) and torch.equal(state, initial[1])
+
+
+def test_layer_verification_rows_fill_the_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GatedDeltaNet layer (27B heads; the second of two state layers) scoring 2 requests x 4
+    verification rows on the fast ops: its scratch rows hold its in_proj's q|k|v and a|b exactly
+    and their conv (the reference's to one bf16 rounding), the other layer's and later rows are not
+    written, the slots keep their states, and the output is the reference layer's."""
+    num_k_heads, num_v_heads = SHAPES["27B"]
+    config = ModelConfig(
+        model_type="qwen3_5_text", family="qwen3_5", vocab_size=32, hidden_size=2048, num_hidden_layers=2,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, intermediate_size=0,
+        linear_num_key_heads=num_k_heads, linear_num_value_heads=num_v_heads,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(config, state_layer_index=1).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+            elif name == "A_log":
+                param.uniform_(-1.0, 1.5)
+            else:
+                param.normal_(1.0, 0.2)
+    conv_dim, lengths, slots, rows = config.linear_conv_dim, [4, 4], [4, 1], 8
+    states = StateCache.allocate(2, 6, conv_dim, 4, num_v_heads, HEAD_DIM, HEAD_DIM, torch.bfloat16, "cuda")
+    states.conv.normal_()
+    states.recurrent.normal_(0.0, 0.3)
+    initial = states.conv.clone(), states.recurrent.clone()
+    x = torch.randn(rows, 2048, device="cuda").bfloat16()
+
+    def verify(cache: StateCache) -> tuple[torch.Tensor, VerifyScratch, torch.Tensor]:
+        scratch = VerifyScratch.allocate(2, rows + 4, conv_dim, num_v_heads, torch.bfloat16, "cuda")
+        for buffer in (scratch.conv_inputs, scratch.mixed, scratch.gates):
+            buffer.fill_(7.0)
+        batch = ForwardBatch.build(lengths, [30, 50], torch.zeros(2, 1, dtype=torch.int32), slots, None, cache,
+                                   device="cuda")
+        batch.verify = VerifyRows(len(lengths), rows, scratch)
+        projected = []
+        hook = layer.in_proj.register_forward_hook(lambda module, inputs, output: projected.append(output.clone()))
+        with torch.no_grad():
+            out = layer(x, batch)
+        hook.remove()
+        return out, scratch, projected[0]
+
+    out, scratch, projected = verify(states)
+    qkv, _, b, a = projected.split(layer.in_proj_sizes, dim=-1)
+    assert torch.equal(scratch.conv_inputs[1, :rows], qkv)
+    assert torch.equal(scratch.gates[1, :rows], torch.cat((a, b), dim=-1))
+    expected_mixed = conv_ref.causal_conv1d(
+        qkv, layer.conv1d.weight.squeeze(1), initial[0][1], torch.tensor(slots, device="cuda"), tuple(lengths),
+        update_state=False,
+    )  # fmt: skip
+    torch.testing.assert_close(scratch.mixed[1, :rows], expected_mixed, atol=1e-2, rtol=1e-2)
+    for buffer in (scratch.conv_inputs, scratch.mixed, scratch.gates):
+        assert (buffer[0] == 7.0).all() and (buffer[1, rows:] == 7.0).all()
+    assert torch.equal(states.conv, initial[0]) and torch.equal(states.recurrent, initial[1])
+
+    monkeypatch.setenv("NINFER_KERNELS", "ref")
+    ref_states = StateCache(initial[0].clone(), initial[1].clone())
+    ref_out, ref_scratch, _ = verify(ref_states)
+    monkeypatch.delenv("NINFER_KERNELS")
+    # The projections differ by summation order (our GEMV against ref.gemv), the rest by fp32 order.
+    relative = ((out.double() - ref_out.double()).norm() / ref_out.double().norm()).item()
+    assert relative < 2e-2, relative
+    torch.testing.assert_close(scratch.gates, ref_scratch.gates, atol=1e-2, rtol=1e-2)
 
 
 # ---- the engine ----------------------------------------------------------------------

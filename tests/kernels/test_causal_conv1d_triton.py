@@ -136,3 +136,55 @@ def test_padded_varlen_matches_reference() -> None:
     direct = ref.causal_conv1d(x[7:45], weight, direct_state, torch.tensor([0, 6]), (5, 33))
     torch.testing.assert_close(torch.cat(parts, dim=-1)[7:45], direct, **_tolerance(torch.float32))
     assert torch.equal(state, direct_state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [(4, 4, 4), (3, 1, 18)], ids=["verify", "varlen"])
+def test_verify_rows_write_the_scratch_directly(dtype: torch.dtype, lengths: tuple[int, ...]) -> None:
+    """out and inputs_out (a verify round's VerifyScratch rows of one layer): x is a column slice of
+    a packed projection, as the layer's q|k|v; the output lands in out, x in inputs_out, exactly
+    what the copies around the plain call produced; no slot, other layer or later row is written."""
+    slots = torch.tensor([3, 0, 6])
+    num_rows = sum(lengths)
+    gen = torch.Generator().manual_seed(12)
+    packed = torch.randn(num_rows, CHANNELS + 24, generator=gen).to(dtype)
+    x = packed[:, 8 : 8 + CHANNELS]
+    _, weight, state = _inputs(num_rows, 4, num_slots=7, seed=13, dtype=dtype)
+    initial = state.clone()
+    mixed, conv_inputs = (torch.full((2, num_rows + 5, CHANNELS), 7.0, dtype=dtype) for _ in range(2))
+    out = fast.causal_conv1d(
+        x, weight, state, slots, lengths, update_state=False, out=mixed[1, :num_rows],
+        inputs_out=conv_inputs[1, :num_rows],
+    )  # fmt: skip
+    ref_mixed, ref_inputs = mixed.clone().fill_(7.0), conv_inputs.clone().fill_(7.0)
+    ref_state = initial.clone()
+    expected = ref.causal_conv1d(
+        x, weight, ref_state, slots, lengths, update_state=False, out=ref_mixed[1, :num_rows],
+        inputs_out=ref_inputs[1, :num_rows],
+    )  # fmt: skip
+    plain = ref.causal_conv1d(x, weight, initial.clone(), slots, lengths, update_state=False)
+    assert out.data_ptr() == mixed[1].data_ptr() and expected.data_ptr() == ref_mixed[1].data_ptr()
+    torch.testing.assert_close(mixed[1, :num_rows], plain, **_tolerance(dtype))
+    assert torch.equal(ref_mixed[1, :num_rows], plain)  # the reference's out is its plain result
+    assert torch.equal(conv_inputs[1, :num_rows], x) and torch.equal(ref_inputs, conv_inputs)
+    for written in (mixed, conv_inputs):
+        assert (written[0] == 7.0).all() and (written[1, num_rows:] == 7.0).all()
+    assert torch.equal(state, initial) and torch.equal(ref_state, initial)
+
+
+def test_scratch_outputs_are_checked() -> None:
+    x, weight, state = _inputs(6, 4, num_slots=2, seed=14)
+    slots = torch.tensor([0, 1])
+    bad = [
+        {"out": torch.empty(6, CHANNELS), "split": (100, 100)},  # out takes the whole result
+        {"out": torch.empty(6, CHANNELS + 8)[:, :CHANNELS]},  # not contiguous
+        {"out": torch.empty(6, CHANNELS, dtype=torch.bfloat16)},  # not x's dtype
+        {"inputs_out": torch.empty(5, CHANNELS)},  # not x's shape
+        {"inputs_out": torch.empty(CHANNELS, 6).t()},  # channels not contiguous
+        {"inputs_out": torch.empty(6, CHANNELS), "lengths": (2, 3)},  # rows of no request
+    ]
+    for case in bad:
+        lengths, split = case.pop("lengths", (2, 4)), case.pop("split", None)
+        for impl in (fast, ref):
+            with pytest.raises(ValueError):
+                impl.causal_conv1d(x, weight, state, slots, lengths, split, update_state=False, **case)

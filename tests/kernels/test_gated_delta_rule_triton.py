@@ -145,3 +145,51 @@ def test_state_rows_of_a_padded_step_copy_only_live_requests() -> None:
     assert torch.equal(state, expected)
     assert torch.equal(state[4], rows[0]) and torch.equal(state[1], rows[2])
     assert not torch.equal(state[6], rows[1]) and not torch.equal(state[6], rows[4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [(4, 4), (3, 1, 4)], ids=["verify", "varlen"])
+def test_verify_rows_store_the_raw_gates(dtype: torch.dtype, lengths: tuple[int, ...]) -> None:
+    """gates_out (a verify round's VerifyScratch gates of one layer): a | b as loaded, exactly what
+    the copies around the plain call produced, with the same outputs and no slot written. v head
+    dim 40 spans two column strips of the CPU's 32, of which only the first stores."""
+    num_rows, num_v_heads = sum(lengths), 6
+    q, k, v, _, _, state = _inputs(num_rows, 2, num_v_heads, 16, 40, num_slots=6, seed=7)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    gen = torch.Generator().manual_seed(8)
+    packed = (torch.randn(num_rows, 2 * num_v_heads + 8, generator=gen) * 3).to(dtype)
+    b, a = packed[:, 2 : 2 + num_v_heads], packed[:, 2 + num_v_heads : 2 + 2 * num_v_heads]  # the layer's order
+    A_log = torch.rand(num_v_heads, generator=gen).log1p()
+    dt_bias = torch.randn(num_v_heads, generator=gen)
+    slot_ids = torch.tensor([4, 0, 2][: len(lengths)])
+    initial = state.clone()
+    gates = torch.full((2, num_rows + 3, 2 * num_v_heads), 7.0, dtype=dtype)
+    ref_gates = gates.clone()
+    args = (A_log, dt_bias, state, slot_ids, lengths, False)
+    out = fast.recurrent_gated_delta_rule_with_gates(q, k, v, a, b, *args, gates_out=gates[1, :num_rows])
+    ref_args = (A_log, dt_bias, initial.clone(), slot_ids, lengths, False)
+    expected = ref.recurrent_gated_delta_rule_with_gates(q, k, v, a, b, *ref_args, gates_out=ref_gates[1, :num_rows])
+    plain = ref.recurrent_gated_delta_rule_with_gates(q, k, v, a, b, *ref_args)
+    assert torch.equal(expected, plain)
+    tolerance = {"atol": ATOL, "rtol": RTOL} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out.float(), plain.float(), **tolerance)
+    assert torch.equal(gates[1, :num_rows], torch.cat((a, b), dim=-1)) and torch.equal(gates, ref_gates)
+    assert (gates[0] == 7.0).all() and (gates[1, num_rows:] == 7.0).all()
+    assert torch.equal(state, initial)
+
+
+def test_gates_out_is_checked() -> None:
+    q, k, v, _, _, state = _inputs(4, 2, 6, 16, 12, num_slots=6, seed=9)
+    a, b, A_log, dt_bias = torch.randn(4, 6), torch.randn(4, 6), torch.zeros(6), torch.ones(6)
+    bad = [
+        (torch.empty(4, 11), (2, 2)),  # not 2 * Hv wide
+        (torch.empty(12, 4).t(), (2, 2)),  # heads not contiguous
+        (torch.empty(4, 12, dtype=torch.bfloat16), (2, 2)),  # not a's dtype
+        (torch.empty(4, 12), (2, 1)),  # rows of no request
+    ]
+    for gates_out, lengths in bad:
+        for impl in (fast, ref):
+            with pytest.raises(ValueError):
+                impl.recurrent_gated_delta_rule_with_gates(
+                    q, k, v, a, b, A_log, dt_bias, state, torch.tensor([0, 1]), lengths, False, gates_out=gates_out
+                )

@@ -94,8 +94,17 @@ def _call_every_wrapper(k) -> None:
         r(3, 2, 32), r(3, 2, 32), r(3, 4, 32), r(3, 4, dtype=f32), r(3, 4, dtype=f32),
         r(4, 4, 32, 32, dtype=f32), slots, (1, 1, 1),
     )
+    # Speculative verification rows: the raw gates stored into the scratch, no state written.
+    k["gated_delta_rule"].recurrent_gated_delta_rule_with_gates(
+        r(6, 2, 32), r(6, 2, 32), r(6, 4, 32), r(6, 4), r(6, 4), r(4, dtype=f32), r(4, dtype=f32),
+        r(4, 4, 32, 32, dtype=f32), slots[:2], (3, 3), False, gates_out=r(6, 8),
+    )
     k["causal_conv1d"].causal_conv1d_update(r(3, 256), r(256, 4), r(4, 256, 3), slots)
     k["causal_conv1d"].causal_conv1d(r(10, 256), r(256, 4), r(4, 256, 3), slots[:2], (6, 4))
+    # ... and their conv: output and input rows straight into the scratch, no state written.
+    k["causal_conv1d"].causal_conv1d(
+        r(8, 256), r(256, 4), r(4, 256, 3), slots[:2], (4, 4), update_state=False, out=r(8, 256), inputs_out=r(8, 256)
+    )
     k_cache, v_cache = r(8, 16, 2, 64), r(8, 16, 2, 64)
     k["attention_prep"].prepare_qkv(
         r(3, 4, 64), r(3, 2, 64), r(3, 2, 64), r(64), r(64), 1e-6, True,

@@ -21,6 +21,9 @@ def causal_conv1d(
     query_lens: tuple[int, ...],
     split: tuple[int, ...] | None = None,
     update_state: bool = True,
+    *,
+    out: torch.Tensor | None = None,
+    inputs_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """x: [T, C] flat over requests; weight: [C, K]; conv_state: [num_slots, C, K-1] (updated in place
     unless update_state is False: speculative verification reads the state and commits later).
@@ -29,15 +32,24 @@ def causal_conv1d(
     Returns silu(conv(x)) [T, C]; with split (up to 3 channel counts), its column blocks as
     separate contiguous [T, c] matrices (the GDN's q, k, v, which the chunked kernels read
     contiguous).
+
+    Speculative verification keeps its rows in a scratch (models/verify_scratch.py): out, a
+    contiguous [T, C] matrix of x's dtype, receives the result (no split) and is returned;
+    inputs_out, [T, C] of x's dtype with contiguous channels, receives a copy of x. With either,
+    query_lens must cover x's T rows.
     """
+    check_scratch_outputs(x, query_lens, split, out, inputs_out)
+    if inputs_out is not None:
+        inputs_out.copy_(x)
     if split is not None:
         if not 1 <= len(split) <= 3 or sum(split) != x.shape[1] or min(split) <= 0:
             raise ValueError(f"split {split} must be 1 to 3 positive channel counts summing to {x.shape[1]}")
-        out = causal_conv1d(x, weight, conv_state, state_slots, query_lens, update_state=update_state)
-        return tuple(part.contiguous() for part in out.split(list(split), dim=-1))
+        result = causal_conv1d(x, weight, conv_state, state_slots, query_lens, update_state=update_state)
+        return tuple(part.contiguous() for part in result.split(list(split), dim=-1))
     state_len = conv_state.shape[-1]
     weight_f = weight.float()
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
     slots = state_slots.tolist()
     start = 0
     for slot, query_len in zip(slots, query_lens):
@@ -52,6 +64,28 @@ def causal_conv1d(
             conv_state[slot] = window[:, window.shape[-1] - state_len :].to(conv_state.dtype)
         start += query_len
     return out
+
+
+def check_scratch_outputs(
+    x: torch.Tensor,
+    query_lens: tuple[int, ...],
+    split: tuple[int, ...] | None,
+    out: torch.Tensor | None,
+    inputs_out: torch.Tensor | None,
+) -> None:
+    """The contract of causal_conv1d's out and inputs_out, shared with the fast version."""
+    if out is None and inputs_out is None:
+        return
+    if sum(query_lens) != x.shape[0]:
+        raise ValueError(f"query_lens {tuple(query_lens)} do not cover the {x.shape[0]} rows of x")
+    if out is not None:
+        if split is not None:
+            raise ValueError("out takes the whole [T, C] result: no split")
+        if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {tuple(x.shape)} {x.dtype} matrix")
+    if inputs_out is not None:
+        if inputs_out.shape != x.shape or inputs_out.dtype != x.dtype or inputs_out.stride(-1) != 1:
+            raise ValueError(f"inputs_out must be {tuple(x.shape)} {x.dtype} with contiguous channels")
 
 
 def causal_conv1d_padded(

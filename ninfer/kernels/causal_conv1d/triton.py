@@ -12,6 +12,9 @@ Only the token-block-0 program of a request reads the old state (BLOCK_T >= K-1)
 same program writes the new state (the request's last K-1 inputs, which come from the old
 state too when the chunk is shorter than K-1) after a barrier, so no other program can see
 a half-updated state. Computed in fp32; one rounding to x's dtype at the end.
+Speculative verification rows (update_state=False) go straight to the caller's scratch: the
+output into its out matrix, and each program's own input tile (the last tap's) into
+inputs_out, so every input row is stored once and the scratch needs no copy launches.
 
 Commit of speculative verification rows (commit_conv_state): the state shift alone, over each
 request's accepted rows, for every layer in one launch; the counts are loaded by the kernel,
@@ -24,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.causal_conv1d.ref import check_scratch_outputs
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.varlen import start_offsets
 
@@ -96,7 +100,9 @@ def _conv_varlen_kernel(
     slots_ptr,
     cu_seqlens_ptr,
     out_ptr,
+    inputs_ptr,
     stride_xt,
+    stride_it,
     stride_wc,
     stride_slot,
     stride_sc,
@@ -113,6 +119,7 @@ def _conv_varlen_kernel(
     BLOCK_C: tl.constexpr,
     STATE_COLS: tl.constexpr,
     WRITE_STATE: tl.constexpr,
+    WRITE_INPUTS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)  # before the first global load or store
@@ -145,6 +152,14 @@ def _conv_varlen_kernel(
                 mask=in_state[:, None] & mask_c[None, :],
                 other=0.0,
             )
+            if WRITE_INPUTS and w == K - 1:
+                # The last tap reads exactly this program's own rows: each input row is stored
+                # once, by the program that computes its output (speculative verification keeps them).
+                tl.store(
+                    inputs_ptr + (bos + t)[:, None] * stride_it + c[None, :],
+                    from_x,
+                    mask=mask_t[:, None] & mask_c[None, :],
+                )
             tap = tl.load(weight_ptr + c * stride_wc + w, mask=mask_c, other=0.0).to(tl.float32)
             acc += (from_x.to(tl.float32) + from_state.to(tl.float32)) * tap[None, :]
         y = acc * tl.sigmoid(acc)
@@ -238,14 +253,22 @@ def causal_conv1d(
     query_lens: tuple[int, ...],
     split: tuple[int, ...] | None = None,
     update_state: bool = True,
+    *,
+    out: torch.Tensor | None = None,
+    inputs_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Same contract as ref.causal_conv1d (varlen, slot states updated in place), split included:
-    the parts are written straight into their own contiguous matrices (no copies)."""
+    the parts are written straight into their own contiguous matrices (no copies); out and
+    inputs_out are written by the kernel too, so verification rows need no copy launches."""
+    check_scratch_outputs(x, query_lens, split, out, inputs_out)
     if x.shape[0] == 0 or not query_lens:
-        return _output_parts(x, split)[1]
+        return out if out is not None else _output_parts(x, split)[1]
     cu_seqlens = start_offsets(tuple(query_lens), x.device, torch.int32)
     num_requests, max_query_len = len(query_lens), max(query_lens)
-    return _varlen(x, weight, conv_state, state_slots, cu_seqlens, num_requests, max_query_len, split, update_state)
+    return _varlen(
+        x, weight, conv_state, state_slots, cu_seqlens, num_requests, max_query_len, split, update_state, out,
+        inputs_out,
+    )  # fmt: skip
 
 
 def causal_conv1d_padded(
@@ -263,9 +286,12 @@ def causal_conv1d_padded(
     return _varlen(x, weight, conv_state, state_slots, starts, num_requests, max_query_len, split, True)
 
 
-def _output_parts(x: torch.Tensor, split: tuple[int, ...] | None):
-    """-> (the flat buffer, bounds of its parts, the output: one [T, C] matrix or the split parts)."""
+def _output_parts(x: torch.Tensor, split: tuple[int, ...] | None, out: torch.Tensor | None = None):
+    """-> (the flat buffer, bounds of its parts, the output: one [T, C] matrix or the split parts);
+    a caller's out (contiguous [T, C], no split) is the buffer itself."""
     num_tokens, num_channels = x.shape
+    if out is not None:
+        return out.view(-1), [0, num_channels], out
     widths = split_widths(num_channels, split)
     buffer = torch.empty(num_tokens * num_channels, dtype=x.dtype, device=x.device)
     bounds = [0]
@@ -287,11 +313,13 @@ def _varlen(
     max_query_len: int,
     split: tuple[int, ...] | None,
     update_state: bool,
+    out: torch.Tensor | None = None,
+    inputs_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The varlen kernel over requests' rows at cu_seqlens (int32 [num_requests + 1], on the device)."""
     _check(x, weight, conv_state)
     num_tokens, num_channels = x.shape
-    buffer, bounds, out = _output_parts(x, split)
+    buffer, bounds, out = _output_parts(x, split, out)
     kernel = weight.shape[-1]
     if num_tokens == 0 or num_requests == 0 or max_query_len == 0:
         return out
@@ -309,7 +337,9 @@ def _varlen(
         state_slots,
         cu_seqlens,
         buffer,
+        inputs_out if inputs_out is not None else x,  # unused placeholder without inputs_out
         x.stride(0),
+        inputs_out.stride(0) if inputs_out is not None else 0,
         weight.stride(0),
         conv_state.stride(0),
         conv_state.stride(1),
@@ -326,6 +356,7 @@ def _varlen(
         BLOCK_C=BLOCK_C_PREFILL,
         STATE_COLS=triton.next_power_of_2(kernel - 1),
         WRITE_STATE=update_state,
+        WRITE_INPUTS=inputs_out is not None,
         USE_PDL=use_pdl,
         num_warps=PREFILL_WARPS,
         launch_pdl=use_pdl,

@@ -245,10 +245,37 @@ def recurrent_gated_delta_rule_with_gates(
     state_slots: torch.Tensor,
     query_lens: tuple[int, ...],
     update_state: bool = True,
+    *,
+    gates_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """recurrent_gated_delta_rule with the gates given as the projections a, b (see gdn_gates)."""
+    """recurrent_gated_delta_rule with the gates given as the projections a, b (see gdn_gates).
+
+    gates_out, [T, 2*Hv] of a's dtype with contiguous heads, receives a copy of a then b (the
+    raw gates speculative verification keeps, models/verify_scratch.py); query_lens must then
+    cover a's T rows.
+    """
+    check_gates_out(a, b, query_lens, gates_out)
+    if gates_out is not None:
+        num_v_heads = a.shape[1]
+        gates_out[:, :num_v_heads].copy_(a)
+        gates_out[:, num_v_heads:].copy_(b)
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     return recurrent_gated_delta_rule(q, k, v, g, beta, state, state_slots, query_lens, update_state)
+
+
+def check_gates_out(
+    a: torch.Tensor, b: torch.Tensor, query_lens: tuple[int, ...], gates_out: torch.Tensor | None
+) -> None:
+    """The contract of recurrent_gated_delta_rule_with_gates' gates_out, shared with the fast version."""
+    if gates_out is None:
+        return
+    num_tokens, num_v_heads = a.shape
+    if sum(query_lens) != num_tokens:
+        raise ValueError(f"query_lens {tuple(query_lens)} do not cover the {num_tokens} rows of a and b")
+    if b.dtype != a.dtype or gates_out.dtype != a.dtype:
+        raise ValueError(f"gates_out ({gates_out.dtype}) copies a and b ({a.dtype}, {b.dtype}): one dtype")
+    if gates_out.shape != (num_tokens, 2 * num_v_heads) or gates_out.stride(-1) != 1:
+        raise ValueError(f"gates_out must be [{num_tokens}, {2 * num_v_heads}] with contiguous heads")
 
 
 def _check_commit_rows(row_starts: torch.Tensor, counts: torch.Tensor, num_rows: int, max_count: int) -> list[tuple]:

@@ -9,7 +9,9 @@ gather/scatter copies. When every request has the same number of rows (a decode 
 has one each) the rows of request b are b*L ... b*L+L-1 and nothing but the slot ids is
 read from memory that the host fills per step: the launch is the same every round, which
 is what a CUDA graph replays. Unequal lengths pass a cu_seqlens tensor built on the host
-(not capture-safe; the engine only sends those to the chunked form).
+(not capture-safe; the engine only sends those to the chunked form). Speculative verification
+rows (state not written) also leave their raw gates a | b in the caller's scratch (gates_out),
+stored as loaded by the programs of each head's first column strip.
 
 Commit of speculative verification rows (commit_gated_delta_rule): the same state update
 over each request's accepted rows, for every GDN layer in one launch (programs per request,
@@ -173,6 +175,7 @@ def _recurrent_kernel(
     state_ptr,
     slots_ptr,
     cu_seqlens_ptr,
+    gates_out_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -184,6 +187,7 @@ def _recurrent_kernel(
     stride_ot,
     stride_oh,
     stride_slot,
+    stride_got,
     max_len,
     scale,
     eps,
@@ -197,10 +201,13 @@ def _recurrent_kernel(
     RAW_GATES: tl.constexpr,
     THRESHOLD: tl.constexpr,
     WRITE_STATE: tl.constexpr,
+    STORE_GATES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """RAW_GATES: g_ptr / beta_ptr hold the projections a / b, and the gates are computed here
-    (saving the gates kernel's launch in a decode step).
+    (saving the gates kernel's launch in a decode step). STORE_GATES (with RAW_GATES): the
+    programs of the first column strip also store a | b as loaded into gates_out's rows, the raw
+    gates speculative verification keeps for its commit (saving two copy launches per layer).
 
     Before pdl_sync (see ninfer.kernels.pdl): the lengths, the slot, the gate parameters and
     the state, which only this kernel writes (one step earlier); q, k, v and the gates are
@@ -240,8 +247,14 @@ def _recurrent_kernel(
         b_q = tl.load(q_ptr + t * stride_qt + i_hk * stride_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k_ptr + t * stride_kt + i_hk * stride_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(v_ptr + t * stride_vt + i_h * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g_ptr + t * stride_gt + i_h, mask=live, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta_ptr + t * stride_bt + i_h, mask=live, other=0.0).to(tl.float32)
+        raw_g = tl.load(g_ptr + t * stride_gt + i_h, mask=live, other=0.0)
+        raw_beta = tl.load(beta_ptr + t * stride_bt + i_h, mask=live, other=0.0)
+        if STORE_GATES:  # one program per (row, head) stores, the loaded values unconverted
+            first_strip = live & (i_v == 0)
+            tl.store(gates_out_ptr + t * stride_got + i_h, raw_g, mask=first_strip)
+            tl.store(gates_out_ptr + t * stride_got + NUM_V_HEADS + i_h, raw_beta, mask=first_strip)
+        b_g = raw_g.to(tl.float32)
+        b_beta = raw_beta.to(tl.float32)
         if RAW_GATES:
             b_g, b_beta = _gate_values(b_g, b_beta, a_log, dt_bias, THRESHOLD)
             b_g = tl.where(live, b_g, 0.0)  # steps past a request's end must stay no-ops
@@ -301,16 +314,25 @@ def recurrent_gated_delta_rule_with_gates(
     state_slots: torch.Tensor,
     query_lens: tuple[int, ...],
     update_state: bool = True,
+    *,
+    gates_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ref.recurrent_gated_delta_rule_with_gates: the gates computed in the
-    recurrent kernel from the raw projections (a, b may be strided row views)."""
+    recurrent kernel from the raw projections (a, b may be strided row views), which the kernel
+    also stores into gates_out when given."""
     if a.shape != b.shape or A_log.shape != (a.shape[1],) or dt_bias.shape != (a.shape[1],):
         raise ValueError(f"a {tuple(a.shape)}, b {tuple(b.shape)}, A_log/dt_bias must be [{a.shape[1]}]")
-    return _recurrent(q, k, v, a, b, (A_log, dt_bias), state, state_slots, query_lens, None, NUM_WARPS, update_state)
+    ref.check_gates_out(a, b, query_lens, gates_out)
+    return _recurrent(
+        q, k, v, a, b, (A_log, dt_bias), state, state_slots, query_lens, None, NUM_WARPS, update_state, gates_out
+    )
 
 
-def _recurrent(q, k, v, g, beta, raw_gate_params, state, state_slots, query_lens, block_v, num_warps, update_state):
-    """g / beta are the gates, or (raw_gate_params = (A_log, dt_bias)) the projections a / b."""
+def _recurrent(
+    q, k, v, g, beta, raw_gate_params, state, state_slots, query_lens, block_v, num_warps, update_state, gates_out=None
+):
+    """g / beta are the gates, or (raw_gate_params = (A_log, dt_bias)) the projections a / b;
+    gates_out (raw gates only) receives a | b."""
     num_tokens, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1], v.shape[2]
     out = torch.empty((num_tokens, num_v_heads, v_dim), dtype=v.dtype, device=v.device)
@@ -341,6 +363,7 @@ def _recurrent(q, k, v, g, beta, raw_gate_params, state, state_slots, query_lens
         state,
         state_slots,
         cu_seqlens,
+        gates_out if gates_out is not None else out,  # unused placeholder without gates_out
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -352,6 +375,7 @@ def _recurrent(q, k, v, g, beta, raw_gate_params, state, state_slots, query_lens
         out.stride(0),
         out.stride(1),
         state.stride(0),
+        gates_out.stride(0) if gates_out is not None else 0,
         max(query_lens),
         k_dim**-0.5,
         ref.L2NORM_EPS,
@@ -365,6 +389,7 @@ def _recurrent(q, k, v, g, beta, raw_gate_params, state, state_slots, query_lens
         RAW_GATES=raw_gate_params is not None,
         THRESHOLD=SOFTPLUS_THRESHOLD,
         WRITE_STATE=update_state,
+        STORE_GATES=gates_out is not None,
         USE_PDL=use_pdl,
         num_warps=num_warps,
         launch_pdl=use_pdl,

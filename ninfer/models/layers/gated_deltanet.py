@@ -153,13 +153,14 @@ class GatedDeltaNet(nn.Module):
         conv_state, recurrent_state = batch.state_cache.layer(layer)
         slots, lens = batch.state_slots[: verify.num_requests], batch.query_lens_cpu[: verify.num_requests]
         scratch = verify.scratch
-        scratch.conv_inputs[layer, :num_rows].copy_(qkv)
-        mixed = scratch.mixed[layer, :num_rows]
-        mixed.copy_(causal_conv1d(qkv, self.conv1d.weight.squeeze(1), conv_state, slots, lens, update_state=False))
-        gates = scratch.gates[layer, :num_rows]
-        gates[:, : self.num_v_heads].copy_(a)
-        gates[:, self.num_v_heads :].copy_(b)
+        # The kernels fill the scratch as they go (two launches per layer, no copies): the conv
+        # its output and its inputs, the rule the raw gates it loads.
+        mixed = causal_conv1d(
+            qkv, self.conv1d.weight.squeeze(1), conv_state, slots, lens, update_state=False,
+            out=scratch.mixed[layer, :num_rows], inputs_out=scratch.conv_inputs[layer, :num_rows],
+        )  # fmt: skip
         q, k, v = self._heads(*mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1))
         return recurrent_gated_delta_rule_with_gates(
-            q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, slots, lens, update_state=False
-        )
+            q, k, v, a, b, self.A_log, self.dt_bias, recurrent_state, slots, lens, update_state=False,
+            gates_out=scratch.gates[layer, :num_rows],
+        )  # fmt: skip
