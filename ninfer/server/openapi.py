@@ -26,6 +26,7 @@ from ninfer.contract.sampling import TOP_K_CAP
 from ninfer.frontend.capabilities import EFFORT_TIERS
 from ninfer.server.anthropic_messages import lowering as messages_lowering
 from ninfer.server.anthropic_messages import request as messages_request
+from ninfer.server.openai_chat import messages as chat_messages
 from ninfer.server.openai_chat import request as chat_request
 from ninfer.server.openai_responses import items as responses_items
 from ninfer.server.openai_responses import request as responses_request
@@ -123,8 +124,8 @@ SHARED: dict[str, Schema] = {
         "description": "Tool-definition flags every protocol refuses when they ask for something.",
         "type": "object",
         "properties": {
-            "strict": {"type": "boolean", "description": "true: calls of this tool follow its parameters schema "
-                                                          "(a grammar over the Qwen tool-call markup)"},
+            "strict": nullable({"type": "boolean", "description": "true: calls of this tool follow its parameters "
+                                                                   "schema (a grammar over the Qwen tool-call markup)"}),
             "output_schema": unprovidable(NULL, "function output schemas"),
             "async": unprovidable(nullable(const(False)), "asynchronous function calls"),
             "allowed_callers": nullable(
@@ -199,6 +200,9 @@ PROMPT_CACHE_OPTIONS = obj(
     {"mode": enum(("implicit", "explicit")), "ttl": enum(CACHE_TTLS), "comparison_response_id": STRING}
 )
 
+# Members only assistant messages carry: elsewhere null or [] (anything else is refused, not dropped).
+ASSISTANT_ONLY = {key: {"anyOf": [NULL, {"type": "array", "maxItems": 0}]} for key in chat_messages.ASSISTANT_ONLY_FIELDS}
+
 CHAT: dict[str, Schema] = {
     "ChatTextPart": obj(
         {"type": const("text"), "text": STRING, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT}, ("type", "text")
@@ -224,8 +228,7 @@ CHAT: dict[str, Schema] = {
             "role": enum(("system", "developer", "user")),
             "content": ref("ChatContent"),
             "name": unprovidable(const(""), "participant names"),
-            **{key: NULL for key in ("reasoning_content", "reasoning", "function_call", "refusal", "audio")},
-            "tool_calls": {"type": "array", "maxItems": 0},
+            **ASSISTANT_ONLY,
         },
         ("role", "content"),
     ),
@@ -235,8 +238,7 @@ CHAT: dict[str, Schema] = {
             "content": ref("ChatContent"),
             "tool_call_id": NON_EMPTY_STRING,
             "name": {"type": "string", "description": "mirrors the function name; ignored"},
-            **{key: NULL for key in ("reasoning_content", "reasoning", "function_call", "refusal", "audio")},
-            "tool_calls": {"type": "array", "maxItems": 0},
+            **ASSISTANT_ONLY,
         },
         ("role", "content", "tool_call_id"),
     ),
@@ -245,8 +247,7 @@ CHAT: dict[str, Schema] = {
             "role": const("function"),
             "name": NON_EMPTY_STRING,
             "content": STRING,
-            **{key: NULL for key in ("reasoning_content", "reasoning", "function_call", "refusal", "audio")},
-            "tool_calls": {"type": "array", "maxItems": 0},
+            **ASSISTANT_ONLY,
         },
         ("role", "name"),
         description="Legacy function result: follows an assistant function_call with the same name.",
@@ -782,6 +783,7 @@ RESPONSES["ResponseInputTokensRequest"] = _responses_count()
 
 CACHE_CONTROL = obj({"type": const("ephemeral"), "ttl": enum(messages_lowering.CACHE_TTLS)}, ("type",))
 NO_TOOLSET = {"toolset_name": unprovidable(NULL, "toolsets")}
+SINGLE_TOOL_USE = {"disable_parallel_tool_use": {"type": "boolean", "description": "true: at most one tool_use (a grammar)"}}
 
 MESSAGES: dict[str, Schema] = {
     "CacheControl": CACHE_CONTROL,
@@ -790,7 +792,7 @@ MESSAGES: dict[str, Schema] = {
             "type": const("text"),
             "text": STRING,
             "cache_control": ref("CacheControl"),
-            "citations": unprovidable({"anyOf": [NULL, {"type": "array", "maxItems": 0}]}, "citations"),
+            "citations": unprovidable(EMPTY, "citations"),
         },
         ("type", "text"),
     ),
@@ -878,7 +880,11 @@ MESSAGES: dict[str, Schema] = {
                     "type": unprovidable(const("custom"), "Anthropic-provided tools and toolsets"),
                     "name": {"type": "string", "pattern": messages_lowering.TOOL_NAME.pattern},
                     "description": STRING,
-                    "input_schema": {"type": "object", "properties": {"type": const("object")}},
+                    "input_schema": {
+                        "type": "object",
+                        "properties": {"type": const("object"),
+                                       "examples": {"description": "not together with input_examples"}},
+                    },
                     "input_examples": {"type": "array", "items": OBJECT},
                     "defer_loading": BOOLEAN,
                     "eager_input_streaming": BOOLEAN,
@@ -906,16 +912,17 @@ MESSAGES: dict[str, Schema] = {
             obj({"type": const("adaptive"), "display": enum(("summarized", "omitted"))}, ("type",)),
         ]
     },
-    "MessagesToolChoice": obj(
-        {
-            "type": enum(("auto", "any", "tool", "none"), "any: one or more tool_use blocks; tool: one of `name`"),
-            "name": {**STRING, "description": "with type tool: a declared tool"},
-            "disable_parallel_tool_use": {"type": "boolean", "description": "true: at most one tool_use (a grammar)"},
-        },
-        ("type",),
-    ),
+    "MessagesToolChoice": {
+        "anyOf": [
+            obj({"type": enum(("auto", "any"), "any: one or more tool_use blocks"), **SINGLE_TOOL_USE}, ("type",)),
+            obj({"type": const("tool"), "name": {**STRING, "description": "a declared tool: exactly one call of it"},
+                 **SINGLE_TOOL_USE}, ("type", "name")),
+            obj({"type": const("none")}, ("type",)),
+        ]
+    },
     "MessagesOutputFormat": obj(
-        {"type": const("json_schema"), "schema": ref("JsonSchema")},
+        {"type": const("json_schema"), "schema": ref("JsonSchema"), "name": NON_EMPTY_STRING, "description": STRING,
+         "strict": BOOLEAN},
         ("type", "schema"),
         description="Structured Outputs: the answer text is one JSON value of the schema",
     ),

@@ -102,7 +102,7 @@ INEXPRESSIBLE: list[Narrowing] = [
             ("ResponsesToolChoice.anyOf.2.properties.tools", NO_ITEMS),
             *((f"{name}.properties.parallel_tool_calls", {"enum": [True, None]}) for name in RESPONSES_REQUESTS),
             *((f"{name}.properties.tools", _items_limited(1, ref("MessagesTool"))) for name in MESSAGES_REQUESTS),
-            ("MessagesToolChoice.properties.disable_parallel_tool_use", {"enum": [False, None]}),
+            ("MessagesToolChoice.anyOf.0.properties.disable_parallel_tool_use", {"enum": [False, None]}),
         ),
     ),
     Narrowing(
@@ -121,7 +121,8 @@ INEXPRESSIBLE: list[Narrowing] = [
             ("ResponsesToolChoice.anyOf.0", {"enum": ["auto", "none", None]}),
             ("ResponsesToolChoice.anyOf.1", {"enum": ["auto"]}),
             ("ResponsesToolChoice.anyOf.2.properties.mode", const("auto")),
-            ("MessagesToolChoice.properties.type", {"enum": ["auto", "none"]}),
+            ("MessagesToolChoice.anyOf.0.properties.type", const("auto")),
+            ("MessagesToolChoice.anyOf.1", {"not": {}}),
             *((f"{name}.properties.output_format", NULL) for name in MESSAGES_REQUESTS),
             *((f"{name}.properties.output_config.anyOf.0.properties.format", NULL) for name in MESSAGES_REQUESTS),
         ),
