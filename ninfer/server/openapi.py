@@ -26,85 +26,29 @@ from ninfer.contract.sampling import TOP_K_CAP
 from ninfer.frontend.capabilities import EFFORT_TIERS
 from ninfer.server.anthropic_messages import lowering as messages_lowering
 from ninfer.server.anthropic_messages import request as messages_request
-from ninfer.server.openai_chat import messages as chat_messages
-from ninfer.server.openai_chat import request as chat_request
+from ninfer.server.openai_chat import schema as chat_schema
 from ninfer.server.openai_responses import items as responses_items
 from ninfer.server.openai_responses import request as responses_request
 from ninfer.server.validation.cache_markers import CACHE_TTLS, PROMPT_CACHE_RETENTIONS
 from ninfer.server.validation.sampling import SEED_MAX, SEED_MIN
 from ninfer.server.validation.tools import HOSTED_TOOL_TYPES
-
-Schema = dict[str, Any]
-
-NULL: Schema = {"type": "null"}
-STRING: Schema = {"type": "string"}
-NON_EMPTY_STRING: Schema = {"type": "string", "minLength": 1}
-BOOLEAN: Schema = {"type": "boolean"}
-OBJECT: Schema = {"type": "object"}
-# A recognised option that is served only while it asks for nothing: null, [] or {}.
-EMPTY: Schema = {"anyOf": [NULL, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}]}
-
-
-def ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def nullable(schema: Schema) -> Schema:
-    """Explicit null means "not given" in every validator."""
-    return {"anyOf": [schema, NULL]}
-
-
-def const(value: Any, description: str | None = None) -> Schema:
-    schema: Schema = {"enum": [value]}
-    if description:
-        schema["description"] = description
-    return schema
-
-
-def enum(values: tuple | list, description: str | None = None) -> Schema:
-    schema: Schema = {"type": "string", "enum": list(values)}
-    if description:
-        schema["description"] = description
-    return schema
-
-
-def number(low: float, high: float) -> Schema:
-    return {"type": "number", "minimum": low, "maximum": high}
-
-
-def integer(low: int, high: int | None = None) -> Schema:
-    schema: Schema = {"type": "integer", "minimum": low}
-    if high is not None:
-        schema["maximum"] = high
-    return schema
-
-
-def obj(properties: dict[str, Schema], required: tuple[str, ...] = (), *, closed: bool = False, **extra) -> Schema:
-    """An object; optional members accept null (validators read null as absent) unless already typed so."""
-    schema: Schema = {
-        "type": "object",
-        "properties": {
-            key: value if key in required or _admits_null(value) else nullable(value) for key, value in properties.items()
-        },
-    }
-    if required:
-        schema["required"] = list(required)
-    if closed:
-        schema["additionalProperties"] = False
-    schema.update(extra)
-    return schema
-
-
-def _admits_null(schema: Schema) -> bool:
-    if schema.get("type") == "null" or None in schema.get("enum", ()):
-        return True
-    return any(_admits_null(option) for option in schema.get("anyOf", ()))
-
-
-def unprovidable(neutral: Schema, refusal: str) -> Schema:
-    """An option whose only accepted value is its neutral one; anything else is unsupported_parameter."""
-    return {**neutral, "description": f"{refusal} (400 unsupported_parameter otherwise)"}
-
+from ninfer.server.validation.schema import (
+    BOOLEAN,
+    EMPTY,
+    NON_EMPTY_STRING,
+    NULL,
+    OBJECT,
+    STRING,
+    Schema,
+    const,
+    enum,
+    integer,
+    nullable,
+    number,
+    obj,
+    ref,
+    unprovidable,
+)
 
 # ---- shared pieces --------------------------------------------------------------------------------
 
@@ -200,225 +144,7 @@ PROMPT_CACHE_OPTIONS = obj(
     {"mode": enum(("implicit", "explicit")), "ttl": enum(CACHE_TTLS), "comparison_response_id": STRING}
 )
 
-# Members only assistant messages carry: elsewhere null or [] (anything else is refused, not dropped).
-ASSISTANT_ONLY = {key: {"anyOf": [NULL, {"type": "array", "maxItems": 0}]} for key in chat_messages.ASSISTANT_ONLY_FIELDS}
-
-CHAT: dict[str, Schema] = {
-    "ChatTextPart": obj(
-        {"type": const("text"), "text": STRING, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT}, ("type", "text")
-    ),
-    "ChatRefusalPart": obj(
-        {"type": const("refusal"), "refusal": STRING, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
-        ("type", "refusal"),
-    ),
-    "ChatContent": {
-        "description": "A string or text parts (image_url/video_url parts: 400 vision_disabled on a server without --vision; this document describes that server).",
-        "anyOf": [STRING, {"type": "array", "items": ref("ChatTextPart")}],
-    },
-    "ChatToolCall": obj(
-        {
-            "id": STRING,
-            "type": const("function"),
-            "function": obj({"name": NON_EMPTY_STRING, "arguments": ref("JsonObjectText")}, ("name", "arguments")),
-        },
-        ("function",),
-    ),
-    "ChatInstructionMessage": obj(
-        {
-            "role": enum(("system", "developer", "user")),
-            "content": ref("ChatContent"),
-            "name": unprovidable(const(""), "participant names"),
-            **ASSISTANT_ONLY,
-        },
-        ("role", "content"),
-    ),
-    "ChatToolMessage": obj(
-        {
-            "role": const("tool"),
-            "content": ref("ChatContent"),
-            "tool_call_id": NON_EMPTY_STRING,
-            "name": {"type": "string", "description": "mirrors the function name; ignored"},
-            **ASSISTANT_ONLY,
-        },
-        ("role", "content", "tool_call_id"),
-    ),
-    "ChatFunctionMessage": obj(
-        {
-            "role": const("function"),
-            "name": NON_EMPTY_STRING,
-            "content": STRING,
-            **ASSISTANT_ONLY,
-        },
-        ("role", "name"),
-        description="Legacy function result: follows an assistant function_call with the same name.",
-    ),
-    "ChatAssistantMessage": obj(
-        {
-            "role": const("assistant"),
-            "content": {"anyOf": [STRING, {"type": "array", "items": {"anyOf": [ref("ChatTextPart"),
-                                                                                ref("ChatRefusalPart")]}}]},
-            "refusal": STRING,
-            "reasoning_content": STRING,
-            "reasoning": {"type": "string", "description": "alias of reasoning_content; equal when both are given"},
-            "tool_calls": {"type": "array", "items": ref("ChatToolCall")},
-            "function_call": obj(
-                {"name": NON_EMPTY_STRING, "arguments": ref("JsonObjectText")},
-                ("name", "arguments"),
-                description="legacy; not together with tool_calls",
-            ),
-            "name": unprovidable(const(""), "participant names"),
-            "audio": unprovidable(NULL, "audio output history"),
-        },
-        ("role",),
-    ),
-    "ChatMessage": {
-        "anyOf": [
-            ref("ChatInstructionMessage"),
-            ref("ChatAssistantMessage"),
-            ref("ChatToolMessage"),
-            ref("ChatFunctionMessage"),
-        ]
-    },
-    "ChatTool": obj(
-        {
-            "type": const("function"),
-            "function": {
-                "allOf": [
-                    ref("FunctionFlags"),
-                    obj(
-                        {
-                            "name": NON_EMPTY_STRING,
-                            "description": STRING,
-                            "parameters": ref("JsonSchema"),
-                            "defer_loading": unprovidable(nullable(const(False)), "deferred tool loading"),
-                        },
-                        ("name",),
-                    ),
-                ]
-            },
-        },
-        ("type", "function"),
-        description="A function tool; names are unique within the request.",
-    ),
-    "ChatToolChoice": {
-        "anyOf": [
-            enum(("auto", "none", "required"), "required: the answer is one or more calls (a grammar)"),
-            obj(
-                {"type": const("function"), "function": obj({"name": STRING}, ("name",))},
-                ("type", "function"),
-                description="a named, declared tool: the answer is exactly one call of it",
-            ),
-            obj(
-                {
-                    "type": const("allowed_tools"),
-                    "allowed_tools": obj(
-                        {
-                            "mode": enum(("auto", "required")),
-                            "tools": {
-                                "type": "array",
-                                "items": obj(
-                                    {"type": const("function"), "function": obj({"name": STRING}, ("name",))},
-                                    ("type", "function"),
-                                ),
-                                "description": "each names a declared tool",
-                            },
-                        },
-                        ("mode", "tools"),
-                    ),
-                },
-                ("type", "allowed_tools"),
-            ),
-        ]
-    },
-    "ChatCompletionRequest": obj(
-        {
-            # Anything but a non-empty string (omitted, "", a number...) means the served model.
-            "model": {"anyOf": [ref("ModelId"), {"not": NON_EMPTY_STRING}]},
-            "messages": {"type": "array", "minItems": 1, "items": ref("ChatMessage")},
-            "max_completion_tokens": integer(0),
-            "max_tokens": {**integer(0), "description": "legacy spelling; equal to max_completion_tokens when both"},
-            "temperature": number(0, 2),
-            "top_p": number(0, 1),
-            "top_k": integer(0, TOP_K_CAP),
-            "min_p": number(0, 1),
-            "presence_penalty": number(-2, 2),
-            "frequency_penalty": number(-2, 2),
-            "seed": integer(SEED_MIN, SEED_MAX),
-            "stop": {
-                "anyOf": [
-                    NON_EMPTY_STRING,
-                    {"type": "array", "maxItems": chat_request.MAX_STOP_STRINGS, "items": NON_EMPTY_STRING},
-                ]
-            },
-            "stream": BOOLEAN,
-            "stream_options": obj({"include_usage": BOOLEAN, "include_obfuscation": BOOLEAN}),
-            "timings_per_token": BOOLEAN,
-            "return_progress": BOOLEAN,
-            "tools": {"type": "array", "items": ref("ChatTool")},
-            "tool_choice": ref("ChatToolChoice"),
-            "parallel_tool_calls": {"type": "boolean", "description": "false: at most one call (a grammar)"},
-            "reasoning_effort": enum(EFFORT_TIERS, "must be a tier the loaded template exposes (or none)"),
-            "enable_thinking": BOOLEAN,
-            "preserve_thinking": BOOLEAN,
-            "chat_template_kwargs": obj(
-                {"enable_thinking": BOOLEAN, "preserve_thinking": BOOLEAN},
-                additionalProperties=unprovidable(NULL, "arbitrary chat template variables"),
-            ),
-            "n": unprovidable(const(1), "more than one choice"),
-            "response_format": {
-                "anyOf": [
-                    obj({"type": enum(("text", "json_object"))}, ("type",)),
-                    obj(
-                        {
-                            "type": const("json_schema"),
-                            "json_schema": obj(
-                                {"name": NON_EMPTY_STRING, "description": STRING, "schema": ref("JsonSchema"),
-                                 "strict": BOOLEAN},
-                                ("schema",),
-                                description="the schema is enforced whatever strict says",
-                            ),
-                        },
-                        ("type", "json_schema"),
-                    ),
-                ],
-                "description": "json_object: the answer is one JSON object; json_schema: one JSON value of the schema",
-            },
-            "modalities": {"type": "array", "minItems": 1, "items": unprovidable(const("text"), "audio output")},
-            "audio": {
-                "type": ["object", "null"],
-                "description": "accepted without effect beside modalities [\"text\"]; with modalities omitted it asks "
-                               "for audio output (400 unsupported_parameter)",
-            },
-            "logit_bias": {
-                "type": "object",
-                "additionalProperties": unprovidable({"type": "number", "enum": [0]}, "non-zero logit biases"),
-            },
-            "logprobs": {"type": "boolean", "description": "true: choices carry the answer tokens' log probabilities"},
-            "top_logprobs": {**integer(0, 20), "description": "alternatives per token; needs logprobs: true"},
-            "web_search_options": unprovidable(NULL, "web search"),
-            "moderation": unprovidable(NULL, "moderation"),
-            "verbosity": unprovidable(const("medium"), "low/high verbosity"),
-            "store": unprovidable(const(False), "stored Chat Completions"),
-            "functions": unprovidable({"type": "array", "maxItems": 0}, "legacy function definitions (use tools)"),
-            "function_call": enum(("none", "auto"), "legacy; forcing a function is unsupported"),
-            **{alias: unprovidable(NULL, "other servers' constrained-decoding extensions (use response_format)")
-               for alias in chat_request.CONSTRAINED_DECODING_ALIASES},
-            "repetition_penalty": unprovidable({"type": "number", "enum": [1]}, "repetition penalties other than 1"),
-            "mm_processor_kwargs": {"type": "object", "additionalProperties": NULL},
-            "user": STRING,
-            "safety_identifier": STRING,
-            "service_tier": STRING,
-            "prompt_cache_key": STRING,
-            "prompt_cache_retention": enum(PROMPT_CACHE_RETENTIONS),
-            "prompt_cache_options": PROMPT_CACHE_OPTIONS,
-            "metadata": {"type": "object", "additionalProperties": STRING},
-            "prediction": obj(
-                {"type": const("content"), "content": {"anyOf": [STRING, {"type": "array"}]}}, ("type", "content")
-            ),
-        },
-        ("messages",),
-        description="Unknown top-level fields are ignored.",
-    ),
+CHAT_RESPONSES: dict[str, Schema] = {
     "ChatCompletion": {
         "type": "object",
         "required": ["id", "object", "created", "model", "choices", "usage", "timings"],
@@ -1230,18 +956,7 @@ MEDIA_URL: Schema = {
 }
 
 
-def _chat_media_part(kind: str) -> Schema:
-    source = {"anyOf": [MEDIA_URL, obj({"url": MEDIA_URL, "detail": const("auto")}, ("url",))]}
-    return obj({"type": const(kind), kind: source, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT}, ("type", kind))
-
-
 VISION: dict[str, Schema] = {
-    "ChatImagePart": _chat_media_part("image_url"),
-    "ChatVideoPart": _chat_media_part("video_url"),
-    "ChatUserContent": {
-        "anyOf": [STRING, {"type": "array", "items": {"anyOf": [ref("ChatTextPart"), ref("ChatImagePart"),
-                                                                ref("ChatVideoPart")]}}],
-    },
     "InputImagePart": obj(
         {"type": const("input_image"), "image_url": MEDIA_URL, "detail": const("auto"),
          "file_id": unprovidable(NULL, "file-id images"), "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
@@ -1273,14 +988,6 @@ def _with_vision(schemas: dict[str, Schema]) -> None:
     """Media parts where the validators take them with --vision: user and tool messages (Chat),
     user messages and function_call_output (Responses), user messages and tool_result (Messages)."""
     schemas.update(copy.deepcopy(VISION))
-    user = copy.deepcopy(schemas["ChatInstructionMessage"])
-    user["properties"]["role"] = const("user")
-    user["properties"]["content"] = ref("ChatUserContent")
-    user.pop("description", None)
-    schemas["ChatUserMessage"] = user
-    schemas["ChatMessage"]["anyOf"].insert(1, ref("ChatUserMessage"))
-    schemas["ChatToolMessage"]["properties"]["content"] = ref("ChatUserContent")
-    schemas["ChatContent"]["description"] = "A string or text parts (media parts: user and tool messages)."
     item = copy.deepcopy(schemas["InstructionMessageItem"])
     item["properties"]["role"] = const("user")
     item["properties"]["content"] = {"anyOf": [STRING, {"type": "array", "items": {"anyOf": [
@@ -1300,7 +1007,8 @@ def _with_vision(schemas: dict[str, Schema]) -> None:
 
 @functools.cache
 def _document(vision: bool) -> Schema:
-    schemas = copy.deepcopy({**SHARED, **CHAT, **RESPONSES, **MESSAGES, "Model": MODEL})
+    schemas = copy.deepcopy({**SHARED, **chat_schema.schemas(vision), **CHAT_RESPONSES, **RESPONSES, **MESSAGES,
+                             "Model": MODEL})
     if vision:
         _with_vision(schemas)
     return {

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ninfer.frontend.capabilities import EFFORT_TIERS, TemplateCapabilities
-from ninfer.server.openapi import NULL, const, integer, nullable, openapi_document, ref
+from ninfer.server.openapi import openapi_document
+from ninfer.server.validation.schema import NULL, const, integer, nullable, ref
 from ninfer.server.validation.thinking import thinking_reachable
 
 Schemas = dict[str, Any]
