@@ -27,8 +27,7 @@ from ninfer.frontend.capabilities import EFFORT_TIERS
 from ninfer.server.anthropic_messages import lowering as messages_lowering
 from ninfer.server.anthropic_messages import request as messages_request
 from ninfer.server.openai_chat import schema as chat_schema
-from ninfer.server.openai_responses import items as responses_items
-from ninfer.server.openai_responses import request as responses_request
+from ninfer.server.openai_responses import schema as responses_schema
 from ninfer.server.validation.cache_markers import CACHE_TTLS, PROMPT_CACHE_RETENTIONS
 from ninfer.server.validation.sampling import SEED_MAX, SEED_MIN
 from ninfer.server.validation.tools import HOSTED_TOOL_TYPES
@@ -205,203 +204,7 @@ CHAT_RESPONSES: dict[str, Schema] = {
 
 # ---- OpenAI Responses -----------------------------------------------------------------------------
 
-ITEM_STATUS = enum(responses_items.ITEM_STATUSES)
-COMPLETED_TOOL_ITEM = {
-    "status": unprovidable(const("completed"), "in_progress or incomplete tool Items"),
-    "caller": obj({"type": unprovidable(const("direct"), "programmatic tool callers")}, ("type",)),
-    "async": unprovidable(const(False), "asynchronous function calls"),
-}
-ITEM_ID = {**NON_EMPTY_STRING, "description": "kept when given (unique within input), generated otherwise"}
-INPUT_TEXT = obj(
-    {"type": const("input_text"), "text": STRING, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
-    ("type", "text"),
-)
-
-RESPONSES: dict[str, Schema] = {
-    "InputTextPart": INPUT_TEXT,
-    "OutputTextPart": obj(
-        {"type": const("output_text"), "text": STRING, "annotations": {"type": "array"}}, ("type", "text")
-    ),
-    "RefusalPart": obj({"type": const("refusal"), "refusal": STRING}, ("type", "refusal")),
-    "InstructionMessageItem": obj(
-        {
-            "type": const("message"),
-            "id": ITEM_ID,
-            "role": enum(("user", "system", "developer")),
-            "content": {"anyOf": [STRING, {"type": "array", "items": ref("InputTextPart")}]},
-            "status": ITEM_STATUS,
-            "phase": STRING,
-        },
-        ("role", "content"),
-        description="input_image/input_video parts are 400 vision_disabled without --vision (this document describes a server without it).",
-    ),
-    "AssistantMessageItem": obj(
-        {
-            "type": const("message"),
-            "id": ITEM_ID,
-            "role": const("assistant"),
-            "content": {
-                "anyOf": [
-                    STRING,
-                    {
-                        "type": "array",
-                        "items": {"anyOf": [ref("OutputTextPart"), ref("InputTextPart"), ref("RefusalPart")]},
-                    },
-                ]
-            },
-            "status": ITEM_STATUS,
-            "phase": STRING,
-        },
-        ("role", "content"),
-    ),
-    "ReasoningItem": obj(
-        {
-            "type": const("reasoning"),
-            "id": ITEM_ID,
-            "content": {
-                "type": "array",
-                "items": obj({"type": const("reasoning_text"), "text": STRING}, ("type", "text")),
-            },
-            "encrypted_content": {
-                "type": "string",
-                "description": "NInfer's envelope of the reasoning text (include reasoning.encrypted_content)",
-            },
-            "summary": {
-                "type": "array",
-                "items": obj({"type": const("summary_text"), "text": STRING}, ("type", "text")),
-            },
-            "status": ITEM_STATUS,
-        },
-        ("type",),
-        anyOf=[
-            {"required": ["content"], "properties": {"content": {"type": "array", "minItems": 1}}},
-            {"required": ["encrypted_content"], "properties": {"encrypted_content": STRING}},
-        ],
-        description="Raw reasoning text, or NInfer's envelope of it; summaries alone cannot be replayed.",
-    ),
-    "FunctionCallItem": obj(
-        {
-            "type": const("function_call"),
-            "id": ITEM_ID,
-            "call_id": NON_EMPTY_STRING,
-            "name": NON_EMPTY_STRING,
-            "namespace": STRING,
-            "arguments": ref("JsonObjectText"),
-            **COMPLETED_TOOL_ITEM,
-        },
-        ("type", "call_id", "name", "arguments"),
-    ),
-    "FunctionCallOutputItem": obj(
-        {
-            "type": const("function_call_output"),
-            "id": ITEM_ID,
-            "call_id": NON_EMPTY_STRING,
-            "output": {"anyOf": [STRING, {"type": "array", "minItems": 1, "items": ref("InputTextPart")}]},
-            "name": STRING,
-            "namespace": STRING,
-            **COMPLETED_TOOL_ITEM,
-        },
-        ("type", "call_id", "output"),
-        description="Answers a call of the preceding assistant turn, in declaration order.",
-    ),
-    "InputItem": {
-        "anyOf": [
-            ref("InstructionMessageItem"),
-            ref("AssistantMessageItem"),
-            ref("ReasoningItem"),
-            ref("FunctionCallItem"),
-            ref("FunctionCallOutputItem"),
-        ]
-    },
-    "ResponsesFunctionTool": {
-        "allOf": [
-            ref("FunctionFlags"),
-            obj(
-                {
-                    "type": const("function"),
-                    "name": NON_EMPTY_STRING,
-                    "description": STRING,
-                    "parameters": ref("JsonSchema"),
-                    "defer_loading": unprovidable(const(False), "deferred tool loading"),
-                },
-                ("type", "name"),
-            ),
-        ]
-    },
-    "ResponsesTool": {
-        "anyOf": [
-            ref("ResponsesFunctionTool"),
-            obj(
-                {
-                    "type": const("namespace"),
-                    "name": NON_EMPTY_STRING,
-                    "description": STRING,
-                    "tools": {"type": "array", "minItems": 1, "items": ref("ResponsesFunctionTool")},
-                },
-                ("type", "name", "tools"),
-            ),
-            ref("HostedTool"),
-        ],
-        "description": "Function identities (namespace and name) are unique within the request.",
-    },
-    "HostedTool": obj(
-        {"type": enum(sorted(HOSTED_TOOL_TYPES))},
-        ("type",),
-        description="Hosted tool: left out of the prompt and echoed back (forcing it is unsupported).",
-    ),
-    "ResponsesToolChoice": {
-        "anyOf": [
-            enum(("auto", "none", "required"), "required: the answer is one or more calls (a grammar)"),
-            obj(
-                {"type": const("function"), "name": STRING, "namespace": STRING},
-                ("type", "name"),
-                description="a declared function: the answer is exactly one call of it",
-            ),
-            obj(
-                {
-                    "type": const("allowed_tools"),
-                    "mode": enum(("auto", "required")),
-                    "tools": {
-                        "type": "array",
-                        "items": obj(
-                            {"type": const("function"), "name": STRING, "namespace": STRING}, ("type", "name")
-                        ),
-                        "description": "each names a declared function",
-                    },
-                },
-                ("type", "mode", "tools"),
-            ),
-        ]
-    },
-    "ResponsesReasoning": obj(
-        {
-            "effort": enum(EFFORT_TIERS, "must be a tier the loaded template exposes (or none)"),
-            "summary": unprovidable(const("auto"), "concise or detailed summaries"),
-            "generate_summary": unprovidable(const("auto"), "concise or detailed summaries"),
-            "context": unprovidable(const("auto"), "reasoning-context selection"),
-            "mode": unprovidable(const("standard"), "other reasoning modes"),
-        }
-    ),
-    "ResponsesText": obj(
-        {
-            "format": {
-                "anyOf": [
-                    obj({"type": enum(("text", "json_object"))}, ("type",)),
-                    obj(
-                        {"type": const("json_schema"), "name": NON_EMPTY_STRING, "description": STRING,
-                         "schema": ref("JsonSchema"), "strict": BOOLEAN},
-                        ("type", "schema"),
-                        description="the schema is enforced whatever strict says",
-                    ),
-                ]
-            },
-            "verbosity": enum(("low", "medium", "high"), "a hint, echoed"),
-        }
-    ),
-    "ResponsesTemplateKwargs": obj(
-        {"preserve_thinking": BOOLEAN},
-        additionalProperties=unprovidable(NULL, "arbitrary chat template variables"),
-    ),
+RESPONSES_RESPONSES: dict[str, Schema] = {
     "Response": {
         "type": "object",
         "required": ["id", "object", "created_at", "status", "model", "output"],
@@ -428,82 +231,6 @@ RESPONSES: dict[str, Schema] = {
         },
     },
 }
-
-RESPONSES_INPUT = {
-    "anyOf": [STRING, {"type": "array", "items": ref("InputItem")}],
-    "description": "Required (non-empty) unless previous_response_id supplies the conversation.",
-}
-RESPONSES_PROMPT_FIELDS: dict[str, Schema] = {
-    "model": ref("ModelId"),
-    "input": RESPONSES_INPUT,
-    "instructions": STRING,
-    "previous_response_id": {**NON_EMPTY_STRING, "description": "a stored Response (404 response_not_found otherwise)"},
-    "reasoning": ref("ResponsesReasoning"),
-    "tools": {"type": "array", "items": ref("ResponsesTool")},
-    "tool_choice": ref("ResponsesToolChoice"),
-    "parallel_tool_calls": {"type": "boolean", "description": "false: at most one call (a grammar)"},
-    "text": ref("ResponsesText"),
-    "truncation": unprovidable(const("disabled"), "automatic truncation"),
-    "preserve_thinking": BOOLEAN,
-    "chat_template_kwargs": ref("ResponsesTemplateKwargs"),
-}
-INPUT_OR_PREVIOUS = [
-    {"required": ["input"], "properties": {"input": {"anyOf": [NON_EMPTY_STRING, {"type": "array", "minItems": 1}]}}},
-    {"required": ["previous_response_id"], "properties": {"previous_response_id": STRING}},
-]
-
-
-def _responses_create() -> Schema:
-    fields = {
-        **RESPONSES_PROMPT_FIELDS,
-        "max_output_tokens": integer(0),
-        "stream": BOOLEAN,
-        "store": {"type": "boolean", "description": "default true; stored in this process only"},
-        "temperature": number(0, 2),
-        "top_p": number(0, 1),
-        "metadata": {
-            "type": "object",
-            "maxProperties": responses_request.MAX_METADATA_PAIRS,
-            "propertyNames": {"maxLength": responses_request.MAX_METADATA_KEY},
-            "additionalProperties": {"type": "string", "maxLength": responses_request.MAX_METADATA_VALUE},
-        },
-        "client_metadata": OBJECT,
-        "max_tool_calls": integer(0),
-        "top_logprobs": {
-            **integer(0, 20),
-            "description": "alternatives per answer token; log probabilities are returned with it, or with include "
-                           "message.output_text.logprobs",
-        },
-        "service_tier": unprovidable(enum(("auto", "default")), "other service tiers"),
-        "background": unprovidable(const(False), "background execution"),
-        "include": {"type": "array", "items": unprovidable(enum(responses_request.INCLUDABLE), "other data")},
-        "stream_options": obj({"include_obfuscation": BOOLEAN}),
-        "prompt_cache_key": STRING,
-        "prompt_cache_options": PROMPT_CACHE_OPTIONS,
-        "prompt_cache_retention": enum(PROMPT_CACHE_RETENTIONS),
-        "safety_identifier": STRING,
-        "user": STRING,
-        **{key: unprovidable(EMPTY, capability) for key, capability in responses_request.UNPROVIDABLE_FIELDS.items()
-           if key in responses_request.CREATE_FIELDS},
-    }
-    assert set(fields) == responses_request.CREATE_FIELDS, set(fields) ^ responses_request.CREATE_FIELDS
-    return obj(fields, ("model",), closed=True, anyOf=INPUT_OR_PREVIOUS,
-               description="Unknown top-level fields are 400 unknown_parameter.")
-
-
-def _responses_count() -> Schema:
-    fields = {
-        **RESPONSES_PROMPT_FIELDS,
-        **{key: unprovidable(EMPTY, capability) for key, capability in responses_request.UNPROVIDABLE_FIELDS.items()
-           if key in responses_request.COUNT_FIELDS},
-    }
-    assert set(fields) == responses_request.COUNT_FIELDS, set(fields) ^ responses_request.COUNT_FIELDS
-    return obj(fields, closed=True, anyOf=INPUT_OR_PREVIOUS,
-               description="The prompt-shaping subset of a create; model is optional.")
-
-
-RESPONSES["ResponseCreateRequest"] = _responses_create()
-RESPONSES["ResponseInputTokensRequest"] = _responses_count()
 
 # ---- Anthropic Messages ---------------------------------------------------------------------------
 
@@ -957,16 +684,6 @@ MEDIA_URL: Schema = {
 
 
 VISION: dict[str, Schema] = {
-    "InputImagePart": obj(
-        {"type": const("input_image"), "image_url": MEDIA_URL, "detail": const("auto"),
-         "file_id": unprovidable(NULL, "file-id images"), "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
-        ("type", "image_url"),
-    ),
-    "InputVideoPart": obj(
-        {"type": const("input_video"), "video_url": MEDIA_URL, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
-        ("type", "video_url"),
-        description="NInfer extension",
-    ),
     "ImageBlock": obj(
         {
             "type": const("image"),
@@ -988,16 +705,6 @@ def _with_vision(schemas: dict[str, Schema]) -> None:
     """Media parts where the validators take them with --vision: user and tool messages (Chat),
     user messages and function_call_output (Responses), user messages and tool_result (Messages)."""
     schemas.update(copy.deepcopy(VISION))
-    item = copy.deepcopy(schemas["InstructionMessageItem"])
-    item["properties"]["role"] = const("user")
-    item["properties"]["content"] = {"anyOf": [STRING, {"type": "array", "items": {"anyOf": [
-        ref("InputTextPart"), ref("InputImagePart"), ref("InputVideoPart")]}}]}
-    item.pop("description", None)
-    schemas["UserMessageItem"] = item
-    schemas["InputItem"]["anyOf"].insert(1, ref("UserMessageItem"))
-    schemas["InstructionMessageItem"]["description"] = "Text parts; a user message with media is a UserMessageItem."
-    output = schemas["FunctionCallOutputItem"]["properties"]["output"]["anyOf"][1]
-    output["items"] = {"anyOf": [ref("InputTextPart"), ref("InputImagePart")]}
     content = schemas["UserMessage"]["properties"]["content"]["anyOf"][1]
     content["items"]["anyOf"].append(ref("ImageBlock"))
     schemas["UserMessage"]["description"] = "Text, tool_result and image blocks."
@@ -1007,7 +714,8 @@ def _with_vision(schemas: dict[str, Schema]) -> None:
 
 @functools.cache
 def _document(vision: bool) -> Schema:
-    schemas = copy.deepcopy({**SHARED, **chat_schema.schemas(vision), **CHAT_RESPONSES, **RESPONSES, **MESSAGES,
+    schemas = copy.deepcopy({**SHARED, **chat_schema.schemas(vision), **CHAT_RESPONSES, **responses_schema.schemas(vision),
+                             **RESPONSES_RESPONSES, **MESSAGES,
                              "Model": MODEL})
     if vision:
         _with_vision(schemas)

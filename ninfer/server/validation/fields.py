@@ -210,6 +210,11 @@ class Field:
                    lambda obj, key, path: enum_value(obj, key, path, values))
 
     @classmethod
+    def object(cls, schema: Schema) -> Field:
+        """An object whose members the validator reads in turn (often a Fields table's schema)."""
+        return cls(schema, optional_object)
+
+    @classmethod
     def shape(cls, schema: Schema) -> Field:
         """A member its own parser reads (messages, tools, formats...)."""
         return cls(schema)
@@ -235,4 +240,4 @@ class Fields(dict[str, Field]):
 
     def member(self, **extra) -> Field:
         """This table as a member of the object around it: an optional object."""
-        return Field(self.schema(**extra), optional_object)
+        return Field.object(self.schema(**extra))
