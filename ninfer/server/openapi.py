@@ -1,53 +1,33 @@
 """The OpenAPI 3.1 document served at GET /openapi.json: every route, its request body and responses.
 
-Request validation is hand-written (openai_chat/request.py, openai_responses/request.py and
-items.py, anthropic_messages/request.py and lowering.py, validation/*), so this document is
-written beside it from the same constants and tested against it (tests/server/test_openapi.py):
-bodies generated from a request schema are accepted by its validator, and the bodies the
-validator accepts in the tests validate against the schema. A schema describes what is
-*accepted*: options that are only ever refused (n > 1, JSON modes; media, as on a server without --vision)
-appear as their one neutral value, with the refusal in the description. JSON schemas inside
-requests (output formats, tool parameters) are any object here: one the grammar cannot hold is a
-400 invalid_schema naming its field at preparation, after the body passed.
+Request schemas come from the protocols' own request definitions: each request's top-level
+fields are one table (`Fields`) in its request.py that the validator reads its plain options
+through and the document renders, and the shapes their parsers read (messages, Items, blocks,
+tools) are built beside them in openai_chat/schema.py, openai_responses/schema.py and
+anthropic_messages/schema.py from the parsers' constants. This module adds what every protocol
+shares, the response bodies, the paths and their errors. tests/server/test_openapi.py walks every
+request schema against its validator member by member, and generates bodies from the schemas.
 
-What JSON Schema cannot say (cross-field rules, JSON text inside strings, state such as stored
-Responses, the loaded template's capabilities) is listed in ninfer/testing/openapi_cases.py.
-The document is the same for every server: the model id is `ModelId`, any non-empty string
-here, which must equal the id GET /v1/models lists.
+A schema describes what is *accepted*: options that are only ever refused (n > 1, audio; media,
+as on a server without --vision) appear as their one neutral value, with the refusal in the
+description. JSON schemas inside requests (output formats, tool parameters) are any object here:
+one the grammar cannot hold is a 400 invalid_schema naming its field at preparation, after the
+body passed. What JSON Schema cannot say (cross-field rules, JSON text inside strings, state such
+as stored Responses, the loaded template's capabilities) is listed in
+ninfer/testing/openapi_cases.py. The document is the same for every server but for media: the
+model id is `ModelId`, any non-empty string here, which must equal the id GET /v1/models lists.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from typing import Any
 
-from ninfer.contract.sampling import TOP_K_CAP
-from ninfer.frontend.capabilities import EFFORT_TIERS
-from ninfer.server.anthropic_messages import lowering as messages_lowering
-from ninfer.server.anthropic_messages import request as messages_request
+from ninfer.server.anthropic_messages import schema as messages_schema
 from ninfer.server.openai_chat import schema as chat_schema
 from ninfer.server.openai_responses import schema as responses_schema
-from ninfer.server.validation.cache_markers import CACHE_TTLS, PROMPT_CACHE_RETENTIONS
-from ninfer.server.validation.sampling import SEED_MAX, SEED_MIN
-from ninfer.server.validation.tools import HOSTED_TOOL_TYPES
-from ninfer.server.validation.schema import (
-    BOOLEAN,
-    EMPTY,
-    NON_EMPTY_STRING,
-    NULL,
-    OBJECT,
-    STRING,
-    Schema,
-    const,
-    enum,
-    integer,
-    nullable,
-    number,
-    obj,
-    ref,
-    unprovidable,
-)
+from ninfer.server.validation.schema import BOOLEAN, NULL, OBJECT, STRING, Schema, const, enum, integer, obj, ref
+from ninfer.server.validation.tools import FUNCTION_FLAGS
 
 # ---- shared pieces --------------------------------------------------------------------------------
 
@@ -63,19 +43,9 @@ SHARED: dict[str, Schema] = {
         "contentSchema": {"type": "object"},
         "description": "A JSON object as text (tool-call arguments); NaN and Infinity are refused.",
     },
-    "FunctionFlags": {
-        "description": "Tool-definition flags every protocol refuses when they ask for something.",
-        "type": "object",
-        "properties": {
-            "strict": nullable({"type": "boolean", "description": "true: calls of this tool follow its parameters "
-                                                                   "schema (a grammar over the Qwen tool-call markup)"}),
-            "output_schema": unprovidable(NULL, "function output schemas"),
-            "async": unprovidable(nullable(const(False)), "asynchronous function calls"),
-            "allowed_callers": nullable(
-                {"type": "array", "contains": const("direct"), "description": "must include direct"}
-            ),
-        },
-    },
+    "FunctionFlags": FUNCTION_FLAGS.schema(
+        description="Tool-definition flags every protocol refuses when they ask for something."
+    ),
     "JsonSchema": {
         "type": "object",
         "description": "A JSON Schema the answer or the arguments follow through a grammar; one the grammar cannot "
@@ -136,12 +106,7 @@ SHARED: dict[str, Schema] = {
     },
 }
 
-# ---- OpenAI Chat Completions ----------------------------------------------------------------------
-
-OPENAI_CACHE_BREAKPOINT = obj({"mode": const("explicit"), "ttl": enum(CACHE_TTLS)}, ("mode",))
-PROMPT_CACHE_OPTIONS = obj(
-    {"mode": enum(("implicit", "explicit")), "ttl": enum(CACHE_TTLS), "comparison_response_id": STRING}
-)
+# ---- response bodies ------------------------------------------------------------------------------
 
 CHAT_RESPONSES: dict[str, Schema] = {
     "ChatCompletion": {
@@ -202,8 +167,6 @@ CHAT_RESPONSES: dict[str, Schema] = {
     },
 }
 
-# ---- OpenAI Responses -----------------------------------------------------------------------------
-
 RESPONSES_RESPONSES: dict[str, Schema] = {
     "Response": {
         "type": "object",
@@ -232,153 +195,20 @@ RESPONSES_RESPONSES: dict[str, Schema] = {
     },
 }
 
-# ---- Anthropic Messages ---------------------------------------------------------------------------
+MODEL_CAPABILITIES = obj(
+    {"vision": {**BOOLEAN, "description": "image and video parts are accepted (--vision)"},
+     "tools": {**BOOLEAN, "description": "function tools are accepted (the chat template has a tool section)"},
+     "thinking_default": {**BOOLEAN, "description": "a request that says nothing about thinking thinks"},
+     "thinking_switch": {**BOOLEAN, "description": "enable_thinking true and false are both served"}},
+    ("vision", "tools", "thinking_default", "thinking_switch"),
+)
+MODEL = obj(
+    {"id": STRING, "object": const("model"), "created": {"type": "integer"}, "owned_by": STRING,
+     "max_model_len": integer(1), "capabilities": MODEL_CAPABILITIES},
+    ("id", "object", "created", "owned_by", "max_model_len", "capabilities"),
+)
 
-CACHE_CONTROL = obj({"type": const("ephemeral"), "ttl": enum(messages_lowering.CACHE_TTLS)}, ("type",))
-NO_TOOLSET = {"toolset_name": unprovidable(NULL, "toolsets")}
-SINGLE_TOOL_USE = {"disable_parallel_tool_use": {"type": "boolean", "description": "true: at most one tool_use (a grammar)"}}
-
-MESSAGES: dict[str, Schema] = {
-    "CacheControl": CACHE_CONTROL,
-    "TextBlock": obj(
-        {
-            "type": const("text"),
-            "text": STRING,
-            "cache_control": ref("CacheControl"),
-            "citations": unprovidable(EMPTY, "citations"),
-        },
-        ("type", "text"),
-    ),
-    "ThinkingBlock": obj(
-        {
-            "type": const("thinking"),
-            "thinking": STRING,
-            "signature": STRING,
-            "cache_control": {**NULL, "description": "thinking blocks carry no cache_control"},
-        },
-        ("type", "thinking"),
-    ),
-    "ToolUseBlock": obj(
-        {
-            "type": const("tool_use"),
-            "id": NON_EMPTY_STRING,
-            "name": NON_EMPTY_STRING,
-            "input": OBJECT,
-            "caller": obj({"type": unprovidable(const("direct"), "programmatic tool callers")}, ("type",)),
-            "cache_control": ref("CacheControl"),
-            **NO_TOOLSET,
-        },
-        ("type", "id", "name", "input"),
-    ),
-    "ToolResultBlock": obj(
-        {
-            "type": const("tool_result"),
-            "tool_use_id": STRING,
-            "is_error": BOOLEAN,
-            "content": {
-                "anyOf": [
-                    STRING,
-                    {
-                        "type": "array",
-                        "items": {
-                            "anyOf": [
-                                ref("TextBlock"),
-                                obj({"type": const("tool_reference"), "tool_name": STRING}, ("type", "tool_name")),
-                            ]
-                        },
-                    },
-                ]
-            },
-            "cache_control": ref("CacheControl"),
-            **NO_TOOLSET,
-        },
-        ("type", "tool_use_id"),
-        description="Leads its user turn and answers a tool_use of the preceding assistant turn.",
-    ),
-    "UserMessage": obj(
-        {
-            "role": const("user"),
-            "content": {
-                "anyOf": [STRING, {"type": "array", "items": {"anyOf": [ref("TextBlock"), ref("ToolResultBlock")]}}]
-            },
-        },
-        ("role", "content"),
-        description="image blocks are 400 vision_disabled without --vision (this document describes a server without it).",
-    ),
-    "AssistantMessage": obj(
-        {
-            "role": const("assistant"),
-            "content": {
-                "anyOf": [
-                    STRING,
-                    {
-                        "type": "array",
-                        "items": {"anyOf": [ref("TextBlock"), ref("ThinkingBlock"), ref("ToolUseBlock")]},
-                    },
-                ]
-            },
-        },
-        ("role", "content"),
-        description="A final text-only assistant turn is a prefill the answer continues.",
-    ),
-    "SystemMessage": obj(
-        {"role": const("system"), "content": {"anyOf": [STRING, {"type": "array", "items": ref("TextBlock")}]}},
-        ("role", "content"),
-    ),
-    "MessagesTool": {
-        "allOf": [
-            ref("FunctionFlags"),
-            obj(
-                {
-                    "type": unprovidable(const("custom"), "Anthropic-provided tools and toolsets"),
-                    "name": {"type": "string", "pattern": messages_lowering.TOOL_NAME.pattern},
-                    "description": STRING,
-                    "input_schema": {
-                        "type": "object",
-                        "properties": {"type": const("object"),
-                                       "examples": {"description": "not together with input_examples"}},
-                    },
-                    "input_examples": {"type": "array", "items": OBJECT},
-                    "defer_loading": BOOLEAN,
-                    "eager_input_streaming": BOOLEAN,
-                    "cache_control": ref("CacheControl"),
-                },
-                ("name", "input_schema"),
-                description="Names are unique; input_examples and input_schema.examples exclude each other.",
-            ),
-        ]
-    },
-    "MessagesThinking": {
-        "anyOf": [
-            obj({"type": const("disabled")}, ("type",)),
-            obj(
-                {
-                    "type": const("enabled"),
-                    "budget_tokens": {
-                        **integer(messages_request.MIN_THINKING_BUDGET),
-                        "description": "less than max_tokens",
-                    },
-                    "display": enum(("summarized", "omitted")),
-                },
-                ("type", "budget_tokens"),
-            ),
-            obj({"type": const("adaptive"), "display": enum(("summarized", "omitted"))}, ("type",)),
-        ]
-    },
-    "MessagesToolChoice": {
-        "anyOf": [
-            obj({"type": enum(("auto", "any"), "any: one or more tool_use blocks"), **SINGLE_TOOL_USE}, ("type",)),
-            obj({"type": const("tool"), "name": {**STRING, "description": "a declared tool: exactly one call of it"},
-                 **SINGLE_TOOL_USE}, ("type", "name")),
-            obj({"type": const("none")}, ("type",)),
-        ]
-    },
-    "MessagesOutputFormat": obj(
-        {"type": const("json_schema"), "schema": ref("JsonSchema"), "name": NON_EMPTY_STRING, "description": STRING,
-         "strict": BOOLEAN},
-        ("type", "schema"),
-        description="Structured Outputs: the answer text is one JSON value of the schema",
-    ),
+MESSAGES_RESPONSES: dict[str, Schema] = {
     "Message": {
         "type": "object",
         "required": ["id", "type", "role", "content", "model", "stop_reason", "usage"],
@@ -395,55 +225,6 @@ MESSAGES: dict[str, Schema] = {
     },
 }
 
-
-def _messages_request(count_only: bool) -> Schema:
-    fields: dict[str, Schema] = {
-        "model": {**NON_EMPTY_STRING, "description": "any non-empty label; echoed back, selects nothing"},
-        "messages": {
-            "type": "array",
-            "minItems": 1,
-            "items": {"anyOf": [ref("UserMessage"), ref("AssistantMessage"), ref("SystemMessage")]},
-        },
-        "system": {"anyOf": [STRING, {"type": "array", "items": ref("TextBlock")}]},
-        "tools": {"type": "array", "items": ref("MessagesTool")},
-        "tool_choice": ref("MessagesToolChoice"),
-        "thinking": ref("MessagesThinking"),
-        "output_config": obj(
-            {
-                "effort": enum(messages_request.EFFORTS, "served as the template's nearest tier"),
-                "format": ref("MessagesOutputFormat"),
-            }
-        ),
-        "preserve_thinking": BOOLEAN,
-        "cache_control": ref("CacheControl"),
-        "context_management": obj(
-            {
-                "edits": {
-                    "type": "array",
-                    "items": unprovidable(
-                        obj({"type": const("clear_thinking_20251015"), "keep": const("all")}, ("type", "keep")),
-                        "server-side context editing",
-                    ),
-                }
-            }
-        ),
-        "output_format": {**ref("MessagesOutputFormat"), "description": "the beta spelling of output_config.format"},
-        **{key: unprovidable(EMPTY, capability) for key, capability in messages_request.UNSUPPORTED_FIELDS.items()},
-    }
-    if not count_only:
-        fields |= {
-            "max_tokens": {**integer(1), "description": "default --default-max-tokens"},
-            "stop_sequences": {"type": "array", "items": NON_EMPTY_STRING},
-            "stream": BOOLEAN,
-            "temperature": number(0, 1),
-            "top_p": number(0, 1),
-            "top_k": unprovidable(integer(0, TOP_K_CAP), f"top_k above {TOP_K_CAP}"),
-        }
-    return obj(fields, ("model", "messages"), description="Unknown top-level fields are ignored.")
-
-
-MESSAGES["MessagesRequest"] = _messages_request(count_only=False)
-MESSAGES["MessagesCountTokensRequest"] = _messages_request(count_only=True)
 
 # ---- paths ------------------------------------------------------------------------------------------
 
@@ -658,67 +439,11 @@ def _text_paths() -> dict[str, Schema]:
     }
 
 
-MODEL_CAPABILITIES = obj(
-    {"vision": {**BOOLEAN, "description": "image and video parts are accepted (--vision)"},
-     "tools": {**BOOLEAN, "description": "function tools are accepted (the chat template has a tool section)"},
-     "thinking_default": {**BOOLEAN, "description": "a request that says nothing about thinking thinks"},
-     "thinking_switch": {**BOOLEAN, "description": "enable_thinking true and false are both served"}},
-    ("vision", "tools", "thinking_default", "thinking_switch"),
-)
-MODEL = obj(
-    {"id": STRING, "object": const("model"), "created": {"type": "integer"}, "owned_by": STRING,
-     "max_model_len": integer(1), "capabilities": MODEL_CAPABILITIES},
-    ("id", "object", "created", "owned_by", "max_model_len", "capabilities"),
-)
-
-
-# ---- media (--vision) -----------------------------------------------------------------------------
-# A server with --vision documents its media parts; without it they are 400 vision_disabled and the
-# document leaves them out (their descriptions say so).
-
-MEDIA_URL: Schema = {
-    "type": "string",
-    "pattern": "^([hH][tT][tT][pP][sS]?://|[dD][aA][tT][aA]:)",
-    "description": "an http(s) URL (fetched under the server's address rules) or a data: URI",
-}
-
-
-VISION: dict[str, Schema] = {
-    "ImageBlock": obj(
-        {
-            "type": const("image"),
-            "source": {
-                "anyOf": [
-                    obj({"type": const("base64"), "media_type": enum(messages_lowering.IMAGE_MEDIA_TYPES),
-                         "data": STRING}, ("type", "media_type", "data")),
-                    obj({"type": const("url"), "url": MEDIA_URL}, ("type", "url")),
-                ]
-            },
-            "cache_control": ref("CacheControl"),
-        },
-        ("type", "source"),
-    ),
-}
-
-
-def _with_vision(schemas: dict[str, Schema]) -> None:
-    """Media parts where the validators take them with --vision: user and tool messages (Chat),
-    user messages and function_call_output (Responses), user messages and tool_result (Messages)."""
-    schemas.update(copy.deepcopy(VISION))
-    content = schemas["UserMessage"]["properties"]["content"]["anyOf"][1]
-    content["items"]["anyOf"].append(ref("ImageBlock"))
-    schemas["UserMessage"]["description"] = "Text, tool_result and image blocks."
-    result = schemas["ToolResultBlock"]["properties"]["content"]["anyOf"][0]["anyOf"][1]
-    result["items"]["anyOf"].append(ref("ImageBlock"))
-
-
 @functools.cache
 def _document(vision: bool) -> Schema:
-    schemas = copy.deepcopy({**SHARED, **chat_schema.schemas(vision), **CHAT_RESPONSES, **responses_schema.schemas(vision),
-                             **RESPONSES_RESPONSES, **MESSAGES,
+    requests = {**chat_schema.schemas(vision), **responses_schema.schemas(vision), **messages_schema.schemas(vision)}
+    schemas = copy.deepcopy({**SHARED, **requests, **CHAT_RESPONSES, **RESPONSES_RESPONSES, **MESSAGES_RESPONSES,
                              "Model": MODEL})
-    if vision:
-        _with_vision(schemas)
     return {
         "openapi": "3.1.0",
         "info": {

@@ -62,7 +62,8 @@ def schemas(vision: bool) -> dict[str, Schema]:
                 "phase": STRING,
             },
             ("role", "content"),
-            description="input_image/input_video parts are 400 vision_disabled without --vision (this document describes a server without it).",
+            description="input_image/input_video parts are 400 vision_disabled without --vision (this document "
+                        "describes a server without it).",
         ),
         "AssistantMessageItem": obj(
             {
@@ -208,11 +209,14 @@ def schemas(vision: bool) -> dict[str, Schema]:
             {"preserve_thinking": BOOLEAN},
             additionalProperties=unprovidable(NULL, "arbitrary chat template variables"),
         ),
-        "ResponseCreateRequest": CREATE_FIELDS.schema(("model",), closed=True, anyOf=INPUT_OR_PREVIOUS,
-                                                      description="Unknown top-level fields are 400 unknown_parameter."),
-        "ResponseInputTokensRequest": COUNT_FIELDS.schema(closed=True, anyOf=INPUT_OR_PREVIOUS,
-                                                          description="The prompt-shaping subset of a create; model is "
-                                                                      "optional."),
+        "ResponseCreateRequest": CREATE_FIELDS.schema(
+            ("model",), closed=True, anyOf=INPUT_OR_PREVIOUS,
+            description="Unknown top-level fields are 400 unknown_parameter.",
+        ),
+        "ResponseInputTokensRequest": COUNT_FIELDS.schema(
+            closed=True, anyOf=INPUT_OR_PREVIOUS,
+            description="The prompt-shaping subset of a create; model is optional.",
+        ),
     }
     if vision:
         _with_media(components)
