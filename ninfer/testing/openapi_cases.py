@@ -1,6 +1,7 @@
 """What the OpenAPI request schemas cannot express, and the document narrowed so that it can.
 
-ninfer/server/openapi.py describes each request body with JSON Schema, which cannot state rules
+The OpenAPI document (ninfer/server/openapi.py, each request schema from its protocol's
+request definition) describes each request body with JSON Schema, which cannot state rules
 that relate two fields, read JSON inside a string, know the server's state or the loaded chat
 template. Each such rule is one entry of INEXPRESSIBLE (the validator's rule, then how the
 generation document avoids it); `accepted_document` applies them, so every body generated from

@@ -24,21 +24,22 @@ BUILT_EXACTLY = {"type", "enum", "properties", "required", "additionalProperties
                  "items", "minItems", "maxItems", "contains", "minimum", "maximum", "pattern", "maxLength",
                  "contentMediaType", "contentSchema", "description"}
 UNDOCUMENTED_READS: set[tuple[str, str]] = set()  # (where the object was documented, member read)
-_recording = [False]
 
 
 @contextlib.contextmanager
 def recording(active: bool = True):
     """Note undocumented reads while a validator runs (schema checks read every branch's members)."""
-    _recording[0] = active
+    Recorded.active = active
     try:
         yield
     finally:
-        _recording[0] = False
+        Recorded.active = False
 
 
 class Recorded(dict):
-    """A request object that notes reads of members its schema does not document (None: any member)."""
+    """A request object that notes reads of members its schema does not document."""
+
+    active = False  # set by recording()
 
     def __init__(self, items: dict, origin: str, schema: dict | None):
         super().__init__(items)
@@ -50,7 +51,7 @@ class Recorded(dict):
         self.documented = None if map_like else frozenset(properties)
 
     def _note(self, key: Any) -> None:
-        if _recording[0] and self.documented is not None and key not in self.documented:
+        if Recorded.active and self.documented is not None and key not in self.documented:
             UNDOCUMENTED_READS.add((self.origin, str(key)))
 
     def get(self, key, default=None):
@@ -203,11 +204,11 @@ class Examples:
         if kind == "array":
             if schema.get("maxItems") == 0:
                 return [[]]
+            # Items of any shape (no `items`): strings will do.
             items = self.instances(schema.get("items", {"type": "string"}), f"{origin}[]")
-            if "contains" in schema:
-                wanted = self.instances(schema["contains"], f"{origin}[]")
-                return [[clone(first), clone(item)] for first in wanted[:1] for item in items] or [[first]
-                                                                                                for first in wanted]
+            if "contains" in schema:  # the item it must contain first, then each other item
+                wanted = self.instances(schema["contains"], f"{origin}[]")[:1]
+                return [[*map(clone, wanted), item] for item in items] if wanted else []
             lists = [[item] for item in items]
             return lists if schema.get("minItems", 0) else [[], *lists]
         return self._objects(schema, origin)

@@ -1,5 +1,8 @@
 """GET /openapi.json against the hand-written validators, in both directions.
 
+- Each request schema, walked member by member (tests/server/schema_examples.py): every member
+  the validator reads is documented, no body off the document is accepted, and every documented
+  value is accepted where the narrowed document (below) can state the validator's rules.
 - Bodies generated from each request schema (narrowed by ninfer/testing/openapi_cases.py where
   JSON Schema cannot state a rule) are accepted by the endpoint's validator.
 - The bodies the validators accept in the protocol test modules validate against the schema
