@@ -1,109 +1,33 @@
 """The OpenAPI 3.1 document served at GET /openapi.json: every route, its request body and responses.
 
-Request validation is hand-written (openai_chat/request.py, openai_responses/request.py and
-items.py, anthropic_messages/request.py and lowering.py, validation/*), so this document is
-written beside it from the same constants and tested against it (tests/server/test_openapi.py):
-bodies generated from a request schema are accepted by its validator, and the bodies the
-validator accepts in the tests validate against the schema. A schema describes what is
-*accepted*: options that are only ever refused (n > 1, JSON modes; media, as on a server without --vision)
-appear as their one neutral value, with the refusal in the description. JSON schemas inside
-requests (output formats, tool parameters) are any object here: one the grammar cannot hold is a
-400 invalid_schema naming its field at preparation, after the body passed.
+Request schemas come from the protocols' own request definitions: each request's top-level
+fields are one table (`Fields`) in its request.py that the validator reads its plain options
+through and the document renders, and the shapes their parsers read (messages, Items, blocks,
+tools) are built beside them in openai_chat/schema.py, openai_responses/schema.py and
+anthropic_messages/schema.py from the parsers' constants. This module adds what every protocol
+shares, the response bodies, the paths and their errors. tests/server/test_openapi.py walks every
+request schema against its validator member by member, and generates bodies from the schemas.
 
-What JSON Schema cannot say (cross-field rules, JSON text inside strings, state such as stored
-Responses, the loaded template's capabilities) is listed in ninfer/testing/openapi_cases.py.
-The document is the same for every server: the model id is `ModelId`, any non-empty string
-here, which must equal the id GET /v1/models lists.
+A schema describes what is *accepted*: options that are only ever refused (n > 1, audio; media,
+as on a server without --vision) appear as their one neutral value, with the refusal in the
+description. JSON schemas inside requests (output formats, tool parameters) are any object here:
+one the grammar cannot hold is a 400 invalid_schema naming its field at preparation, after the
+body passed. What JSON Schema cannot say (cross-field rules, JSON text inside strings, state such
+as stored Responses, the loaded template's capabilities) is listed in
+ninfer/testing/openapi_cases.py. The document is the same for every server but for media: the
+model id is `ModelId`, any non-empty string here, which must equal the id GET /v1/models lists.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from typing import Any
 
-from ninfer.contract.sampling import TOP_K_CAP
-from ninfer.frontend.capabilities import EFFORT_TIERS
-from ninfer.server.anthropic_messages import lowering as messages_lowering
-from ninfer.server.anthropic_messages import request as messages_request
-from ninfer.server.openai_chat import request as chat_request
-from ninfer.server.openai_responses import items as responses_items
-from ninfer.server.openai_responses import request as responses_request
-from ninfer.server.validation.cache_markers import CACHE_TTLS, PROMPT_CACHE_RETENTIONS
-from ninfer.server.validation.sampling import SEED_MAX, SEED_MIN
-from ninfer.server.validation.tools import HOSTED_TOOL_TYPES
-
-Schema = dict[str, Any]
-
-NULL: Schema = {"type": "null"}
-STRING: Schema = {"type": "string"}
-NON_EMPTY_STRING: Schema = {"type": "string", "minLength": 1}
-BOOLEAN: Schema = {"type": "boolean"}
-OBJECT: Schema = {"type": "object"}
-# A recognised option that is served only while it asks for nothing: null, [] or {}.
-EMPTY: Schema = {"anyOf": [NULL, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}]}
-
-
-def ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def nullable(schema: Schema) -> Schema:
-    """Explicit null means "not given" in every validator."""
-    return {"anyOf": [schema, NULL]}
-
-
-def const(value: Any, description: str | None = None) -> Schema:
-    schema: Schema = {"enum": [value]}
-    if description:
-        schema["description"] = description
-    return schema
-
-
-def enum(values: tuple | list, description: str | None = None) -> Schema:
-    schema: Schema = {"type": "string", "enum": list(values)}
-    if description:
-        schema["description"] = description
-    return schema
-
-
-def number(low: float, high: float) -> Schema:
-    return {"type": "number", "minimum": low, "maximum": high}
-
-
-def integer(low: int, high: int | None = None) -> Schema:
-    schema: Schema = {"type": "integer", "minimum": low}
-    if high is not None:
-        schema["maximum"] = high
-    return schema
-
-
-def obj(properties: dict[str, Schema], required: tuple[str, ...] = (), *, closed: bool = False, **extra) -> Schema:
-    """An object; optional members accept null (validators read null as absent) unless already typed so."""
-    schema: Schema = {
-        "type": "object",
-        "properties": {
-            key: value if key in required or _admits_null(value) else nullable(value) for key, value in properties.items()
-        },
-    }
-    if required:
-        schema["required"] = list(required)
-    if closed:
-        schema["additionalProperties"] = False
-    schema.update(extra)
-    return schema
-
-
-def _admits_null(schema: Schema) -> bool:
-    if schema.get("type") == "null" or None in schema.get("enum", ()):
-        return True
-    return any(_admits_null(option) for option in schema.get("anyOf", ()))
-
-
-def unprovidable(neutral: Schema, refusal: str) -> Schema:
-    """An option whose only accepted value is its neutral one; anything else is unsupported_parameter."""
-    return {**neutral, "description": f"{refusal} (400 unsupported_parameter otherwise)"}
-
+from ninfer.server.anthropic_messages import schema as messages_schema
+from ninfer.server.openai_chat import schema as chat_schema
+from ninfer.server.openai_responses import schema as responses_schema
+from ninfer.server.validation.schema import BOOLEAN, NULL, OBJECT, STRING, Schema, const, enum, integer, obj, ref
+from ninfer.server.validation.tools import FUNCTION_FLAGS
 
 # ---- shared pieces --------------------------------------------------------------------------------
 
@@ -119,19 +43,9 @@ SHARED: dict[str, Schema] = {
         "contentSchema": {"type": "object"},
         "description": "A JSON object as text (tool-call arguments); NaN and Infinity are refused.",
     },
-    "FunctionFlags": {
-        "description": "Tool-definition flags every protocol refuses when they ask for something.",
-        "type": "object",
-        "properties": {
-            "strict": {"type": "boolean", "description": "true: calls of this tool follow its parameters schema "
-                                                          "(a grammar over the Qwen tool-call markup)"},
-            "output_schema": unprovidable(NULL, "function output schemas"),
-            "async": unprovidable(nullable(const(False)), "asynchronous function calls"),
-            "allowed_callers": nullable(
-                {"type": "array", "contains": const("direct"), "description": "must include direct"}
-            ),
-        },
-    },
+    "FunctionFlags": FUNCTION_FLAGS.schema(
+        description="Tool-definition flags every protocol refuses when they ask for something."
+    ),
     "JsonSchema": {
         "type": "object",
         "description": "A JSON Schema the answer or the arguments follow through a grammar; one the grammar cannot "
@@ -192,232 +106,9 @@ SHARED: dict[str, Schema] = {
     },
 }
 
-# ---- OpenAI Chat Completions ----------------------------------------------------------------------
+# ---- response bodies ------------------------------------------------------------------------------
 
-OPENAI_CACHE_BREAKPOINT = obj({"mode": const("explicit"), "ttl": enum(CACHE_TTLS)}, ("mode",))
-PROMPT_CACHE_OPTIONS = obj(
-    {"mode": enum(("implicit", "explicit")), "ttl": enum(CACHE_TTLS), "comparison_response_id": STRING}
-)
-
-CHAT: dict[str, Schema] = {
-    "ChatTextPart": obj(
-        {"type": const("text"), "text": STRING, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT}, ("type", "text")
-    ),
-    "ChatRefusalPart": obj(
-        {"type": const("refusal"), "refusal": STRING, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
-        ("type", "refusal"),
-    ),
-    "ChatContent": {
-        "description": "A string or text parts (image_url/video_url parts: 400 vision_disabled on a server without --vision; this document describes that server).",
-        "anyOf": [STRING, {"type": "array", "items": ref("ChatTextPart")}],
-    },
-    "ChatToolCall": obj(
-        {
-            "id": STRING,
-            "type": const("function"),
-            "function": obj({"name": NON_EMPTY_STRING, "arguments": ref("JsonObjectText")}, ("name", "arguments")),
-        },
-        ("function",),
-    ),
-    "ChatInstructionMessage": obj(
-        {
-            "role": enum(("system", "developer", "user")),
-            "content": ref("ChatContent"),
-            "name": unprovidable(const(""), "participant names"),
-            **{key: NULL for key in ("reasoning_content", "reasoning", "function_call", "refusal", "audio")},
-            "tool_calls": {"type": "array", "maxItems": 0},
-        },
-        ("role", "content"),
-    ),
-    "ChatToolMessage": obj(
-        {
-            "role": const("tool"),
-            "content": ref("ChatContent"),
-            "tool_call_id": NON_EMPTY_STRING,
-            "name": {"type": "string", "description": "mirrors the function name; ignored"},
-            **{key: NULL for key in ("reasoning_content", "reasoning", "function_call", "refusal", "audio")},
-            "tool_calls": {"type": "array", "maxItems": 0},
-        },
-        ("role", "content", "tool_call_id"),
-    ),
-    "ChatFunctionMessage": obj(
-        {
-            "role": const("function"),
-            "name": NON_EMPTY_STRING,
-            "content": STRING,
-            **{key: NULL for key in ("reasoning_content", "reasoning", "function_call", "refusal", "audio")},
-            "tool_calls": {"type": "array", "maxItems": 0},
-        },
-        ("role", "name"),
-        description="Legacy function result: follows an assistant function_call with the same name.",
-    ),
-    "ChatAssistantMessage": obj(
-        {
-            "role": const("assistant"),
-            "content": {"anyOf": [STRING, {"type": "array", "items": {"anyOf": [ref("ChatTextPart"),
-                                                                                ref("ChatRefusalPart")]}}]},
-            "refusal": STRING,
-            "reasoning_content": STRING,
-            "reasoning": {"type": "string", "description": "alias of reasoning_content; equal when both are given"},
-            "tool_calls": {"type": "array", "items": ref("ChatToolCall")},
-            "function_call": obj(
-                {"name": NON_EMPTY_STRING, "arguments": ref("JsonObjectText")},
-                ("name", "arguments"),
-                description="legacy; not together with tool_calls",
-            ),
-            "name": unprovidable(const(""), "participant names"),
-            "audio": unprovidable(NULL, "audio output history"),
-        },
-        ("role",),
-    ),
-    "ChatMessage": {
-        "anyOf": [
-            ref("ChatInstructionMessage"),
-            ref("ChatAssistantMessage"),
-            ref("ChatToolMessage"),
-            ref("ChatFunctionMessage"),
-        ]
-    },
-    "ChatTool": obj(
-        {
-            "type": const("function"),
-            "function": {
-                "allOf": [
-                    ref("FunctionFlags"),
-                    obj(
-                        {
-                            "name": NON_EMPTY_STRING,
-                            "description": STRING,
-                            "parameters": ref("JsonSchema"),
-                            "defer_loading": unprovidable(nullable(const(False)), "deferred tool loading"),
-                        },
-                        ("name",),
-                    ),
-                ]
-            },
-        },
-        ("type", "function"),
-        description="A function tool; names are unique within the request.",
-    ),
-    "ChatToolChoice": {
-        "anyOf": [
-            enum(("auto", "none", "required"), "required: the answer is one or more calls (a grammar)"),
-            obj(
-                {"type": const("function"), "function": obj({"name": STRING}, ("name",))},
-                ("type", "function"),
-                description="a named, declared tool: the answer is exactly one call of it",
-            ),
-            obj(
-                {
-                    "type": const("allowed_tools"),
-                    "allowed_tools": obj(
-                        {
-                            "mode": enum(("auto", "required")),
-                            "tools": {
-                                "type": "array",
-                                "items": obj(
-                                    {"type": const("function"), "function": obj({"name": STRING}, ("name",))},
-                                    ("type", "function"),
-                                ),
-                                "description": "each names a declared tool",
-                            },
-                        },
-                        ("mode", "tools"),
-                    ),
-                },
-                ("type", "allowed_tools"),
-            ),
-        ]
-    },
-    "ChatCompletionRequest": obj(
-        {
-            # Anything but a non-empty string (omitted, "", a number...) means the served model.
-            "model": {"anyOf": [ref("ModelId"), {"not": NON_EMPTY_STRING}]},
-            "messages": {"type": "array", "minItems": 1, "items": ref("ChatMessage")},
-            "max_completion_tokens": integer(0),
-            "max_tokens": {**integer(0), "description": "legacy spelling; equal to max_completion_tokens when both"},
-            "temperature": number(0, 2),
-            "top_p": number(0, 1),
-            "top_k": integer(0, TOP_K_CAP),
-            "min_p": number(0, 1),
-            "presence_penalty": number(-2, 2),
-            "frequency_penalty": number(-2, 2),
-            "seed": integer(SEED_MIN, SEED_MAX),
-            "stop": {
-                "anyOf": [
-                    NON_EMPTY_STRING,
-                    {"type": "array", "maxItems": chat_request.MAX_STOP_STRINGS, "items": NON_EMPTY_STRING},
-                ]
-            },
-            "stream": BOOLEAN,
-            "stream_options": obj({"include_usage": BOOLEAN, "include_obfuscation": BOOLEAN}),
-            "timings_per_token": BOOLEAN,
-            "return_progress": BOOLEAN,
-            "tools": {"type": "array", "items": ref("ChatTool")},
-            "tool_choice": ref("ChatToolChoice"),
-            "parallel_tool_calls": {"type": "boolean", "description": "false: at most one call (a grammar)"},
-            "reasoning_effort": enum(EFFORT_TIERS, "must be a tier the loaded template exposes (or none)"),
-            "enable_thinking": BOOLEAN,
-            "preserve_thinking": BOOLEAN,
-            "chat_template_kwargs": obj(
-                {"enable_thinking": BOOLEAN, "preserve_thinking": BOOLEAN},
-                additionalProperties=unprovidable(NULL, "arbitrary chat template variables"),
-            ),
-            "n": unprovidable(const(1), "more than one choice"),
-            "response_format": {
-                "anyOf": [
-                    obj({"type": enum(("text", "json_object"))}, ("type",)),
-                    obj(
-                        {
-                            "type": const("json_schema"),
-                            "json_schema": obj(
-                                {"name": NON_EMPTY_STRING, "description": STRING, "schema": ref("JsonSchema"),
-                                 "strict": BOOLEAN},
-                                ("schema",),
-                                description="the schema is enforced whatever strict says",
-                            ),
-                        },
-                        ("type", "json_schema"),
-                    ),
-                ],
-                "description": "json_object: the answer is one JSON object; json_schema: one JSON value of the schema",
-            },
-            "modalities": {"type": "array", "minItems": 1, "items": unprovidable(const("text"), "audio output")},
-            "audio": {
-                "type": ["object", "null"],
-                "description": "accepted without effect beside modalities [\"text\"]; with modalities omitted it asks "
-                               "for audio output (400 unsupported_parameter)",
-            },
-            "logit_bias": {
-                "type": "object",
-                "additionalProperties": unprovidable({"type": "number", "enum": [0]}, "non-zero logit biases"),
-            },
-            "logprobs": {"type": "boolean", "description": "true: choices carry the answer tokens' log probabilities"},
-            "top_logprobs": {**integer(0, 20), "description": "alternatives per token; needs logprobs: true"},
-            "web_search_options": unprovidable(NULL, "web search"),
-            "moderation": unprovidable(NULL, "moderation"),
-            "verbosity": unprovidable(const("medium"), "low/high verbosity"),
-            "store": unprovidable(const(False), "stored Chat Completions"),
-            "functions": unprovidable({"type": "array", "maxItems": 0}, "legacy function definitions (use tools)"),
-            "function_call": enum(("none", "auto"), "legacy; forcing a function is unsupported"),
-            **{alias: unprovidable(NULL, "other servers' constrained-decoding extensions (use response_format)")
-               for alias in chat_request.CONSTRAINED_DECODING_ALIASES},
-            "repetition_penalty": unprovidable({"type": "number", "enum": [1]}, "repetition penalties other than 1"),
-            "mm_processor_kwargs": {"type": "object", "additionalProperties": NULL},
-            "user": STRING,
-            "safety_identifier": STRING,
-            "service_tier": STRING,
-            "prompt_cache_key": STRING,
-            "prompt_cache_retention": enum(PROMPT_CACHE_RETENTIONS),
-            "prompt_cache_options": PROMPT_CACHE_OPTIONS,
-            "metadata": {"type": "object", "additionalProperties": STRING},
-            "prediction": obj(
-                {"type": const("content"), "content": {"anyOf": [STRING, {"type": "array"}]}}, ("type", "content")
-            ),
-        },
-        ("messages",),
-        description="Unknown top-level fields are ignored.",
-    ),
+CHAT_RESPONSES: dict[str, Schema] = {
     "ChatCompletion": {
         "type": "object",
         "required": ["id", "object", "created", "model", "choices", "usage", "timings"],
@@ -476,205 +167,7 @@ CHAT: dict[str, Schema] = {
     },
 }
 
-# ---- OpenAI Responses -----------------------------------------------------------------------------
-
-ITEM_STATUS = enum(responses_items.ITEM_STATUSES)
-COMPLETED_TOOL_ITEM = {
-    "status": unprovidable(const("completed"), "in_progress or incomplete tool Items"),
-    "caller": obj({"type": unprovidable(const("direct"), "programmatic tool callers")}, ("type",)),
-    "async": unprovidable(const(False), "asynchronous function calls"),
-}
-ITEM_ID = {**NON_EMPTY_STRING, "description": "kept when given (unique within input), generated otherwise"}
-INPUT_TEXT = obj(
-    {"type": const("input_text"), "text": STRING, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
-    ("type", "text"),
-)
-
-RESPONSES: dict[str, Schema] = {
-    "InputTextPart": INPUT_TEXT,
-    "OutputTextPart": obj(
-        {"type": const("output_text"), "text": STRING, "annotations": {"type": "array"}}, ("type", "text")
-    ),
-    "RefusalPart": obj({"type": const("refusal"), "refusal": STRING}, ("type", "refusal")),
-    "InstructionMessageItem": obj(
-        {
-            "type": const("message"),
-            "id": ITEM_ID,
-            "role": enum(("user", "system", "developer")),
-            "content": {"anyOf": [STRING, {"type": "array", "items": ref("InputTextPart")}]},
-            "status": ITEM_STATUS,
-            "phase": STRING,
-        },
-        ("role", "content"),
-        description="input_image/input_video parts are 400 vision_disabled without --vision (this document describes a server without it).",
-    ),
-    "AssistantMessageItem": obj(
-        {
-            "type": const("message"),
-            "id": ITEM_ID,
-            "role": const("assistant"),
-            "content": {
-                "anyOf": [
-                    STRING,
-                    {
-                        "type": "array",
-                        "items": {"anyOf": [ref("OutputTextPart"), ref("InputTextPart"), ref("RefusalPart")]},
-                    },
-                ]
-            },
-            "status": ITEM_STATUS,
-            "phase": STRING,
-        },
-        ("role", "content"),
-    ),
-    "ReasoningItem": obj(
-        {
-            "type": const("reasoning"),
-            "id": ITEM_ID,
-            "content": {
-                "type": "array",
-                "items": obj({"type": const("reasoning_text"), "text": STRING}, ("type", "text")),
-            },
-            "encrypted_content": {
-                "type": "string",
-                "description": "NInfer's envelope of the reasoning text (include reasoning.encrypted_content)",
-            },
-            "summary": {
-                "type": "array",
-                "items": obj({"type": const("summary_text"), "text": STRING}, ("type", "text")),
-            },
-            "status": ITEM_STATUS,
-        },
-        ("type",),
-        anyOf=[
-            {"required": ["content"], "properties": {"content": {"type": "array", "minItems": 1}}},
-            {"required": ["encrypted_content"], "properties": {"encrypted_content": STRING}},
-        ],
-        description="Raw reasoning text, or NInfer's envelope of it; summaries alone cannot be replayed.",
-    ),
-    "FunctionCallItem": obj(
-        {
-            "type": const("function_call"),
-            "id": ITEM_ID,
-            "call_id": NON_EMPTY_STRING,
-            "name": NON_EMPTY_STRING,
-            "namespace": STRING,
-            "arguments": ref("JsonObjectText"),
-            **COMPLETED_TOOL_ITEM,
-        },
-        ("type", "call_id", "name", "arguments"),
-    ),
-    "FunctionCallOutputItem": obj(
-        {
-            "type": const("function_call_output"),
-            "id": ITEM_ID,
-            "call_id": NON_EMPTY_STRING,
-            "output": {"anyOf": [STRING, {"type": "array", "minItems": 1, "items": ref("InputTextPart")}]},
-            "name": STRING,
-            "namespace": STRING,
-            **COMPLETED_TOOL_ITEM,
-        },
-        ("type", "call_id", "output"),
-        description="Answers a call of the preceding assistant turn, in declaration order.",
-    ),
-    "InputItem": {
-        "anyOf": [
-            ref("InstructionMessageItem"),
-            ref("AssistantMessageItem"),
-            ref("ReasoningItem"),
-            ref("FunctionCallItem"),
-            ref("FunctionCallOutputItem"),
-        ]
-    },
-    "ResponsesFunctionTool": {
-        "allOf": [
-            ref("FunctionFlags"),
-            obj(
-                {
-                    "type": const("function"),
-                    "name": NON_EMPTY_STRING,
-                    "description": STRING,
-                    "parameters": ref("JsonSchema"),
-                    "defer_loading": unprovidable(const(False), "deferred tool loading"),
-                },
-                ("type", "name"),
-            ),
-        ]
-    },
-    "ResponsesTool": {
-        "anyOf": [
-            ref("ResponsesFunctionTool"),
-            obj(
-                {
-                    "type": const("namespace"),
-                    "name": NON_EMPTY_STRING,
-                    "description": STRING,
-                    "tools": {"type": "array", "minItems": 1, "items": ref("ResponsesFunctionTool")},
-                },
-                ("type", "name", "tools"),
-            ),
-            ref("HostedTool"),
-        ],
-        "description": "Function identities (namespace and name) are unique within the request.",
-    },
-    "HostedTool": obj(
-        {"type": enum(sorted(HOSTED_TOOL_TYPES))},
-        ("type",),
-        description="Hosted tool: left out of the prompt and echoed back (forcing it is unsupported).",
-    ),
-    "ResponsesToolChoice": {
-        "anyOf": [
-            enum(("auto", "none", "required"), "required: the answer is one or more calls (a grammar)"),
-            obj(
-                {"type": const("function"), "name": STRING, "namespace": STRING},
-                ("type", "name"),
-                description="a declared function: the answer is exactly one call of it",
-            ),
-            obj(
-                {
-                    "type": const("allowed_tools"),
-                    "mode": enum(("auto", "required")),
-                    "tools": {
-                        "type": "array",
-                        "items": obj(
-                            {"type": const("function"), "name": STRING, "namespace": STRING}, ("type", "name")
-                        ),
-                        "description": "each names a declared function",
-                    },
-                },
-                ("type", "mode", "tools"),
-            ),
-        ]
-    },
-    "ResponsesReasoning": obj(
-        {
-            "effort": enum(EFFORT_TIERS, "must be a tier the loaded template exposes (or none)"),
-            "summary": unprovidable(const("auto"), "concise or detailed summaries"),
-            "generate_summary": unprovidable(const("auto"), "concise or detailed summaries"),
-            "context": unprovidable(const("auto"), "reasoning-context selection"),
-            "mode": unprovidable(const("standard"), "other reasoning modes"),
-        }
-    ),
-    "ResponsesText": obj(
-        {
-            "format": {
-                "anyOf": [
-                    obj({"type": enum(("text", "json_object"))}, ("type",)),
-                    obj(
-                        {"type": const("json_schema"), "name": NON_EMPTY_STRING, "description": STRING,
-                         "schema": ref("JsonSchema"), "strict": BOOLEAN},
-                        ("type", "schema"),
-                        description="the schema is enforced whatever strict says",
-                    ),
-                ]
-            },
-            "verbosity": enum(("low", "medium", "high"), "a hint, echoed"),
-        }
-    ),
-    "ResponsesTemplateKwargs": obj(
-        {"preserve_thinking": BOOLEAN},
-        additionalProperties=unprovidable(NULL, "arbitrary chat template variables"),
-    ),
+RESPONSES_RESPONSES: dict[str, Schema] = {
     "Response": {
         "type": "object",
         "required": ["id", "object", "created_at", "status", "model", "output"],
@@ -702,223 +195,20 @@ RESPONSES: dict[str, Schema] = {
     },
 }
 
-RESPONSES_INPUT = {
-    "anyOf": [STRING, {"type": "array", "items": ref("InputItem")}],
-    "description": "Required (non-empty) unless previous_response_id supplies the conversation.",
-}
-RESPONSES_PROMPT_FIELDS: dict[str, Schema] = {
-    "model": ref("ModelId"),
-    "input": RESPONSES_INPUT,
-    "instructions": STRING,
-    "previous_response_id": {**NON_EMPTY_STRING, "description": "a stored Response (404 response_not_found otherwise)"},
-    "reasoning": ref("ResponsesReasoning"),
-    "tools": {"type": "array", "items": ref("ResponsesTool")},
-    "tool_choice": ref("ResponsesToolChoice"),
-    "parallel_tool_calls": {"type": "boolean", "description": "false: at most one call (a grammar)"},
-    "text": ref("ResponsesText"),
-    "truncation": unprovidable(const("disabled"), "automatic truncation"),
-    "preserve_thinking": BOOLEAN,
-    "chat_template_kwargs": ref("ResponsesTemplateKwargs"),
-}
-INPUT_OR_PREVIOUS = [
-    {"required": ["input"], "properties": {"input": {"anyOf": [NON_EMPTY_STRING, {"type": "array", "minItems": 1}]}}},
-    {"required": ["previous_response_id"], "properties": {"previous_response_id": STRING}},
-]
+MODEL_CAPABILITIES = obj(
+    {"vision": {**BOOLEAN, "description": "image and video parts are accepted (--vision)"},
+     "tools": {**BOOLEAN, "description": "function tools are accepted (the chat template has a tool section)"},
+     "thinking_default": {**BOOLEAN, "description": "a request that says nothing about thinking thinks"},
+     "thinking_switch": {**BOOLEAN, "description": "enable_thinking true and false are both served"}},
+    ("vision", "tools", "thinking_default", "thinking_switch"),
+)
+MODEL = obj(
+    {"id": STRING, "object": const("model"), "created": {"type": "integer"}, "owned_by": STRING,
+     "max_model_len": integer(1), "capabilities": MODEL_CAPABILITIES},
+    ("id", "object", "created", "owned_by", "max_model_len", "capabilities"),
+)
 
-
-def _responses_create() -> Schema:
-    fields = {
-        **RESPONSES_PROMPT_FIELDS,
-        "max_output_tokens": integer(0),
-        "stream": BOOLEAN,
-        "store": {"type": "boolean", "description": "default true; stored in this process only"},
-        "temperature": number(0, 2),
-        "top_p": number(0, 1),
-        "metadata": {
-            "type": "object",
-            "maxProperties": responses_request.MAX_METADATA_PAIRS,
-            "propertyNames": {"maxLength": responses_request.MAX_METADATA_KEY},
-            "additionalProperties": {"type": "string", "maxLength": responses_request.MAX_METADATA_VALUE},
-        },
-        "client_metadata": OBJECT,
-        "max_tool_calls": integer(0),
-        "top_logprobs": {
-            **integer(0, 20),
-            "description": "alternatives per answer token; log probabilities are returned with it, or with include "
-                           "message.output_text.logprobs",
-        },
-        "service_tier": unprovidable(enum(("auto", "default")), "other service tiers"),
-        "background": unprovidable(const(False), "background execution"),
-        "include": {"type": "array", "items": unprovidable(enum(responses_request.INCLUDABLE), "other data")},
-        "stream_options": obj({"include_obfuscation": BOOLEAN}),
-        "prompt_cache_key": STRING,
-        "prompt_cache_options": PROMPT_CACHE_OPTIONS,
-        "prompt_cache_retention": enum(PROMPT_CACHE_RETENTIONS),
-        "safety_identifier": STRING,
-        "user": STRING,
-        **{key: unprovidable(EMPTY, capability) for key, capability in responses_request.UNPROVIDABLE_FIELDS.items()
-           if key in responses_request.CREATE_FIELDS},
-    }
-    assert set(fields) == responses_request.CREATE_FIELDS, set(fields) ^ responses_request.CREATE_FIELDS
-    return obj(fields, ("model",), closed=True, anyOf=INPUT_OR_PREVIOUS,
-               description="Unknown top-level fields are 400 unknown_parameter.")
-
-
-def _responses_count() -> Schema:
-    fields = {
-        **RESPONSES_PROMPT_FIELDS,
-        **{key: unprovidable(EMPTY, capability) for key, capability in responses_request.UNPROVIDABLE_FIELDS.items()
-           if key in responses_request.COUNT_FIELDS},
-    }
-    assert set(fields) == responses_request.COUNT_FIELDS, set(fields) ^ responses_request.COUNT_FIELDS
-    return obj(fields, closed=True, anyOf=INPUT_OR_PREVIOUS,
-               description="The prompt-shaping subset of a create; model is optional.")
-
-
-RESPONSES["ResponseCreateRequest"] = _responses_create()
-RESPONSES["ResponseInputTokensRequest"] = _responses_count()
-
-# ---- Anthropic Messages ---------------------------------------------------------------------------
-
-CACHE_CONTROL = obj({"type": const("ephemeral"), "ttl": enum(messages_lowering.CACHE_TTLS)}, ("type",))
-NO_TOOLSET = {"toolset_name": unprovidable(NULL, "toolsets")}
-
-MESSAGES: dict[str, Schema] = {
-    "CacheControl": CACHE_CONTROL,
-    "TextBlock": obj(
-        {
-            "type": const("text"),
-            "text": STRING,
-            "cache_control": ref("CacheControl"),
-            "citations": unprovidable({"anyOf": [NULL, {"type": "array", "maxItems": 0}]}, "citations"),
-        },
-        ("type", "text"),
-    ),
-    "ThinkingBlock": obj(
-        {
-            "type": const("thinking"),
-            "thinking": STRING,
-            "signature": STRING,
-            "cache_control": {**NULL, "description": "thinking blocks carry no cache_control"},
-        },
-        ("type", "thinking"),
-    ),
-    "ToolUseBlock": obj(
-        {
-            "type": const("tool_use"),
-            "id": NON_EMPTY_STRING,
-            "name": NON_EMPTY_STRING,
-            "input": OBJECT,
-            "caller": obj({"type": unprovidable(const("direct"), "programmatic tool callers")}, ("type",)),
-            "cache_control": ref("CacheControl"),
-            **NO_TOOLSET,
-        },
-        ("type", "id", "name", "input"),
-    ),
-    "ToolResultBlock": obj(
-        {
-            "type": const("tool_result"),
-            "tool_use_id": STRING,
-            "is_error": BOOLEAN,
-            "content": {
-                "anyOf": [
-                    STRING,
-                    {
-                        "type": "array",
-                        "items": {
-                            "anyOf": [
-                                ref("TextBlock"),
-                                obj({"type": const("tool_reference"), "tool_name": STRING}, ("type", "tool_name")),
-                            ]
-                        },
-                    },
-                ]
-            },
-            "cache_control": ref("CacheControl"),
-            **NO_TOOLSET,
-        },
-        ("type", "tool_use_id"),
-        description="Leads its user turn and answers a tool_use of the preceding assistant turn.",
-    ),
-    "UserMessage": obj(
-        {
-            "role": const("user"),
-            "content": {
-                "anyOf": [STRING, {"type": "array", "items": {"anyOf": [ref("TextBlock"), ref("ToolResultBlock")]}}]
-            },
-        },
-        ("role", "content"),
-        description="image blocks are 400 vision_disabled without --vision (this document describes a server without it).",
-    ),
-    "AssistantMessage": obj(
-        {
-            "role": const("assistant"),
-            "content": {
-                "anyOf": [
-                    STRING,
-                    {
-                        "type": "array",
-                        "items": {"anyOf": [ref("TextBlock"), ref("ThinkingBlock"), ref("ToolUseBlock")]},
-                    },
-                ]
-            },
-        },
-        ("role", "content"),
-        description="A final text-only assistant turn is a prefill the answer continues.",
-    ),
-    "SystemMessage": obj(
-        {"role": const("system"), "content": {"anyOf": [STRING, {"type": "array", "items": ref("TextBlock")}]}},
-        ("role", "content"),
-    ),
-    "MessagesTool": {
-        "allOf": [
-            ref("FunctionFlags"),
-            obj(
-                {
-                    "type": unprovidable(const("custom"), "Anthropic-provided tools and toolsets"),
-                    "name": {"type": "string", "pattern": messages_lowering.TOOL_NAME.pattern},
-                    "description": STRING,
-                    "input_schema": {"type": "object", "properties": {"type": const("object")}},
-                    "input_examples": {"type": "array", "items": OBJECT},
-                    "defer_loading": BOOLEAN,
-                    "eager_input_streaming": BOOLEAN,
-                    "cache_control": ref("CacheControl"),
-                },
-                ("name", "input_schema"),
-                description="Names are unique; input_examples and input_schema.examples exclude each other.",
-            ),
-        ]
-    },
-    "MessagesThinking": {
-        "anyOf": [
-            obj({"type": const("disabled")}, ("type",)),
-            obj(
-                {
-                    "type": const("enabled"),
-                    "budget_tokens": {
-                        **integer(messages_request.MIN_THINKING_BUDGET),
-                        "description": "less than max_tokens",
-                    },
-                    "display": enum(("summarized", "omitted")),
-                },
-                ("type", "budget_tokens"),
-            ),
-            obj({"type": const("adaptive"), "display": enum(("summarized", "omitted"))}, ("type",)),
-        ]
-    },
-    "MessagesToolChoice": obj(
-        {
-            "type": enum(("auto", "any", "tool", "none"), "any: one or more tool_use blocks; tool: one of `name`"),
-            "name": {**STRING, "description": "with type tool: a declared tool"},
-            "disable_parallel_tool_use": {"type": "boolean", "description": "true: at most one tool_use (a grammar)"},
-        },
-        ("type",),
-    ),
-    "MessagesOutputFormat": obj(
-        {"type": const("json_schema"), "schema": ref("JsonSchema")},
-        ("type", "schema"),
-        description="Structured Outputs: the answer text is one JSON value of the schema",
-    ),
+MESSAGES_RESPONSES: dict[str, Schema] = {
     "Message": {
         "type": "object",
         "required": ["id", "type", "role", "content", "model", "stop_reason", "usage"],
@@ -935,55 +225,6 @@ MESSAGES: dict[str, Schema] = {
     },
 }
 
-
-def _messages_request(count_only: bool) -> Schema:
-    fields: dict[str, Schema] = {
-        "model": {**NON_EMPTY_STRING, "description": "any non-empty label; echoed back, selects nothing"},
-        "messages": {
-            "type": "array",
-            "minItems": 1,
-            "items": {"anyOf": [ref("UserMessage"), ref("AssistantMessage"), ref("SystemMessage")]},
-        },
-        "system": {"anyOf": [STRING, {"type": "array", "items": ref("TextBlock")}]},
-        "tools": {"type": "array", "items": ref("MessagesTool")},
-        "tool_choice": ref("MessagesToolChoice"),
-        "thinking": ref("MessagesThinking"),
-        "output_config": obj(
-            {
-                "effort": enum(messages_request.EFFORTS, "served as the template's nearest tier"),
-                "format": ref("MessagesOutputFormat"),
-            }
-        ),
-        "preserve_thinking": BOOLEAN,
-        "cache_control": ref("CacheControl"),
-        "context_management": obj(
-            {
-                "edits": {
-                    "type": "array",
-                    "items": unprovidable(
-                        obj({"type": const("clear_thinking_20251015"), "keep": const("all")}, ("type", "keep")),
-                        "server-side context editing",
-                    ),
-                }
-            }
-        ),
-        "output_format": {**ref("MessagesOutputFormat"), "description": "the beta spelling of output_config.format"},
-        **{key: unprovidable(EMPTY, capability) for key, capability in messages_request.UNSUPPORTED_FIELDS.items()},
-    }
-    if not count_only:
-        fields |= {
-            "max_tokens": {**integer(1), "description": "default --default-max-tokens"},
-            "stop_sequences": {"type": "array", "items": NON_EMPTY_STRING},
-            "stream": BOOLEAN,
-            "temperature": number(0, 1),
-            "top_p": number(0, 1),
-            "top_k": unprovidable(integer(0, TOP_K_CAP), f"top_k above {TOP_K_CAP}"),
-        }
-    return obj(fields, ("model", "messages"), description="Unknown top-level fields are ignored.")
-
-
-MESSAGES["MessagesRequest"] = _messages_request(count_only=False)
-MESSAGES["MessagesCountTokensRequest"] = _messages_request(count_only=True)
 
 # ---- paths ------------------------------------------------------------------------------------------
 
@@ -1198,104 +439,11 @@ def _text_paths() -> dict[str, Schema]:
     }
 
 
-MODEL_CAPABILITIES = obj(
-    {"vision": {**BOOLEAN, "description": "image and video parts are accepted (--vision)"},
-     "tools": {**BOOLEAN, "description": "function tools are accepted (the chat template has a tool section)"},
-     "thinking_default": {**BOOLEAN, "description": "a request that says nothing about thinking thinks"},
-     "thinking_switch": {**BOOLEAN, "description": "enable_thinking true and false are both served"}},
-    ("vision", "tools", "thinking_default", "thinking_switch"),
-)
-MODEL = obj(
-    {"id": STRING, "object": const("model"), "created": {"type": "integer"}, "owned_by": STRING,
-     "max_model_len": integer(1), "capabilities": MODEL_CAPABILITIES},
-    ("id", "object", "created", "owned_by", "max_model_len", "capabilities"),
-)
-
-
-# ---- media (--vision) -----------------------------------------------------------------------------
-# A server with --vision documents its media parts; without it they are 400 vision_disabled and the
-# document leaves them out (their descriptions say so).
-
-MEDIA_URL: Schema = {
-    "type": "string",
-    "pattern": "^([hH][tT][tT][pP][sS]?://|[dD][aA][tT][aA]:)",
-    "description": "an http(s) URL (fetched under the server's address rules) or a data: URI",
-}
-
-
-def _chat_media_part(kind: str) -> Schema:
-    source = {"anyOf": [MEDIA_URL, obj({"url": MEDIA_URL, "detail": const("auto")}, ("url",))]}
-    return obj({"type": const(kind), kind: source, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT}, ("type", kind))
-
-
-VISION: dict[str, Schema] = {
-    "ChatImagePart": _chat_media_part("image_url"),
-    "ChatVideoPart": _chat_media_part("video_url"),
-    "ChatUserContent": {
-        "anyOf": [STRING, {"type": "array", "items": {"anyOf": [ref("ChatTextPart"), ref("ChatImagePart"),
-                                                                ref("ChatVideoPart")]}}],
-    },
-    "InputImagePart": obj(
-        {"type": const("input_image"), "image_url": MEDIA_URL, "detail": const("auto"),
-         "file_id": unprovidable(NULL, "file-id images"), "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
-        ("type", "image_url"),
-    ),
-    "InputVideoPart": obj(
-        {"type": const("input_video"), "video_url": MEDIA_URL, "prompt_cache_breakpoint": OPENAI_CACHE_BREAKPOINT},
-        ("type", "video_url"),
-        description="NInfer extension",
-    ),
-    "ImageBlock": obj(
-        {
-            "type": const("image"),
-            "source": {
-                "anyOf": [
-                    obj({"type": const("base64"), "media_type": enum(messages_lowering.IMAGE_MEDIA_TYPES),
-                         "data": STRING}, ("type", "media_type", "data")),
-                    obj({"type": const("url"), "url": MEDIA_URL}, ("type", "url")),
-                ]
-            },
-            "cache_control": ref("CacheControl"),
-        },
-        ("type", "source"),
-    ),
-}
-
-
-def _with_vision(schemas: dict[str, Schema]) -> None:
-    """Media parts where the validators take them with --vision: user and tool messages (Chat),
-    user messages and function_call_output (Responses), user messages and tool_result (Messages)."""
-    schemas.update(copy.deepcopy(VISION))
-    user = copy.deepcopy(schemas["ChatInstructionMessage"])
-    user["properties"]["role"] = const("user")
-    user["properties"]["content"] = ref("ChatUserContent")
-    user.pop("description", None)
-    schemas["ChatUserMessage"] = user
-    schemas["ChatMessage"]["anyOf"].insert(1, ref("ChatUserMessage"))
-    schemas["ChatToolMessage"]["properties"]["content"] = ref("ChatUserContent")
-    schemas["ChatContent"]["description"] = "A string or text parts (media parts: user and tool messages)."
-    item = copy.deepcopy(schemas["InstructionMessageItem"])
-    item["properties"]["role"] = const("user")
-    item["properties"]["content"] = {"anyOf": [STRING, {"type": "array", "items": {"anyOf": [
-        ref("InputTextPart"), ref("InputImagePart"), ref("InputVideoPart")]}}]}
-    item.pop("description", None)
-    schemas["UserMessageItem"] = item
-    schemas["InputItem"]["anyOf"].insert(1, ref("UserMessageItem"))
-    schemas["InstructionMessageItem"]["description"] = "Text parts; a user message with media is a UserMessageItem."
-    output = schemas["FunctionCallOutputItem"]["properties"]["output"]["anyOf"][1]
-    output["items"] = {"anyOf": [ref("InputTextPart"), ref("InputImagePart")]}
-    content = schemas["UserMessage"]["properties"]["content"]["anyOf"][1]
-    content["items"]["anyOf"].append(ref("ImageBlock"))
-    schemas["UserMessage"]["description"] = "Text, tool_result and image blocks."
-    result = schemas["ToolResultBlock"]["properties"]["content"]["anyOf"][0]["anyOf"][1]
-    result["items"]["anyOf"].append(ref("ImageBlock"))
-
-
 @functools.cache
 def _document(vision: bool) -> Schema:
-    schemas = copy.deepcopy({**SHARED, **CHAT, **RESPONSES, **MESSAGES, "Model": MODEL})
-    if vision:
-        _with_vision(schemas)
+    requests = {**chat_schema.schemas(vision), **responses_schema.schemas(vision), **messages_schema.schemas(vision)}
+    schemas = copy.deepcopy({**SHARED, **requests, **CHAT_RESPONSES, **RESPONSES_RESPONSES, **MESSAGES_RESPONSES,
+                             "Model": MODEL})
     return {
         "openapi": "3.1.0",
         "info": {

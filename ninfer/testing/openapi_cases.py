@@ -1,6 +1,7 @@
 """What the OpenAPI request schemas cannot express, and the document narrowed so that it can.
 
-ninfer/server/openapi.py describes each request body with JSON Schema, which cannot state rules
+The OpenAPI document (ninfer/server/openapi.py, each request schema from its protocol's
+request definition) describes each request body with JSON Schema, which cannot state rules
 that relate two fields, read JSON inside a string, know the server's state or the loaded chat
 template. Each such rule is one entry of INEXPRESSIBLE (the validator's rule, then how the
 generation document avoids it); `accepted_document` applies them, so every body generated from
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ninfer.frontend.capabilities import EFFORT_TIERS, TemplateCapabilities
-from ninfer.server.openapi import NULL, const, integer, nullable, openapi_document, ref
+from ninfer.server.openapi import openapi_document
+from ninfer.server.validation.schema import NULL, const, integer, nullable, ref
 from ninfer.server.validation.thinking import thinking_reachable
 
 Schemas = dict[str, Any]
@@ -102,7 +104,7 @@ INEXPRESSIBLE: list[Narrowing] = [
             ("ResponsesToolChoice.anyOf.2.properties.tools", NO_ITEMS),
             *((f"{name}.properties.parallel_tool_calls", {"enum": [True, None]}) for name in RESPONSES_REQUESTS),
             *((f"{name}.properties.tools", _items_limited(1, ref("MessagesTool"))) for name in MESSAGES_REQUESTS),
-            ("MessagesToolChoice.properties.disable_parallel_tool_use", {"enum": [False, None]}),
+            ("MessagesToolChoice.anyOf.0.properties.disable_parallel_tool_use", {"enum": [False, None]}),
         ),
     ),
     Narrowing(
@@ -121,7 +123,8 @@ INEXPRESSIBLE: list[Narrowing] = [
             ("ResponsesToolChoice.anyOf.0", {"enum": ["auto", "none", None]}),
             ("ResponsesToolChoice.anyOf.1", {"enum": ["auto"]}),
             ("ResponsesToolChoice.anyOf.2.properties.mode", const("auto")),
-            ("MessagesToolChoice.properties.type", {"enum": ["auto", "none"]}),
+            ("MessagesToolChoice.anyOf.0.properties.type", const("auto")),
+            ("MessagesToolChoice.anyOf.1", {"not": {}}),
             *((f"{name}.properties.output_format", NULL) for name in MESSAGES_REQUESTS),
             *((f"{name}.properties.output_config.anyOf.0.properties.format", NULL) for name in MESSAGES_REQUESTS),
         ),

@@ -1,5 +1,8 @@
 """GET /openapi.json against the hand-written validators, in both directions.
 
+- Each request schema, walked member by member (tests/server/schema_examples.py): every member
+  the validator reads is documented, no body off the document is accepted, and every documented
+  value is accepted where the narrowed document (below) can state the validator's rules.
 - Bodies generated from each request schema (narrowed by ninfer/testing/openapi_cases.py where
   JSON Schema cannot state a rule) are accepted by the endpoint's validator.
 - The bodies the validators accept in the protocol test modules validate against the schema
@@ -31,6 +34,17 @@ from ninfer.server.request_context import RequestContext
 from ninfer.server.validation.tools import check_template_renders_tools
 from ninfer.testing.openapi_cases import accepted_document, integer_literals
 from tests.server.capability_sets import CHATML, QWEN38
+from tests.server.schema_examples import (
+    JSON_TYPES,
+    UNDOCUMENTED_READS,
+    Examples,
+    Recorded,
+    generic,
+    json_type,
+    objects,
+    recording,
+    replaced,
+)
 from tests.server.conftest import serve_config, start_server
 
 MODEL = "served-model"
@@ -221,3 +235,84 @@ def test_media_parts_are_documented_on_a_vision_server_only(path):
     with pytest.raises(APIError) as refused:
         VALIDATORS[path](body, RequestContext(model_id=MODEL, capabilities=QWEN38))
     assert refused.value.code == "vision_disabled"
+
+
+def _probes(examples: Examples, node: Recorded) -> dict[str, list]:
+    """The values to try in each member of an object: the schema's own (every branch and enum
+    value), a value of each JSON type the schema has none of, and the numbers just past its bounds."""
+    schema = node.schema or {}
+    members = dict(schema.get("properties", {}))
+    if isinstance(schema.get("additionalProperties"), dict):
+        members["key"] = schema["additionalProperties"]  # a map: one member of any name
+    probes = {}
+    for key, member in members.items():
+        values = examples.instances(member, f"{node.origin}.{key}")
+        kinds = {json_type(value) for value in values}
+        values += [generic(kind) for kind in JSON_TYPES if kind not in kinds]
+        for branch in [examples.merged(member), *map(examples.merged, examples.merged(member).get("anyOf", []))]:
+            values += [branch["minimum"] - 1] if "minimum" in branch else []
+            values += [branch["maximum"] + 1] if "maximum" in branch else []
+        probes[key] = values
+    return probes
+
+
+def _walk(examples: Examples, bodies: list, probe) -> None:
+    """Set each member of each kind of object in the bodies to each of its probe values, one at a
+    time; `probe(member, origin, value, body)` says whether the body may be walked in turn (it is,
+    once, when its value holds kinds of objects not seen before)."""
+    queue, probed, kinds = list(bodies), set(), set()
+    while queue:
+        base = queue.pop(0)
+        for where, node in objects(base):
+            for key, values in _probes(examples, node).items():
+                if (node.origin, key) in probed:
+                    continue
+                probed.add((node.origin, key))
+                for value in values:
+                    body = replaced(base, where, key, value)
+                    new = {inner.origin for _, inner in objects(value)} - kinds
+                    if probe((*where, key), node.origin, value, body) and new:
+                        kinds |= new
+                        queue.append(body)
+
+
+@pytest.mark.parametrize("vision", [False, True], ids=["text", "vision"])
+@pytest.mark.parametrize("path", REQUEST_SCHEMAS)
+def test_the_document_and_the_validator_agree_member_by_member(path, vision):
+    """Walk the request schema, setting one member at a time. Every member the validator reads in a
+    documented body is one the schema names at that place; no body off the document is accepted (a
+    value of another JSON type, past a bound, outside an enum); every value of every documented
+    member is accepted where JSON Schema can state the validator's rules (the narrowed document)."""
+    name = REQUEST_SCHEMAS[path]
+    narrowed, served = accepted_document(QWEN38, MODEL, vision=vision), openapi_document(vision=vision)
+    admits_narrowed, admits_served = schema_validator(narrowed, name), schema_validator(served, name)
+    context = RequestContext(model_id=MODEL, capabilities=QWEN38, vision_enabled=vision)
+    UNDOCUMENTED_READS.clear()
+    disagreements = []
+
+    def check(member: tuple, origin: str, value, body) -> bool:
+        documented = admits_served.is_valid(body)
+        with recording(documented):  # refusing a body off the document may look at anything
+            try:
+                VALIDATORS[path](body, context)
+                error = None
+            except APIError as refused:
+                error = refused
+        where = f"{'.'.join(map(str, member))} ({origin}) = {value!r}"
+        if error is not None and admits_narrowed.is_valid(body):
+            disagreements.append(f"{where} is documented but refused: {error.code} {error.param}: "
+                                 f"{error.message[:160]}")
+        if error is None and not documented:
+            disagreements.append(f"{where} is accepted but not documented")
+        return documented
+
+    examples = Examples(narrowed)
+    for base in examples.of(name):
+        assert admits_narrowed.is_valid(base), json.dumps(base)[:500]
+        check((), name, "generated", base)
+    _walk(examples, examples.of(name), check)
+    # Every branch of the served document too (bodies cross-field rules refuse still show their reads).
+    served_examples = Examples(served)
+    _walk(served_examples, served_examples.of(name), check)
+    disagreements += sorted(f"{origin}.{key} is read but not documented" for origin, key in UNDOCUMENTED_READS)
+    assert not disagreements, f"{len(disagreements)} disagreements:\n" + "\n".join(disagreements)

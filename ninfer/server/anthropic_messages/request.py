@@ -11,6 +11,10 @@ Compatibility rules for agent clients (Claude Code sends these on every request)
 - thinking.display "omitted" is served: thinking blocks carry empty text and a signature that
   holds the reasoning in NInfer's reversible envelope, so replaying them rebuilds the prompt.
 Each mapping is reported in the server log.
+
+PROMPT_FIELDS (create and count_tokens) and CREATE_FIELDS declare every top-level field once:
+the OpenAPI document's request schemas are rendered from them (schema.py), and the plain ones are
+read through them.
 """
 
 from __future__ import annotations
@@ -27,20 +31,21 @@ from ninfer.server.errors import invalid
 from ninfer.server.generation import GenerationOptions
 from ninfer.server.request_context import RequestContext
 from ninfer.server.validation.fields import (
+    Field,
+    Fields,
     cannot_provide,
-    enum_value,
     is_int,
     object_body,
     optional_bool,
     optional_list,
-    optional_number,
     optional_object,
     optional_str,
     require_object,
     required_str,
     wrong_type,
 )
-from ninfer.server.validation.sampling import stop_strings
+from ninfer.server.validation.sampling import stop_field
+from ninfer.server.validation.schema import EMPTY, NON_EMPTY_STRING, STRING, const, integer, obj, ref, unprovidable
 from ninfer.server.validation.thinking import check_preserve_thinking, nearest_effort, thinking_reachable
 from ninfer.server.validation.structured_output import (
     DeclaredTool,
@@ -58,6 +63,56 @@ UNSUPPORTED_FIELDS = {
     "container": "containers",
     "mcp_servers": "MCP servers",
 }
+OUTPUT_CONFIG = Fields(
+    {
+        "effort": Field.choice(EFFORTS, "served as the template's nearest tier"),
+        "format": Field.object(ref("MessagesOutputFormat")),
+    },
+    "output_config",
+)
+# The prompt-shaping fields, which count_tokens takes too.
+PROMPT_FIELDS = Fields(
+    {
+        "model": Field.shape({**NON_EMPTY_STRING, "description": "any non-empty label; echoed back, selects nothing"}),
+        "messages": Field.shape({
+            "type": "array",
+            "minItems": 1,
+            "items": {"anyOf": [ref("UserMessage"), ref("AssistantMessage"), ref("SystemMessage")]},
+        }),
+        "system": Field.shape({"anyOf": [STRING, {"type": "array", "items": ref("TextBlock")}]}),
+        "tools": Field.shape({"type": "array", "items": ref("MessagesTool")}),
+        "tool_choice": Field.shape(ref("MessagesToolChoice")),
+        "thinking": Field.object(ref("MessagesThinking")),
+        "output_config": OUTPUT_CONFIG.member(),
+        "preserve_thinking": Field.boolean(),
+        "cache_control": Field.shape(ref("CacheControl")),
+        "context_management": Field.shape(obj({
+            "edits": {
+                "type": "array",
+                "items": unprovidable(
+                    obj({"type": const("clear_thinking_20251015"), "keep": const("all")}, ("type", "keep")),
+                    "server-side context editing",
+                ),
+            }
+        })),
+        "output_format": Field.object(
+            {**ref("MessagesOutputFormat"), "description": "the beta spelling of output_config.format"}
+        ),
+        **{key: Field.shape(unprovidable(EMPTY, capability)) for key, capability in UNSUPPORTED_FIELDS.items()},
+    }
+)
+# The output-only fields of a create: count_tokens does not read them.
+CREATE_FIELDS = Fields(
+    {
+        **PROMPT_FIELDS,
+        "max_tokens": Field.shape({**integer(1), "description": "default --default-max-tokens"}),
+        "stop_sequences": stop_field(),
+        "stream": Field.boolean(),
+        "temperature": Field.number(0, 1),
+        "top_p": Field.number(0, 1),
+        "top_k": Field.shape(unprovidable(integer(0, TOP_K_CAP), f"top_k above {TOP_K_CAP}")),
+    }
+)
 
 
 @dataclass
@@ -111,13 +166,13 @@ def parse_messages_request(body: Any, context: RequestContext, *, count_only: bo
         options = GenerationOptions(
             max_tokens=_max_tokens(body, context.default_max_tokens),
             sampling=_sampling(body),
-            stop=stop_strings(body, "stop_sequences"),
+            stop=CREATE_FIELDS.read(body, "stop_sequences"),
         )
-        stream = bool(optional_bool(body, "stream", "stream"))
+        stream = bool(CREATE_FIELDS.read(body, "stream"))
     notes: list[str] = []
     thinking = _Thinking.parse(body, caps, None if count_only else options.max_tokens, notes)
     effort = _effort(body, caps, notes)
-    preserve = check_preserve_thinking(optional_bool(body, "preserve_thinking", "preserve_thinking"), None, caps)
+    preserve = check_preserve_thinking(PROMPT_FIELDS.read(body, "preserve_thinking"), None, caps)
 
     lowering = Lowering(context.vision_enabled)
     tools, schemas = lowering.tools(body)  # tools, then system, then messages: Anthropic's prefix order
@@ -151,7 +206,7 @@ def parse_messages_request(body: Any, context: RequestContext, *, count_only: bo
         options=options,
         stream=stream,
         model=model,
-        requested_reasoning_effort=(optional_object(body, "output_config", "output_config") or {}).get("effort"),
+        requested_reasoning_effort=(PROMPT_FIELDS.read(body, "output_config") or {}).get("effort"),
         thinking_omitted=thinking.omitted,
         notes=notes,
     )
@@ -166,11 +221,10 @@ def _reject_unprovidable_fields(body: dict) -> None:
 
 def _json_answer(body: dict):
     """Structured Outputs: output_config.format, or the beta's top-level output_format."""
-    output_config = optional_object(body, "output_config", "output_config") or {}
-    fmt = optional_object(output_config, "format", "output_config.format")
+    fmt = OUTPUT_CONFIG.read(PROMPT_FIELDS.read(body, "output_config") or {}, "format")
     path = "output_config.format"
     if fmt is None:
-        fmt, path = optional_object(body, "output_format", "output_format"), "output_format"
+        fmt, path = PROMPT_FIELDS.read(body, "output_format"), "output_format"
     return json_format(fmt, path, nested=False, kinds=("json_schema",))
 
 
@@ -221,15 +275,12 @@ def _sampling(body: dict) -> SamplingOverrides:
         if top_k > TOP_K_CAP:
             raise cannot_provide("top_k", f"top_k above {TOP_K_CAP} (the sampler's candidate cap)")
     return SamplingOverrides(
-        temperature=optional_number(body, "temperature", 0, 1),
-        top_p=optional_number(body, "top_p", 0, 1),
-        top_k=top_k,
+        temperature=CREATE_FIELDS.read(body, "temperature"), top_p=CREATE_FIELDS.read(body, "top_p"), top_k=top_k
     )
 
 
 def _effort(body: dict, caps: TemplateCapabilities, notes: list[str]) -> str | None:
-    output_config = optional_object(body, "output_config", "output_config") or {}
-    effort = enum_value(output_config, "effort", "output_config.effort", EFFORTS)
+    effort = OUTPUT_CONFIG.read(PROMPT_FIELDS.read(body, "output_config") or {}, "effort")
     if effort is None:
         return None
     return nearest_effort("output_config.effort", effort, caps, notes)
@@ -243,7 +294,7 @@ class _Thinking:
 
     @classmethod
     def parse(cls, body: dict, caps: TemplateCapabilities, max_tokens: int | None, notes: list[str]) -> _Thinking:
-        raw = optional_object(body, "thinking", "thinking")
+        raw = PROMPT_FIELDS.read(body, "thinking")
         if raw is None:
             return cls()
         kind = required_str(raw, "type", "thinking.type")

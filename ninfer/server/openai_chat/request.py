@@ -4,6 +4,9 @@ Every field the API names is mapped, accepted as neutral/advisory, or rejected w
 field-specific APIError; options whose behaviour the engine cannot provide are rejected only
 when they actually request it. Unknown top-level fields are ignored. Messages are parsed in
 messages.py; tools, cache markers, media, thinking and sampling rules are the shared ones.
+
+FIELDS declares every top-level field once: the OpenAPI document's ChatCompletionRequest is
+rendered from it (schema.py), and the plain ones are read through it.
 """
 
 from __future__ import annotations
@@ -20,10 +23,16 @@ from ninfer.server.errors import APIError, invalid
 from ninfer.server.generation import GenerationOptions
 from ninfer.server.openai_chat.messages import parse_messages
 from ninfer.server.request_context import RequestContext
-from ninfer.server.validation.cache_markers import check_advisory_cache_fields, implicit_candidate, limit_cache_writes
+from ninfer.server.validation.cache_markers import (
+    CACHE_HINTS,
+    check_advisory_cache_fields,
+    implicit_candidate,
+    limit_cache_writes,
+)
 from ninfer.server.validation.fields import (
+    Field,
+    Fields,
     cannot_provide,
-    enum_value,
     is_number,
     object_body,
     optional_bool,
@@ -34,7 +43,19 @@ from ninfer.server.validation.fields import (
     required_str,
     wrong_type,
 )
-from ninfer.server.validation.sampling import openai_sampling, stop_strings
+from ninfer.server.validation.sampling import OPENAI_SAMPLING, openai_sampling, stop_field
+from ninfer.server.validation.schema import (
+    BOOLEAN,
+    NO_ITEMS,
+    NON_EMPTY_STRING,
+    NULL,
+    STRING,
+    const,
+    enum,
+    obj,
+    ref,
+    unprovidable,
+)
 from ninfer.server.validation.thinking import (
     ThinkingChoice,
     check_preserve_thinking,
@@ -65,6 +86,80 @@ CONSTRAINED_DECODING_ALIASES = (
 )
 # Template variables a client may set through chat_template_kwargs.
 TEMPLATE_OPTIONS = ("enable_thinking", "preserve_thinking")
+
+STREAM_OPTIONS = Fields({"include_usage": Field.boolean(), "include_obfuscation": Field.boolean()}, "stream_options")
+JSON_SCHEMA_FORMAT = obj(
+    {"name": NON_EMPTY_STRING, "description": STRING, "schema": ref("JsonSchema"), "strict": BOOLEAN},
+    ("schema",),
+    description="the schema is enforced whatever strict says",
+)
+FIELDS = Fields(
+    {
+        # Anything but a non-empty string (omitted, "", a number...) means the served model.
+        "model": Field.shape({"anyOf": [ref("ModelId"), {"not": NON_EMPTY_STRING}]}),
+        "messages": Field.shape({"type": "array", "minItems": 1, "items": ref("ChatMessage")}),
+        "max_completion_tokens": Field.integer(0),
+        "max_tokens": Field.integer(0, description="legacy spelling; equal to max_completion_tokens when both"),
+        **OPENAI_SAMPLING,
+        "stop": stop_field(MAX_STOP_STRINGS, allow_string=True),
+        "stream": Field.boolean(),
+        "stream_options": STREAM_OPTIONS.member(),
+        "timings_per_token": Field.boolean(),
+        "return_progress": Field.boolean(),
+        "tools": Field.shape({"type": "array", "items": ref("ChatTool")}),
+        "tool_choice": Field.shape(ref("ChatToolChoice")),
+        "parallel_tool_calls": Field.boolean("false: at most one call (a grammar)"),
+        "reasoning_effort": Field.choice(EFFORT_TIERS, "must be a tier the loaded template exposes (or none)"),
+        "enable_thinking": Field.boolean(),
+        "preserve_thinking": Field.boolean(),
+        "chat_template_kwargs": Field.shape(obj(
+            {option: BOOLEAN for option in TEMPLATE_OPTIONS},
+            additionalProperties=unprovidable(NULL, "arbitrary chat template variables"),
+        )),
+        "n": Field.shape(unprovidable(const(1), "more than one choice")),
+        "response_format": Field.shape({
+            "anyOf": [
+                obj({"type": enum(("text", "json_object"))}, ("type",)),
+                obj({"type": const("json_schema"), "json_schema": JSON_SCHEMA_FORMAT}, ("type", "json_schema")),
+            ],
+            "description": "json_object: the answer is one JSON object; json_schema: one JSON value of the schema",
+        }),
+        "modalities": Field.shape(
+            {"type": "array", "minItems": 1, "items": unprovidable(const("text"), "audio output")}
+        ),
+        "audio": Field.shape({
+            "type": ["object", "null"],
+            "description": "accepted without effect beside modalities [\"text\"]; with modalities omitted it asks "
+                           "for audio output (400 unsupported_parameter)",
+        }),
+        "logit_bias": Field.shape({
+            "type": "object",
+            "additionalProperties": unprovidable({"type": "number", "enum": [0]}, "non-zero logit biases"),
+        }),
+        "logprobs": Field.boolean("true: choices carry the answer tokens' log probabilities"),
+        "top_logprobs": Field.integer(0, 20, "alternatives per token; needs logprobs: true"),
+        "web_search_options": Field.shape(unprovidable(NULL, "web search")),
+        "moderation": Field.shape(unprovidable(NULL, "moderation")),
+        "verbosity": Field.choice(("low", "medium", "high"), served=("medium",), refusal="low/high verbosity"),
+        "store": Field.shape(unprovidable(const(False), "stored Chat Completions")),
+        "functions": Field.shape(unprovidable(NO_ITEMS, "legacy function definitions (use tools)")),
+        "function_call": Field.shape(enum(("none", "auto"), "legacy; forcing a function is unsupported")),
+        **{alias: Field.shape(unprovidable(NULL, "other servers' constrained-decoding extensions (use "
+                                                 "response_format)")) for alias in CONSTRAINED_DECODING_ALIASES},
+        "repetition_penalty": Field.shape(
+            unprovidable({"type": "number", "enum": [1]}, "repetition penalties other than 1")
+        ),
+        "mm_processor_kwargs": Field.shape({"type": "object", "additionalProperties": NULL}),
+        "user": Field.string(),
+        "safety_identifier": Field.string(),
+        "service_tier": Field.string(),
+        **CACHE_HINTS,
+        "metadata": Field.shape({"type": "object", "additionalProperties": STRING}),
+        "prediction": Field.shape(obj(
+            {"type": const("content"), "content": {"anyOf": [STRING, {"type": "array"}]}}, ("type", "content")
+        )),
+    }
+)
 
 
 @dataclass
@@ -104,7 +199,7 @@ def parse_chat_request(body: Any, context: RequestContext) -> ChatRequest:
     messages, breakpoints = parse_messages(body, context.vision_enabled)
     tools, declared = _parse_tools(body)
     callable_tools, choice = _callable_tools(body, tools)
-    parallel = optional_bool(body, "parallel_tool_calls", "parallel_tool_calls") is not False
+    parallel = FIELDS.read(body, "parallel_tool_calls") is not False
     answer = answer_format(
         json_format(optional_object(body, "response_format", "response_format"), "response_format", nested=True),
         declared, list(callable_tools), choice, parallel,
@@ -121,12 +216,12 @@ def parse_chat_request(body: Any, context: RequestContext) -> ChatRequest:
         implicit_cache_breakpoint=implicit,
     )
     check_template_renders_tools(conversation, context.capabilities, "tools" if tools else "messages")
-    stream_options = optional_object(body, "stream_options", "stream_options") or {}
-    optional_bool(stream_options, "include_obfuscation", "stream_options.include_obfuscation")  # advisory
+    stream_options = FIELDS.read(body, "stream_options") or {}
+    STREAM_OPTIONS.read(stream_options, "include_obfuscation")  # advisory
     options = GenerationOptions(
         max_tokens=_max_tokens(body),
         sampling=openai_sampling(body),
-        stop=stop_strings(body, "stop", MAX_STOP_STRINGS, allow_string=True),
+        stop=FIELDS.read(body, "stop"),
         tools=callable_tools or None,
         answer=answer,
         top_logprobs=_top_logprobs(body),
@@ -134,10 +229,10 @@ def parse_chat_request(body: Any, context: RequestContext) -> ChatRequest:
     return ChatRequest(
         conversation=conversation,
         options=options,
-        stream=bool(optional_bool(body, "stream", "stream")),
-        include_usage=bool(optional_bool(stream_options, "include_usage", "stream_options.include_usage")),
-        timings_per_token=bool(optional_bool(body, "timings_per_token", "timings_per_token")),
-        return_progress=bool(optional_bool(body, "return_progress", "return_progress")),
+        stream=bool(FIELDS.read(body, "stream")),
+        include_usage=bool(STREAM_OPTIONS.read(stream_options, "include_usage")),
+        timings_per_token=bool(FIELDS.read(body, "timings_per_token")),
+        return_progress=bool(FIELDS.read(body, "return_progress")),
         requested_reasoning_effort=thinking.requested_effort,
         prompt_cache_implicit=implicit,
     )
@@ -181,7 +276,7 @@ def _reject_unprovidable_options(body: dict) -> None:
         raise cannot_provide("web_search_options", "web search")
     if body.get("moderation") is not None:
         raise cannot_provide("moderation", "input/output moderation")
-    verbosity = enum_value(body, "verbosity", "verbosity", ("low", "medium", "high"))
+    verbosity = FIELDS.read(body, "verbosity")
     if verbosity in ("low", "high"):
         raise cannot_provide("verbosity", f"{verbosity} output verbosity (only medium)")
     if optional_bool(body, "store", "store"):
@@ -231,7 +326,7 @@ def _check_legacy_function_controls(body: dict) -> None:
 def _check_advisory_fields(body: dict) -> None:
     """Advisory hints: accepted without changing execution, but their shape must be right."""
     for key in ("user", "safety_identifier", "service_tier"):
-        optional_str(body, key, key)
+        FIELDS.read(body, key)
     check_advisory_cache_fields(body)
     metadata = optional_object(body, "metadata", "metadata")
     for key, value in (metadata or {}).items():
@@ -248,16 +343,16 @@ def _check_advisory_fields(body: dict) -> None:
 
 def _top_logprobs(body: dict) -> int | None:
     """The alternatives per answer token when logprobs is true (top_logprobs 0..20), else None."""
-    wanted = optional_bool(body, "logprobs", "logprobs")
-    top = optional_int(body, "top_logprobs", 0, 20)
+    wanted = FIELDS.read(body, "logprobs")
+    top = FIELDS.read(body, "top_logprobs")
     if top and not wanted:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     return (top or 0) if wanted else None
 
 
 def _max_tokens(body: dict) -> int | None:
-    modern = optional_int(body, "max_completion_tokens", 0)
-    legacy = optional_int(body, "max_tokens", 0)
+    modern = FIELDS.read(body, "max_completion_tokens")
+    legacy = FIELDS.read(body, "max_tokens")
     if modern is not None and legacy is not None and modern != legacy:
         raise invalid("max_tokens", f"max_tokens ({legacy}) and max_completion_tokens ({modern}) disagree")
     return modern if modern is not None else legacy
@@ -361,7 +456,7 @@ def _thinking(body: dict, context: RequestContext) -> ThinkingChoice:
     check_template_kwargs(kwargs, TEMPLATE_OPTIONS)
     enable, enable_source = template_option(body, kwargs, "enable_thinking")
     preserve, preserve_source = template_option(body, kwargs, "preserve_thinking")
-    effort = enum_value(body, "reasoning_effort", "reasoning_effort", EFFORT_TIERS)
+    effort = FIELDS.read(body, "reasoning_effort")
     choice = ThinkingChoice(requested_effort=effort)
     if effort is not None:
         if effort != "none" and effort not in caps.effort_tiers:

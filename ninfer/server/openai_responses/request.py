@@ -5,6 +5,10 @@ Every create field is mapped, accepted as advisory, or rejected with a field-spe
 unknown top-level fields are unknown_parameter. Items are parsed in items.py, tools in
 tools.py; the Item history becomes a prompt in history.py.
 
+CREATE_FIELDS and COUNT_FIELDS declare every top-level field once: the OpenAPI document's request
+schemas are rendered from them (schema.py), the plain ones are read through them, and any other
+field is unknown_parameter.
+
 Compatibility rules for agent clients (Codex sends these on every request):
 - `include: ["reasoning.encrypted_content"]` returns each reasoning Item's text again inside
   a reversible envelope as encrypted_content, which round-trips when the client replays it;
@@ -14,6 +18,7 @@ Compatibility rules for agent clients (Codex sends these on every request):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,19 +30,31 @@ from ninfer.server.errors import APIError, invalid
 from ninfer.server.openai_responses.items import parse_input
 from ninfer.server.openai_responses.tools import FunctionRef, parse_tools
 from ninfer.server.request_context import RequestContext
-from ninfer.server.validation.cache_markers import check_advisory_cache_fields, implicit_candidate
+from ninfer.server.validation.cache_markers import CACHE_HINTS, check_advisory_cache_fields, implicit_candidate
 from ninfer.server.validation.fields import (
+    Field,
+    Fields,
     cannot_provide,
-    enum_value,
     object_body,
     optional_bool,
-    optional_int,
     optional_list,
-    optional_number,
     optional_object,
     optional_str,
     required_str,
     wrong_type,
+)
+from ninfer.server.validation.sampling import OPENAI_SAMPLING
+from ninfer.server.validation.schema import (
+    BOOLEAN,
+    EMPTY,
+    NON_EMPTY_STRING,
+    OBJECT,
+    STRING,
+    const,
+    enum,
+    obj,
+    ref,
+    unprovidable,
 )
 from ninfer.server.validation.structured_output import answer_format, json_format
 from ninfer.server.validation.thinking import (
@@ -47,26 +64,6 @@ from ninfer.server.validation.thinking import (
     template_option,
 )
 
-# Top-level fields of POST /v1/responses and of POST /v1/responses/input_tokens.
-CREATE_FIELDS = frozenset(
-    {
-        "model", "input", "instructions", "previous_response_id", "max_output_tokens", "stream", "store",
-        "temperature", "top_p", "metadata", "client_metadata", "reasoning", "preserve_thinking",
-        "chat_template_kwargs", "text", "tools", "tool_choice", "parallel_tool_calls", "max_tool_calls",
-        "truncation", "top_logprobs", "service_tier", "background", "include", "stream_options",
-        "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "safety_identifier", "user",
-        # Recognised features NInfer cannot provide: rejected by name when they ask for something.
-        "conversation", "prompt", "context_management", "moderation", "background_options",
-        "access_programs", "image",
-    }
-)  # fmt: skip
-COUNT_FIELDS = frozenset(
-    {
-        "model", "input", "instructions", "previous_response_id", "reasoning", "tools", "tool_choice",
-        "parallel_tool_calls", "text", "truncation", "preserve_thinking", "chat_template_kwargs",
-        "conversation", "personality",
-    }
-)  # fmt: skip
 UNPROVIDABLE_FIELDS = {
     "conversation": "Conversations (use previous_response_id)",
     "prompt": "stored prompt templates",
@@ -82,6 +79,94 @@ SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast", "ultraf
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 INCLUDABLE = (ENCRYPTED_REASONING, OUTPUT_LOGPROBS)
+SUMMARY_STYLES = ("auto", "concise", "detailed")
+
+REASONING = Fields(
+    {
+        "effort": Field.choice(EFFORT_TIERS, "must be a tier the loaded template exposes (or none)"),
+        "summary": Field.choice(SUMMARY_STYLES, served=("auto",), refusal="concise or detailed summaries"),
+        "generate_summary": Field.choice(SUMMARY_STYLES, served=("auto",), refusal="concise or detailed summaries"),
+        "context": Field.choice(("auto", "current_turn", "all_turns"), served=("auto",),
+                                refusal="reasoning-context selection"),
+        "mode": Field(unprovidable(const("standard"), "other reasoning modes"), optional_str),
+    },
+    "reasoning",
+)
+TEXT = Fields(
+    {
+        "format": Field.shape({
+            "anyOf": [
+                obj({"type": enum(("text", "json_object"))}, ("type",)),
+                obj(
+                    {"type": const("json_schema"), "name": NON_EMPTY_STRING, "description": STRING,
+                     "schema": ref("JsonSchema"), "strict": BOOLEAN},
+                    ("type", "schema"),
+                    description="the schema is enforced whatever strict says",
+                ),
+            ]
+        }),
+        "verbosity": Field.choice(("low", "medium", "high"), "a hint, echoed"),
+    },
+    "text",
+)
+STREAM_OPTIONS = Fields({"include_obfuscation": Field.boolean()}, "stream_options")
+
+
+def _unprovidable(*keys: str) -> dict[str, Field]:
+    return {key: Field.shape(unprovidable(EMPTY, UNPROVIDABLE_FIELDS[key])) for key in keys}
+
+
+# The prompt-shaping fields, which POST /v1/responses/input_tokens takes too.
+PROMPT_FIELDS = Fields({
+    "model": Field.shape(ref("ModelId")),
+    "input": Field.shape({
+        "anyOf": [STRING, {"type": "array", "items": ref("InputItem")}],
+        "description": "Required (non-empty) unless previous_response_id supplies the conversation.",
+    }),
+    "instructions": Field.string(),
+    "previous_response_id": Field.shape(
+        {**NON_EMPTY_STRING, "description": "a stored Response (404 response_not_found otherwise)"}
+    ),
+    "reasoning": Field.object(ref("ResponsesReasoning")),
+    "tools": Field.shape({"type": "array", "items": ref("ResponsesTool")}),
+    "tool_choice": Field.shape(ref("ResponsesToolChoice")),
+    "parallel_tool_calls": Field.boolean("false: at most one call (a grammar)"),
+    "text": Field.object(ref("ResponsesText")),
+    "truncation": Field.choice(("auto", "disabled"), served=("disabled",), refusal="automatic truncation"),
+    "preserve_thinking": Field.boolean(),
+    "chat_template_kwargs": Field.shape(ref("ResponsesTemplateKwargs")),
+})
+CREATE_FIELDS = Fields(
+    {
+        **PROMPT_FIELDS,
+        "max_output_tokens": Field.integer(0),
+        "stream": Field.boolean(),
+        "store": Field.boolean("default true; stored in this process only"),
+        "temperature": OPENAI_SAMPLING["temperature"],
+        "top_p": OPENAI_SAMPLING["top_p"],
+        "metadata": Field.shape({
+            "type": "object",
+            "maxProperties": MAX_METADATA_PAIRS,
+            "propertyNames": {"maxLength": MAX_METADATA_KEY},
+            "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE},
+        }),
+        "client_metadata": Field.shape(OBJECT),
+        "max_tool_calls": Field.integer(0),
+        "top_logprobs": Field.integer(0, 20, "alternatives per answer token; log probabilities are returned with "
+                                             "it, or with include message.output_text.logprobs"),
+        "service_tier": Field.choice(SERVICE_TIERS, served=("auto", "default"), refusal="other service tiers"),
+        "background": Field(unprovidable(const(False), "background execution"), optional_bool),
+        "include": Field.shape({"type": "array", "items": unprovidable(enum(INCLUDABLE), "other data")}),
+        "stream_options": STREAM_OPTIONS.member(),
+        **CACHE_HINTS,
+        "safety_identifier": Field.string(),
+        "user": Field.string(),
+        # Recognised features NInfer cannot provide: rejected by name when they ask for something.
+        **_unprovidable("conversation", "prompt", "context_management", "moderation", "background_options",
+                        "access_programs", "image"),
+    }
+)
+COUNT_FIELDS = Fields({**PROMPT_FIELDS, **_unprovidable("conversation", "personality")})
 
 
 @dataclass
@@ -118,7 +203,7 @@ def parse_input_tokens(body: Any, context: RequestContext) -> ResponsesRequest:
     return _parse(body, context, COUNT_FIELDS, model_required=False)
 
 
-def _parse(body: Any, context: RequestContext, allowed: frozenset[str], model_required: bool) -> ResponsesRequest:
+def _parse(body: Any, context: RequestContext, allowed: Fields, model_required: bool) -> ResponsesRequest:
     body = object_body(body)
     for key in body:
         if key not in allowed:
@@ -131,7 +216,7 @@ def _parse(body: Any, context: RequestContext, allowed: frozenset[str], model_re
     if previous is not None and not previous:
         raise invalid("previous_response_id", "previous_response_id must not be empty")
     items, paths = parse_input(body.get("input"), previous is not None, context.vision_enabled)
-    instructions = optional_str(body, "instructions", "instructions")
+    instructions = PROMPT_FIELDS.read(body, "instructions")
     tools = parse_tools(body)
     thinking, reasoning_echo = _thinking(body, context.capabilities)
     text, json_answer = _text_config(body)
@@ -172,32 +257,29 @@ def _parse(body: Any, context: RequestContext, allowed: frozenset[str], model_re
 
 def _parse_create_options(body: dict, request: ResponsesRequest) -> None:
     """Fields that shape generation, storage or transport rather than the prompt."""
-    request.max_output_tokens = optional_int(body, "max_output_tokens", 0)
-    request.stream = bool(optional_bool(body, "stream", "stream"))
-    request.store = optional_bool(body, "store", "store") is not False
-    request.sampling = SamplingOverrides(
-        temperature=optional_number(body, "temperature", 0, 2),
-        top_p=optional_number(body, "top_p", 0, 1),
-    )
-    max_tool_calls = optional_int(body, "max_tool_calls", 0)  # hosted-tool limit: nothing to execute here
-    top_logprobs = optional_int(body, "top_logprobs", 0, 20)
-    tier = enum_value(body, "service_tier", "service_tier", SERVICE_TIERS)
+    read = functools.partial(CREATE_FIELDS.read, body)
+    request.max_output_tokens = read("max_output_tokens")
+    request.stream = bool(read("stream"))
+    request.store = read("store") is not False
+    request.sampling = SamplingOverrides(temperature=read("temperature"), top_p=read("top_p"))
+    max_tool_calls = read("max_tool_calls")  # hosted-tool limit: nothing to execute here
+    top_logprobs = read("top_logprobs")
+    tier = read("service_tier")
     if tier not in (None, "auto", "default"):
         raise cannot_provide("service_tier", f"the {tier} service tier (only auto or default)")
-    if optional_bool(body, "background", "background"):
+    if read("background"):
         raise cannot_provide("background", "background execution")
     include = _include(body)
     request.include_encrypted_reasoning = ENCRYPTED_REASONING in include
     if OUTPUT_LOGPROBS in include or top_logprobs:
         request.top_logprobs = top_logprobs or 0
-    stream_options = optional_object(body, "stream_options", "stream_options") or {}
     # Advisory: this local server never pads deltas, so there is nothing to switch off.
-    optional_bool(stream_options, "include_obfuscation", "stream_options.include_obfuscation")
+    STREAM_OPTIONS.read(read("stream_options") or {}, "include_obfuscation")
     client_metadata = body.get("client_metadata")
     if client_metadata is not None and not isinstance(client_metadata, dict):
         raise wrong_type("client_metadata", "an object or null", client_metadata)
     for key in ("safety_identifier", "user"):
-        optional_str(body, key, key)
+        read(key)
     retention = check_advisory_cache_fields(body)
     request.implicit_cache_breakpoint = implicit_candidate(body)
     request.echo.update(
@@ -259,36 +341,36 @@ def _metadata(body: dict) -> dict[str, str]:
 
 def _text_config(body: dict) -> tuple[dict[str, Any], JsonAnswer | None]:
     """The text echo and the JSON answer text.format asks for (None: plain text)."""
-    text = optional_object(body, "text", "text") or {}
+    text = PROMPT_FIELDS.read(body, "text") or {}
     fmt = optional_object(text, "format", "text.format")
     json_answer = json_format(fmt, "text.format", nested=False)
     echo: dict[str, Any] = {"format": fmt if json_answer is not None else {"type": "text"}}
-    verbosity = enum_value(text, "verbosity", "text.verbosity", ("low", "medium", "high"))
+    verbosity = TEXT.read(text, "verbosity")
     if verbosity is not None:
         echo["verbosity"] = verbosity  # a hint (module docstring)
     return echo, json_answer
 
 
 def _check_truncation(body: dict) -> None:
-    truncation = enum_value(body, "truncation", "truncation", ("auto", "disabled"))
+    truncation = PROMPT_FIELDS.read(body, "truncation")
     if truncation == "auto":
         raise cannot_provide("truncation", "automatic truncation (overlong input fails instead of dropping Items)")
 
 
 def _thinking(body: dict, caps: TemplateCapabilities) -> tuple[tuple[bool | None, str | None, bool | None], dict]:
     """(enable_thinking, template effort, preserve_thinking) and the reasoning echo."""
-    reasoning = optional_object(body, "reasoning", "reasoning") or {}
-    effort = enum_value(reasoning, "effort", "reasoning.effort", EFFORT_TIERS)
-    summary = enum_value(reasoning, "summary", "reasoning.summary", ("auto", "concise", "detailed"))
-    legacy = enum_value(reasoning, "generate_summary", "reasoning.generate_summary", ("auto", "concise", "detailed"))
+    reasoning = PROMPT_FIELDS.read(body, "reasoning") or {}
+    effort = REASONING.read(reasoning, "effort")
+    summary = REASONING.read(reasoning, "summary")
+    legacy = REASONING.read(reasoning, "generate_summary")
     for key, value in (("summary", summary), ("generate_summary", legacy)):
         # "auto" lets the server decide, and NInfer has no summarizer; an explicit style cannot be met.
         if value in ("concise", "detailed"):
             raise cannot_provide(f"reasoning.{key}", f"{value} reasoning summaries (raw reasoning text is returned)")
-    context = enum_value(reasoning, "context", "reasoning.context", ("auto", "current_turn", "all_turns"))
+    context = REASONING.read(reasoning, "context")
     if context not in (None, "auto"):
         raise cannot_provide("reasoning.context", "reasoning-context selection (use preserve_thinking)")
-    mode = optional_str(reasoning, "mode", "reasoning.mode")
+    mode = REASONING.read(reasoning, "mode")
     if mode not in (None, "standard"):
         raise cannot_provide("reasoning.mode", f"the {mode} reasoning mode")
     enable = template_effort = None

@@ -10,11 +10,32 @@ from __future__ import annotations
 
 from ninfer.frontend.conversation import Message, TextPart
 from ninfer.server.errors import invalid
-from ninfer.server.validation.fields import enum_value, optional_object, optional_str
+from ninfer.server.validation.fields import Field, Fields, optional_object
+from ninfer.server.validation.schema import const
 
 CACHE_TTLS = ("30m", "12h")
 PROMPT_CACHE_RETENTIONS = ("in_memory", "24h")
 MAX_CACHE_WRITES = 4
+# A text part's prompt_cache_breakpoint.
+CACHE_BREAKPOINT = Fields({"mode": Field.shape(const("explicit")), "ttl": Field.choice(CACHE_TTLS)})
+CACHE_BREAKPOINT_SCHEMA = CACHE_BREAKPOINT.schema(("mode",))
+PROMPT_CACHE_OPTIONS = Fields(
+    {
+        "mode": Field.choice(("implicit", "explicit")),
+        "ttl": Field.choice(CACHE_TTLS),
+        # Diagnostics are an optional OpenAI feature; without it the id is simply not compared.
+        "comparison_response_id": Field.string(),
+    },
+    "prompt_cache_options",
+)
+# The request members of the cache hints (Chat and Responses).
+CACHE_HINTS = Fields(
+    {
+        "prompt_cache_key": Field.string(),
+        "prompt_cache_retention": Field.choice(PROMPT_CACHE_RETENTIONS),
+        "prompt_cache_options": PROMPT_CACHE_OPTIONS.member(),
+    }
+)
 
 
 def breakpoint_marker(raw: dict, path: str) -> dict | None:
@@ -24,25 +45,24 @@ def breakpoint_marker(raw: dict, path: str) -> dict | None:
         return None
     if marker.get("mode") != "explicit":
         raise invalid(f"{path}.prompt_cache_breakpoint.mode", "prompt_cache_breakpoint.mode must be explicit")
-    enum_value(marker, "ttl", f"{path}.prompt_cache_breakpoint.ttl", CACHE_TTLS)
+    CACHE_BREAKPOINT.read(marker, "ttl", f"{path}.prompt_cache_breakpoint")
     return dict(marker)
 
 
 def implicit_candidate(body: dict) -> bool:
     """prompt_cache_options: omitted or mode implicit keeps the implicit candidate; explicit drops it."""
-    options = optional_object(body, "prompt_cache_options", "prompt_cache_options")
+    options = CACHE_HINTS.read(body, "prompt_cache_options")
     if options is None:
         return True
-    enum_value(options, "ttl", "prompt_cache_options.ttl", CACHE_TTLS)
-    # Diagnostics are an optional OpenAI feature; without it the id is simply not compared.
-    optional_str(options, "comparison_response_id", "prompt_cache_options.comparison_response_id")
-    return enum_value(options, "mode", "prompt_cache_options.mode", ("implicit", "explicit")) != "explicit"
+    PROMPT_CACHE_OPTIONS.read(options, "ttl")
+    PROMPT_CACHE_OPTIONS.read(options, "comparison_response_id")
+    return PROMPT_CACHE_OPTIONS.read(options, "mode") != "explicit"
 
 
 def check_advisory_cache_fields(body: dict) -> str | None:
     """prompt_cache_key and prompt_cache_retention: accepted hints; returns the retention."""
-    optional_str(body, "prompt_cache_key", "prompt_cache_key")
-    return enum_value(body, "prompt_cache_retention", "prompt_cache_retention", PROMPT_CACHE_RETENTIONS)
+    CACHE_HINTS.read(body, "prompt_cache_key")
+    return CACHE_HINTS.read(body, "prompt_cache_retention")
 
 
 def limit_cache_writes(messages: list[Message], explicit: list[TextPart], implicit: bool) -> None:

@@ -1,12 +1,20 @@
-"""Readers for JSON request fields: type checks with field-path errors, shared by every protocol parser."""
+"""Readers for JSON request fields: type checks with field-path errors, shared by every protocol parser.
+
+`Fields` declares the members of one request object once: each member's JSON Schema for the
+OpenAPI document and, for a plain value (a boolean, a string, a number in a range, one of a few
+strings), the reader the validator takes it with, so the two cannot disagree.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ninfer.server.errors import APIError, invalid, unsupported
+from ninfer.server.validation.schema import BOOLEAN, STRING, Schema, described, enum, integer, number, obj, unprovidable
 
 
 def json_type(value: Any) -> str:
@@ -70,26 +78,28 @@ def optional_list(obj: dict, key: str, path: str) -> list | None:
     return value
 
 
-def optional_number(obj: dict, key: str, low: float, high: float) -> float | None:
+def optional_number(obj: dict, key: str, low: float, high: float, path: str | None = None) -> float | None:
     value = obj.get(key)
+    path = path or key
     if value is None:
         return None
     if not is_number(value):
-        raise wrong_type(key, "a number", value)
+        raise wrong_type(path, "a number", value)
     if not math.isfinite(value) or not low <= value <= high:
-        raise invalid(key, f"{key} must be a finite number between {low:g} and {high:g}, got {value!r}")
+        raise invalid(path, f"{path} must be a finite number between {low:g} and {high:g}, got {value!r}")
     return float(value)
 
 
-def optional_int(obj: dict, key: str, low: int, high: int | None = None) -> int | None:
+def optional_int(obj: dict, key: str, low: int, high: int | None = None, path: str | None = None) -> int | None:
     value = obj.get(key)
+    path = path or key
     if value is None:
         return None
     if not is_int(value):
-        raise wrong_type(key, "an integer", value)
+        raise wrong_type(path, "an integer", value)
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise invalid(key, f"{key} must be an integer {bound}, got {value}")
+        raise invalid(path, f"{path} must be an integer {bound}, got {value}")
     return value
 
 
@@ -159,3 +169,75 @@ def required_list(obj: dict, key: str, what: str) -> list:
     if not value:
         raise invalid(key, f"{key} must contain at least one {what.removesuffix('s')}")
     return value
+
+
+Reader = Callable[[dict, str, str], Any]  # (object, member, its path in the body) -> the value, None when absent
+
+
+@dataclass(frozen=True)
+class Field:
+    """One member of a request object: its JSON Schema and, for a plain value, its reader
+    (None: a parser of its own reads it, and the drift test in tests/server/test_openapi.py holds
+    the schema to it)."""
+
+    schema: Schema
+    reader: Reader | None = None
+
+    @classmethod
+    def boolean(cls, description: str | None = None) -> Field:
+        return cls(described(BOOLEAN, description), optional_bool)
+
+    @classmethod
+    def string(cls, description: str | None = None) -> Field:
+        return cls(described(STRING, description), optional_str)
+
+    @classmethod
+    def integer(cls, low: int, high: int | None = None, description: str | None = None) -> Field:
+        return cls(described(integer(low, high), description),
+                   lambda obj, key, path: optional_int(obj, key, low, high, path))
+
+    @classmethod
+    def number(cls, low: float, high: float, description: str | None = None) -> Field:
+        return cls(described(number(low, high), description),
+                   lambda obj, key, path: optional_number(obj, key, low, high, path))
+
+    @classmethod
+    def choice(cls, values: tuple[str, ...], description: str | None = None, *,
+               served: tuple[str, ...] | None = None, refusal: str | None = None) -> Field:
+        """One of `values`; where only `served` of them are, the others are refused as `refusal`."""
+        schema = enum(served or values, description)
+        return cls(unprovidable(schema, refusal) if refusal else schema,
+                   lambda obj, key, path: enum_value(obj, key, path, values))
+
+    @classmethod
+    def object(cls, schema: Schema) -> Field:
+        """An object whose members the validator reads in turn (often a Fields table's schema)."""
+        return cls(schema, optional_object)
+
+    @classmethod
+    def shape(cls, schema: Schema) -> Field:
+        """A member its own parser reads (messages, tools, formats...)."""
+        return cls(schema)
+
+
+class Fields(dict[str, Field]):
+    """The members of one request object by name; `prefix` is the object's path in the body."""
+
+    def __init__(self, members: dict[str, Field], prefix: str = ""):
+        super().__init__(members)
+        self.prefix = prefix
+
+    def read(self, obj: dict, key: str, at: str | None = None) -> Any:
+        """The member through its reader (a KeyError for one the table does not declare); `at`:
+        the object's path where it varies (a part of the n-th message)."""
+        reader = self[key].reader
+        assert reader is not None, f"{key} is read by a parser of its own"
+        prefix = self.prefix if at is None else at
+        return reader(obj, key, f"{prefix}.{key}" if prefix else key)
+
+    def schema(self, required: tuple[str, ...] = (), **extra) -> Schema:
+        return obj({key: field.schema for key, field in self.items()}, required, **extra)
+
+    def member(self, **extra) -> Field:
+        """This table as a member of the object around it: an optional object."""
+        return Field.object(self.schema(**extra))

@@ -7,9 +7,17 @@ from typing import Literal
 from ninfer.frontend.conversation import MediaPart
 from ninfer.server.errors import APIError, invalid
 from ninfer.server.validation.fields import cannot_provide
+from ninfer.server.validation.schema import Schema
 
 MEDIA_SCHEMES = ("http://", "https://", "data:")
 IMAGE_DETAILS = ("auto", "low", "high", "original")
+# A media source in the OpenAPI document: one of MEDIA_SCHEMES, in any letter case.
+MEDIA_URL: Schema = {
+    "type": "string",
+    "pattern": "^(" + "|".join("".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in scheme)
+                               for scheme in MEDIA_SCHEMES) + ")",
+    "description": "an http(s) URL (fetched under the server's address rules) or a data: URI",
+}
 
 
 def check_detail(detail: str | None, path: str) -> None:

@@ -4,21 +4,34 @@ from __future__ import annotations
 
 from ninfer.contract.sampling import TOP_K_CAP, SamplingOverrides
 from ninfer.server.errors import invalid
-from ninfer.server.validation.fields import optional_int, optional_list, optional_number, wrong_type
+from ninfer.server.validation.fields import Field, Fields, optional_list, wrong_type
+from ninfer.server.validation.schema import NON_EMPTY_STRING
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+OPENAI_SAMPLING = Fields(
+    {
+        "temperature": Field.number(0, 2),
+        "top_p": Field.number(0, 1),
+        "top_k": Field.integer(0, TOP_K_CAP),
+        "min_p": Field.number(0, 1),
+        "presence_penalty": Field.number(-2, 2),
+        "frequency_penalty": Field.number(-2, 2),
+        "seed": Field.integer(SEED_MIN, SEED_MAX),
+    }
+)
 
 
 def openai_sampling(body: dict) -> SamplingOverrides:
-    return SamplingOverrides(
-        temperature=optional_number(body, "temperature", 0, 2),
-        top_p=optional_number(body, "top_p", 0, 1),
-        top_k=optional_int(body, "top_k", 0, TOP_K_CAP),
-        min_p=optional_number(body, "min_p", 0, 1),
-        presence_penalty=optional_number(body, "presence_penalty", -2, 2),
-        frequency_penalty=optional_number(body, "frequency_penalty", -2, 2),
-        seed=optional_int(body, "seed", SEED_MIN, SEED_MAX),
-    )
+    return SamplingOverrides(**{key: OPENAI_SAMPLING.read(body, key) for key in OPENAI_SAMPLING})
+
+
+def stop_field(max_count: int | None = None, allow_string: bool = False) -> Field:
+    """Non-empty stop strings: an array (at most max_count), or one string when allow_string."""
+    strings = {"type": "array", "items": NON_EMPTY_STRING}
+    if max_count is not None:
+        strings["maxItems"] = max_count
+    return Field({"anyOf": [NON_EMPTY_STRING, strings]} if allow_string else strings,
+                 lambda obj, key, path: stop_strings(obj, key, max_count, allow_string))
 
 
 def stop_strings(body: dict, key: str, max_count: int | None = None, allow_string: bool = False) -> list[str]:

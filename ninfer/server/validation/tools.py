@@ -9,7 +9,8 @@ from __future__ import annotations
 from ninfer.frontend.capabilities import TemplateCapabilities
 from ninfer.frontend.conversation import Conversation
 from ninfer.server.errors import APIError, invalid
-from ninfer.server.validation.fields import cannot_provide, optional_bool, optional_list, required_str
+from ninfer.server.validation.fields import Field, Fields, cannot_provide, optional_bool, optional_list, required_str
+from ninfer.server.validation.schema import NULL, const, nullable, unprovidable
 
 # OpenAI-hosted tools: executed by OpenAI's servers, never by the client. A request that offers
 # them without forcing one is served with them left out of the prompt (and the log says so).
@@ -22,19 +23,33 @@ HOSTED_TOOL_TYPES = frozenset(
 )  # fmt: skip
 
 
+# Members of a function definition in every protocol (Chat's nested `function`, Responses' flat
+# functions, Messages' tools); defer_loading is each protocol's own (only Messages serves it).
+FUNCTION_FLAGS = Fields(
+    {
+        "strict": Field.boolean("true: calls of this tool follow its parameters schema (a grammar over the Qwen "
+                                "tool-call markup)"),
+        "output_schema": Field.shape(unprovidable(NULL, "function output schemas")),
+        "async": Field(unprovidable(nullable(const(False)), "asynchronous function calls"), optional_bool),
+        "allowed_callers": Field(
+            {"type": "array", "contains": const("direct"), "description": "must include direct"}, optional_list
+        ),
+    }
+)
+
 def check_definition_flags(raw: dict, path: str, *, allow_deferred: bool = False) -> bool:
     """Flags no protocol can honour without an executor; returns whether the tool is deferred
     (loaded on demand), which only Messages accepts. `strict` is read by the protocols
     (structured_output.tool_strict): its calls follow the schema through a grammar."""
-    optional_bool(raw, "strict", f"{path}.strict")
+    FUNCTION_FLAGS.read(raw, "strict", path)
     deferred = bool(optional_bool(raw, "defer_loading", f"{path}.defer_loading"))
     if deferred and not allow_deferred:
         raise cannot_provide(f"{path}.defer_loading", "deferred tool loading (tool search)")
     if raw.get("output_schema") is not None:
         raise cannot_provide(f"{path}.output_schema", "function output schemas")
-    if optional_bool(raw, "async", f"{path}.async"):
+    if FUNCTION_FLAGS.read(raw, "async", path):
         raise cannot_provide(f"{path}.async", "asynchronous function calls")
-    callers = optional_list(raw, "allowed_callers", f"{path}.allowed_callers")
+    callers = FUNCTION_FLAGS.read(raw, "allowed_callers", path)
     if callers is not None and "direct" not in callers:
         raise cannot_provide(f"{path}.allowed_callers", "tools the model may not call directly")
     return deferred
