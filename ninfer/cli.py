@@ -18,7 +18,7 @@ from ninfer.config import (
     ServeConfig,
 )
 from ninfer.contract.sampling import SamplingOverrides
-from ninfer.engine.context_costs import ContextCostError, read_presets
+from ninfer.engine.cache.context_costs import ContextCostError, read_presets
 from ninfer.log import LEVELS
 
 

@@ -15,9 +15,9 @@ import torch
 
 from ninfer.assets.qwen_tokenizer import cache_dir
 from ninfer.config import ConfigValueError, EngineConfig
+from ninfer.engine.cache.host_kv import HostKV
 from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
-from ninfer.engine.host_kv import HostKV
 from ninfer.engine.speculative.residency import check_speculative
 from ninfer.engine.warm_up import run_warm_up
 from ninfer.kernels.backend import persist_compile_caches

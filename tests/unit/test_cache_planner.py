@@ -7,12 +7,12 @@ import json
 import pytest
 
 from ninfer.contract.reuse_path import ReusePath
-from ninfer.engine.context_cache import ContextCache
-from ninfer.engine.context_costs import ContextCostError, ContextCosts, read_presets, resolve_context_costs
+from ninfer.engine.cache.context_cache import ContextCache
+from ninfer.engine.cache.context_costs import ContextCostError, ContextCosts, read_presets, resolve_context_costs
+from ninfer.engine.cache.planner import SUPERSEDED_WEIGHT, CachePlanner
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.placement import Placement
-from ninfer.engine.scheduler.planner import SUPERSEDED_WEIGHT, CachePlanner
 from ninfer.engine.scheduler.step import SpillSlot
 from ninfer.engine.state_pool import StatePool
 from ninfer.models.config import ModelConfig

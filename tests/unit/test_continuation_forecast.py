@@ -2,8 +2,8 @@
 
 import math
 
-from ninfer.engine import continuation_forecast
-from ninfer.engine.continuation_forecast import ContinuationForecast
+from ninfer.engine.cache import continuation_forecast
+from ninfer.engine.cache.continuation_forecast import ContinuationForecast
 
 
 def test_a_conversation_that_has_not_come_back_yet_takes_the_typical_interval():

@@ -33,9 +33,10 @@ from ninfer.contract.output import (
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import fresh_seed
+from ninfer.engine.cache.context_cache import CacheHit, Checkpoint, ContextCache
+from ninfer.engine.cache.planner import MAX_CANDIDATES
 from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.constraint_state import ConstraintState
-from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
@@ -43,7 +44,6 @@ from ninfer.engine.scheduler.admission_plan import AdmissionPlan, PlanCommit
 from ninfer.engine.scheduler.limits import SchedulerLimits
 from ninfer.engine.scheduler.outputs import error_output
 from ninfer.engine.scheduler.placement import Placement
-from ninfer.engine.scheduler.planner import MAX_CANDIDATES
 from ninfer.engine.sequence import Sequence, SequenceStatus
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from ninfer.contract.request import CaptureHint
 from ninfer.contract.reuse_path import ReusePath
-from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.cache.context_cache import ContextCache
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 
-from ninfer.engine.context_cache import Checkpoint, ContextCache
+from ninfer.engine.cache.context_cache import Checkpoint, ContextCache
+from ninfer.engine.cache.planner import CachePlanner
 from ninfer.engine.scheduler.action_queue import ActionQueue
-from ninfer.engine.scheduler.planner import CachePlanner
 from ninfer.engine.scheduler.step import SpillSlot
 
 log = logging.getLogger("ninfer.engine")

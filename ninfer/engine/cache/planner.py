@@ -10,8 +10,8 @@ restoring it later (bytes over the host link) is cheaper than that recompute.
 
 from __future__ import annotations
 
-from ninfer.engine.context_cache import Checkpoint, ContextCache
-from ninfer.engine.context_costs import ContextCosts
+from ninfer.engine.cache.context_cache import Checkpoint, ContextCache
+from ninfer.engine.cache.context_costs import ContextCosts
 
 SUPERSEDED_WEIGHT = 0.1  # how likely a request diverges inside an extended prefix: an assumption
 MAX_CANDIDATES = 64  # the search is bounded; past it, the least recently used are ranked by recency alone

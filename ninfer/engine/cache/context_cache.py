@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from ninfer.common_prefix import common_prefix_len
 from ninfer.contract.reuse_path import ReusePath
-from ninfer.engine.cache_counters import CacheCounters
-from ninfer.engine.continuation_forecast import ContinuationForecast
+from ninfer.engine.cache.cache_counters import CacheCounters
+from ninfer.engine.cache.continuation_forecast import ContinuationForecast
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.state_pool import StatePool
 
