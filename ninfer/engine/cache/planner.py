@@ -12,12 +12,13 @@ checkpoint a few tokens past its turn closure costs those few tokens), at the ca
 rate; a checkpoint that a longer, more recent one of the same prefix extends is superseded (a
 request only needs it when it diverges between the two), so its loss counts at
 SUPERSEDED_WEIGHT. Of those needed equally soon the cheapest loss goes first, then the least
-recently used. The forecast comes first because conversations differ in loss by far more than
-the forecast's reach can balance: spread over the admissions until it is needed, a long
-abandoned conversation outweighed live ones with shared prefixes (docs/performance.md, agent
-sessions). Spilling to the host instead of dropping pays off when restoring later (bytes over
-the host link) costs less than the recompute; a full host tier gives up a checkpoint only for
-one later in the drop order.
+recently used. The forecast comes first: with each loss spread over the admissions until it is
+needed instead, long conversations that had stopped outweighed live ones resuming from shared
+prefixes, whose losses are a tenth as large (docs/performance.md, agent sessions).
+
+Spilling to the host instead of dropping pays off when restoring later (bytes over the host
+link) costs less than the recompute; a full host tier gives up a checkpoint only for one later
+in the drop order.
 
 The descriptor limits are bounds on the same order, not an eviction of their own. A capture
 that passes one drops the first group in the order that brings the cache back within it: a
@@ -195,17 +196,15 @@ class CachePlanner:
         now that `new` is in the cache: the first in the drop order, never `new`."""
         limits = self.cache.limits
         others = [c for c in self.cache.checkpoints.values() if c is not new]
-        rank = self.drop_ranks(new.continuation)
         if new.shared:
             shared = [c for c in others if c.shared]
             over = _excess(len(shared) + 1, limits.max_shared_prefixes)
-            first = sorted(shared, key=lambda c: (rank[c.checkpoint_id], c.last_used))[:over]
-            return [(c, "--max-shared-prefixes") for c in first]
+            return [(c, "--max-shared-prefixes") for c in self.drop_order(among=shared)[:over]]
         victims = []
         if new.path is ReusePath.PRIVATE_LONG_ANCHOR:
             anchors = [c for c in others if c.path is new.path and c.continuation == new.continuation]
             over = _excess(len(anchors) + 1, limits.max_long_anchors)
-            first = sorted(anchors, key=lambda c: (rank[c.checkpoint_id], c.last_used))[:over]
+            first = self.drop_order(among=anchors, current=new.continuation)[:over]
             victims += [(c, "--max-long-anchors-per-continuation") for c in first]
         giving_way = self._conversations_giving_way(new.continuation, new=new)
         victims += [
