@@ -18,9 +18,9 @@ import torch
 
 from ninfer.assets.qwen_tokenizer import cache_dir
 from ninfer.config import EngineConfig, EngineSpec
+from ninfer.engine.cache.host_kv import HostKV
 from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
-from ninfer.engine.host_kv import HostKV
 from ninfer.engine.startup_checks import check_kv_dtype, check_speculative, resolve_device
 from ninfer.engine.warm_up import run_warm_up
 from ninfer.kernels.backend import persist_compile_caches

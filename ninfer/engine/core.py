@@ -21,11 +21,11 @@ import torch
 from ninfer.config import EngineConfig
 from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishReason
 from ninfer.contract.request import EngineRequest
+from ninfer.engine.cache.context_cache import CacheLimits, ContextCache
+from ninfer.engine.cache.context_costs import resolve_context_costs
+from ninfer.engine.cache.host_kv import HostKV
 from ninfer.engine.compiled_grammars import CompiledGrammars
-from ninfer.engine.context_cache import CacheLimits, ContextCache
-from ninfer.engine.context_costs import resolve_context_costs
 from ninfer.engine.host_detail import HostDetail
-from ninfer.engine.host_kv import HostKV
 from ninfer.engine.host_time import HostTime
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.pending_step import PendingStep

@@ -28,10 +28,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ninfer.engine.cache.host_kv import HostKV
+from ninfer.engine.cache.host_states import HostStates
 from ninfer.engine.cuda_graphs import DecodeGraphs, graph_blocker
 from ninfer.engine.host_detail import HostDetail
-from ninfer.engine.host_kv import HostKV
-from ninfer.engine.host_states import HostStates
 from ninfer.engine.media_embeddings import MediaEmbeddings
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.sampler import Sampler, SamplingBatch, pack_token_bitmasks

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer.engine.host_kv import HostKV, _runs
+from ninfer.engine.cache.host_kv import HostKV, _runs
 from ninfer.models.kv_cache import KVCache
 
 DEVICES = [

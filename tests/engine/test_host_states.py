@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer.engine.host_states import HostStates
+from ninfer.engine.cache.host_states import HostStates
 from ninfer.models.state_cache import StateCache
 
 DEVICES = [

@@ -17,7 +17,7 @@ from ninfer.config import ConfigValueError, EngineConfig
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.builder import EngineSpec, build_engine_core
-from ninfer.engine.host_kv import HostKV
+from ninfer.engine.cache.host_kv import HostKV
 from ninfer.models.kv_cache import KVCache, kv_bytes_per_token
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.server.conftest import serve_config, start_server

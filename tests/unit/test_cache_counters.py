@@ -4,7 +4,7 @@ pressure degradation by owner, adoptions, the last-selection gauge and what take
 from __future__ import annotations
 
 from ninfer.contract.request import CaptureHint
-from ninfer.engine.cache_counters import CacheCounters
+from ninfer.engine.cache.cache_counters import CacheCounters
 from tests.unit.test_scheduler import Harness, _conversation, _next_turn, req
 
 

@@ -8,12 +8,12 @@ import pytest
 
 from ninfer.context_cost_presets import ContextCostError, read_presets
 from ninfer.contract.reuse_path import ReusePath
-from ninfer.engine.context_cache import ContextCache
-from ninfer.engine.context_costs import ContextCosts, resolve_context_costs
+from ninfer.engine.cache.context_cache import CacheLimits, ContextCache
+from ninfer.engine.cache.context_costs import ContextCosts, resolve_context_costs
+from ninfer.engine.cache.planner import SUPERSEDED_WEIGHT, CachePlanner
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.placement import Placement
-from ninfer.engine.scheduler.planner import SUPERSEDED_WEIGHT, CachePlanner
 from ninfer.engine.scheduler.step import SpillSlot
 from ninfer.engine.state_pool import StatePool
 from ninfer.models.config import ModelConfig
@@ -22,17 +22,18 @@ COSTS = ContextCosts(prefill_seconds_per_token=1e-3, host_transfer_bytes_per_sec
 STATE_BYTES = 10_000_000  # 10 ms to restore at 1 GB/s: worth it for more than 10 recomputed tokens
 
 
-def make(device_slots: int, host_slots: int):
+def make(device_slots: int, host_slots: int, limits: CacheLimits | None = None):
     kv = KVPool(256, 4)
-    cache = ContextCache(kv, StatePool(device_slots), exact_frontier_only=True, host_pool=StatePool(host_slots))
+    cache = ContextCache(kv, StatePool(device_slots), exact_frontier_only=True, host_pool=StatePool(host_slots),
+                         limits=limits or CacheLimits())
     planner = CachePlanner(cache, COSTS, STATE_BYTES)
     actions = ActionQueue()
     return cache, planner, Placement(cache, planner, actions), actions
 
 
-def add(cache: ContextCache, tokens: list[int], path=ReusePath.PRIVATE_ENDPOINT):
+def add(cache: ContextCache, tokens: list[int], path=ReusePath.PRIVATE_ENDPOINT, continuation: str = ""):
     pages = cache.kv_pool.allocate(cache.kv_pool.pages_for(len(tokens)))
-    return cache.insert(tokens, pages, cache.state_pool.allocate(), path, None)
+    return cache.insert(tokens, pages, cache.state_pool.allocate(), path, None, continuation)
 
 
 CONVERSATION = list(range(100, 200))
@@ -84,6 +85,60 @@ def test_a_full_host_tier_keeps_the_more_valuable_checkpoint():
     assert placement.free_device_slot()
     assert more.on_host and valuable.checkpoint_id not in cache.checkpoints
     cache.clear()
+
+
+def capture(cache: ContextCache, planner: CachePlanner, conversation: str, tokens: list[int],
+            path=ReusePath.PRIVATE_ENDPOINT):
+    """What a request's capture does (scheduler/checkpoints.py): kept if the planner admits it,
+    then whatever the planner names for the limits is dropped."""
+    if not planner.admits(path, conversation, tokens):
+        return None
+    ck = add(cache, tokens, path, conversation)
+    for victim, _ in planner.over_bounds(ck):
+        assert victim is not ck
+        cache.remove(victim)
+    return ck
+
+
+def conversations(cache: ContextCache) -> set[str]:
+    return {ck.continuation for ck in cache.checkpoints.values() if not ck.shared}
+
+
+def test_descriptor_limits_are_bounds_on_the_planners_drop_order():
+    limits = CacheLimits(max_private_continuations=2, max_shared_prefixes=1)
+    cache, planner, _, _ = make(device_slots=16, host_slots=0, limits=limits)
+    # Two conversations the forecast has no record of are as far off as each other: of them, the
+    # one costing least to lose gives way (b, 20 ms of recompute), not the least recently used (a).
+    long_a, short_b = list(range(1000, 1090)), list(range(2000, 2020))
+    assert capture(cache, planner, "a", long_a) and capture(cache, planner, "b", short_b)
+    cache.note_admission("c", list(range(3000, 3050)))
+    assert capture(cache, planner, "c", list(range(3000, 3050))) is not None
+    assert conversations(cache) == {"a", "c"}
+    cache.clear()
+    # Three conversations taking turns at a limit of two: the one due last gives way. From the
+    # second round on that is the conversation being captured, so its captures are declined and
+    # nothing is dropped for them; least recently used would drop the one due next every turn.
+    histories = {name: [ord(name)] * 40 for name in "xyz"}
+    kept: list[list[bool]] = []
+    for round_index in range(4):
+        kept.append([])
+        for name in "xyz":
+            histories[name] = histories[name] + [round_index] * 10
+            cache.note_admission(name, histories[name])
+            kept[-1].append(capture(cache, planner, name, histories[name]) is not None)
+            assert len(conversations(cache)) <= 2
+    assert kept == [[True, True, True]] + [[False, True, True]] * 3
+    # Pressure takes the same order: y is due at the next admission, z after it.
+    assert planner.drop_order()[0].continuation == "z"
+    # Shared prefixes: a new one is kept, and the others give way in drop order (never the new one).
+    first = capture(cache, planner, "y", list(range(5000, 5030)), ReusePath.SHARED_STABLE_PREFIX)
+    second = capture(cache, planner, "z", list(range(6000, 6010)), ReusePath.SHARED_STABLE_PREFIX)
+    assert first.checkpoint_id not in cache.checkpoints and second.checkpoint_id in cache.checkpoints
+    cache.clear()
+    # A limit of zero keeps none of that kind.
+    cache0, planner0, _, _ = make(device_slots=2, host_slots=0, limits=CacheLimits(0, 0, 0))
+    for path in (ReusePath.PRIVATE_ENDPOINT, ReusePath.SHARED_STABLE_PREFIX, ReusePath.PRIVATE_LONG_ANCHOR):
+        assert not planner0.admits(path, "a", long_a)
 
 
 def test_rates_resolve_from_generic_compiled_and_a_presets_file(tmp_path):

@@ -2,8 +2,8 @@
 
 import math
 
-from ninfer.engine import continuation_forecast
-from ninfer.engine.continuation_forecast import ContinuationForecast
+from ninfer.engine.cache import continuation_forecast
+from ninfer.engine.cache.continuation_forecast import ContinuationForecast
 
 
 def test_a_conversation_that_has_not_come_back_yet_takes_the_typical_interval():
@@ -65,3 +65,18 @@ def test_ghosts_are_bounded():
     assert forecast.recall([0] * 9) is None  # the oldest were forgotten
     last = continuation_forecast.MAX_GHOSTS + 4
     assert forecast.recall([last] * 9) == f"c{last}"
+
+
+def test_turns_until_counts_whole_admissions_and_orders_an_overdue_key_after_one_just_used():
+    forecast = ContinuationForecast()
+    for name in "bba":  # b comes back at once; a is a newcomer at tick 3
+        forecast.note_turn(name)
+    assert forecast.turns_until("a", current=True) == 1
+    # b was due at tick 3 and has not come: as least recently used would order it, after the
+    # newcomer just used (next_turn ties them at tick 4).
+    assert forecast.next_turn("b") == forecast.next_turn("a", current=True) == 4
+    assert forecast.turns_until("b") == 2
+    for name in "cxcc":  # c's interval (2 + 1) / 2 = 1.5, due at tick 8.5: the second admission from tick 7
+        forecast.note_turn(name)
+    assert forecast.turns_until("c", current=True) == forecast.turns_until("c") == 2
+    assert forecast.turns_until("forgotten") == math.inf

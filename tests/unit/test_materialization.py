@@ -3,7 +3,7 @@ its target, the predicted costs in the planner's own units, and what it took fro
 
 from __future__ import annotations
 
-from ninfer.engine.context_costs import generic_costs
+from ninfer.engine.cache.context_costs import generic_costs
 from tests.unit.test_scheduler import PROMPT, Harness, _conversation, _next_turn, req
 
 COSTS = generic_costs("cpu")  # what the harness's planner weighs

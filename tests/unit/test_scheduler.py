@@ -21,8 +21,8 @@ import pytest
 from ninfer.contract.output import EngineOutput, ErrorCode, FinishReason
 from ninfer.contract.request import CaptureHint, EngineRequest, ThinkingBudget
 from ninfer.contract.sampling import SamplingParams
-from ninfer.engine.context_cache import CacheLimits, ContextCache
-from ninfer.engine.context_costs import ContextCosts
+from ninfer.engine.cache.context_cache import CacheLimits, ContextCache
+from ninfer.engine.cache.context_costs import ContextCosts
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler import (
     PENDING_TOKEN,

@@ -33,9 +33,10 @@ from ninfer.contract.output import (
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.reuse_path import ReusePath
 from ninfer.contract.sampling import fresh_seed
+from ninfer.engine.cache.context_cache import CacheHit, ContextCache
+from ninfer.engine.cache.planner import MAX_CANDIDATES
 from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.constraint_state import ConstraintState
-from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
@@ -43,7 +44,6 @@ from ninfer.engine.scheduler.admission_plan import AdmissionPlan, PlanCommit
 from ninfer.engine.scheduler.limits import SchedulerLimits
 from ninfer.engine.scheduler.outputs import error_output
 from ninfer.engine.scheduler.placement import Placement
-from ninfer.engine.scheduler.planner import MAX_CANDIDATES
 from ninfer.engine.sequence import Sequence, SequenceStatus
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
@@ -379,7 +379,7 @@ class Admission:
                 num_evict += 1
                 continue
             evict = victims[:num_evict]
-            spill_kv = self._kv_to_spill(evict)
+            spill_kv = self.placement.planner.kv_spills(evict)
             dropped = [c for c in evict if c not in spill_kv]
             free_slots = self.state_pool.num_free + sum(c.state_slot is not None for c in dropped)
             # The cheapest prefix of the drop order that fits: evicting more would only add loss.
@@ -392,17 +392,3 @@ class Admission:
                                      stop, budget_exhausted)
             num_evict += 1
         return None
-
-    def _kv_to_spill(self, evict: list[Checkpoint]) -> list[Checkpoint]:
-        """Of the checkpoints giving up their device pages, those whose KV goes to the host tier:
-        while it has room, each worth more than restoring its pages would cost."""
-        host = self.cache.host_kv_pool
-        if host is None:
-            return []
-        room = host.num_free
-        spill = []
-        for c in evict:
-            if c.pages and len(c.pages) <= room and self.placement.planner.worth_spilling_kv(c):
-                spill.append(c)
-                room -= len(c.pages)
-        return spill

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ninfer.contract.output import PromptProgress, SpeculativeCounters
 from ninfer.contract.reuse_path import ReusePath
-from ninfer.engine.context_cache import CacheHit, Checkpoint, ContextCache
+from ninfer.engine.cache.context_cache import CacheHit, Checkpoint, ContextCache
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.checkpoints import capture_frontiers

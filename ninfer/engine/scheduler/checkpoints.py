@@ -4,7 +4,9 @@ Two capture kinds (context cache): a snapshot at a prompt frontier (the prompt e
 the API's capture hints), which copies the active state slot after the step that reached
 it, or inside the step when the chunk goes on past the frontier (ScheduledChunk's
 snapshot); and the request's endpoint when it finishes, which hands its slot and pages over
-to the cache instead of releasing them (no copy).
+to the cache instead of releasing them (no copy). Whether a capture is kept under the
+descriptor limits, and what gives way for it, is the cache planner's choice (admits,
+over_bounds).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Iterable
 
 from ninfer.contract.request import CaptureHint
 from ninfer.contract.reuse_path import ReusePath
-from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.cache.context_cache import Checkpoint, ContextCache
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
@@ -138,14 +140,14 @@ class Checkpoints:
     def _capture_slot(self, seq: Sequence, frontier: int, path) -> int | Snapshot:
         """A device slot for a checkpoint of seq at `frontier`, or why there is none to take."""
         tokens = seq.token_ids[:frontier]
-        if not self.cache.accepts(ReusePath(path), seq.continuation):
+        if not self.placement.planner.admits(ReusePath(path), seq.continuation, tokens):
             self.cache.decline(seq.continuation, tokens)
             return Snapshot.NOT_NEEDED
         existing = self.cache.find_identical(tokens)
         if existing is not None:
             self.cache.touch(existing)
             return Snapshot.NOT_NEEDED
-        if self.state_pool.num_free == 0 and not self.placement.free_device_slot():
+        if self.state_pool.num_free == 0 and not self.placement.free_device_slot(current=seq.continuation):
             return Snapshot.NO_SLOT
         return self.state_pool.allocate()
 
@@ -157,6 +159,14 @@ class Checkpoints:
                                seq.continuation)
         log.debug("cache: %s captures checkpoint %d at %d tokens%s (%s)", seq.request_id, ck.checkpoint_id, frontier,
                   where, ReusePath(path).value)
+        self._bound(ck)
+
+    def _bound(self, new: Checkpoint) -> None:
+        """Back within the descriptor limits after `new`: drop what the planner chooses."""
+        for victim, limit in self.placement.planner.over_bounds(new):
+            log.debug("cache: checkpoint %d (%d tokens, %s) dropped for %s, keeping checkpoint %d",
+                      victim.checkpoint_id, victim.frontier, ReusePath(victim.path).value, limit, new.checkpoint_id)
+            self.cache.remove(victim)
 
     def release_snapshot(self, seq: Sequence) -> None:
         """Give up seq's snapshot slot (its step failed, or seq ended while the step ran)."""
@@ -178,20 +188,22 @@ class Checkpoints:
             and seq.logits_frontier == frontier
             and self.cache.find_identical(seq.token_ids[:frontier]) is None
         )
-        if keep and not self.cache.accepts(ReusePath(seq.request.endpoint_path), seq.continuation):
+        path = ReusePath(seq.request.endpoint_path)
+        if keep and not self.placement.planner.admits(path, seq.continuation, seq.token_ids[:frontier]):
             self.cache.decline(seq.continuation, seq.token_ids[:frontier])
             keep = False
         if keep:
             num_pages = self.kv_pool.pages_for(frontier)
             self.kv_pool.release(seq.pages[num_pages:])
-            self.cache.insert(
+            ck = self.cache.insert(
                 seq.token_ids[:frontier],
                 seq.pages[:num_pages],
                 seq.state_slot,
-                seq.request.endpoint_path,
+                path,
                 seq.request.session_key,
                 seq.continuation,
             )
+            self._bound(ck)
         else:
             self.kv_pool.release(seq.pages)
             self.state_pool.release(seq.state_slot)

@@ -29,9 +29,10 @@ from collections.abc import Callable
 
 from ninfer.contract.output import EngineOutput, FinishReason, TokenLogprobs
 from ninfer.contract.request import EngineRequest
+from ninfer.engine.cache.context_cache import ContextCache
+from ninfer.engine.cache.context_costs import ContextCosts, generic_costs
+from ninfer.engine.cache.planner import CachePlanner
 from ninfer.engine.compiled_grammars import CompiledGrammars
-from ninfer.engine.context_cache import ContextCache
-from ninfer.engine.context_costs import ContextCosts, generic_costs
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
@@ -42,7 +43,6 @@ from ninfer.engine.scheduler.chunks import PromptChunks, chained_chunk, has_pena
 from ninfer.engine.scheduler.limits import SchedulerLimits
 from ninfer.engine.scheduler.outputs import Outbox, delta_output, final_output
 from ninfer.engine.scheduler.placement import Placement
-from ninfer.engine.scheduler.planner import CachePlanner
 from ninfer.engine.scheduler.request_timing import RequestTiming
 from ninfer.engine.scheduler.speculation import Speculation
 from ninfer.engine.scheduler.stats import SchedulerStats

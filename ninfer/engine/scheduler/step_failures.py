@@ -10,7 +10,7 @@ pages and go on.
 from __future__ import annotations
 
 from ninfer.contract.output import EngineError, ErrorCode, FinishReason
-from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.cache.context_cache import ContextCache
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.active_requests import ActiveRequests

@@ -3,7 +3,7 @@
 A checkpoint at frontier F holds the exact token ids [0, F), references to the KV pages
 covering them, and one StateImage after token F-1 together with that position's logits (so
 an exact full-prompt hit can sample without recomputing). The StateImage lives in a device
-slot or, once spilled under pressure (scheduler/placement.py), in a pinned host slot.
+slot or, once spilled under pressure (the planner decides, planner.py), in a pinned host slot.
 Recurrent state cannot be cut mid-way, so hybrid models only reuse at F exactly; pure
 attention models may reuse any common prefix (KV is valid position by position).
 """
@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from dataclasses import dataclass, field
 
 from ninfer.common_prefix import common_prefix_len
 from ninfer.contract.reuse_path import ReusePath
-from ninfer.engine.cache_counters import CacheCounters
-from ninfer.engine.continuation_forecast import ContinuationForecast
+from ninfer.engine.cache.cache_counters import CacheCounters
+from ninfer.engine.cache.continuation_forecast import ContinuationForecast
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.state_pool import StatePool
 
@@ -54,10 +53,11 @@ class Checkpoint:
     def frontier(self) -> int:
         return len(self.token_ids)
 
-
-def shared_key(checkpoint: Checkpoint) -> str:
-    """A shared prefix's name in the forecast (its uses are counted as a conversation's turns are)."""
-    return f"shared:{checkpoint.checkpoint_id}"
+    @property
+    def forecast_key(self) -> str:
+        """Its name in the forecast: its conversation, or for a shared prefix its own (a use of
+        it is counted as a conversation's turn is)."""
+        return f"shared:{self.checkpoint_id}" if self.shared else self.continuation
 
 
 @dataclass(frozen=True)
@@ -73,11 +73,11 @@ class CacheHit:
 
 @dataclass(frozen=True)
 class CacheLimits:
-    """Descriptor limits (None: unbounded). A continuation is one conversation: a request that
-    resumes from a private checkpoint continues its conversation, and so does one whose prompt
-    extends a prefix its conversation lost to these limits (ContinuationForecast.recall); any
-    other starts a new one. Past the continuation limit, the conversations predicted to come
-    back last give way (ContinuationForecast)."""
+    """Descriptor limits (None: unbounded): bounds on what the cache holds, which the planner's
+    choices respect (planner.py). A continuation is one conversation: a request that resumes
+    from a private checkpoint continues its conversation, and so does one whose prompt extends a
+    prefix its conversation lost to these limits (ContinuationForecast.recall); any other starts
+    a new one."""
 
     max_private_continuations: int | None = None  # conversations holding private checkpoints
     max_shared_prefixes: int | None = None  # shared stable-prefix checkpoints, engine-wide
@@ -152,7 +152,7 @@ class ContextCache:
         self.forecast.note_turn(continuation)
         for ck in self.checkpoints.values():
             if ck.shared and ck.frontier <= len(prompt) and prompt[: ck.frontier] == ck.token_ids:
-                self.forecast.note_use(shared_key(ck))
+                self.forecast.note_use(ck.forecast_key)
 
     def touch(self, checkpoint: Checkpoint) -> None:
         checkpoint.last_used = next(self._clock)
@@ -164,51 +164,13 @@ class ContextCache:
                 return ck
         return None
 
-    def accepts(self, path: ReusePath, continuation: str = "") -> bool:
-        """Whether a checkpoint of this kind, for this conversation, may be kept: not under a
-        limit of zero, nor when this conversation would be the one past the continuation limit
-        to give way (insert then drops the others' instead)."""
-        limits = self.limits
-        if path is ReusePath.SHARED_STABLE_PREFIX:
-            return limits.max_shared_prefixes != 0
-        if path is ReusePath.PRIVATE_LONG_ANCHOR and limits.max_long_anchors == 0:
-            return False
-        if limits.max_private_continuations is None:
-            return True
-        if limits.max_private_continuations == 0:
-            return False
-        ranked, excess = self._continuations_by_drop_order(continuation)
-        return continuation not in ranked[:excess]
-
     def decline(self, continuation: str, token_ids: list[int]) -> None:
-        """A private capture accepts() refused: its conversation keeps its identity for the limit."""
+        """A private capture the planner refused (CachePlanner.admits): its conversation keeps its
+        identity for the limit."""
         log.debug("cache: no checkpoint at %d tokens: conversation %s is the one past the limit", len(token_ids),
                   continuation)
         if self.limits.max_private_continuations:
             self.forecast.remember(continuation, token_ids)
-
-    def _continuations_by_drop_order(
-        self, new_continuation: str, ignore: Checkpoint | None = None
-    ) -> tuple[list[str], int]:
-        """The conversations holding private checkpoints, with new_continuation's, in the order they
-        give way under the continuation limit (predicted to come back last first, then least
-        recently used), and how many must give way; (ignore: a checkpoint not to count)."""
-        last_use: dict[str, float] = {}
-        for c in self.checkpoints.values():
-            if not c.shared and c is not ignore:
-                last_use[c.continuation] = max(last_use.get(c.continuation, 0), c.last_used)
-        if new_continuation in last_use:
-            return [], 0
-        excess = len(last_use) + 1 - self.limits.max_private_continuations
-        if excess <= 0:
-            return [], 0
-        last_use[new_continuation] = math.inf  # the current request's own: the most recent
-        forecast = self.forecast
-        ranked = sorted(
-            last_use,
-            key=lambda c: (-forecast.next_turn(c, current=c == new_continuation), forecast.last_turn(c), last_use[c]),
-        )
-        return ranked, excess
 
     def insert(
         self,
@@ -219,50 +181,16 @@ class ContextCache:
         session_key: str | None,
         continuation: str = "",
     ) -> Checkpoint:
-        """Register a checkpoint; it takes over one reference to each page and the slot. Older
-        checkpoints beyond the descriptor limits are dropped (never the new one)."""
+        """Register a checkpoint; it takes over one reference to each page and the slot. The
+        descriptor limits are the caller's to restore (CachePlanner.over_bounds)."""
         ck = Checkpoint(next(self._ids), list(token_ids), list(pages), state_slot, path, session_key)
         ck.continuation = continuation
         self.touch(ck)
         self.checkpoints[ck.checkpoint_id] = ck
         self.counters.captures[ReusePath(path).value] += 1
-        self._enforce_limits(ck)
+        if ck.shared:
+            self.forecast.note_use(ck.forecast_key)  # captured for the request using it now
         return ck
-
-    def _enforce_limits(self, new: Checkpoint) -> None:
-        limits = self.limits
-        others = [c for c in self.checkpoints.values() if c is not new]
-        if new.shared:
-            self.forecast.note_use(shared_key(new))
-            shared = [c for c in others if c.shared]
-            if limits.max_shared_prefixes is not None and len(shared) + 1 > limits.max_shared_prefixes:
-                # As for conversations: the prefixes predicted to be used again last give way.
-                forecast = self.forecast
-                shared.sort(key=lambda c: (-forecast.next_turn(shared_key(c)), c.last_used))
-                for c in shared[: len(shared) + 1 - limits.max_shared_prefixes]:
-                    log.debug("cache: checkpoint %d (%d tokens, shared) dropped: --max-shared-prefixes",
-                              c.checkpoint_id, c.frontier)
-                    self.remove(c)
-            return
-        if new.path is ReusePath.PRIVATE_LONG_ANCHOR:
-            same = [c for c in others if c.path is new.path and c.continuation == new.continuation]
-            self._drop_oldest(same, limits.max_long_anchors)
-        if limits.max_private_continuations is None:
-            return
-        ranked, excess = self._continuations_by_drop_order(new.continuation, ignore=new)
-        giving_way = [c for c in ranked if c != new.continuation][:excess]  # never the new one
-        for c in others:
-            if not c.shared and c.continuation in giving_way:
-                log.debug("cache: checkpoint %d (%d tokens) dropped: its conversation %s gives way to %s",
-                          c.checkpoint_id, c.frontier, c.continuation, new.continuation)
-                self.remove(c)
-
-    def _drop_oldest(self, group: list[Checkpoint], limit: int | None) -> None:
-        """Keep room for one more in `group` under `limit`: drop its least recently used."""
-        if limit is None:
-            return
-        for c in sorted(group, key=lambda c: c.last_used)[: max(0, len(group) + 1 - limit)]:
-            self.remove(c)
 
     def remove(self, checkpoint: Checkpoint, release_resources: bool = True) -> None:
         """Drop a checkpoint; with release_resources False the caller adopts its pages and slot."""

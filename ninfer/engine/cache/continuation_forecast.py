@@ -1,18 +1,18 @@
 """ContinuationForecast: when each conversation is likely to send its next turn.
 
-The private-continuation limit (--max-private-continuations, 2 at C = 1) decides which
-conversations keep checkpoints. Dropping the least recently used one fails exactly when
-agents interleave more conversations than the limit: round-robin, the least recently used
-is the one due next, and every turn recomputes its whole prompt. The limit instead keeps
-the conversations due soonest (Belady's rule, predicted): a conversation's next turn is
-its last turn plus its interval between turns (a running average that weighs the newest
-gap half, counted in admissions). A newcomer is kept (due at the next admission, as least
-recently used would have it: a conversation's second turn usually follows soon); after
-that, until it comes back, it is assumed to take the median interval of those that have,
-and the conversation being captured is assumed no slower than that median (one back after
-a long pause goes on at the usual pace). One past its predicted turn is off its schedule
-and is ordered as least recently used would, by its age, so abandoned conversations and
-one-off requests give way.
+An input to the cache planner's drop order (planner.py): the checkpoints needed last go first.
+Ordered by recompute and recency alone, the planner fails exactly when agents interleave more
+conversations than the cache keeps (--max-private-continuations, 2 at C = 1): round-robin, the
+least recently used conversation is the one due next, and every turn recomputes its whole
+prompt. The forecast predicts each conversation's next turn (Belady's rule, predicted): its
+last turn plus its interval between turns (a running average that weighs the newest gap half,
+counted in admissions). A newcomer is due at the next admission (as least recently used would
+have it: a conversation's second turn usually follows soon); after that, until it comes back,
+it is assumed to take the median interval of those that have, and the conversation being
+captured is assumed no slower than that median (one back after a long pause goes on at the
+usual pace). One past its predicted turn is off its schedule and is ordered as least recently
+used would, by its age, so abandoned conversations and one-off requests give way. A shared
+prefix is forecast the same way, a use being any admitted prompt that extends it.
 
 A conversation whose checkpoints were dropped keeps its identity as a ghost (the digests
 of its longest dropped or declined prefixes): its next turn, a miss, is still recognised
@@ -84,17 +84,34 @@ class ContinuationForecast:
         turns = self._turns.get(continuation)
         if turns is None:
             return math.inf  # forgotten: not seen for over MAX_TRACKED_CONTINUATIONS conversations
+        due = self._scheduled(turns, current)
+        if current or due > self.tick:
+            return due
+        # Overdue (this admission is not its turn): off its schedule, so ordered as least recently
+        # used would, as far ahead as it is old. Abandoned conversations and one-offs age out.
+        return self.tick + (self.tick - turns.last_tick)
+
+    def turns_until(self, key: str, current: bool = False) -> int | float:
+        """Whole admissions from now until its next turn, at least 1 (the next admission is the
+        soonest it can come). One overdue comes after as many admissions as it has been away,
+        plus one: least recently used would order it after a key just used (a newcomer, due at
+        the next admission), where next_turn leaves them tied."""
+        turns = self._turns.get(key)
+        if turns is None:
+            return math.inf  # forgotten, as in next_turn
+        due = self._scheduled(turns, current)
+        if current or due > self.tick:
+            return max(1, math.ceil(due - self.tick))
+        return self.tick - turns.last_tick + 1
+
+    def _scheduled(self, turns: _Turns, current: bool) -> float:
+        """The admission tick its turns' pace predicts."""
         if current:
             if turns.interval is None:
                 return self.tick + 1  # a newcomer is kept, as least recently used would: most are agents' turns
             # Back after a long pause, a conversation's next turns still come at the usual pace.
             return turns.last_tick + min(turns.interval, self.typical_interval())
-        due = turns.last_tick + (turns.interval if turns.interval is not None else self.typical_interval())
-        if due > self.tick:
-            return due
-        # Overdue (this admission is not its turn): off its schedule, so ordered as least recently
-        # used would, as far ahead as it is old. Abandoned conversations and one-offs age out.
-        return self.tick + (self.tick - turns.last_tick)
+        return turns.last_tick + (turns.interval if turns.interval is not None else self.typical_interval())
 
     def typical_interval(self) -> float:
         """What a conversation that has not come back yet is assumed to take: the median interval
