@@ -85,7 +85,6 @@ def test_chunk_padded_to_a_captured_shape_matches_the_reference(shape: str) -> N
     belong to none (a rule's second pass), empty requests on the scratch slot, the chunk list
     padded with chunks of the last (empty) request; the same as the requests run alone, and run
     from a CUDA graph whose offsets change between replays."""
-    from ninfer.engine.step_graphs import StepGraphs  # noqa: F401 (the captured user of this op)
     from ninfer.models.padded_step import PaddedStep
 
     scratch, num_tokens, rows = 8, 256, 5
@@ -289,12 +288,29 @@ def test_decode_step_replays_in_a_cuda_graph(shape: str) -> None:
     assert not torch.equal(eager_results[0][2], eager_results[2][2])  # the steps really advanced the state
 
 
+def random_gated_deltanet(config, state_layer_index: int):
+    """A bf16 GatedDeltaNet layer on the GPU with seeded random weights in the ranges a checkpoint's
+    hold (A_log in [-1, 1.5], norms and biases near 1)."""
+    from ninfer.models.layers.gated_deltanet import GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(config, state_layer_index=state_layer_index).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+            elif name == "A_log":
+                param.uniform_(-1.0, 1.5)
+            else:
+                param.normal_(1.0, 0.2)
+    return layer
+
+
 def test_layer_prefill_and_graph_decode_match_reference_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GatedDeltaNet layer (35B-A3B shape) on the fast ops: a varlen prefill, then decode
     steps replayed from one CUDA graph, against the same layer on the reference ops."""
     from ninfer.models.config import ModelConfig
     from ninfer.models.forward_batch import ForwardBatch
-    from ninfer.models.layers.gated_deltanet import GatedDeltaNet
     from ninfer.models.state_cache import StateCache
 
     num_k_heads, num_v_heads = SHAPES["35B-A3B"]
@@ -311,16 +327,7 @@ def test_layer_prefill_and_graph_decode_match_reference_ops(monkeypatch: pytest.
         linear_num_key_heads=num_k_heads,
         linear_num_value_heads=num_v_heads,
     )
-    torch.manual_seed(0)
-    layer = GatedDeltaNet(config, state_layer_index=0).to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        for name, param in layer.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, param.shape[-1] ** -0.5)
-            elif name == "A_log":
-                param.uniform_(-1.0, 1.5)
-            else:
-                param.normal_(1.0, 0.2)
+    layer = random_gated_deltanet(config, state_layer_index=0)
 
     def cache() -> StateCache:
         states = StateCache.allocate(

@@ -34,10 +34,10 @@ from ninfer.kernels.gated_delta_rule import commit_gated_delta_rule, recurrent_g
 from ninfer.kernels.gated_delta_rule import ref as gdn_ref
 from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
-from ninfer.models.layers.gated_deltanet import GatedDeltaNet
 from ninfer.models.state_cache import StateCache
 from ninfer.models.verify_scratch import VerifyRows, VerifyScratch
 from ninfer.testing.oracle_drafter import TableOracleDrafter
+from tests.gpu.test_gated_delta_rule import random_gated_deltanet
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.engine.test_verify_graphs import count_rounds
 from tests.gpu.graph_replay import assert_replay_equals_eager
@@ -165,16 +165,7 @@ def test_layer_verification_rows_fill_the_scratch(monkeypatch: pytest.MonkeyPatc
         num_attention_heads=16, num_key_value_heads=2, head_dim=256, intermediate_size=0,
         linear_num_key_heads=num_k_heads, linear_num_value_heads=num_v_heads,
     )  # fmt: skip
-    torch.manual_seed(0)
-    layer = GatedDeltaNet(config, state_layer_index=1).to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        for name, param in layer.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, param.shape[-1] ** -0.5)
-            elif name == "A_log":
-                param.uniform_(-1.0, 1.5)
-            else:
-                param.normal_(1.0, 0.2)
+    layer = random_gated_deltanet(config, state_layer_index=1)
     conv_dim, lengths, slots, rows = config.linear_conv_dim, [4, 4], [4, 1], 8
     states = StateCache.allocate(2, 6, conv_dim, 4, num_v_heads, HEAD_DIM, HEAD_DIM, torch.bfloat16, "cuda")
     states.conv.normal_()
