@@ -29,3 +29,16 @@ def _restore_ninfer_logger():
     saved = (logger.handlers[:], logger.level, logger.propagate)
     yield
     logger.handlers[:], logger.level, logger.propagate = saved
+
+
+@pytest.fixture(autouse=True)
+def _release_finished_apps():
+    """FastAPI keeps each route's endpoint in module-level LRU caches (4096 entries), and the
+    endpoints close over their server's Serving: without this, every server a test started kept
+    its engine, model and tokenizer in memory until the suite ended (tens of GB over the suite)."""
+    yield
+    models = sys.modules.get("fastapi.dependencies.models")
+    for cache in ("_is_gen_callable_cached", "_is_async_gen_callable_cached", "_is_coroutine_callable_cached"):
+        cached = getattr(models, cache, None)
+        if cached is not None:
+            cached.cache_clear()
