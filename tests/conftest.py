@@ -2,6 +2,7 @@
 
 import importlib.abc
 import logging
+import os
 import sys
 
 import pytest
@@ -19,6 +20,11 @@ if not torch.cuda.is_available():
             return None
 
     sys.meta_path.insert(0, _NoFlashLinearAttention())
+
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
+    # Workers share the CPUs: one torch thread each, or their OpenMP barriers wait on each other
+    # (a CPU engine takes one thread per two CPUs for the same reason, engine/builder.py).
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture(autouse=True)
