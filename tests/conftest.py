@@ -2,6 +2,7 @@
 
 import importlib.abc
 import logging
+import os
 import sys
 
 import pytest
@@ -20,6 +21,11 @@ if not torch.cuda.is_available():
 
     sys.meta_path.insert(0, _NoFlashLinearAttention())
 
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
+    # Workers share the CPUs: one torch thread each, or their OpenMP barriers wait on each other
+    # (a CPU engine takes one thread per two CPUs for the same reason, engine/builder.py).
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 
 @pytest.fixture(autouse=True)
 def _restore_ninfer_logger():
@@ -29,3 +35,16 @@ def _restore_ninfer_logger():
     saved = (logger.handlers[:], logger.level, logger.propagate)
     yield
     logger.handlers[:], logger.level, logger.propagate = saved
+
+
+@pytest.fixture(autouse=True)
+def _release_finished_apps():
+    """FastAPI keeps each route's endpoint in module-level LRU caches (4096 entries), and the
+    endpoints close over their server's Serving: without this, every server a test started kept
+    its engine, model and tokenizer in memory until the suite ended (tens of GB over the suite)."""
+    yield
+    models = sys.modules.get("fastapi.dependencies.models")
+    for cache in ("_is_gen_callable_cached", "_is_async_gen_callable_cached", "_is_coroutine_callable_cached"):
+        cached = getattr(models, cache, None)
+        if cached is not None:
+            cached.cache_clear()

@@ -5,7 +5,8 @@ pass of a scheduling step), context_transaction (committing a plan's or a captur
 the context cache), replica (copying StateImages and KV pages to or from the host tier) and
 stats_publication (building a throughput record). Their seconds are already part of a HostTime
 phase (program_submit, engine_commit_output or engine_maintenance), so they are a subset of its
-total and never added to it.
+total and never added to it. A path timed inside another (an admission's transaction inside its
+pass) counts under the inner path only, so the paths never overlap and their sum is a subset too.
 """
 
 from __future__ import annotations
@@ -21,16 +22,28 @@ class HostDetail:
     def __init__(self):
         self.seconds = dict.fromkeys(DETAILS, 0.0)
         self.invocations = dict.fromkeys(DETAILS, 0)
+        # Per open timed() block, the seconds already counted by paths inside it.
+        self._inner: list[float] = []
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
+        self._inner.append(0.0)
         started = time.perf_counter()
         try:
             yield
         finally:
-            self.add(name, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self._count(name, elapsed - self._inner.pop())
+            if self._inner:
+                self._inner[-1] += elapsed
 
     def add(self, name: str, seconds: float, invocations: int = 1) -> None:
+        """seconds spent on `name` (inside a timed() block, they are taken out of that block's path)."""
+        self._count(name, seconds, invocations)
+        if self._inner:
+            self._inner[-1] += seconds
+
+    def _count(self, name: str, seconds: float, invocations: int = 1) -> None:
         self.seconds[name] += seconds
         self.invocations[name] += invocations
 
@@ -43,5 +56,6 @@ class HostDetail:
                 name: self.seconds[name] / count if (count := self.invocations[name]) else None for name in DETAILS
             },
         }
-        self.__init__()
+        self.seconds = dict.fromkeys(DETAILS, 0.0)
+        self.invocations = dict.fromkeys(DETAILS, 0)
         return record

@@ -20,6 +20,11 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _overlaps_itself(content: str) -> bool:
+    """Whether two occurrences of `content` can overlap (a proper prefix is also a suffix)."""
+    return any(content[:n] == content[-n:] for n in range(1, len(content)))
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -45,6 +50,11 @@ class Tokenizer:
         # Special tokens that take no whitespace before them: the text before one encodes to
         # exactly the ids before it, since added tokens are split out before the rest is encoded.
         self.clean_split_ids = frozenset(i for i, t in added.items() if t.special and not t.lstrip and not t.normalized)
+        # Those whose text cannot overlap itself: str.find then meets every occurrence in a long
+        # prompt, so their offsets are found without the encoding's offsets (_long_split_points).
+        self._findable_split_tokens = {
+            i: added[i].content for i in self.clean_split_ids if not _overlaps_itself(added[i].content)
+        }
 
     @classmethod
     def from_files(cls, tokenizer_json: Path, tokenizer_config: dict[str, Any] | None = None) -> Tokenizer:
@@ -82,17 +92,21 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def _encode(self, text: str):
+    def _encode(self, text: str, offsets: bool = True):
         # The batch call releases the GIL while the Rust side works; the single call may hold it
         # for the whole encode (seconds for a multi-MB prompt), stalling the API's event loop.
+        # Reading and freeing an encoding hold the GIL too, and with offsets tracked that takes
+        # hundreds of milliseconds at a million tokens: long texts are encoded without them.
         with encode_timed():
             if len(text) < LONG_TEXT_CHARS:
                 return self.backend.encode(text, add_special_tokens=False)
-            return self.backend.encode_batch([text], add_special_tokens=False)[0]
+            if offsets:
+                return self.backend.encode_batch([text], add_special_tokens=False)[0]
+            return self.backend.encode_batch_fast([text], add_special_tokens=False)[0]
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Chat prompts are rendered by the template, which already holds any BOS: no specials by default."""
-        ids = self._encode(text).ids
+        ids = self._encode(text, offsets=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
@@ -101,11 +115,48 @@ class Tokenizer:
     def encode_with_split_points(self, text: str) -> tuple[list[int], dict[int, int]]:
         """encode(text), and for each clean-splitting special token in it, char offset -> token
         index: text[:offset] encodes to exactly ids[:index], with no second encode."""
+        if len(text) >= LONG_TEXT_CHARS:
+            ids = self._encode(text, offsets=False).ids
+            points = self._long_split_points(text, ids)
+            if points is not None:
+                return ids, points
+            encoding = self._encode(text)
+            ids = encoding.ids
+            # Only the split tokens' offsets: converting all of them would hold the GIL.
+            clean = self.clean_split_ids
+            return ids, {encoding.token_to_chars(i)[0]: i for i, token in enumerate(ids) if token in clean}
         encoding = self._encode(text)
         ids = encoding.ids
         clean = self.clean_split_ids
         offsets = encoding.offsets
         return ids, {offsets[i][0]: i for i, token in enumerate(ids) if token in clean}
+
+    def _long_split_points(self, text: str, ids: list[int]) -> dict[int, int] | None:
+        """The split points read off the text: each clean-splitting token in ids is one literal
+        occurrence of its text, so when a token's text occurs exactly as often as the token, its
+        k-th occurrence is its k-th token. None when that does not hold (the caller then reads
+        the encoding's offsets)."""
+        clean = self.clean_split_ids
+        indices = [i for i, token in enumerate(ids) if token in clean]
+        by_token: dict[int, list[int]] = {}
+        for i in indices:
+            by_token.setdefault(ids[i], []).append(i)
+        points: dict[int, int] = {}
+        for token, token_indices in by_token.items():
+            content = self._findable_split_tokens.get(token)
+            if content is None:
+                return None
+            found, at = [], text.find(content)
+            while at >= 0 and len(found) <= len(token_indices):
+                found.append(at)
+                at = text.find(content, at + len(content))
+            if len(found) != len(token_indices):
+                return None
+            points.update(zip(found, token_indices, strict=True))
+        # Occurrences of different tokens interleave in the text as their tokens do in ids.
+        if [points[offset] for offset in sorted(points)] != indices:
+            return None
+        return points
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

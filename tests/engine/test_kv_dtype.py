@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ninfer.artifact import default_model_path
+from ninfer.artifact.packer import pack
 from ninfer.config import ConfigValueError, EngineConfig
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
@@ -26,10 +27,19 @@ from tests.server.test_request_log import SCHEMA
 PROMPT = list(range(2000, 2144))  # whole pages
 
 
-def _engine(kv_dtype: str, no_reuse: bool = False, **overrides):
+@pytest.fixture(scope="module")
+def default_container(tmp_path_factory) -> str:
+    """The default model (head_dim 64, which every format holds) packed once: a container opens and
+    loads in a fraction of a second, its GGUF in several (each test builds two engines)."""
+    out = tmp_path_factory.mktemp("kv-dtype") / "default.ninfer"
+    pack(default_model_path(), out, progress=False)
+    return str(out)
+
+
+def _engine(artifact: str, kv_dtype: str, no_reuse: bool = False, **overrides):
     config = EngineConfig(max_context=512, log_stats_interval_ms=0, kv_dtype=kv_dtype, prefix_reuse=not no_reuse,
                           **overrides)
-    return build_engine_core(EngineSpec(str(default_model_path()), config))
+    return build_engine_core(EngineSpec(artifact, config))
 
 
 def _greedy(core, request_id: str, prompt: list[int], num_tokens: int) -> tuple[list[int], int]:
@@ -44,11 +54,11 @@ def _greedy(core, request_id: str, prompt: list[int], num_tokens: int) -> tuple[
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "nvfp4", "k8v4"])
-def test_a_cached_prefix_in_quantized_pages_equals_recomputing_it(kv_dtype: str) -> None:
+def test_a_cached_prefix_in_quantized_pages_equals_recomputing_it(default_container: str, kv_dtype: str) -> None:
     """The recompute runs the same chunks (the prompt, then the rest): quantization rounds a value
     computed in another GEMM shape to another code now and then, and the coarse formats turn that
     into another greedy token, so only equal computations can be compared exactly."""
-    core = _engine(kv_dtype)
+    core = _engine(default_container, kv_dtype)
     cache = core.runner.kv_cache
     assert cache.nbytes == core.memory_ledger["kv_pool"]
     spec = core.runner.model.cache_spec()
@@ -57,7 +67,7 @@ def test_a_cached_prefix_in_quantized_pages_equals_recomputing_it(kv_dtype: str)
     extended = PROMPT + first + list(range(3000, 3020))
     reused, cached = _greedy(core, "b", extended, 8)
     assert cached == len(PROMPT)  # read back from the quantized pages
-    recompute = _engine(kv_dtype, prefill_chunk=len(PROMPT), no_reuse=True)
+    recompute = _engine(default_container, kv_dtype, prefill_chunk=len(PROMPT), no_reuse=True)
     recomputed, cached_fresh = _greedy(recompute, "b", extended, 8)
     assert cached_fresh == 0 and reused == recomputed
 
@@ -96,9 +106,9 @@ def test_a_head_dim_a_format_cannot_hold_is_refused_naming_the_option(tmp_path) 
     assert len(_greedy(core, "r", PROMPT[:40], 4)[0]) == 4
 
 
-def test_the_server_serves_with_a_quantized_kv_and_logs_its_format(tmp_path) -> None:
+def test_the_server_serves_with_a_quantized_kv_and_logs_its_format(default_container: str, tmp_path) -> None:
     log = tmp_path / "requests.jsonl"
-    server = start_server(serve_config(str(default_model_path()), kv_dtype="k8v4", greedy=True,
+    server = start_server(serve_config(default_container, kv_dtype="k8v4", greedy=True,
                                       request_log_jsonl=str(log), default_max_tokens=8))
     try:
         assert httpx.get(server.base_url + "/health").status_code == 200

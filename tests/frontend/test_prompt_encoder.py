@@ -9,7 +9,7 @@ import pytest
 
 from ninfer.assets.qwen_tokenizer import build_qwen3_5_tokenizer, qwen3_5_tokenizer_config
 from ninfer.frontend.prompt_encoder import PromptEncoder
-from ninfer.frontend.tokenizer import Tokenizer
+from ninfer.frontend.tokenizer import LONG_TEXT_CHARS, Tokenizer
 
 PIECES = ["hello", " world", "  spaced", "\n", "naïve café", "日本語", "123 456", "<|im_end", "|>", "emoji 🎉", " "]
 
@@ -55,3 +55,26 @@ def test_a_prompt_sharing_nothing_is_encoded_whole(tokenizer):
     other = encoder.encode("plain text without any message")
     assert other.token_ids == tokenizer.encode("plain text without any message")
     assert encoder.num_reused_tokens == 0 and first.token_ids == tokenizer.encode(first.text)
+
+
+def fresh_split_points(tokenizer: Tokenizer, text: str) -> tuple[list[int], dict[int, int]]:
+    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+    ids, offsets = encoding.ids, encoding.offsets
+    return ids, {offsets[i][0]: i for i, t in enumerate(ids) if t in tokenizer.clean_split_ids}
+
+
+@pytest.mark.parametrize("read_off_the_text", [True, False])
+def test_a_long_prompt_has_the_ids_and_split_points_of_a_plain_encode(tokenizer, monkeypatch, read_off_the_text):
+    """Long prompts are encoded without offsets and their split points found in the text; where
+    that cannot be trusted, from the encoding's offsets. Both give what a plain encode gives."""
+    if not read_off_the_text:
+        monkeypatch.setattr(tokenizer, "_findable_split_tokens", {})
+    rng = random.Random(11)
+    text = "".join(message(rng, rng.choice(["user", "assistant"])) for _ in range(3000))
+    text += "<|im_sta" + "<think>\nplain <|im_end text\n</think>\n" + "<|im_start|>assistant\n"
+    assert len(text) >= LONG_TEXT_CHARS
+    ids, points = tokenizer.encode_with_split_points(text)
+    assert (ids, points) == fresh_split_points(tokenizer, text)
+    assert len(points) > 6000
+    assert (tokenizer._long_split_points(text, ids) is not None) == read_off_the_text
+    assert tokenizer.encode(text) == ids

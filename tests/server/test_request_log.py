@@ -66,6 +66,8 @@ def campaign(tiny_qwen, tmp_path_factory):
                           json={"model": model, "messages": messages, "max_tokens": 200, "stream": True}) as response:
             for _ in response.iter_lines():
                 break  # the client goes away mid-stream
+        # Until its cancellation lands, that request's steps would take the injected fault instead.
+        wait_until(lambda: server.core.pool_accounting()["running"] == 0, what="the cancelled stream's end")
         fail_next_launch(server)
         with pytest.raises(openai.InternalServerError):
             chat.chat.completions.create(model=model, messages=messages, max_tokens=6)
