@@ -177,11 +177,7 @@ def test_decode_graph_rows_add_the_rope_offset(vl, monkeypatch):
     in tests/gpu/test_cuda_graphs.py) carry a request's rope offset: after every step the slot
     logits equal an eager engine's."""
     import ninfer.models.layers.attention as attention
-    from ninfer.kernels.paged_attention import ref as paged_ref
-    from tests.gpu.test_cuda_graphs import _count_replays, _DirectGraphs
-
-    def device_lengths_only(*args, prefetch_kv: bool = False, **kwargs):
-        return paged_ref.paged_attention(*args, **{**kwargs, "query_lens_cpu": None, "seq_lens_cpu": None})
+    from tests.gpu.test_cuda_graphs import _count_replays, _DirectGraphs, device_lengths_only
 
     monkeypatch.setattr(attention, "paged_attention", device_lengths_only)
     artifact, model, tower, hf = vl

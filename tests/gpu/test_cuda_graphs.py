@@ -179,14 +179,17 @@ class _DirectGraphs(DecodeGraphs):
                 self._store_graph(key, _Direct(self, key, region))
 
 
+def device_lengths_only(*args, prefetch_kv: bool = False, split_short_requests: bool = False, **kwargs):
+    """The reference attention reading the device lengths, as the Triton kernel does (prefetch_kv and
+    split_short_requests are the kernel's launch choices: the same result)."""
+    return paged_ref.paged_attention(*args, **{**kwargs, "query_lens_cpu": None, "seq_lens_cpu": None})
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_static_buffers_match_eager_on_cpu(arch, tmp_root, monkeypatch):
     # The captured region must not read host copies of the lengths: make the CPU reference
     # attention read the device tensors instead, as the Triton kernel does.
     import ninfer.models.layers.attention as attention
-
-    def device_lengths_only(*args, prefetch_kv: bool = False, **kwargs):  # prefetch_kv: a launch hint of the kernel
-        return paged_ref.paged_attention(*args, **{**kwargs, "query_lens_cpu": None, "seq_lens_cpu": None})
 
     monkeypatch.setattr(attention, "paged_attention", device_lengths_only)
     model = _model(arch, tmp_root, torch.float32, "cpu")
