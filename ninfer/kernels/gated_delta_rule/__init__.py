@@ -9,5 +9,3 @@ chunk_gated_delta_rule_padded = dispatched(__name__, ref.chunk_gated_delta_rule_
 recurrent_gated_delta_rule = dispatched(__name__, ref.recurrent_gated_delta_rule)
 recurrent_gated_delta_rule_with_gates = dispatched(__name__, ref.recurrent_gated_delta_rule_with_gates)
 commit_gated_delta_rule = dispatched(__name__, ref.commit_gated_delta_rule)
-gather_state_rows = dispatched(__name__, ref.gather_state_rows)
-scatter_state_rows = dispatched(__name__, ref.scatter_state_rows)
