@@ -562,8 +562,8 @@ def paged_attention(
     tiles = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
     if split_short_requests and max_query_len > SPLIT_MAX_QUERY_LEN:
         if num_splits is None:
-            block_n = _block_config(q.shape[2], q.shape[1] // k_cache.shape[2], SPLIT_MAX_QUERY_LEN)[2]
-            planned, planned_min = split_plan(PADDED_ACTIVE_REQUESTS, k_cache.shape[2], 1, block_n, q.device)
+            short_block_n = _block_config(q.shape[2], q.shape[1] // k_cache.shape[2], SPLIT_MAX_QUERY_LEN)[2]
+            planned, planned_min = split_plan(PADDED_ACTIVE_REQUESTS, k_cache.shape[2], 1, short_block_n, q.device)
             num_splits, min_split = min(planned, PADDED_MAX_SPLITS), min_split or planned_min
         _launch(*args, SPLIT_MAX_QUERY_LEN, num_splits, min_split, prefetch_kv, rows=1)
         # The launch before the second one (the first's merge) writes only out: the keys'
