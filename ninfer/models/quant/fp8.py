@@ -24,7 +24,7 @@ from ninfer.kernels.fp8_gemm import fp8_linear
 from ninfer.kernels.fp8_quant import quantize_rows
 from ninfer.kernels.fp8_quant.ref import FP8_MAX
 from ninfer.kernels.gemv import MAX_ROWS, conv_first_columns, gemv, gemv_causal_conv1d_update, gemv_silu_and_mul
-from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, dequantize, quantize_blocks
+from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, dequantize, fp8_scales, quantize_blocks
 from ninfer.models.layers.moe import Experts
 from ninfer.models.quant.fp8_experts import Fp8Experts
 from ninfer.models.quant.linear_replacement import replace_linear_layers, replace_modules
@@ -188,7 +188,7 @@ def quantize_fp8_blocks_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP)
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (e4m3 [N, K], fp32 scales [N]): one scale per output row, its amax / 448."""
     weight = weight.float()
-    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    scale = fp8_scales(weight.abs().amax(dim=1).clamp(min=1e-12))
     return (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
