@@ -1,6 +1,6 @@
-"""Decode GEMV microbenchmark: our Triton skinny GEMM vs cuBLAS at the Qwen3.5 shapes, M = 1..16.
+"""Decode GEMV microbenchmark: our Triton skinny GEMM vs cuBLAS at the Qwen3.5 shapes, M = 1..32.
 
-At M <= 16 the product is a weight stream, so the number that matters is weight bytes per
+At M <= 32 the product is a weight stream, so the number that matters is weight bytes per
 second against the copy bandwidth measured in the same run (a 1 GiB device-to-device copy,
 bytes read + written over time; a read-only stream can beat it, so > 100 % is possible).
 
@@ -16,7 +16,7 @@ For each shape x M x weight kind (bf16, FP8 per-channel scales, FP8 128x128 bloc
      chain of dependent layers: what PDL saves is the launch gap and prologue in between.
      The heuristic's config is timed with PDL on and off (--no-pdl: off everywhere);
   3. baselines: cuBLAS F.linear on bf16 weights, and for FP8 torch._scaled_mm (row-wise
-     scales, x pre-quantized to FP8 and padded to 16 rows: the kernel alone, without the
+     scales, x pre-quantized to FP8 and padded to a multiple of 16 rows: the kernel alone, without the
      activation quantization Fp8Linear also pays), in the same kind of graph.
 
     python3 benchmarks/kernels/bench_gemv.py --out results.json [--quick] [--no-pdl]
@@ -339,9 +339,10 @@ def bench_case(name, m, kind, configs, bandwidth, replays, gen, cublas_cache, pd
         cublas_cache[(name, m)] = median_call_seconds(calls, replays)
         record("cublas_linear_bf16", None, cublas_cache[(name, m)])
     else:
-        x8 = torch.zeros(16, k, device="cuda", dtype=FP8)
+        padded_rows = -(-m // 16) * 16  # _scaled_mm takes row counts in multiples of 16
+        x8 = torch.zeros(padded_rows, k, device="cuda", dtype=FP8)
         x8[:m] = x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        x_scale = torch.ones(16, 1, device="cuda")
+        x_scale = torch.ones(padded_rows, 1, device="cuda")
         # Row-wise scales for both FP8 kinds (block scales: the first K block's): same cost.
         row_scales = [(s if s.dim() == 1 else s.repeat_interleave(128, 0)[:n, 0].contiguous()).view(1, -1) for _, s in weights]
         calls = [

@@ -109,7 +109,7 @@ def weights():
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 24, 32])
 def test_matches_reference(name: str, kind: str, m: int, weights) -> None:
     n, k = SHAPES[name]
     weight, scale = weights(name, kind)
@@ -120,7 +120,7 @@ def test_matches_reference(name: str, kind: str, m: int, weights) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("m", [3, 16])
+@pytest.mark.parametrize("m", [3, 16, 27])
 def test_bias_and_strided_rows(kind: str, m: int) -> None:
     n, k = 5120, 6144
     weight, scale = make_weight(n, k, kind, seed=1)
@@ -135,7 +135,7 @@ GATE_UP = ["27b_mlp_gate_up", "35b_shared_gate_up"]
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", GATE_UP)
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 24, 32])
 def test_silu_and_mul_epilogue_equals_the_two_launches(
     name: str, kind: str, m: int, weights, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -170,7 +170,7 @@ CONV_IN_PROJ = {"27b_gdn_in_proj": 10240, "35b_gdn_in_proj": 8192}  # q | k | v 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(CONV_IN_PROJ))
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 24, 32])
 def test_conv_epilogue_equals_the_two_launches(name: str, kind: str, m: int, weights) -> None:
     """gemv_causal_conv1d_update's default launch vs the plain GEMV with that launch, then
     causal_conv1d_update on the conv channels: the same output and state bits."""

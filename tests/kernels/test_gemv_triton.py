@@ -80,7 +80,7 @@ def test_fma_matches_reference(dtype: torch.dtype, m: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 24])  # 24: x padded to 32 rows
 def test_dot_matches_reference(dtype: torch.dtype, m: int) -> None:
     x, w, bias = _inputs(m, dtype, seed=10 + m)
     _check(fast.gemv(x, w, bias=bias, config=DOT), x, w, bias=bias)
@@ -103,7 +103,7 @@ def test_split_k_matches_reference(config: Config) -> None:
         (torch.float32, DOT),
     ],
 )
-@pytest.mark.parametrize("m", [1, 8, 16])  # M = 3 (padded rows) with FP8: test_strided_rows
+@pytest.mark.parametrize("m", [1, 8, 16, 32])  # M = 3 (padded rows) with FP8: test_strided_rows
 @pytest.mark.parametrize("layout", list(SCALES))
 def test_fp8_matches_reference(dtype: torch.dtype, config: Config, m: int, layout: str) -> None:
     x, w, bias = _inputs(m, dtype, seed=20 + m, fp8=True)
@@ -318,7 +318,7 @@ def test_default_config() -> None:
 def test_heuristic_on_real_shapes() -> None:
     shapes = [(16480, 5120), (5120, 6144), (34816, 5120), (5120, 17408), (248320, 5120), (2048, 4096), (256, 2048)]
     for n, k in shapes:
-        for m in (1, 2, 4, 8, 16):
+        for m in (1, 2, 4, 8, 16, 24, 32):
             for dtype in (torch.bfloat16, FP8):
                 cfg = fast._config(m, n, k, dtype, 132)
                 vec = 16 // torch.empty((), dtype=dtype).element_size()
@@ -334,8 +334,9 @@ def test_heuristic_on_real_shapes() -> None:
                 # the last one masked, measured fastest on 5120 x 17408).
                 assert k % cfg.block_k == 0 or (dtype == FP8 and m == 1 and k % 1024 == 0)
                 programs = -(-n // cfg.block_n) * cfg.split_k
-                # 16-bit DOT tiles stream at the copy bandwidth from one program per SM (measured)
-                min_programs = 132 if cfg.use_dot and dtype != FP8 else 2 * 132
+                # 16-bit DOT tiles stream at the copy bandwidth from one program per SM, FP8 ones
+                # above 16 rows too (measured)
+                min_programs = 132 if cfg.use_dot and (dtype != FP8 or m > 16) else 2 * 132
                 assert programs >= min_programs or k // cfg.split_k < 4 * cfg.block_k
     assert fast._config(1, 5120, 6144, torch.bfloat16, 132) is fast._config(1, 5120, 6144, torch.bfloat16, 132)
     # FP8: FMA at M = 1, and at M = 2 from N = 4096 on, as 2 rows x 1 KiB on 2 warps (measured
@@ -348,6 +349,14 @@ def test_heuristic_on_real_shapes() -> None:
     for m in (4, 16):
         for n, k in [(16480, 5120), (14336, 5120), (34816, 5120)]:
             assert fast._config(m, n, k, torch.bfloat16, 132)[:4] == (32, 128, 2, 3)
+    # Above 16 rows (verify rounds of 8 requests; measured at M = 24 and 32): 64 columns where they
+    # make 1-3 programs per SM, 256-wide K steps on the widest; FP8 3 stages, unsplit from 132 programs.
+    for m in (24, 32):
+        for n, k in [(16480, 5120), (14336, 5120)]:
+            assert fast._config(m, n, k, torch.bfloat16, 132)[:6] == (64, 128, 2, 3, True, 1)
+            assert fast._config(m, n, k, FP8, 132)[:6] == (64, 256, 2, 3, True, 1)
+        assert fast._config(m, 34816, 5120, torch.bfloat16, 132)[:6] == (32, 256, 2, 3, True, 1)
+        assert fast._config(m, 5120, 17408, FP8, 132)[:6] == (64, 256, 2, 3, True, 4)
         for n, k in [(5120, 6144), (5120, 17408)]:
             assert fast._config(m, n, k, torch.bfloat16, 132)[:6] == (32, 256, 2, 4, True, 1)
 
@@ -355,7 +364,7 @@ def test_heuristic_on_real_shapes() -> None:
 def test_invalid_inputs() -> None:
     x, w, _ = _inputs(2, torch.float16, seed=0)
     with pytest.raises(ValueError):
-        fast.gemv(torch.randn(17, K).half(), w)
+        fast.gemv(torch.randn(fast.MAX_ROWS + 1, K).half(), w)
     with pytest.raises(ValueError):
         fast.gemv(x, w.float())
     with pytest.raises(ValueError):
@@ -411,4 +420,4 @@ def test_ref_semantics_and_cpu_dispatch() -> None:
     expected = (x.float() @ (w.float() * scale[:, None]).T + bias.float()).to(x.dtype)
     assert torch.equal(ref.gemv(x, w, scale, bias), expected)
     assert torch.equal(gemv_op.gemv(x, w, scale, bias), expected)  # CPU tensors: the reference
-    assert gemv_op.MAX_ROWS == fast.MAX_ROWS == 16
+    assert gemv_op.MAX_ROWS == fast.MAX_ROWS == 32

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from ninfer.kernels import nvfp4_gemm as gemm_op
-from ninfer.kernels.gemv.ref import MAX_ROWS
+from ninfer.kernels.nvfp4_gemv.ref import MAX_ROWS
 from ninfer.kernels.nvfp4_gemm import ref
 from ninfer.kernels.nvfp4_gemv import ref as nvfp4_ref
 from tests.kernels.nvfp4_samples import exact_product, random_activations, random_weights

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ninfer.kernels import nvfp4_gemv as nvfp4_op
-from ninfer.kernels.gemv.ref import MAX_ROWS
+from ninfer.kernels.nvfp4_gemv.ref import MAX_ROWS
 from ninfer.kernels.nvfp4_gemv import ref
 from tests.kernels.nvfp4_samples import exact_product, random_activations, random_weights
 

@@ -48,9 +48,10 @@ def gemv_causal_conv1d_update(
     return impl(x, weight, weight_scale, bias, conv_weight, conv_state, state_slots)
 
 
-# Unquantized weights: the GEMV kernel up to its row limit (bench_gemv.py on the 27B shapes:
-# 4-12 % faster than F.linear at M = 1 and 2 on the FMA path, 2-10 % at M = 4 and 16 on DOT).
-UNQUANTIZED_GEMV_MAX_ROWS = MAX_ROWS
+# Unquantized weights: the GEMV kernel up to 16 rows (bench_gemv.py on the 27B shapes: 4-12 %
+# faster than F.linear at M = 1 and 2 on the FMA path, 2-10 % at M = 4 and 16 on DOT; at 24 and
+# 32 rows from 2 % slower on 5120-row matrices to 9 % faster on the widest, against FP8's 20-40 %).
+UNQUANTIZED_GEMV_MAX_ROWS = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,9 +1,9 @@
-"""Skinny matmul out[M, N] = x[M, K] @ W[N, K]^T for decode batches (M <= 16), bf16 or FP8 weights.
+"""Skinny matmul out[M, N] = x[M, K] @ W[N, K]^T for decode batches (M <= 32), bf16 or FP8 weights.
 
 One file past the usual size on purpose: the FMA, DOT and split-K paths, the two epilogues and
 the launch heuristic share tile helpers and one config table, and are tuned together.
 
-At M <= 16 the product is a pure weight stream: 2 * M FLOP per weight element against
+At M <= 32 the product is a pure weight stream: 2 * M FLOP per weight element against
 1-2 bytes read, far under the H200's ~200 FLOP/byte ridge, so the goal is to read W once
 at HBM bandwidth. Each program owns BLOCK_N whole output columns (all M rows) and walks K
 in BLOCK_K steps, so every output is one fixed-order fp32 sum: no atomics, the same bits
@@ -17,9 +17,9 @@ Two inner products, picked per M by `_config`:
     M FMAs per weight element on the CUDA cores: the default up to M = 2 (bf16) or 1 (FP8,
     whose conversion costs 1.5 instructions per element on top).
   - DOT (larger M): tl.dot on the tensor cores (cp.async-pipelined tiles), so the cost per
-    weight element no longer grows with M. bf16 weights: x padded to 16 rows is the MMA's
-    A operand. FP8 weights: the weight tile is the A operand (16 rows per warp), x^T the B
-    operand padded to 8 (M <= 8) or 16 columns; rows of x past M are never read.
+    weight element no longer grows with M. bf16 weights: x padded to 16 (or 32) rows is the
+    MMA's A operand. FP8 weights: the weight tile is the A operand (16 rows per warp), x^T the
+    B operand padded to 8 (M <= 8), 16 or 32 columns; rows of x past M are never read.
 
 FP8 (weight-only): the e4m3 bytes are converted in registers, exactly: to fp32 through
 fp16 for FMA (packed cvt, then one f16 -> f32 per element); by bit moves for DOT (sign to
@@ -60,7 +60,7 @@ from ninfer.kernels.gemv.ref import FP8, MAX_ROWS, SCALE_BLOCK, scale_rows_per_b
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.sm_count import device_sms
 
-DOT_ROWS = 16  # DOT programs with 16-bit weights pad x to 16 rows (the MMA's M)
+DOT_ROWS = 16  # DOT programs with 16-bit weights pad x to 16 rows (the MMA's M), above 16 to 32
 FP8_DOT_ROWS = 8  # ... with FP8 weights to 8 (x^T is the MMA's N operand)
 _SCALE_NONE, _SCALE_CHANNEL, _SCALE_BLOCK = 0, 1, 2
 
@@ -300,7 +300,7 @@ def _dot_tile(
     """DOT version of _fma_tile: tensor-core products of K_SUB-wide slices (K_SUB <= 128 with
     block scales), fp32 [BLOCK_M, BLOCK_N].
 
-    16-bit weights: acc[BLOCK_M, BLOCK_N] += x @ W^T, x the MMA's A operand (16 rows).
+    16-bit weights: acc[BLOCK_M, BLOCK_N] += x @ W^T, x the MMA's A operand (16 or 32 rows).
     FP8 weights: acc[BLOCK_N, BLOCK_M] += W @ x^T, the weight tile the A operand: 16 weight
     rows per warp and MMA (block_n = 16 * num_warps, or a multiple), x padded only to 8 rows
     for M <= 8. Triton then converts each weight value once, after its shared-memory load
@@ -517,11 +517,11 @@ def _split_sum_kernel(
 
 
 def _block_m(M: int, use_dot: bool, fp8: bool) -> int:
-    """Rows of x per program: FMA its power of two; DOT 16 (x is the MMA's A operand), or
-    with FP8 weights (x^T is the B operand, 8 columns per MMA) 8 up to M = 8."""
+    """Rows of x per program: FMA its power of two; DOT 16 or 32 (x is the MMA's A operand),
+    or with FP8 weights (x^T is the B operand, 8 columns per MMA) 8 up to M = 8."""
     if not use_dot:
         return triton.next_power_of_2(M)
-    return max(FP8_DOT_ROWS, triton.next_power_of_2(M)) if fp8 else DOT_ROWS
+    return max(FP8_DOT_ROWS if fp8 else DOT_ROWS, triton.next_power_of_2(M))
 
 
 def _pow2_floor(value: int) -> int:
@@ -565,6 +565,10 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
             # 32-row tiles leave SMs idle.
             if M > 8 or triton.cdiv(N, 64) >= 2 * num_sms:
                 block_n, num_warps = 64, 2
+                if M > DOT_ROWS:
+                    # Measured (bench_gemv, H100, 27B shapes, M = 24 and 32): 3 stages, K split only
+                    # under one program per SM: 10-25 % faster than 4 stages split to two per SM.
+                    num_stages = 3
             elif triton.cdiv(N, 32) >= target_programs:
                 # Measured on the H200 (bench_gemv, M = 8): 16 rows beat 32 up to N = 16480 (27.1 vs 29.5 us).
                 block_n, num_warps = 32, 1
@@ -574,6 +578,13 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
             # 16-bit weights (x is the A operand, 8 weight columns per warp and MMA), lm_head-wide
             # matrices: 64 columns on 4 warps.
             block_n, num_warps = 64, 4
+        elif M > DOT_ROWS and num_sms <= triton.cdiv(N, 64) < 3 * num_sms:
+            # Measured (bench_gemv, H100, 27B shapes, M = 24 and 32): 64 columns where they make one
+            # to three programs per SM (GDN in_proj, attention qkv: 8-15 % faster than 32 columns).
+            block_n, num_warps, block_k, num_stages = 64, 2, 128, 3
+        elif M > DOT_ROWS and triton.cdiv(N, 32) >= 4 * num_sms:
+            # ... and 256-wide K steps 3 deep on the widest (MLP gate | up: 3 % faster than 128-wide).
+            block_n, num_warps, block_k, num_stages = 32, 2, 256, 3
         else:
             # Measured (bench_gemv --wide, 27B shapes, M = 4 and 16): 32 columns on 2 warps, 128-wide
             # K steps 3 deep where N / 32 fills 2 programs per SM, else 256-wide 4 deep without
@@ -611,7 +622,7 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
     programs = triton.cdiv(N, block_n)
     split_k = 1
     # 16-bit DOT tiles from one program per SM stream at the copy bandwidth unsplit (measured).
-    if programs < (num_sms if use_dot and not fp8 else 2 * num_sms):
+    if programs < (num_sms if use_dot and (not fp8 or M > DOT_ROWS) else 2 * num_sms):
         # Under two programs per SM even with the narrowest tile: split K into fp32
         # partials (one more launch), keeping >= 2 steps per split.
         split_k = min(triton.next_power_of_2(triton.cdiv(2 * num_sms, programs)), _pow2_floor(K // (2 * block_k)))

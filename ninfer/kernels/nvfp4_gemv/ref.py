@@ -23,6 +23,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 BLOCK = 16  # elements per block scale
+MAX_ROWS = 16  # the largest M the fast path takes; larger batches go to nvfp4_gemm
 
 
 def _code_values(device: torch.device) -> torch.Tensor:

@@ -47,9 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.gemv.ref import MAX_ROWS
 from ninfer.kernels.nvfp4_gemv import ref
-from ninfer.kernels.nvfp4_gemv.ref import kernel_operands
+from ninfer.kernels.nvfp4_gemv.ref import MAX_ROWS, kernel_operands
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.sm_count import device_sms
 

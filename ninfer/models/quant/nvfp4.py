@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ninfer.kernels.gemv import MAX_ROWS
+from ninfer.kernels.nvfp4_gemv.ref import MAX_ROWS
 from ninfer.kernels.nvfp4_gemm import nvfp4_matmul
 from ninfer.kernels.nvfp4_gemv import BLOCK, dequantize_nvfp4, gemv_nvfp4, quantize_nvfp4
 from ninfer.models.quant.linear_replacement import UnfusedEpilogues, replace_linear_layers
