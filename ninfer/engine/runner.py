@@ -53,9 +53,11 @@ from ninfer.engine.speculative.speculator import Speculator
 from ninfer.engine.step_graphs import StepGraphs, token_buckets
 from ninfer.engine.step_layout import StepLayout
 from ninfer.engine.verify_graphs import VerifyGraphs
+from ninfer.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.dflash import DflashDraftModel
 from ninfer.models.forward_batch import ForwardBatch, HostStaging
+from ninfer.models.quant.weight_format import weight_format
 from ninfer.models.step_snapshots import StepSnapshots
 from ninfer.models.verify_scratch import VerifyRows
 
@@ -199,7 +201,10 @@ class ModelRunner:
     ) -> None:
         kv = self.kv_cache
         max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
-        buckets = token_buckets(max_tokens, max_decode_rows)
+        # FP8 layers run the GEMV (bf16 activations) up to its row limit and the FP8 matmul
+        # (activations quantized) above: a bucket ends there, so a padded step runs eager's products.
+        switches = (GEMV_MAX_ROWS,) if weight_format(self.model) == "fp8" else ()
+        buckets = token_buckets(max_tokens, max_decode_rows, switches)
         graphs = StepGraphs(self.model, kv, self.state_cache, self.slot_logits, self.num_valid_tokens, buckets,
                             max_requests, max_pages, scratch_slot, scratch_page)
         if self.device.type == "cuda":

@@ -4,8 +4,8 @@ A step that carries prompt tokens runs the same kernels as a decode round, layer
 eagerly it costs the host ~1,000 launches: below ~1K tokens that host work, not the GPU, sets the
 step's time. Here such steps replay a graph captured at start-up for the smallest token bucket
 that holds them (powers of two from 16, plus the most decode rows a step can carry, up to the
-largest bucket), in two variants: with and
-without checkpoints inside the step (models/step_snapshots.py).
+largest bucket, and with FP8 weights the GEMV's largest row count, where their products change
+kernel), in two variants: with and without checkpoints inside the step (models/step_snapshots.py).
 
 A graph's shape is fixed, so a step is padded to it (models/padded_step.py): its requests fill
 the first rows of a request table of max_requests + 1 rows, the others are empty (no rows, the
@@ -50,18 +50,20 @@ _NUM_PASSES = 2  # the rule's passes: all requests, then those continuing at a c
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 
 
-def token_buckets(max_tokens: int, decode_rows: int = 0) -> list[int]:
-    """Powers of two from SMALLEST_BUCKET plus decode_rows, below max_tokens, and max_tokens itself.
+def token_buckets(max_tokens: int, decode_rows: int = 0, kernel_switches: Sequence[int] = ()) -> list[int]:
+    """Powers of two from SMALLEST_BUCKET plus decode_rows, below max_tokens, and max_tokens itself,
+    and each of kernel_switches below max_tokens.
 
     A mixed step is its decode rows beside a prompt chunk of the scheduler's power-of-two budget
     (or a prompt's remainder): with the decode rows in the bucket, a full batch beside a 256-token
-    chunk fits 264, not 512."""
-    buckets = []
+    chunk fits 264, not 512. kernel_switches: the row counts up to which a layer keeps one kernel
+    (the GEMV's largest M): a bucket ending there pads a step no further than its eager kernels go."""
+    buckets = set(kernel_switches) & set(range(1, max_tokens))
     size = SMALLEST_BUCKET
     while size + decode_rows < max_tokens:
-        buckets.append(size + decode_rows)
+        buckets.add(size + decode_rows)
         size *= 2
-    return buckets + [max_tokens]
+    return sorted(buckets) + [max_tokens]
 
 
 class _StaticFields:

@@ -96,6 +96,10 @@ def test_token_buckets() -> None:
     # A full batch of 8 decode rows beside a power-of-two prompt chunk fits its bucket exactly.
     assert token_buckets(1032, 8) == [24, 40, 72, 136, 264, 520, 1032]
     assert token_buckets(40, 8) == [24, 40]
+    # A bucket where the GEMV hands over to the matmul: a padded step runs its eager kernels.
+    assert token_buckets(1032, 8, (32,)) == [24, 32, 40, 72, 136, 264, 520, 1032]
+    assert token_buckets(1032, 16, (32,)) == [32, 48, 80, 144, 272, 528, 1032]
+    assert token_buckets(24, 8, (32,)) == [24]
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
