@@ -86,7 +86,7 @@ def measure(grammars: CompiledGrammars, constraint: OutputConstraint, runs: int)
     seconds = []
     for _ in range(runs):
         started = time.perf_counter()
-        compiled = compiler.compile_structural_tag(constraint.grammar)
+        compiled = compiler.compile_grammar(constraint.grammar)
         seconds.append(time.perf_counter() - started)
     grammars.compile(constraint).result()
     started = time.perf_counter()

@@ -70,7 +70,7 @@ class CompiledGrammars:
     def _compile(self, constraint: OutputConstraint) -> xgrammar.CompiledGrammar:
         try:
             started = time.perf_counter()
-            compiled = self._get_compiler().compile_structural_tag(constraint.grammar)
+            compiled = self._get_compiler().compile_grammar(constraint.grammar)
             seconds = time.perf_counter() - started
             log.debug("output grammar %s compiled in %.1f ms", constraint.key[:12], seconds * 1000)
             self._remember(constraint.key, compiled, seconds)
