@@ -3,9 +3,10 @@
 A coding agent's 20 tool schemas (shell, file reading and editing, search, todo lists, web,
 notebooks, sub-tasks) as strict tools under tool_choice auto and as a required choice, and a
 Pydantic-style JSON answer, compiled the way the engine compiles them (engine/compiled_grammars.py:
-one worker, the library's threads = half the CPUs, at most 8). Reports the vocabulary index (once
-per process), the API-side check (parse only), each compile (median of --runs cold compiles), a
-cache hit, and the per-token bitmask fill while matching a rendered call.
+the EBNF with merged rules that the API side produces, one worker, the library's threads = half
+the CPUs, at most 8). Reports the vocabulary index (once per process), the API-side check (the
+structural tag converted to EBNF, its rules merged, read back), each compile (median of --runs
+cold compiles), a cache hit, and the per-token bitmask fill while matching a rendered call.
 
   python3 benchmarks/grammar_compile.py --runs 5 --out /tmp/grammar
 """
@@ -86,7 +87,7 @@ def measure(grammars: CompiledGrammars, constraint: OutputConstraint, runs: int)
     seconds = []
     for _ in range(runs):
         started = time.perf_counter()
-        compiled = compiler.compile_structural_tag(constraint.grammar)
+        compiled = compiler.compile_grammar(constraint.grammar)
         seconds.append(time.perf_counter() - started)
     grammars.compile(constraint).result()
     started = time.perf_counter()

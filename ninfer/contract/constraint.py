@@ -13,7 +13,7 @@ import msgspec
 
 class OutputConstraint(msgspec.Struct, frozen=True):
     key: str  # digest of the grammar: equal keys, equal grammars (the engine's cache key)
-    grammar: str  # an xgrammar structural tag (JSON text)
+    grammar: str  # xgrammar EBNF (root rule `root`)
     # Thinking requests: the constraint starts after this token (</think>), so reasoning stays
     # free; None constrains from the first output token.
     starts_after_token_id: int | None = None

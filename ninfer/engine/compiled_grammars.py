@@ -1,8 +1,8 @@
 """CompiledGrammars: the engine's output-constraint grammars compiled for its vocabulary.
 
-Compiling precomputes which tokens each grammar state admits (tens of milliseconds for an
-agent's tool set on a 248K vocabulary), so it runs on a worker thread (the library releases the
-GIL) while the loop keeps decoding, and compiled grammars stay in an LRU keyed by
+Compiling precomputes which tokens each grammar state admits (about 130 ms with one thread
+for a coding agent's 20 tools on the 248K vocabulary: each rule that admits most tokens costs a
+pass over the vocabulary), so it runs on a worker thread (the library releases the GIL) while the loop keeps decoding, and compiled grammars stay in an LRU keyed by
 OutputConstraint.key, bounded by their memory: an agent that sends the same tools every turn
 compiles them once. The vocabulary index is built by the first compile.
 """
@@ -70,7 +70,7 @@ class CompiledGrammars:
     def _compile(self, constraint: OutputConstraint) -> xgrammar.CompiledGrammar:
         try:
             started = time.perf_counter()
-            compiled = self._get_compiler().compile_structural_tag(constraint.grammar)
+            compiled = self._get_compiler().compile_grammar(constraint.grammar)
             seconds = time.perf_counter() - started
             log.debug("output grammar %s compiled in %.1f ms", constraint.key[:12], seconds * 1000)
             self._remember(constraint.key, compiled, seconds)

@@ -47,9 +47,7 @@ TAIL_LENGTHS = (1, 2, 3, 5, 9)
 # A JSON object whose shortest spelling outlasts the warm-up request's output limit, so the grammar
 # never needs an end-of-turn token (the synthetic request has none).
 WARM_UP_GRAMMAR = OutputConstraint(
-    "warm-up",
-    '{"type":"structural_tag","format":{"type":"json_schema","json_schema":{"type":"object","properties":'
-    '{"warm_up_field":{"type":"string"}},"required":["warm_up_field"]},"style":"json"}}',
+    "warm-up", r'root ::= "{" [ \n\t]* "\"warm_up_field\"" [ \n\t]* ":" [ \n\t]* "\"" [^"\\]* "\"" [ \n\t]* "}"' "\n"
 )
 
 

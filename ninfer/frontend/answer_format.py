@@ -23,9 +23,12 @@ escape), so it always parses back whole; one with length bounds is a single line
 Two places are matched as given: a string `pattern`, and strings nested inside a JSON value
 (keeping the markers out of those costs the grammar library most of a second per compile).
 
-The grammar is written in xgrammar's structural-tag format (plain JSON). The API process only
-parses it (milliseconds; a schema the library rejects is a 400 naming its field); the engine
-compiles it against the vocabulary. Raw-string `format` keywords are not enforced (JSON Schema
+The grammar is written in xgrammar's structural-tag format (plain JSON, `structural_tag`, the
+reference construction). The API process has the library convert it to EBNF (milliseconds; a
+schema the library rejects is a 400 naming its field) and merges its equal rules (frontend/
+shared_rules.py: every JSON-valued parameter otherwise brings its own copy of the JSON string
+rules, and compiling walks the vocabulary once per copy); the engine compiles that EBNF against
+the vocabulary. Raw-string `format` keywords are not enforced (JSON Schema
 treats them as annotations).
 """
 
@@ -41,6 +44,7 @@ from typing import Any
 
 from ninfer.contract.constraint import OutputConstraint
 from ninfer.frontend.grammar_library import grammar_library
+from ninfer.frontend.shared_rules import shared_rules
 from ninfer.frontend.tool_call_parser import (
     FUNCTION_CLOSE,
     FUNCTION_OPEN,
@@ -110,9 +114,9 @@ class AnswerFormat:
         """The engine's constraint; think_end_token_id: set for a thinking request (the answer
         follows that token). Raises AnswerFormatError naming the field of a schema the grammar
         cannot represent or the library rejects."""
-        grammar = canonical_json(self.structural_tag(think_end_token_id is not None))
+        tag = canonical_json(self.structural_tag(think_end_token_id is not None))
         try:
-            key = _checked_key(grammar)
+            key, grammar = _checked_grammar(tag)
         except (RuntimeError, ValueError) as error:
             raise self._locate(error) from None
         return OutputConstraint(key, grammar, think_end_token_id)
@@ -322,11 +326,13 @@ def _tag(fmt: dict[str, Any]) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=CHECKED_GRAMMARS)
-def _checked_key(grammar: str) -> str:
-    """The grammar's digest once the library has parsed it (raises what the library raises); an
-    agent sends the same tools every turn, so each distinct grammar is parsed once."""
-    grammar_library().Grammar.from_structural_tag(grammar)
-    return hashlib.sha256(grammar.encode()).hexdigest()
+def _checked_grammar(tag: str) -> tuple[str, str]:
+    """(digest, EBNF with shared rules) of a structural tag the library has parsed (raises what
+    the library raises); an agent sends the same tools every turn, so each is converted once."""
+    library = grammar_library()
+    ebnf = shared_rules(str(library.Grammar.from_structural_tag(tag)))
+    library.Grammar.from_ebnf(ebnf)  # the merged text reads back (it is what the engine compiles)
+    return hashlib.sha256(ebnf.encode()).hexdigest(), ebnf
 
 
 def _reason(error: Exception) -> str:

@@ -41,7 +41,7 @@ def compiler() -> xgrammar.GrammarCompiler:
 
 def accepts(compiler, answer: AnswerFormat, text: str, thinking: bool = False) -> bool:
     constraint = answer.constraint(256 if thinking else None)
-    matcher = xgrammar.GrammarMatcher(compiler.compile_structural_tag(constraint.grammar), override_stop_tokens=[256])
+    matcher = xgrammar.GrammarMatcher(compiler.compile_grammar(constraint.grammar), override_stop_tokens=[256])
     return matcher.accept_string(text) and matcher.accept_token(256)
 
 
