@@ -2,9 +2,9 @@
 
 Compiling precomputes which tokens each grammar state admits (about 130 ms with one thread
 for a coding agent's 20 tools on the 248K vocabulary: each rule that admits most tokens costs a
-pass over the vocabulary), so it runs on a worker thread (the library releases the GIL) while the loop keeps decoding, and compiled grammars stay in an LRU keyed by
-OutputConstraint.key, bounded by their memory: an agent that sends the same tools every turn
-compiles them once. The vocabulary index is built by the first compile.
+pass over the vocabulary), so it runs on a worker thread (the library releases the GIL) while
+the loop keeps decoding, and compiled grammars stay in an LRU keyed by OutputConstraint.key,
+bounded by their memory: an agent that sends the same tools every turn compiles them once. The vocabulary index is built by the first compile.
 """
 
 from __future__ import annotations
