@@ -24,6 +24,7 @@ from ninfer.models.quant.fp8 import FP8, SCALE_BLOCK, Fp8Linear, expand_block_ro
 from ninfer.models.quant.fp8_experts import PROJECTIONS, Fp8Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear, quantize_nvfp4_
 from ninfer.models.registry import CheckpointRule, checkpoint_rule, model_class
+from ninfer.models.weight_load_error import WeightLoadError
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,6 @@ FP8_SCALE_SUFFIX = "_scale_inv"  # Qwen FP8 checkpoints: "<weight name>_scale_in
 # (the tensor's fp32 global scale) accompany each uint8 weight of packed e2m1 codes.
 NVFP4_BLOCK_SUFFIX = "_scale"
 NVFP4_GLOBAL_SUFFIX = "_scale_2"
-
-
-class WeightLoadError(ValueError):
-    """The checkpoint's tensors do not fill the model exactly."""
 
 
 def build_model(
