@@ -164,24 +164,25 @@ def load_weights(
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     with torch.no_grad():
         for stored_name, tensor in tensors:
-            if not scales.hold(stored_name, tensor):
-                for write in scales.writes(stored_name, tensor, rule, model.config):
-                    if write.param_name in packed:
-                        parts_written[write.param_name] = parts_written.get(write.param_name, 0) + write.value.numel()
-                        packed_name, part_rows = packed[write.param_name]
-                        write = replace(write, param_name=packed_name, index=rows_within(part_rows, write.index))
-                    param = params.get(write.param_name)
-                    if param is None and write.param_name in aliases:
-                        continue
-                    if param is None:
-                        raise WeightLoadError(f"{write.what} maps to unknown parameter {write.param_name!r}")
-                    owner = owners.get(write.param_name)
-                    if owner is None:
-                        write.copy_dense_into(param)
-                    else:
-                        owner[0].load_stored(owner[1], write, dtype)
-                    written[write.param_name] += write.target(param).numel()
             bar.update(1)
+            if scales.hold(stored_name, tensor):
+                continue
+            for write in scales.writes(stored_name, tensor, rule, model.config):
+                if write.param_name in packed:
+                    parts_written[write.param_name] = parts_written.get(write.param_name, 0) + write.value.numel()
+                    packed_name, part_rows = packed[write.param_name]
+                    write = replace(write, param_name=packed_name, index=rows_within(part_rows, write.index))
+                param = params.get(write.param_name)
+                if param is None and write.param_name in aliases:
+                    continue
+                if param is None:
+                    raise WeightLoadError(f"{write.what} maps to unknown parameter {write.param_name!r}")
+                module, attribute = owners.get(write.param_name, (None, None))
+                if module is None:
+                    write.copy_dense_into(param)
+                else:
+                    module.load_stored(attribute, write, dtype)
+                written[write.param_name] += write.target(param).numel()
     bar.close()
     _check_written_once(params, written, packed, parts_written, source)
 
