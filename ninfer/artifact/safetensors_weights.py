@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from ninfer.artifact.artifact import ArtifactError, read_json
 from ninfer.kernels.nvfp4_gemv import dequantize_nvfp4
-from ninfer.models.loader import NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX
+from ninfer.models.checkpoint_scales import NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -1,7 +1,10 @@
 """ModelConfig: the architecture facts every model file needs, parsed once from an HF config.
 
 One flat dataclass for all families keeps the model files free of HF config quirks
-(nested text_config, rope_parameters vs rope_theta, layer_types vs interval).
+(nested text_config, rope_parameters vs rope_theta, layer_types vs interval). from_hf parses
+what every family has; each family's config_fields (models/families/) parses what its
+architecture adds (Gated DeltaNet layers, routed experts, an MTP head) and its quirks. The
+defaults describe a model without those parts.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class ModelConfig:
     attn_output_gate: bool = False  # Qwen3.5 / Qwen3-Next: sigmoid gate interleaved in q_proj
     zero_centered_norm: bool = False  # (1 + w) RMSNorm: Qwen3.5 / Qwen3-Next
 
-    # hybrid layout
+    # layer layout; Gated DeltaNet layers' shapes (hybrid families)
     layer_types: tuple[str, ...] = ()
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
@@ -176,13 +179,12 @@ class ModelConfig:
 
         eos = hf.get("eos_token_id", top.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
         try:
             family_fields = family.config_fields(hf, rope, base_type)
         except ConfigError as error:
             raise ConfigError(f"{source}: {error}") from None
         intermediate = hf.get("intermediate_size")
-        if intermediate is None and not num_experts:
+        if intermediate is None and not family_fields.get("num_experts"):
             raise ConfigError(f"{source}: missing required key 'intermediate_size' for {model_type}")
         dtype = hf.get("dtype") or hf.get("torch_dtype") or top.get("dtype") or top.get("torch_dtype") or "bfloat16"
 
@@ -207,19 +209,6 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias") or False),
             mlp_bias=bool(hf.get("mlp_bias") or False),
             layer_types=tuple(layer_types),
-            linear_conv_kernel_dim=int(hf.get("linear_conv_kernel_dim", 4)),
-            linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
-            linear_value_head_dim=int(hf.get("linear_value_head_dim", 128)),
-            linear_num_key_heads=int(hf.get("linear_num_key_heads", 16)),
-            linear_num_value_heads=int(hf.get("linear_num_value_heads", 32)),
-            num_experts=num_experts,
-            num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
-            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            decoder_sparse_step=int(hf.get("decoder_sparse_step", 1) or 1),
-            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-            mtp_num_hidden_layers=int(hf.get("mtp_num_hidden_layers", hf.get("num_nextn_predict_layers", 0)) or 0),
             bos_token_id=hf.get("bos_token_id", top.get("bos_token_id")),
             eos_token_id=eos_ids,
             pad_token_id=hf.get("pad_token_id", top.get("pad_token_id")),

@@ -1,7 +1,8 @@
 """ModelFamily: what NInfer knows about one architecture family, declared in its family module.
 
 A family module (models/families/<name>.py) says which HF model_types it serves, which
-ModelConfig fields its configs set differently from the common reading, how its checkpoint
+ModelConfig fields its configs set beyond the common reading (the parts its architecture
+has: Gated DeltaNet layers, routed experts, an MTP head) or differently, how its checkpoint
 names map onto the model's parameters, and the sampling presets of its registered shapes.
 The model itself is a plain nn.Module in models/<name>.py. Adding a family touches those two
 files and the list in registry.py.

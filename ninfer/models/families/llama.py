@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ninfer.models.config import ConfigError, ModelConfig
+from ninfer.models.families.shared_fields import moe_fields, mtp_fields
 from ninfer.models.family import ModelFamily, WeightSlice
 
 if TYPE_CHECKING:
@@ -41,10 +42,15 @@ def convert(name: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[We
 
 
 def _config_fields(hf: dict[str, Any], rope: dict[str, Any], base_type: str) -> dict[str, Any]:
-    if base_type == "qwen3_moe" and not (hf.get("num_experts") or hf.get("num_local_experts")):
+    experts = moe_fields(hf)  # Qwen3-MoE's (none in the others' configs)
+    if base_type == "qwen3_moe" and not experts["num_experts"]:
         raise ConfigError("qwen3_moe config without num_experts")
     attention_bias = bool(hf.get("attention_bias") or False)
     return {
+        **experts,
+        # No model of this family has an MTP head; a declared one is still read so that the
+        # artifact says it loads without it (hf_directory) instead of dropping it unseen.
+        **mtp_fields(hf),
         # transformers' Qwen2 always has q/k/v biases, whatever the config says.
         "attention_bias": True if base_type == "qwen2" else attention_bias,
         "attention_output_bias": base_type == "llama" and attention_bias,  # Llama's also covers o_proj

@@ -18,6 +18,7 @@ import msgspec
 
 from ninfer.contract.sampling import SamplingParams
 from ninfer.models.config import ModelConfig
+from ninfer.models.families.shared_fields import gated_delta_net_fields, moe_fields, mtp_fields
 from ninfer.models.family import ModelFamily, SamplingPreset, WeightSlice
 
 if TYPE_CHECKING:
@@ -62,10 +63,14 @@ def convert(name: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[We
 
 
 def config_fields(hf: dict[str, Any], rope: dict[str, Any], base_type: str) -> dict[str, Any]:
-    """The Qwen3.5 hybrid trunk: q/k norms, gated attention output, zero-centred norms,
-    interleaved MRoPE, and always-renormalised MoE top-k weights."""
+    """The Qwen3.5 hybrid trunk: Gated DeltaNet layers, experts (qwen3_5_moe) and the MTP head;
+    q/k norms, gated attention output, zero-centred norms, interleaved MRoPE, and always-
+    renormalised MoE top-k weights."""
     mrope_section = rope.get("mrope_section")
     return {
+        **gated_delta_net_fields(hf),
+        **moe_fields(hf),
+        **mtp_fields(hf),
         "qk_norm": True,
         "attn_output_gate": bool(hf.get("attn_output_gate", True)),
         "zero_centered_norm": True,

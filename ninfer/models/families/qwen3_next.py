@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ninfer.models.config import ModelConfig
 from ninfer.models.families import qwen3_5
+from ninfer.models.families.shared_fields import gated_delta_net_fields, moe_fields, mtp_fields
 from ninfer.models.family import ModelFamily, WeightSlice
 
 if TYPE_CHECKING:
@@ -51,7 +52,14 @@ def convert(name: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[We
 
 
 def _config_fields(hf: dict[str, Any], rope: dict[str, Any], base_type: str) -> dict[str, Any]:
-    return {"qk_norm": True, "attn_output_gate": bool(hf.get("attn_output_gate", True)), "zero_centered_norm": True}
+    return {
+        **gated_delta_net_fields(hf),
+        **moe_fields(hf),
+        **mtp_fields(hf),
+        "qk_norm": True,
+        "attn_output_gate": bool(hf.get("attn_output_gate", True)),
+        "zero_centered_norm": True,
+    }
 
 
 FAMILY = ModelFamily(

@@ -29,11 +29,14 @@ from ninfer.models.layers.moe import Experts
 from ninfer.models.quant.fp8_experts import Fp8Experts
 from ninfer.models.quant.linear_replacement import replace_linear_layers, replace_modules
 from ninfer.models.quant.row_chunks import quantize_rows_into
+from ninfer.models.quant.stored_write import StoredWrite
 
 _ROW_MULTIPLE = 16  # _scaled_mm wants row counts in multiples of 16
 
 
 class Fp8Linear(nn.Module):
+    stored_weights = ("weight",)  # StoresCheckpointWrites
+
     def __init__(
         self,
         weight: torch.Tensor,
@@ -99,6 +102,15 @@ class Fp8Linear(nn.Module):
             raise ValueError("128x128 block scales span rows; quantize_into writes row-local scales")
         targets = (self.weight, self.weight_scale)
         quantize_rows_into(value, targets if index is None else [t[index] for t in targets], quantize, dtype)
+
+    def load_stored(self, attribute: str, write: StoredWrite, dtype: torch.dtype | None = None) -> None:
+        """A checkpoint's write into the weight: FP8 values with their block scales as stored
+        (row blocks), anything else dequantized and quantized into this module's layout."""
+        if write.fp8_row_scales is not None and self.block_scaled:
+            write.copy_into(self.weight)
+            write.target(self.weight_scale).copy_(write.fp8_row_scales)
+        else:
+            self.quantize_into(write.index, write.dense(write.target(self.weight).shape), dtype)
 
     @property
     def in_features(self) -> int:

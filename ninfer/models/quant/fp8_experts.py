@@ -21,12 +21,16 @@ from ninfer.kernels.gemv.ref import FP8, SCALE_BLOCK, quantize_blocks
 from ninfer.kernels.moe import fused_experts
 from ninfer.models.layers.moe import Experts
 from ninfer.models.quant.row_chunks import quantize_rows_into
+from ninfer.models.quant.stored_write import StoredWrite
+from ninfer.models.weight_load_error import WeightLoadError
 
 PROJECTIONS = ("gate_up_proj", "down_proj")  # the fused weights; each has "<name>_scale"
 _EXPERTS_PER_STEP = 16  # from_experts_blocks' fp32 temporaries: 128 MB at the 35B-A3B shapes
 
 
 class Fp8Experts(nn.Module):
+    stored_weights = PROJECTIONS  # StoresCheckpointWrites
+
     def __init__(
         self, gate_up_proj: torch.Tensor, gate_up_scale: torch.Tensor, down_proj: torch.Tensor, down_scale: torch.Tensor
     ):
@@ -89,6 +93,43 @@ class Fp8Experts(nn.Module):
         targets = (weight, scale) if index is None else (weight[index], scale[index])
         quantize_rows_into(value, targets, quantize, dtype)
 
+    def load_stored(self, projection: str, write: StoredWrite, dtype: torch.dtype | None = None) -> None:
+        """A checkpoint's write into a projection (all experts, one, or an expert's rows): FP8
+        values with their block scales as stored where the projection has block scales, anything
+        else dequantized and quantized into its layout."""
+        rows_per_block = self.rows_per_block(projection)
+        weight = write.target(getattr(self, projection))
+        if write.fp8_row_scales is not None and rows_per_block is not None:
+            self._write_blocks(projection, write, write.checked(write.value, weight.shape), write.fp8_row_scales)
+        elif rows_per_block == SCALE_BLOCK:
+            # 128 x 128 blocks span rows, so this one is quantized whole (an expert of a mixed checkpoint).
+            value = write.dense(weight.shape)
+            self._write_blocks(projection, write, value.to(dtype or value.dtype), None)
+        else:
+            self.quantize_into(projection, write.index, write.dense(weight.shape), dtype)
+
+    def _write_blocks(
+        self, projection: str, write: StoredWrite, value: torch.Tensor, row_scales: torch.Tensor | None
+    ) -> None:
+        """e4m3 values and their block scales (row_scales: a row per weight row) in the projection's
+        layout, row blocks or 128 x 128 blocks (their slice of the fused scales); an unquantized
+        value (row_scales None) is quantized into that layout."""
+        rows_per_block = self.rows_per_block(projection)
+        scale_index = write.index if rows_per_block == 1 else _block_index(write.index, write.what)
+        if row_scales is None:
+            value, scales = quantize_blocks(value, rows_per_block)
+        else:  # a write starting on a block's first row: every 128th row is the next block's scales
+            scales = row_scales[..., ::rows_per_block, :]
+        scale = self.scale_of(projection)
+        scale_target = scale if scale_index is None else scale[scale_index]
+        if tuple(scale_target.shape) != tuple(scales.shape):
+            raise WeightLoadError(
+                f"{write.what} has scales of shape {tuple(scales.shape)} for {projection}, whose scales there "
+                f"take {tuple(scale_target.shape)}"
+            )
+        write.target(getattr(self, projection)).copy_(value)
+        scale_target.copy_(scales)
+
     def scale_of(self, projection: str) -> torch.Tensor:
         return getattr(self, projection + "_scale")
 
@@ -103,6 +144,17 @@ class Fp8Experts(nn.Module):
         return fused_experts(
             x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale, self.down_proj_scale
         )
+
+
+def _block_index(index, what: str):
+    """An expert write's index into the weight [E, N, K] -> into its 128 x 128 block scales."""
+    if not isinstance(index, tuple):
+        return index  # all experts, or one
+    expert, rows = index
+    first = rows.start or 0
+    if first % SCALE_BLOCK:
+        raise WeightLoadError(f"{what}: its rows from {first} do not start a {SCALE_BLOCK}-row scale block")
+    return expert, slice(first // SCALE_BLOCK, -(-rows.stop // SCALE_BLOCK))
 
 
 def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

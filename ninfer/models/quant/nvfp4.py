@@ -19,11 +19,14 @@ from ninfer.kernels.nvfp4_gemm import nvfp4_matmul
 from ninfer.kernels.nvfp4_gemv import BLOCK, dequantize_nvfp4, gemv_nvfp4, quantize_nvfp4
 from ninfer.models.quant.linear_replacement import UnfusedEpilogues, replace_linear_layers
 from ninfer.models.quant.row_chunks import quantize_rows_into
+from ninfer.models.quant.stored_write import StoredWrite
 
 DEFAULT_SKIP = ("lm_head", "embed_tokens", "mlp.gate")
 
 
 class Nvfp4Linear(UnfusedEpilogues, nn.Module):
+    stored_weights = ("weight",)  # StoresCheckpointWrites
+
     def __init__(
         self,
         weight: torch.Tensor,
@@ -70,6 +73,18 @@ class Nvfp4Linear(UnfusedEpilogues, nn.Module):
         (None: all), rounded to dtype first when given (as an unquantized load would hold it)."""
         targets = (self.weight, self.block_scale, self.row_scale)
         quantize_rows_into(value, targets if index is None else [t[index] for t in targets], quantize_nvfp4, dtype)
+
+    def load_stored(self, attribute: str, write: StoredWrite, dtype: torch.dtype | None = None) -> None:
+        """A checkpoint's write into the weight: NVFP4 codes with their scales as stored (the
+        tensor's global scale as its rows' scale), anything else dequantized and quantized."""
+        if write.nvfp4_scales is None:
+            codes = write.target(self.weight).shape
+            self.quantize_into(write.index, write.dense((*codes[:-1], codes[-1] * 2)), dtype)  # two codes a byte
+            return
+        block_scale, row_scale = write.nvfp4_scales
+        write.copy_into(self.weight)
+        write.target(self.block_scale).copy_(block_scale)
+        write.target(self.row_scale).copy_(row_scale.reshape(-1))
 
     @property
     def in_features(self) -> int:
