@@ -22,7 +22,6 @@ from ninfer.models.config import ModelConfig
 from ninfer.models.forward_batch import ForwardBatch
 from ninfer.models.layers.linear import Linear, PackedLinear
 from ninfer.models.layers.norm import GatedRMSNorm
-from ninfer.models.state_cache import StateCache
 
 
 class GatedDeltaNet(nn.Module):
