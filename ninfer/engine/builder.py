@@ -21,6 +21,7 @@ from ninfer.config import EngineConfig, EngineSpec
 from ninfer.engine.cache.host_kv import HostKV
 from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
+from ninfer.engine.kv_sizing_record import AutoSizing, KvSizingRecords, ProbeMeasure, probe_key
 from ninfer.engine.startup_checks import check_kv_dtype, check_speculative, resolve_device
 from ninfer.engine.warm_up import run_warm_up
 from ninfer.kernels.backend import persist_compile_caches
@@ -144,10 +145,10 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
 
         vision_tower = load_vision_tower(artifact, device=device, dtype=dtype)
         log.info("vision tower loaded: %.2fB parameters", sum(p.numel() for p in vision_tower.parameters()) / 1e9)
+    auto_sizing = None
     if spec.kv_capacity_auto:
-        engine = dataclasses.replace(
-            engine, kv_capacity=_auto_kv_tokens(model, artifact.tokenizer, engine, draft_model, vision_tower)
-        )
+        kv_tokens, auto_sizing = _auto_kv_tokens(model, artifact.tokenizer, engine, draft_model, vision_tower)
+        engine = dataclasses.replace(engine, kv_capacity=kv_tokens)
     core = EngineCore(model, artifact.tokenizer, engine, draft_model=draft_model, vision_tower=vision_tower)
     kv_bytes = sum(cache.nbytes for cache in core.runner.paged_caches)
     core.memory_ledger.update(_AUTO_LEDGER if spec.kv_capacity_auto else {})
@@ -187,6 +188,8 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         )
     if not on_cpu:
         core.workspace_bytes = _warm_up_measuring_workspace(core)
+        if auto_sizing is not None:
+            auto_sizing.confirm(core.workspace_bytes)
     install_faults(core.runner)  # tests only: nothing unless NINFER_TEST_FAULTS is set
     return core
 
@@ -260,14 +263,17 @@ def _vision_reserve(tower, device: torch.device) -> tuple[int, int]:
     return peak, kept_rows
 
 
-def _auto_kv_tokens(model, tokenizer, engine: EngineConfig, draft_model=None, vision_tower=None) -> int:
+def _auto_kv_tokens(
+    model, tokenizer, engine: EngineConfig, draft_model=None, vision_tower=None
+) -> tuple[int, AutoSizing | None]:
     """The KV pool that leaves room for everything else the runtime needs at its worst, measured:
     a probe engine with a small pool captures the CUDA graphs and runs the warm-up (whose
     largest step is a whole --prefill-chunk); its peak beyond its own pools is set aside with
     the state slots and 1 GiB of headroom, and with --vision the tower's encode peak and the
-    encoded rows kept. CPU follows --max-context."""
+    encoded rows kept. A restart of the same model, configuration, device and code takes the
+    probe's figures from its record (kv_sizing_record.py). CPU follows --max-context."""
     if not engine.device.startswith("cuda"):
-        return engine.max_context
+        return engine.max_context, None
     device = torch.device(engine.device)
     page_bytes = kv_page_bytes(model, engine.page_size, draft_model, engine.kv_dtype)
     slot_bytes = state_image_bytes(model)  # a StateImage slot with its stored logits
@@ -278,6 +284,44 @@ def _auto_kv_tokens(model, tokenizer, engine: EngineConfig, draft_model=None, vi
         host_kv_mib=0,
         log_stats_interval_ms=0,
     )
+    records = KvSizingRecords(cache_dir() / "kv-sizing")
+    key = probe_key(repr(probe_config), *_probe_inputs(model, draft_model, device))
+    measure = records.load(key)
+    kept = measure is not None
+    if measure is None:
+        measure = _probe(model, tokenizer, probe_config, draft_model, page_bytes, slot_bytes)
+        records.store(key, measure)
+    worst_step, graphs = measure.worst_step_bytes, measure.graph_bytes
+    vision_encode, media_rows = _vision_reserve(vision_tower, device) if vision_tower is not None else (0, 0)
+    free, _ = torch.cuda.mem_get_info(device)
+    states = engine.num_state_slots * slot_bytes
+    budget = free - KV_HEADROOM_BYTES - worst_step - graphs - states - vision_encode - media_rows
+    tokens = max(engine.page_size, budget // page_bytes * engine.page_size)
+    # Running requests and device checkpoints each hold a state slot and at most max_context tokens.
+    usable = engine.num_state_slots * (engine.max_context + engine.spare_kv_tokens)
+    gib = 1 << 30
+    log.info(
+        "KV sizing (--kv-capacity auto%s): %.2f GiB free after the weights − worst step (%d tokens) %.2f GiB"
+        " − CUDA graphs %.2f GiB − %d state slots %.2f GiB%s − headroom %.2f GiB = %.2f GiB: %d KV tokens%s",
+        ", the probe's figures kept from an earlier start" if kept else "",
+        free / gib, measure.worst_step_tokens, worst_step / gib, graphs / gib, engine.num_state_slots,
+        states / gib,
+        f" − vision encode {vision_encode / gib:.2f} GiB − encoded media rows {media_rows / gib:.2f} GiB"
+        if vision_tower is not None else "",
+        KV_HEADROOM_BYTES / gib, max(0, budget) / gib, min(tokens, usable),
+        f" (all that {engine.num_state_slots} slots x --max-context can use)" if usable < tokens else "",
+    )
+    _AUTO_LEDGER.update(free_after_weights=free, worst_step=worst_step, decode_graphs=graphs, state_slots=states,
+                        headroom=KV_HEADROOM_BYTES, kv_budget=max(0, budget))
+    if vision_tower is not None:
+        _AUTO_LEDGER.update(vision_encode=vision_encode, media_rows=media_rows)
+    return min(tokens, usable), AutoSizing(records, key, measure)
+
+
+def _probe(model, tokenizer, probe_config: EngineConfig, draft_model, page_bytes: int, slot_bytes: int) -> ProbeMeasure:
+    """Build an engine with the probe's small pool and run the warm-up: the device memory its CUDA
+    graphs and its worst step reserve beyond its pools."""
+    device = torch.device(probe_config.device)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_reserved(device)
     probe = EngineCore(model, tokenizer, probe_config, draft_model=draft_model)
@@ -289,26 +333,20 @@ def _auto_kv_tokens(model, tokenizer, engine: EngineConfig, draft_model=None, vi
     del probe
     gc.collect()
     torch.cuda.empty_cache()
-    vision_encode, media_rows = _vision_reserve(vision_tower, device) if vision_tower is not None else (0, 0)
-    free, _ = torch.cuda.mem_get_info(device)
-    states = engine.num_state_slots * slot_bytes
-    budget = free - KV_HEADROOM_BYTES - worst_step - graphs - states - vision_encode - media_rows
-    tokens = max(engine.page_size, budget // page_bytes * engine.page_size)
-    # Running requests and device checkpoints each hold a state slot and at most max_context tokens.
-    usable = engine.num_state_slots * (engine.max_context + engine.spare_kv_tokens)
-    gib = 1 << 30
-    log.info(
-        "KV sizing (--kv-capacity auto): %.2f GiB free after the weights − worst step (%d tokens) %.2f GiB"
-        " − CUDA graphs %.2f GiB − %d state slots %.2f GiB%s − headroom %.2f GiB = %.2f GiB: %d KV tokens%s",
-        free / gib, report.worst_step_tokens, worst_step / gib, graphs / gib, engine.num_state_slots,
-        states / gib,
-        f" − vision encode {vision_encode / gib:.2f} GiB − encoded media rows {media_rows / gib:.2f} GiB"
-        if vision_tower is not None else "",
-        KV_HEADROOM_BYTES / gib, max(0, budget) / gib, min(tokens, usable),
-        f" (all that {engine.num_state_slots} slots x --max-context can use)" if usable < tokens else "",
+    return ProbeMeasure(worst_step_bytes=worst_step, graph_bytes=graphs, worst_step_tokens=report.worst_step_tokens)
+
+
+def _probe_inputs(model, draft_model, device: torch.device) -> tuple[str, ...]:
+    """What else the probe's figures depend on: the model's configuration and weight layout, the
+    drafter's, the device and the libraries that build the kernels."""
+    import triton
+
+    properties = torch.cuda.get_device_properties(device)
+    return (
+        repr(model.config),
+        describe_quantized(model),
+        str(next(model.parameters()).dtype),
+        repr(draft_model.config) if draft_model is not None else "",
+        f"{properties.name};{properties.total_memory};{properties.multi_processor_count}",
+        f"torch={torch.__version__};cuda={torch.version.cuda};triton={triton.__version__}",
     )
-    _AUTO_LEDGER.update(free_after_weights=free, worst_step=worst_step, decode_graphs=graphs, state_slots=states,
-                        headroom=KV_HEADROOM_BYTES, kv_budget=max(0, budget))
-    if vision_tower is not None:
-        _AUTO_LEDGER.update(vision_encode=vision_encode, media_rows=media_rows)
-    return min(tokens, usable)
