@@ -136,6 +136,57 @@ def test_matches_reference(m: int, k: int, dtype: torch.dtype, with_bias: bool) 
     _check(fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias, config=config), x, packed, block_scale, row_scale, bias)
 
 
+# The tensor-core path: 16 weight rows (one warp), a scale block per MMA; K a multiple of block_k.
+DOT = Config(block_n=16, block_k=32, num_warps=1, use_dot=True, num_stages=2)
+
+
+@interpreter_only
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("k", [32, 160])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_dot_matches_reference(m: int, k: int, with_bias: bool) -> None:
+    # Random bytes (every code, -0 included) and block scales from e4m3 subnormals to 448: the
+    # bf16 codes times 2^-126 (code 1 a subnormal) and x times 2^64 keep every product exact.
+    # fp32 x: the interpreter multiplies bf16 operands of tl.dot as another type; the bf16
+    # widening differs only in its bit positions (test_dot_codes_of_every_byte).
+    packed, block_scale, row_scale = random_weights(N, k, seed=70 + k + m)
+    x, bias = random_activations(m, N, k, torch.float32, seed=70 + m)
+    bias = bias if with_bias else None
+    _check(fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias, config=DOT), x, packed, block_scale, row_scale, bias)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dot_codes_of_every_byte(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    # The DOT path's widening on all 256 bytes: both nibbles in K order, exactly their e2m1
+    # values times 2^-126, -0 included.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def widen(packed_ptr, out_ptr):
+        row = tl.arange(0, 16)[:, None]
+        codes = tl.load(packed_ptr + row * 16 + tl.arange(0, 16)[None, :])
+        tl.store(out_ptr + row * 32 + tl.arange(0, 32)[None, :], fast._dot_codes(codes, out_ptr.dtype.element_ty))
+
+    packed = torch.arange(256, dtype=torch.uint8)
+    out = torch.empty(16, 32, dtype=dtype)
+    widen[(1,)](packed, out)
+    expected = ref.dequantize_nvfp4(packed.view(16, 16), torch.ones(16, 2).to(E4M3), torch.ones(16))
+    assert torch.equal(out.double() * 2.0**126, expected.double())
+    assert torch.equal(torch.signbit(out), torch.signbit(expected))
+
+
+@interpreter_only
+def test_dot_takes_bf16_or_fp32_x_and_whole_steps() -> None:
+    packed, block_scale, row_scale = random_weights(N, 48, seed=80)
+    with pytest.raises(ValueError, match="DOT"):
+        fast.gemv_nvfp4(torch.randn(2, 48).half(), packed, block_scale, row_scale, config=DOT)  # fp16 x
+    with pytest.raises(ValueError, match="DOT"):
+        fast.gemv_nvfp4(torch.randn(2, 48).bfloat16(), packed, block_scale, row_scale, config=DOT)  # 48 % 32
+
+
 @interpreter_only
 @pytest.mark.parametrize("m, k, dtype", [(2, 48, torch.float32), (8, 64, torch.float16)])
 def test_default_config(m: int, k: int, dtype: torch.dtype) -> None:
@@ -306,6 +357,17 @@ class TestOnGpu:
             _check_gpu(out, expected)
         else:
             torch.testing.assert_close(out.float(), expected, rtol=ULP[dtype] / 2 + 1e-5, atol=1e-5 * expected.abs().max().item())
+
+    @pytest.mark.parametrize("name", list(SHAPES_27B))
+    @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+    def test_dot_path_matches_reference(self, name: str, m: int, weights) -> None:
+        n, k = SHAPES_27B[name]
+        packed, block_scale, row_scale = weights(name)
+        x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
+        for config in (fast.Config(64, 128, num_warps=4, use_dot=True, num_stages=3),
+                       fast.Config(32, 256, num_warps=2, use_dot=True, num_stages=4)):
+            out = fast.gemv_nvfp4(x, packed, block_scale, row_scale, config=config)
+            _check_gpu(out, _exact_fp32(x, packed, block_scale, row_scale))
 
     def test_cuda_graph_replay(self, weights) -> None:
         packed, block_scale, row_scale = weights("27b_mlp_down")

@@ -57,12 +57,23 @@ from ninfer.kernels.sm_count import device_sms
 class Config(NamedTuple):
     """One launch shape. block_n: weight rows per program; block_k: codes per row and step;
     vec_bytes: bytes of a row one thread reads per step (2 * vec_bytes codes, dividing 16
-    so that a vector never straddles a scale block)."""
+    so that a vector never straddles a scale block). use_dot: the tensor-core path (bf16 x;
+    vec_bytes unused, num_stages its pipeline depth)."""
 
     block_n: int
     block_k: int
     vec_bytes: int = 8
     num_warps: int = 2
+    use_dot: bool = False
+    num_stages: int = 1
+
+
+# The DOT path's codes are values times 2^-126 (code 1, 0.5, a subnormal): x is
+# multiplied by 2^64 (exact) so that the products stay in fp32's normal range, and the
+# remaining 2^62 multiplies each column's total with the row scale.
+DOT_X_SCALE = tl.constexpr(2.0**64)
+DOT_FOLD = tl.constexpr(2.0**62)
+DOT_ROWS = 8  # x^T is the MMA's B operand: 8 columns per MMA, so x is padded to 8 rows at least
 
 
 @triton.jit
@@ -177,6 +188,77 @@ def _nvfp4_gemv_kernel(
     tl.store(out_ptr + m[None, :] * stride_om + n[:, None], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dot_codes(packed, DTYPE: tl.constexpr):
+    """uint8 bytes [BLOCK_N, B] -> DTYPE (bf16 or fp32) [BLOCK_N, 2 * B] in K order (low nibble
+    first), each the e2m1 value times 2^-126, exactly: the sign bit to DTYPE's sign, the 2
+    exponent bits to the bottom of its exponent field and the mantissa bit to the top of its
+    mantissa (code 1, 0.5, lands on the subnormal 2^-127)."""
+    if DTYPE == tl.float32:
+        b = packed.to(tl.uint32)
+        low = (((b << 22) & 0x01C00000) | ((b << 28) & 0x80000000)).to(tl.float32, bitcast=True)
+        high = (((b << 18) & 0x01C00000) | ((b << 24) & 0x80000000)).to(tl.float32, bitcast=True)
+    else:
+        b = packed.to(tl.int32)
+        low = (((b << 6) & 0x1C0) | ((b << 12) & 0x8000)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        high = (((b << 2) & 0x1C0) | ((b << 8) & 0x8000)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    pairs = tl.join(low, high)  # [BLOCK_N, B, 2]: byte j -> codes 2j, 2j + 1
+    return tl.reshape(pairs, [packed.shape[0], 2 * packed.shape[1]])
+
+
+@triton.jit
+def _nvfp4_dot_kernel(
+    x_ptr,
+    w_ptr,
+    block_scale_ptr,
+    row_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """acc[BLOCK_N, BLOCK_M] += W @ x^T on the tensor cores, one 16-code scale block at a time:
+    the block's codes widened to x's dtype are the MMA's A operand (16 weight rows per warp),
+    x^T the B operand, and each block's [BLOCK_N, BLOCK_M] product is multiplied by its block
+    scale before it joins the sum (code x scale would not stay exact in bf16 next to 2^-126).
+    bf16 x is the served case; fp32 x (exact products) is what Triton's CPU interpreter runs.
+    K must be a multiple of BLOCK_K (the launch picks one that divides it)."""
+    BLOCKS: tl.constexpr = BLOCK_K // 16
+    m = tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_load = tl.minimum(m, M - 1)  # rows past M re-read the last real one; only the store is masked
+    n_load = tl.minimum(n, N - 1).to(tl.int64)
+    byte = tl.arange(0, 8)
+    code = tl.arange(0, 16)
+    w_ptrs = w_ptr + n_load[:, None] * stride_wn + byte[None, :]  # [BLOCK_N, 8]: one block's codes
+    x_ptrs = x_ptr + m_load[None, :] * stride_xm + code[:, None]  # [16, BLOCK_M]: x^T of one block
+    s_ptrs = block_scale_ptr + n_load * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    pdl_sync(USE_PDL)
+    for k0 in range(0, K, BLOCK_K):
+        for block in tl.static_range(BLOCKS):
+            k = k0 + block * 16
+            w = _dot_codes(tl.load(w_ptrs + k // 2), x_ptr.dtype.element_ty)
+            xt = (tl.load(x_ptrs + k).to(tl.float32) * DOT_X_SCALE).to(x_ptr.dtype.element_ty)
+            part = tl.dot(w, xt, input_precision="ieee")
+            acc += part * tl.load(s_ptrs + k // 16).to(tl.float32)[:, None]
+    out = acc * (tl.load(row_scale_ptr + n_load) * DOT_FOLD)[:, None]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n_load).to(tl.float32)[:, None]
+    mask = (n[:, None] < N) & (m[None, :] < M)
+    tl.store(out_ptr + m[None, :] * stride_om + n[:, None], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @functools.cache
 def _config(M: int, N: int, K: int, num_sms: int) -> Config:
     """Default launch shape, untuned (no GPU measurement yet): chosen by register and
@@ -230,10 +312,37 @@ def gemv_nvfp4(
     if M == 0 or N == 0:
         return out
     cfg = config or _config(M, N, K, device_sms(x.device))
+    use_pdl = pdl_enabled(x)
+    if cfg.use_dot:
+        if x.dtype not in (torch.bfloat16, torch.float32) or cfg.block_k % 16 or K % cfg.block_k or cfg.block_n % 16:
+            raise ValueError(f"invalid config {cfg} for x {x.dtype} and K = {K} (DOT: bf16 or fp32 x, K a multiple of block_k)")
+        _nvfp4_dot_kernel[(triton.cdiv(N, cfg.block_n),)](
+            x,
+            weight,
+            block_scale,
+            row_scale,
+            out if bias is None else bias,  # never read without HAS_BIAS
+            out,
+            M,
+            N,
+            K,
+            x.stride(0),
+            weight.stride(0),
+            block_scale.stride(0),
+            out.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_M=max(DOT_ROWS, triton.next_power_of_2(M)),
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            USE_PDL=use_pdl,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            launch_pdl=use_pdl,
+        )
+        return out
     vec = 2 * cfg.vec_bytes
     if 16 % vec or cfg.block_k % vec or cfg.block_k % 16 or cfg.block_n < 1:
         raise ValueError(f"invalid config {cfg}")
-    use_pdl = pdl_enabled(x)
     _nvfp4_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x,
         weight,
