@@ -6,7 +6,9 @@ scheduler and pools never see concurrent mutation. Transports (client.py) drive 
 In steady decode (config.decode_overlap; by default on CUDA) each step() launches the
 next decode round before it reads the current one's tokens (Scheduler.schedule_ahead),
 so the GPU computes round N+1 while the host commits round N, checks stops and streams;
-one round stays in flight between step() calls.
+one round stays in flight between step() calls. A round whose rows' output-constraint masks
+follow round N's tokens is computed ahead and sampled once round N is committed
+(DeferredSampling), so structured outputs keep the overlap too.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.host_time import HostTime
 from ninfer.engine.kv_pool import KVPool
+from ninfer.engine.deferred_sampling import DeferredSampling
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep, StepKind
@@ -170,7 +173,7 @@ class EngineCore:
         self.failed: str | None = None
         overlap = config.decode_overlap
         self.decode_overlap = self.runner.device.type == "cuda" if overlap is None else overlap
-        self._inflight: PendingStep | None = None  # launched, not yet committed
+        self._inflight: PendingStep | None = None  # launched, not yet committed (sampled by step()'s end)
         self._consecutive_failures = 0
         self._work = HostTime()  # this interval's host and device-wait seconds by phase and class
         # Device memory by use in bytes (KV pool, state slots, and with --kv-capacity auto the
@@ -255,6 +258,10 @@ class EngineCore:
                 timing.charge_vision(self.runner.vision_seconds)
                 self.runner.vision_seconds = {}
             outputs = self.scheduler.update(current.step, sampled, verified, logprobs)
+            if isinstance(self._inflight, DeferredSampling):
+                # Its rows' masks follow the tokens just committed: sample it behind its forward.
+                masks = self.scheduler.masks_after_commit(self._inflight.step)
+                self._inflight = self.runner.sample_deferred(self._inflight, masks)
             committed = time.perf_counter()
             timing.charge(current.step, "engine_commit_output", committed - read)
             self._work.add(work_class, "device_wait", read - waited_from)

@@ -262,12 +262,16 @@ class DecodeGraphs:
             for c in chunks
         )
 
-    def run(self, chunks: Sequence[ScheduledChunk], previous_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self, chunks: Sequence[ScheduledChunk], previous_ids: torch.Tensor | None = None, sample: bool = True
+    ) -> torch.Tensor | None:
         """Replay the graphs of len(chunks) rows; -> the sampled id of every row, on the device
         (a view of this object's buffer, valid until the next run).
 
         previous_ids: the previous launch's sampled ids by row, read by chunks with a
-        previous_row (when that launch was not a replay here, they are copied in first)."""
+        previous_row (when that launch was not a replay here, they are copied in first).
+        sample=False: the forward only (-> None); sample_eagerly() samples its logits later,
+        once the rows' masks are known (ScheduledChunk.mask_follows_previous)."""
         batch_size = len(chunks)
         staging = self._num_runs % _NUM_STAGING
         self._num_runs += 1
@@ -293,6 +297,10 @@ class DecodeGraphs:
             ints[_SLOT, row] = chunk.page_ids[pos // page_size] * page_size + pos % page_size
             ints[_STATE_SLOT, row] = chunk.state_slot
             self.pages.upload(row, chunk.page_ids)
+        if not sample:
+            self.ints[:_NUM_HOST_INTS].copy_(ints_host, non_blocking=True)
+            self.graphs[batch_size].replay()
+            return None
         params = [c.sampling for c in chunks]
         histories = [c.output_token_ids for c in chunks]
         generated = [c.num_generated for c in chunks]
@@ -318,13 +326,23 @@ class DecodeGraphs:
         if host is not None and (host.has_penalties or masked):
             # Penalty token lists grow and masks change every step: sample these batches eagerly
             # from the graph's logits.
-            device_batch = SamplingBatch.build(
-                params, histories, device=self.device, num_generated=generated, token_bitmasks=masks
-            )
-            token_ids = self.sampler.sample(self.logits(batch_size), device_batch)
-            sampled_row[:batch_size].copy_(token_ids)
-        else:
-            self.sample_graphs[(batch_size, host is None or host.all_greedy)].replay()
+            return self.sample_eagerly(chunks)
+        self.sample_graphs[(batch_size, host is None or host.all_greedy)].replay()
+        return sampled_row[:batch_size]
+
+    def sample_eagerly(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Sample the last replay's logits of len(chunks) rows with their masks and penalties;
+        -> the sampled ids, as run() returns them."""
+        batch_size = len(chunks)
+        device_batch = SamplingBatch.build(
+            [c.sampling for c in chunks],
+            [c.output_token_ids for c in chunks],
+            device=self.device,
+            num_generated=[c.num_generated for c in chunks],
+            token_bitmasks=[c.token_bitmask for c in chunks],
+        )
+        sampled_row = self.ints[_SAMPLED]
+        sampled_row[:batch_size].copy_(self.sampler.sample(self.logits(batch_size), device_batch))
         return sampled_row[:batch_size]
 
     def logits(self, batch_size: int) -> torch.Tensor:

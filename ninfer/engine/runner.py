@@ -21,6 +21,7 @@ for the GPU's queue to drain, so no step could be enqueued ahead.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from ninfer.engine.cache.host_states import HostStates
 from ninfer.engine.cuda_graphs import DecodeGraphs, graph_blocker
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.media_embeddings import MediaEmbeddings
+from ninfer.engine.deferred_sampling import DeferredSampling
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.sampler import Sampler, SamplingBatch, pack_token_bitmasks
 from ninfer.engine.scheduler import (
@@ -280,8 +282,10 @@ class ModelRunner:
         return self.launch(step).result()
 
     @torch.inference_mode()
-    def launch(self, step: SchedulerStep) -> PendingStep:
-        """Enqueue a step; its sampled ids are read through the returned PendingStep."""
+    def launch(self, step: SchedulerStep) -> PendingStep | DeferredSampling:
+        """Enqueue a step; its sampled ids are read through the returned PendingStep. A step with
+        rows whose masks follow the previous step's tokens is computed but not sampled: ->
+        DeferredSampling, which sample_deferred() completes once the masks are known."""
         if self._num_unread >= MAX_UNREAD_STEPS:
             raise RuntimeError(f"{MAX_UNREAD_STEPS} launched steps are unread: read the oldest first")
         for chunk in step.chunks:
@@ -293,6 +297,14 @@ class ModelRunner:
                 )
         self._apply_actions(step)
         verified = None
+        if any(c.mask_follows_previous for c in step.chunks):
+            on_graphs = self.graphs is not None and self.graphs.can_run(step.chunks)
+            if on_graphs:
+                self.graphs.run(step.chunks, self._last_ids, sample=False)
+            else:
+                self._staging.next_step()
+                self._forward_eagerly(step.chunks, self._staging)
+            return DeferredSampling(step, on_graphs)
         if self.verify_graphs is not None and self.verify_graphs.can_run(step.chunks):
             ids, sampled_rows, verified = None, [], self.verify_graphs.run(step.chunks)
         elif self.graphs is not None and self.graphs.can_run(step.chunks):
@@ -308,6 +320,23 @@ class ModelRunner:
         self._last_sampled_rows = frozenset(sampled_rows)
         logprobs = self._logprobs(step.chunks, ids, sampled_rows)
         return self._pending(step, ids, sampled_rows, verified, logprobs)
+
+    def sample_deferred(self, deferred: DeferredSampling, masks: dict[int, np.ndarray | None]) -> PendingStep:
+        """Sample a launched step whose rows waited for their masks (by row; rows not in `masks`
+        keep theirs); -> its PendingStep, whose step carries the masks it was sampled with."""
+        chunks = [
+            dataclasses.replace(chunk, token_bitmask=masks.get(row)) if chunk.mask_follows_previous else chunk
+            for row, chunk in enumerate(deferred.step.chunks)
+        ]
+        if deferred.on_graphs:
+            ids = self.graphs.sample_eagerly(chunks)
+            sampled_rows = [row for row, c in enumerate(chunks) if c.sample]
+        else:
+            ids, sampled_rows = self._sample(chunks, self._staging)
+        self._last_ids = ids
+        self._last_sampled_rows = frozenset(sampled_rows)
+        logprobs = self._logprobs(chunks, ids, sampled_rows)
+        return self._pending(dataclasses.replace(deferred.step, chunks=chunks), ids, sampled_rows, None, logprobs)
 
     def _logprobs(
         self, chunks: list[ScheduledChunk], ids: torch.Tensor | None, sampled_rows: list[int]
@@ -385,15 +414,21 @@ class ModelRunner:
         rows' outcomes (Speculator.run) or None)."""
         staging = self._staging
         staging.next_step()
-        computed = [c for c in chunks if c.token_ids]
-        verified = None
-        if computed:
-            num_verify = self.speculator.prepare(computed) if self.speculator is not None else 0
-            hidden, batch, input_ids = self._forward(computed, staging, num_verify)
-            if self.speculator is not None:
-                verified = self.speculator.run(computed, num_verify, hidden, batch, input_ids, staging)
+        verified = self._forward_eagerly(chunks, staging)
         ids, sampled_rows = self._sample(chunks, staging)
         return ids, sampled_rows, verified
+
+    def _forward_eagerly(self, chunks: list[ScheduledChunk], staging: HostStaging) -> torch.Tensor | None:
+        """The forward of the chunks that compute tokens (their logits into the slots); -> the
+        speculative rows' outcomes (Speculator.run) or None."""
+        computed = [c for c in chunks if c.token_ids]
+        if not computed:
+            return None
+        num_verify = self.speculator.prepare(computed) if self.speculator is not None else 0
+        hidden, batch, input_ids = self._forward(computed, staging, num_verify)
+        if self.speculator is None:
+            return None
+        return self.speculator.run(computed, num_verify, hidden, batch, input_ids, staging)
 
     def _sample(self, chunks: list[ScheduledChunk], staging: HostStaging) -> tuple[torch.Tensor | None, list[int]]:
         """Sample the rows that ask for it from their slots' logits; -> (sampled ids by chunk row on the

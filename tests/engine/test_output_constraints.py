@@ -26,7 +26,6 @@ from ninfer.contract.output import ErrorCode, FinishReason
 from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
-from ninfer.engine.scheduler.step_commit import StepCommit
 from ninfer.frontend.answer_format import AnswerFormat, JsonAnswer, ToolCalls, ToolSchema
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.frontend.tool_call_parser import ToolCallParser
@@ -145,21 +144,53 @@ def test_random_json_schemas_produce_outputs_that_validate() -> None:
         jsonschema.validate(json.loads(text), schema, format_checker=checker)
 
 
+def test_constrained_rounds_run_ahead_and_decode_as_synchronous_rounds(monkeypatch) -> None:
+    """Decode overlap with output constraints: each round is launched before the previous one is
+    read, its masks given once that one is committed; the tokens equal synchronous rounds'."""
+    rng = random.Random(41)
+    schemas = [random_schema(rng, depth=1) for _ in range(24)]
+    requests = [json_request(f"o{i}", schema, seed=500 + i) for i, schema in enumerate(schemas)]
+    overlapped = byte_engine(overlap=True)
+    deferred_rows = []
+    sample_deferred = overlapped.runner.sample_deferred
+    monkeypatch.setattr(overlapped.runner, "sample_deferred", lambda deferred, masks: (
+        deferred_rows.extend(masks.values()), sample_deferred(deferred, masks))[1])
+    ahead = run(overlapped, requests)
+    synchronous = run(byte_engine(), requests)
+    for request, schema in zip(requests, schemas):
+        tokens, text, _, final = ahead[request.request_id]
+        assert tokens == synchronous[request.request_id][0]
+        assert final.finish_reason is FinishReason.STOP, text
+        jsonschema.validate(json.loads(text), schema)
+    # How many rounds ran ahead in the batch depends on when each grammar finished compiling on
+    # the worker thread (admissions stop the overlap); alone, a request's rounds always do.
+    # A request alone: every round after the first decode round is launched ahead (its first
+    # token comes from the prefill, its second from the first round, which nothing preceded).
+    for request in requests[:6]:
+        deferred_rows.clear()
+        (tokens, *_), = run(overlapped, [request]).values()
+        assert tokens == synchronous[request.request_id][0]
+        assert len(deferred_rows) >= len(tokens) - 2, (len(deferred_rows), len(tokens))
+        # Masked, but for a round launched after the end-of-turn token (its draw is dropped).
+        assert all(mask is not None for mask in deferred_rows[:-1])
+
+
 def test_the_grammar_starts_after_the_thinking_close_token(monkeypatch) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
     requests = [json_request(f"t{i}", schema, seed=100 + i, think_end=THINK_END) for i in range(6)]
     reasonings = []
     results = run(byte_engine(thinker=True), requests)
-    # Alone (so its rounds run ahead), a request whose round launched ahead while thinking finds the
-    # previous token closed the thinking: that draw is dropped and redrawn masked.
-    drawn_before = StepCommit._drawn_before_its_grammar
-    dropped = []
-    monkeypatch.setattr(StepCommit, "_drawn_before_its_grammar",
-                        staticmethod(lambda seq, chunk: dropped.append(drawn_before(seq, chunk)) or dropped[-1]))
+    # Alone (so its rounds run ahead), each request's rounds are sampled once the previous token is
+    # committed: unmasked while it thinks, masked from the round after the close token on.
+    overlapped = byte_engine(thinker=True, overlap=True)
+    sample_deferred = overlapped.runner.sample_deferred
+    masked_rows = []
+    monkeypatch.setattr(overlapped.runner, "sample_deferred", lambda deferred, masks: (
+        masked_rows.extend(mask is not None for mask in masks.values()), sample_deferred(deferred, masks))[1])
     for request in requests:
-        (tokens, *_), = run(byte_engine(thinker=True, overlap=True), [request]).values()
+        (tokens, *_), = run(overlapped, [request]).values()
         assert tokens == results[request.request_id][0]
-    assert any(dropped)
+    assert any(masked_rows) and not all(masked_rows)
     for rid, (tokens, text, _, final) in results.items():
         assert final.finish_reason is FinishReason.STOP, text
         if THINK_END not in tokens:

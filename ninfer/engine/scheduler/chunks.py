@@ -79,6 +79,7 @@ def chained_chunk(seq: Sequence, previous_row: int) -> ScheduledChunk:
         num_generated=seq.num_output_tokens - seq.num_forced_tokens + 1,
         output_token_ids=[],
         previous_row=previous_row,
+        mask_follows_previous=seq.constraint is not None,
         logprobs=seq.request.top_logprobs,
         **media_fields(seq, seq.num_computed_tokens + 1, 1),
     )

@@ -27,6 +27,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from ninfer.contract.output import EngineOutput, FinishReason, TokenLogprobs
 from ninfer.contract.request import EngineRequest
 from ninfer.engine.cache.context_cache import ContextCache
@@ -62,8 +64,9 @@ from ninfer.engine.stop_checker import StopChecker
 
 def _runs_ahead(seq: Sequence, chunk: ScheduledChunk) -> bool:
     """Whether seq's row of the launched step can be followed by a chained row: one sampled
-    token and nothing else pending, and no penalty, started grammar or thinking budget that
-    needs the sampled token to plan the next row."""
+    token and nothing else pending, and no penalty or thinking budget that needs the sampled
+    token to plan the next row (an output constraint's mask needs it only to sample: the row
+    is computed ahead and sampled once the token is committed)."""
     return (
         seq.num_steps_in_flight == 1
         and chunk.sample
@@ -71,7 +74,6 @@ def _runs_ahead(seq: Sequence, chunk: ScheduledChunk) -> bool:
         and seq.num_computed_tokens == chunk.num_computed_tokens
         and seq.num_pending_tokens == 1
         and not has_penalties(seq.sampling)
-        and not (seq.constraint is not None and seq.constraint.active)
         and not _budget_may_close(seq)
     )
 
@@ -239,12 +241,11 @@ class Scheduler:
         Only for steady decode, where no token inflight can sample changes the plan except
         by finishing its request. None while a request waits for a free lane, a request
         prefills or slot actions are pending; None when a row may reach its thinking budget
-        at inflight, has penalties (their token history must include that token) or an output
-        constraint that has started (its next mask follows that token), and when a grammar
-        compiled meanwhile (schedule() queues its request). A request still thinking before its
-        grammar runs ahead: should inflight's token start the grammar, the draw made ahead is
-        dropped and redrawn masked (StepCommit). Rows that reach their output
-        limit at inflight are left out."""
+        at inflight or has penalties (their token history must include that token), and when a
+        grammar compiled meanwhile (schedule() queues its request). A request with an output
+        constraint runs ahead with its mask left to follow inflight's token
+        (ScheduledChunk.mask_follows_previous, masks_after_commit). Rows that reach their
+        output limit at inflight are left out."""
         if not self._may_run_ahead(inflight):
             return None
         by_id = self.active.running_by_id()
@@ -257,6 +258,20 @@ class Scheduler:
                 continue  # inflight's token is its last
             chunks.append(chained_chunk(seq, row))
         return self._step(StepKind.DECODE, chunks) if chunks else None
+
+    def masks_after_commit(self, ahead: SchedulerStep) -> dict[int, np.ndarray | None]:
+        """The masks of `ahead`'s rows whose mask follows the previous row's token, by row, once
+        update() has committed that token: the grammar's next mask, or None where the grammar
+        has not started (still thinking) or the request finished meanwhile (that row's draw is
+        dropped when it lands)."""
+        by_id = self.active.running_by_id()
+        masks: dict[int, np.ndarray | None] = {}
+        for row, chunk in enumerate(ahead.chunks):
+            if not chunk.mask_follows_previous:
+                continue
+            seq = by_id.get(chunk.request_id)
+            masks[row] = seq.constraint.next_token_bitmask() if seq is not None and not seq.is_finished else None
+        return masks
 
     def _may_run_ahead(self, inflight: SchedulerStep) -> bool:
         """Whether nothing but inflight's tokens can change the next decode round's plan."""

@@ -161,6 +161,10 @@ class ScheduledChunk:
     # A sampling row of a request with an active output constraint: the tokens its grammar allows
     # ([ceil(V / 32)] int32, bit v set where token v is allowed); the sampler masks the rest.
     token_bitmask: np.ndarray | None = None
+    # A chained row of a request with an output constraint: its mask follows the token the
+    # previous row samples, so the runner computes the row and samples it once the scheduler
+    # has committed that token and given the mask (Scheduler.masks_after_commit).
+    mask_follows_previous: bool = False
     # The sampled token's log probability and this many alternatives are returned (None: not asked).
     logprobs: int | None = None
 

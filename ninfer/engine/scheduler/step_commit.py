@@ -91,8 +91,6 @@ class StepCommit:
         if was_prefilling:
             self._advance_prompt(seq, chunk, now)
         decode_row = not was_prefilling and bool(chunk.token_ids)
-        if chunk.sample and self._drawn_before_its_grammar(seq, chunk):
-            return decode_row  # the next schedule() samples the slot's stored logits again, masked
         if chunk.sample:
             self.stats.decode_tokens += decode_row
             if decode_row:
@@ -101,13 +99,6 @@ class StepCommit:
         elif not seq.is_prefilling and seq.num_output_tokens >= seq.max_new_tokens:
             self.active.finish(seq, FinishReason.LENGTH)  # max_new_tokens 0: prompt processing only
         return decode_row
-
-    @staticmethod
-    def _drawn_before_its_grammar(seq: Sequence, chunk: ScheduledChunk) -> bool:
-        """A round launched ahead while the request's grammar had not started (it was thinking),
-        whose previous token turned out to start it (</think>): its draw was unmasked and is
-        dropped. The row still computed that token, so the slot holds the logits to draw from."""
-        return chunk.token_bitmask is None and seq.constraint is not None and seq.constraint.active
 
     def _advance_prompt(self, seq: Sequence, chunk: ScheduledChunk, now: float) -> None:
         """A prompt chunk was computed: its captures, and the prompt's progress."""
