@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.activation import ref
+from ninfer.kernels.backend import fast_version
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.rms_norm.triton import _row_start, rows_per_program, strided_rows
 
@@ -111,8 +113,9 @@ def _sigmoid_mul_kernel(
     tl.store(out_ptr + out_offsets, (x * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, *, block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """Same contract as ref.silu_and_mul: x [..., 2I] (gate | up, rows may be strided) -> [..., I] contiguous."""
+@fast_version(ref.silu_and_mul)
+def silu_and_mul(x, *, block_n: int | None = None, num_warps: int | None = None):
+    """x [..., 2I] (gate | up, rows may be strided) -> [..., I] contiguous."""
     if x.shape[-1] % 2:
         raise ValueError(f"x's last dim must be gate | up, got an odd {x.shape[-1]}")
     inter = x.shape[-1] // 2
@@ -139,9 +142,8 @@ def silu_and_mul(x: torch.Tensor, *, block_n: int | None = None, num_warps: int 
     return out
 
 
-def sigmoid_mul(
-    x: torch.Tensor, gate: torch.Tensor, *, block_n: int | None = None, num_warps: int | None = None
-) -> torch.Tensor:
+@fast_version(ref.sigmoid_mul)
+def sigmoid_mul(x, gate, *, block_n: int | None = None, num_warps: int | None = None):
     """Same contract as ref.sigmoid_mul for gate of x's shape or x.shape[:-1] + (1,); rows may be strided."""
     num_cols = x.shape[-1]
     gate_per_row = gate.shape[-1] == 1 and num_cols != 1

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.attention_prep import ref
+from ninfer.kernels.backend import fast_version
 from ninfer.kernels.kv_quant import ref as kv_quant
 from ninfer.kernels.paged_attention.triton import cache_format
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
@@ -347,21 +349,9 @@ def _check(q, k, v, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache, sl
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be [{num_tokens}]")
 
 
-def prepare_qkv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_norm_weight: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    eps: float,
-    zero_centered: bool,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    """Same contract as ref.prepare_qkv, one launch (plus one per nvfp4 cache); capture-safe.
+@fast_version(ref.prepare_qkv)
+def prepare_qkv(q, k, v, q_norm_weight, k_norm_weight, eps, zero_centered, cos, sin, k_cache, v_cache, slot_mapping):
+    """One launch (plus one per nvfp4 cache); capture-safe.
 
     q, k, v may have any token and head strides (column slices of a packed projection, the
     gated layout's interleaved query halves); last dims must be contiguous.

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.backend import fast_version
+from ninfer.kernels.causal_conv1d import ref
 from ninfer.kernels.causal_conv1d.ref import check_scratch_outputs
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.varlen import start_offsets
@@ -212,10 +214,9 @@ def split_widths(num_channels: int, split: tuple[int, ...] | None) -> tuple[int,
     return tuple(split)
 
 
-def causal_conv1d_update(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
-) -> torch.Tensor:
-    """Same contract as ref.causal_conv1d_update; capture-safe."""
+@fast_version(ref.causal_conv1d_update)
+def causal_conv1d_update(x, weight, conv_state, state_slots):
+    """Capture-safe."""
     _check(x, weight, conv_state)
     num_requests, num_channels = x.shape
     out = torch.empty((num_requests, num_channels), dtype=x.dtype, device=x.device)
@@ -245,18 +246,10 @@ def causal_conv1d_update(
     return out
 
 
+@fast_version(ref.causal_conv1d)
 def causal_conv1d(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    query_lens: tuple[int, ...],
-    split: tuple[int, ...] | None = None,
-    update_state: bool = True,
-    *,
-    out: torch.Tensor | None = None,
-    inputs_out: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    x, weight, conv_state, state_slots, query_lens, split=None, update_state=True, *, out=None, inputs_out=None
+):
     """Same contract as ref.causal_conv1d (varlen, slot states updated in place), split included:
     the parts are written straight into their own contiguous matrices (no copies); out and
     inputs_out are written by the kernel too, so verification rows need no copy launches."""
@@ -271,16 +264,9 @@ def causal_conv1d(
     )  # fmt: skip
 
 
-def causal_conv1d_padded(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    starts: torch.Tensor,
-    max_query_len: int,
-    split: tuple[int, ...] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """Same contract as ref.causal_conv1d_padded: the varlen kernel over offsets read on the device
+@fast_version(ref.causal_conv1d_padded)
+def causal_conv1d_padded(x, weight, conv_state, state_slots, starts, max_query_len, split=None):
+    """The varlen kernel over offsets read on the device
     and a grid from the bounds alone (token blocks past a request's rows exit): capture-safe."""
     num_requests = starts.shape[0] - 1
     return _varlen(x, weight, conv_state, state_slots, starts, num_requests, max_query_len, split, True)
@@ -404,15 +390,9 @@ def _commit_state_kernel(
         tl.store(p_state + j, column, mask=mask)
 
 
-def commit_conv_state(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    row_starts: torch.Tensor,
-    counts: torch.Tensor,
-    max_count: int,
-) -> None:
-    """Same contract as ref.commit_conv_state: one launch for all layers and requests; capture-safe
+@fast_version(ref.commit_conv_state)
+def commit_conv_state(x, conv_state, state_slots, row_starts, counts, max_count):
+    """One launch for all layers and requests; capture-safe
     (starts, counts and slots are only read by the kernel; max_count is unused: no loop over rows)."""
     num_layers, _, num_channels, state_len = conv_state.shape
     if x.shape[0] != num_layers or x.shape[-1] != num_channels:

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.backend import fast_version
 from ninfer.kernels.fp8_gemm import ref
 from ninfer.kernels.fp8_gemm.ref import num_groups
 from ninfer.kernels.fp8_quant.ref import FP8, FP8_MAX, INV_FP8_MAX, MIN_AMAX
@@ -69,7 +70,8 @@ def _quantize_groups_kernel(
     tl.store(out_ptr + row * stride_out + cols, q.to(tl.float8e4nv), mask=in_row)
 
 
-def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@fast_version(ref.quantize_groups)
+def quantize_groups(x):
     """Same contract as ref.quantize_groups (the same bits); the scales come as a
     non-contiguous [M, G] view (strides (1, M))."""
     if x.dim() != 2:
@@ -184,17 +186,9 @@ def _block_fp8_matmul_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def block_fp8_matmul(
-    x_fp8: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    *,
-    config: Config | None = None,
-) -> torch.Tensor:
-    """Same contract as ref.block_fp8_matmul; config overrides the heuristic (tests, benchmarks).
+@fast_version(ref.block_fp8_matmul)
+def block_fp8_matmul(x_fp8, x_scale, weight, weight_scale, out_dtype, bias=None, *, config: Config | None = None):
+    """Config overrides the heuristic (tests, benchmarks).
     x_scale and weight_scale may have any strides."""
     rows, cols = x_fp8.shape
     if x_fp8.dtype != FP8 or weight.dtype != FP8:
@@ -237,14 +231,8 @@ def block_fp8_matmul(
     return out
 
 
-def fp8_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    config: Config | None = None,
-) -> torch.Tensor:
-    """Same contract as ref.fp8_linear: quantize_groups, then block_fp8_matmul (two launches)."""
+@fast_version(ref.fp8_linear)
+def fp8_linear(x, weight, weight_scale, bias=None, *, config: Config | None = None):
+    """quantize_groups, then block_fp8_matmul (two launches)."""
     x_fp8, x_scale = quantize_groups(x)
     return block_fp8_matmul(x_fp8, x_scale, weight, weight_scale, x.dtype, bias, config=config)

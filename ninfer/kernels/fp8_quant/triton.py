@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.backend import fast_version
+from ninfer.kernels.fp8_quant import ref
 from ninfer.kernels.fp8_quant.ref import FP8, FP8_MAX, INV_FP8_MAX, MIN_AMAX
 
 
@@ -44,7 +46,8 @@ def _quantize_rows_kernel(
         tl.store(out_ptr + row * stride_out + k, q.to(tl.float8e4nv), mask=k < K)
 
 
-def quantize_rows(x: torch.Tensor, row_multiple: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+@fast_version(ref.quantize_rows)
+def quantize_rows(x, row_multiple=16):
     """Same contract as ref.quantize_rows (the same bits)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_rows takes [M, K], got {tuple(x.shape)}")

@@ -34,10 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.backend import fast_version
 from ninfer.kernels.gated_delta_rule import ref
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
-from ninfer.kernels.varlen import start_offsets
 from ninfer.kernels.sm_count import device_sms
+from ninfer.kernels.varlen import start_offsets
 
 # Programs own BLOCK_V state columns (dk * BLOCK_V * 4 bytes). H200 sweep (docs/kernels.md):
 # at batch 1 the narrowest strips win (27B: 384 programs of 8 KiB, 3.95 us vs 4.5 at 32
@@ -115,10 +116,16 @@ def _gates_kernel(
     tl.store(beta_ptr + out, beta, mask=mask)
 
 
-def gdn_gates(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ref.gdn_gates, one launch; capture-safe (the grid is from T alone).
+def _check_gate_projections(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+    """The kernels read a and b as [T, Hv] and one A_log / dt_bias value per head."""
+    num_heads = a.shape[1]
+    if b.shape != a.shape or A_log.shape != (num_heads,) or dt_bias.shape != (num_heads,):
+        raise ValueError(f"a {tuple(a.shape)}, b {tuple(b.shape)}, A_log/dt_bias must be [{num_heads}]")
+
+
+@fast_version(ref.gdn_gates)
+def gdn_gates(a, b, A_log, dt_bias):
+    """One launch; capture-safe (the grid is from T alone).
 
     a, b may be strided row views (column slices of a packed projection); heads contiguous.
     """
@@ -127,8 +134,7 @@ def gdn_gates(
     beta = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=a.device)
     if num_tokens == 0:
         return g, beta
-    if b.shape != a.shape or A_log.shape != (num_heads,) or dt_bias.shape != (num_heads,):
-        raise ValueError(f"gdn_gates: a {tuple(a.shape)}, b {tuple(b.shape)}, A_log/dt_bias must be [{num_heads}]")
+    _check_gate_projections(a, b, A_log, dt_bias)
     if a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError(f"a and b need contiguous heads, got strides {a.stride()} and {b.stride()}")
     use_pdl = pdl_enabled(a)
@@ -280,21 +286,13 @@ def _check_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torc
         raise ValueError("each state slot must be a contiguous [Hv, dk, dv] block")
 
 
+@fast_version(ref.recurrent_gated_delta_rule)
 def recurrent_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    state_slots: torch.Tensor,
-    query_lens: tuple[int, ...],
-    update_state: bool = True,
-    *,
+    q, k, v, g, beta, state, state_slots, query_lens, update_state=True, *,
     block_v: int | None = None,
     num_warps: int = NUM_WARPS,
-) -> torch.Tensor:
-    """Same contract as ref.recurrent_gated_delta_rule; state slots are updated in place.
+):
+    """State slots are updated in place.
 
     Capture-safe when all query_lens are equal (a decode round): the host tuple only fixes
     the grid. block_v / num_warps override the tile choice, for the benchmark.
@@ -302,26 +300,13 @@ def recurrent_gated_delta_rule(
     return _recurrent(q, k, v, g, beta, None, state, state_slots, query_lens, block_v, num_warps, update_state)
 
 
+@fast_version(ref.recurrent_gated_delta_rule_with_gates)
 def recurrent_gated_delta_rule_with_gates(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state: torch.Tensor,
-    state_slots: torch.Tensor,
-    query_lens: tuple[int, ...],
-    update_state: bool = True,
-    *,
-    gates_out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Same contract as ref.recurrent_gated_delta_rule_with_gates: the gates computed in the
-    recurrent kernel from the raw projections (a, b may be strided row views), which the kernel
-    also stores into gates_out when given."""
-    if a.shape != b.shape or A_log.shape != (a.shape[1],) or dt_bias.shape != (a.shape[1],):
-        raise ValueError(f"a {tuple(a.shape)}, b {tuple(b.shape)}, A_log/dt_bias must be [{a.shape[1]}]")
+    q, k, v, a, b, A_log, dt_bias, state, state_slots, query_lens, update_state=True, *, gates_out=None
+):
+    """The gates computed in the recurrent kernel from the raw projections (a, b may be strided
+    row views), which the kernel also stores into gates_out when given."""
+    _check_gate_projections(a, b, A_log, dt_bias)
     ref.check_gates_out(a, b, query_lens, gates_out)
     return _recurrent(
         q, k, v, a, b, (A_log, dt_bias), state, state_slots, query_lens, None, NUM_WARPS, update_state, gates_out
@@ -477,22 +462,13 @@ def _commit_kernel(
     tl.store(p_state, s.to(state_ptr.dtype.element_ty), mask=mask_s & (count > 0))
 
 
+@fast_version(ref.commit_gated_delta_rule)
 def commit_gated_delta_rule(
-    mixed: torch.Tensor,
-    gates: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state: torch.Tensor,
-    state_slots: torch.Tensor,
-    row_starts: torch.Tensor,
-    counts: torch.Tensor,
-    num_k_heads: int,
-    max_count: int,
-    *,
+    mixed, gates, A_log, dt_bias, state, state_slots, row_starts, counts, num_k_heads, max_count, *,
     block_v: int | None = None,
     num_warps: int = NUM_WARPS,
-) -> None:
-    """Same contract as ref.commit_gated_delta_rule: one launch for all layers and requests.
+):
+    """One launch for all layers and requests.
 
     Capture-safe: row_starts, counts and slots are only read by the kernel, and the grid and trip
     count come from shapes and max_count. mixed / gates rows may be strided (channels contiguous).
@@ -546,7 +522,9 @@ def commit_gated_delta_rule(
     )
 
 
-FLA_CHUNK_SIZE = 64  # fla's chunk_gated_delta_rule default; its chunk_indices are in these units
+# fla's chunk_gated_delta_rule default, and the unit of the chunk lists the padded form's contract
+# gives (ref.chunk_gated_delta_rule_padded).
+FLA_CHUNK_SIZE = ref.CHUNK_SIZE
 
 
 @functools.lru_cache(maxsize=16)
@@ -610,17 +588,9 @@ def _fla_chunk():
     return forward
 
 
-def chunk_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    state_slots: torch.Tensor,
-    query_lens: tuple[int, ...],
-) -> torch.Tensor:
-    """Same contract as ref.chunk_gated_delta_rule, through fla's varlen chunked kernels.
+@fast_version(ref.chunk_gated_delta_rule)
+def chunk_gated_delta_rule(q, k, v, g, beta, state, state_slots, query_lens):
+    """Through fla's varlen chunked kernels.
 
     Not capture-safe (host-built offsets; chunk_gated_delta_rule_padded is the captured form).
     Empty requests are dropped: they leave their slot unchanged.
@@ -637,19 +607,9 @@ def chunk_gated_delta_rule(
     return _rule(fla_chunk, q, k, v, g, beta, state, slots, cu_seqlens, chunk_indices, chunk_offsets)
 
 
-def chunk_gated_delta_rule_padded(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    state_slots: torch.Tensor,
-    starts: torch.Tensor,
-    chunk_indices: torch.Tensor,
-    chunk_offsets: torch.Tensor,
-) -> torch.Tensor:
-    """Same contract as ref.chunk_gated_delta_rule_padded: fla's kernels over offsets and chunk
+@fast_version(ref.chunk_gated_delta_rule_padded)
+def chunk_gated_delta_rule_padded(q, k, v, g, beta, state, state_slots, starts, chunk_indices, chunk_offsets):
+    """fla's kernels over offsets and chunk
     lists read on the device, with grids from their fixed lengths; the padding chunks belong to an
     empty request, so their programs load and store nothing. Capture-safe."""
     fla_chunk = _fla_chunk()
@@ -710,16 +670,17 @@ def _state_rows_kernel(src_ptr, dst_ptr, slots_ptr, starts_ptr, row_elems, strid
         tl.store(dst_ptr + slot * stride_slot + offs, values.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-def gather_state_rows(state: torch.Tensor, state_slots: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """Same contract as ref.gather_state_rows: one launch, empty requests' programs exit."""
+@fast_version(ref.gather_state_rows)
+def gather_state_rows(state, state_slots, starts):
+    """One launch, empty requests' programs exit."""
     rows = state_slots.shape[0]
     out = torch.empty((rows, *state.shape[1:]), dtype=torch.float32, device=state.device)
     _copy_state_rows(state, out, state_slots, starts, gather=True)
     return out
 
 
-def scatter_state_rows(state: torch.Tensor, state_slots: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) -> None:
-    """Same contract as ref.scatter_state_rows."""
+@fast_version(ref.scatter_state_rows)
+def scatter_state_rows(state, state_slots, starts, rows):
     _copy_state_rows(rows.contiguous(), state, state_slots, starts, gather=False)
 
 

@@ -4,48 +4,20 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.kernels.activation import silu_and_mul
-from ninfer.kernels.backend import cpu_impl, fast_impl
+from ninfer.kernels.backend import dispatched
 from ninfer.kernels.causal_conv1d import causal_conv1d_update
 from ninfer.kernels.gemv import ref
 from ninfer.kernels.gemv.ref import MAX_ROWS
 
 
-def gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    fast = fast_impl(__name__, "gemv", x) if x.shape[0] <= MAX_ROWS else None
-    impl = fast or cpu_impl(__name__, "gemv", x) or ref.gemv
-    return impl(x, weight, weight_scale, bias)
+def _decode_sized(x: torch.Tensor) -> bool:
+    """The GEMV kernels take up to MAX_ROWS rows; larger batches run the reference."""
+    return x.shape[0] <= MAX_ROWS
 
 
-def gemv_silu_and_mul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """silu(gate) * up of a gate | up projection (weight [2I, K], gate rows first) -> [M, I]."""
-    impl = (fast_impl(__name__, "gemv_silu_and_mul", x) if x.shape[0] <= MAX_ROWS else None) or ref.gemv_silu_and_mul
-    return impl(x, weight, weight_scale, bias)
-
-
-def gemv_causal_conv1d_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    conv_weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_slots: torch.Tensor,
-) -> torch.Tensor:
-    """x @ W^T with one decode step of a depthwise causal conv + silu on its first
-    conv_weight.shape[0] columns (conv_state updated in place; see ref.py)."""
-    fast = fast_impl(__name__, "gemv_causal_conv1d_update", x) if x.shape[0] <= MAX_ROWS else None
-    impl = fast or ref.gemv_causal_conv1d_update
-    return impl(x, weight, weight_scale, bias, conv_weight, conv_state, state_slots)
+gemv = dispatched(__name__, ref.gemv, fast_when=_decode_sized)
+gemv_silu_and_mul = dispatched(__name__, ref.gemv_silu_and_mul, fast_when=_decode_sized)
+gemv_causal_conv1d_update = dispatched(__name__, ref.gemv_causal_conv1d_update, fast_when=_decode_sized)
 
 
 # Unquantized weights: the GEMV kernel up to 16 rows (bench_gemv.py on the 27B shapes: 4-12 %

@@ -17,15 +17,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ninfer.kernels.backend import fast_version
 from ninfer.kernels.gemv import ref
 
 
-def gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+@fast_version(ref.gemv)
+def gemv(x, weight, weight_scale=None, bias=None):
     """x [M, K] float32, weight [N, K] float16, bias [N] -> [M, N] float32; otherwise ref.gemv."""
     if weight.dtype != torch.float16 or x.dtype != torch.float32 or weight_scale is not None:
         return ref.gemv(x, weight, weight_scale, bias)

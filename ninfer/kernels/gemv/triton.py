@@ -55,7 +55,9 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.activation.triton import silu_and_mul, silu_mul
+from ninfer.kernels.backend import fast_version
 from ninfer.kernels.gemv import conv_first_columns
+from ninfer.kernels.gemv import ref
 from ninfer.kernels.gemv.ref import FP8, MAX_ROWS, SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.sm_count import device_sms
@@ -633,26 +635,14 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
 
 
 
-def gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    *,
-    config: Config | None = None,
-) -> torch.Tensor:
+@fast_version(ref.gemv)
+def gemv(x, weight, weight_scale=None, bias=None, *, config: Config | None = None):
     """Same contract as ref.gemv for M <= MAX_ROWS; config overrides the heuristic (benchmarks)."""
     return _gemv(x, weight, weight_scale, bias, config, glu=False)
 
 
-def gemv_silu_and_mul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    *,
-    config: Config | None = None,
-) -> torch.Tensor:
+@fast_version(ref.gemv_silu_and_mul)
+def gemv_silu_and_mul(x, weight, weight_scale=None, bias=None, *, config: Config | None = None):
     """Same contract as ref.gemv_silu_and_mul (the same bits as silu_and_mul(gemv(...)) with the
     same config): the activation in the FMA GEMV's epilogue, saving a launch per MLP at the
     one- and two-row decode sizes; tensor-core and split-K launches run the two kernels."""
@@ -661,17 +651,10 @@ def gemv_silu_and_mul(
     return _gemv(x, weight, weight_scale, bias, config, glu=True)
 
 
+@fast_version(ref.gemv_causal_conv1d_update)
 def gemv_causal_conv1d_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    conv_weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    *,
-    config: Config | None = None,
-) -> torch.Tensor:
+    x, weight, weight_scale, bias, conv_weight, conv_state, state_slots, *, config: Config | None = None
+):
     """Same contract as ref.gemv_causal_conv1d_update (the same bits as the GEMV, then
     causal_conv1d_update on its first conv_weight.shape[0] columns, same config): the conv's
     decode step in the GEMV's epilogue, saving a launch per Gated DeltaNet layer."""

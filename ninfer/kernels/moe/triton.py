@@ -46,8 +46,10 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.activation import silu_and_mul
+from ninfer.kernels.backend import fast_version
 from ninfer.kernels.gemv.ref import SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.gemv.triton import _bits_exp, _e4m3_bits, _x_exp
+from ninfer.kernels.moe import ref
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 DECODE_MAX_PAIRS = 128
@@ -108,9 +110,8 @@ def _route_kernel(
     tl.store(ids_ptr + t * TOP_K + j, top_i, mask=out_mask)
 
 
-def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, *, num_warps: int = 1
-) -> tuple[torch.Tensor, torch.Tensor]:
+@fast_version(ref.route)
+def route(router_logits, top_k, renormalize, *, num_warps: int = 1):
     """Same contract as ref.route: (weights [T, k] in the logits' dtype, expert ids [T, k] int64).
 
     One warp by default: the 2k reductions then need warp shuffles only, no barriers.
@@ -569,19 +570,13 @@ def _scales(weight: torch.Tensor, scale: torch.Tensor | None) -> _Scales:
     return _Scales(scale, scale.stride(0), scale.stride(1), True, rows)
 
 
+@fast_version(ref.fused_experts)
 def fused_experts(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    expert_ids: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    gate_up_scale: torch.Tensor | None = None,
-    down_scale: torch.Tensor | None = None,
-    *,
+    x, weights, expert_ids, gate_up_proj, down_proj, gate_up_scale=None, down_scale=None, *,
     block_m: int | None = None,
     tiles: tuple[Tile, Tile] | None = None,
     grouped_mm: bool | None = None,
-) -> torch.Tensor:
+):
     """Same contract as ref.fused_experts. Capture-safe when T * top_k <= DECODE_MAX_PAIRS.
 
     Prefill runs on torch's grouped GEMM where it is supported (grouped_mm None: decide by

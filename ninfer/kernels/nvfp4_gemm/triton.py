@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.backend import fast_version
 from ninfer.kernels.nvfp4_gemm import ref
 from ninfer.kernels.nvfp4_gemv.ref import BLOCK, kernel_operands
 from ninfer.kernels.nvfp4_gemv.triton import _decode
@@ -188,16 +189,9 @@ def _config(M: int, N: int, K: int, num_sms: int) -> Config:
 
 
 
-def nvfp4_matmul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    block_scale: torch.Tensor,
-    row_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    config: Config | None = None,
-) -> torch.Tensor:
-    """Same contract as ref.nvfp4_matmul; config overrides the heuristic (tests, benchmarks).
+@fast_version(ref.nvfp4_matmul)
+def nvfp4_matmul(x, weight, block_scale, row_scale, bias=None, *, config: Config | None = None):
+    """Config overrides the heuristic (tests, benchmarks).
     x bf16 or fp16 (fp32 runs the reference); K must be a multiple of 16 (the block size)."""
     M, K = x.shape
     N = weight.shape[0]

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.backend import fast_version
 from ninfer.kernels.nvfp4_gemv import ref
 from ninfer.kernels.nvfp4_gemv.ref import MAX_ROWS, kernel_operands
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
@@ -290,16 +291,9 @@ def _config(M: int, N: int, K: int, num_sms: int) -> Config:
 
 
 
-def gemv_nvfp4(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    block_scale: torch.Tensor,
-    row_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    config: Config | None = None,
-) -> torch.Tensor:
-    """Same contract as ref.gemv_nvfp4; config overrides the heuristic (tests, benchmarks).
+@fast_version(ref.gemv_nvfp4)
+def gemv_nvfp4(x, weight, block_scale, row_scale, bias=None, *, config: Config | None = None):
+    """Config overrides the heuristic (tests, benchmarks).
     K must be a multiple of 16 (the block size); above MAX_ROWS rows the reference runs."""
     M, K = x.shape
     N = weight.shape[0]

@@ -14,23 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ninfer.kernels.backend import fast_version
+from ninfer.kernels.paged_attention import ref
 from ninfer.kernels.paged_attention.ref import cached_values
 
 
+@fast_version(ref.paged_attention)
 def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int,
-    query_lens_cpu: tuple[int, ...] | None = None,
-    seq_lens_cpu: tuple[int, ...] | None = None,
-) -> torch.Tensor:
-    """Same contract as ref.paged_attention: q [T, Hq, D] flat over requests -> [T, Hq, D]."""
+    q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale, *, max_query_len, query_lens_cpu=None,
+    seq_lens_cpu=None, prefetch_kv=False, split_short_requests=False,
+):
+    """q [T, Hq, D] flat over requests -> [T, Hq, D]; the launch hints do not apply."""
     if query_lens_cpu is None:
         query_lens_cpu = tuple(query_start_loc.diff().tolist())
     if seq_lens_cpu is None:

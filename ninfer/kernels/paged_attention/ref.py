@@ -47,6 +47,8 @@ def paged_attention(
     max_query_len: int,
     query_lens_cpu: tuple[int, ...] | None = None,
     seq_lens_cpu: tuple[int, ...] | None = None,
+    prefetch_kv: bool = False,
+    split_short_requests: bool = False,
 ) -> torch.Tensor:
     """q: [T, Hq, D] flat over requests -> [T, Hq, D]. GQA: Hq is a multiple of Hk. The caches
     hold plain or quantized rows (store_kv).
@@ -56,6 +58,10 @@ def paged_attention(
     copies query_lens_cpu / seq_lens_cpu, when given, spare the loop a device sync; without
     them it reads the device tensors. max_query_len is for the fast path's grid.
     Computed in fp32 (softmax included), returned in q's dtype.
+
+    The fast path reads only device tensors plus max_query_len (a grid size, fixed for a
+    captured decode batch), so it can be replayed from a CUDA graph. prefetch_kv and
+    split_short_requests are its launch hints (see triton.py), with the same result.
     """
     if query_lens_cpu is None:
         query_lens_cpu = tuple(query_start_loc.diff().tolist())

@@ -39,8 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.backend import fast_version
 from ninfer.kernels.kv_quant.ref import check_head_dim, format_of, row_bytes
 from ninfer.kernels.l2_prefetch import prefetch_l2
+from ninfer.kernels.paged_attention import ref
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 # Decode and short verification rows (at most this many queries per request) take the
@@ -517,18 +519,10 @@ def _block_config(
     return block_q, block_m, 64, 4, 2
 
 
+@fast_version(ref.paged_attention)
 def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int,
-    query_lens_cpu: tuple[int, ...] | None = None,  # unused: the reference's host copies
-    seq_lens_cpu: tuple[int, ...] | None = None,  # unused
+    q, k_cache, v_cache, page_table, query_start_loc, seq_lens, scale, *, max_query_len, query_lens_cpu=None,
+    seq_lens_cpu=None, prefetch_kv=False, split_short_requests=False,
     num_splits: int | None = None,  # None: split_plan's (tests and benchmarks override)
     min_split: int | None = None,  # None: split_plan's
     out: torch.Tensor | None = None,  # tests pass a poisoned buffer to see every row written
@@ -536,10 +530,8 @@ def paged_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    prefetch_kv: bool = False,
-    split_short_requests: bool = False,
-) -> torch.Tensor:
-    """Same contract as ref.paged_attention; reads no per-step host values.
+):
+    """Reads no per-step host values.
 
     prefetch_kv (PDL launches): read query_start_loc, seq_lens and the page table before the
     PDL wait and prefetch the older keys' K/V into L2 there (see ninfer.kernels.pdl). Only

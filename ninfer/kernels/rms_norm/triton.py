@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.backend import fast_version
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+from ninfer.kernels.rms_norm import ref
 
 MAX_DIM = 16384
 
@@ -251,15 +253,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
     return dim
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    zero_centered: bool = False,
-    *,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """Same contract as ref.rms_norm; x [..., D] may be a strided view. Returns a contiguous tensor."""
+@fast_version(ref.rms_norm)
+def rms_norm(x, weight, eps, zero_centered=False, *, num_warps: int | None = None):
+    """x [..., D] may be a strided view. Returns a contiguous tensor."""
     dim = _check(x, weight)
     out_dtype = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
@@ -287,16 +283,8 @@ def rms_norm(
     return out
 
 
-def add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    zero_centered: bool = False,
-    *,
-    early_residual: bool = False,
-    num_warps: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@fast_version(ref.add_rms_norm)
+def add_rms_norm(x, residual, weight, eps, zero_centered=False, *, early_residual=False, num_warps: int | None = None):
     """Same contract as ref.add_rms_norm: (rms_norm(x + residual), x + residual), both contiguous.
 
     early_residual: read the residual before the PDL wait (ninfer.kernels.pdl), so its HBM
@@ -339,16 +327,9 @@ def add_rms_norm(
     return out, summed
 
 
-def gated_rms_norm(
-    x: torch.Tensor,
-    gate: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    early_gate: bool = False,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """Same contract as ref.gated_rms_norm; x and gate [..., D] (either a strided view). Returns x's dtype.
+@fast_version(ref.gated_rms_norm)
+def gated_rms_norm(x, gate, weight, eps, *, early_gate=False, num_warps: int | None = None):
+    """x and gate [..., D] (either a strided view). Returns x's dtype.
 
     early_gate: read the gate before the PDL wait (decode-sized launches), as add_rms_norm's
     early_residual: only when the launch just before this one cannot be writing it.
