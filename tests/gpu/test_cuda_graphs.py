@@ -124,11 +124,11 @@ def _count_replays(graphs: DecodeGraphs) -> dict[int | str, int]:
     counts: dict[int | str, int] = {}
     run = graphs.run
 
-    def counted(chunks, previous_ids=None):
+    def counted(chunks, previous_ids=None, **options):
         counts[len(chunks)] = counts.get(len(chunks), 0) + 1
         if any(c.previous_row is not None for c in chunks):
             counts["chained"] = counts.get("chained", 0) + 1
-        return run(chunks, previous_ids)
+        return run(chunks, previous_ids, **options)
 
     graphs.run = counted
     return counts
@@ -210,6 +210,82 @@ def test_static_buffers_match_eager_on_cpu(arch, tmp_root, monkeypatch):
     # Both sampling regions served rounds: all-greedy ones (argmax alone) and mixed ones.
     sampled = {key[2] for key in runner.graphs.replayed if key[0] == "sample"}
     assert sampled == {False, True}, runner.graphs.replayed
+
+
+def _constrained_requests() -> list[EngineRequest]:
+    """JSON answers under grammars on the byte vocabulary, greedy and sampled."""
+    from ninfer.frontend.answer_format import AnswerFormat, JsonAnswer
+
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+              "required": ["word", "n"], "additionalProperties": False}
+    constraint = AnswerFormat(json=JsonAnswer(schema, "response_format")).constraint(None)
+    text = lambda s: [ord(c) for c in s]  # noqa: E731
+    return [
+        EngineRequest(f"json{i}", text(f"Answer {i}: "), SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i),
+                      max_new_tokens=24, stop_token_ids=[256], constraint=constraint)
+        for i in range(4)
+    ]
+
+
+def _constrained_tokens(core: EngineCore) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for request in _constrained_requests():
+        tokens[request.request_id] = []
+        assert core.add_request(request) == []
+    while core.has_work:
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert core.failed is None
+    return tokens
+
+
+def _count_deferred_samples(graphs: DecodeGraphs) -> list[int]:
+    """Rounds sampled after their forward (masks given once the previous round was committed)."""
+    counts = []
+    sample_eagerly = graphs.sample_eagerly
+
+    def counted(chunks):
+        counts.append(len(chunks))
+        return sample_eagerly(chunks)
+
+    graphs.sample_eagerly = counted
+    return counts
+
+
+def test_constrained_rounds_launched_ahead_replay_like_eager_on_cpu(tmp_root, monkeypatch):
+    """Output constraints under decode overlap through the graphs: the forward replays ahead, the
+    masked rows are sampled from its logits once the previous round is committed; the tokens
+    equal the eager engine's synchronous rounds."""
+    import ninfer.models.layers.attention as attention
+
+    monkeypatch.setattr(attention, "paged_attention", device_lengths_only)
+    model = _model("llama", tmp_root, torch.float32, "cpu")
+    tokenizer = make_byte_tokenizer()
+    eager = EngineCore(model, tokenizer, _config(cuda_graphs=False, decode_overlap=False))
+    graph = EngineCore(model, tokenizer, _config())
+    runner = graph.runner
+    runner.graphs = _DirectGraphs(
+        model, runner.kv_cache, runner.state_cache, runner.slot_logits, runner.num_valid_tokens,
+        range(1, 5), -(-192 // runner.kv_cache.page_size), runner.sampler,
+    )
+    runner.graphs.capture()
+    replays = _count_replays(runner.graphs)
+    deferred = _count_deferred_samples(runner.graphs)
+    assert _constrained_tokens(graph) == _constrained_tokens(eager)
+    assert replays.get("chained") and deferred, (replays, deferred)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_constrained_rounds_launched_ahead_equal_sync_on_gpu(tmp_root):
+    model = _model("llama", tmp_root, torch.bfloat16, "cuda")
+    tokenizer = make_byte_tokenizer()
+    sync = _constrained_tokens(EngineCore(model, tokenizer, _config(decode_overlap=False)))
+    core = EngineCore(model, tokenizer, _config())
+    replays = _count_replays(core.runner.graphs)
+    deferred = _count_deferred_samples(core.runner.graphs)
+    assert _constrained_tokens(core) == sync
+    assert replays.get("chained") and deferred, (replays, deferred)
 
 
 def test_chained_rows_past_the_largest_graph_run_eagerly(tmp_root):

@@ -320,9 +320,9 @@ def test_adaptive_rounds_switch_between_graphs_like_eager(root) -> None:
     decode_rounds: list[int] = []
     run = graphed.runner.graphs.run
 
-    def counted(chunks, previous_ids=None):
+    def counted(chunks, previous_ids=None, **options):
         decode_rounds.append(len(chunks))
-        return run(chunks, previous_ids)
+        return run(chunks, previous_ids, **options)
 
     graphed.runner.graphs.run = counted
     eager = _engine(root, cuda_graphs=False, adaptive_drafts=True)
