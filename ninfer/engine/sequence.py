@@ -97,8 +97,8 @@ class Sequence:
     @property
     def decodes_plainly(self) -> bool:
         """Never drafts: a masked row's drafts would be verified against unmasked logits, and log
-        probabilities come from plain sampling rows; media rows take text positions in drafters."""
-        return self.has_media or self.request.constraint is not None or self.request.top_logprobs is not None
+        probabilities come from plain sampling rows."""
+        return self.request.constraint is not None or self.request.top_logprobs is not None
 
     def chunk_rope_positions(self, start: int, end: int) -> np.ndarray:
         """Rotary positions [3, end - start] of tokens [start, end) of a request with media."""

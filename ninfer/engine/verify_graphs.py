@@ -13,7 +13,9 @@ the values differ. At start-up we capture, for every B asked for (the engine:
 The previous round's accepted rows are committed before, from the Speculator's own graphs.
 A round then costs one host->device copy of the plan (a pinned mirror of every input, in
 one buffer), a copy of any page-table row that changed and two replays; the runner reads
-the outcome later, as for an eager step.
+the outcome later, as for an eager step. A request with media decodes at index + rope offset on
+every MRoPE axis: the host writes those rotary positions into the position buffers, and the
+offset for the drafter's own rows, so media changes only the values the host fills.
 
 The captured regions obey DecodeGraphs' rules (no host reads of per-step values, no host
 syncs, no Python branches on tensor values): the paged attention kernel reads the lengths
@@ -129,6 +131,7 @@ class VerifyGraphs:
         self.inputs = StaticInputs(
             {
                 "token_ids": ((rows,), i64),
+                # Rotary positions: a request with media adds its rope offset (index + offset, every axis).
                 "positions": ((rows,), i64),
                 "slot_mapping": ((rows,), i64),
                 "mtp_positions": ((mtp_rows,), i64),
@@ -138,6 +141,7 @@ class VerifyGraphs:
                 "num_drafts": ((max_batch,), i64),
                 "base": ((max_batch,), i64),
                 "limits": ((max_batch,), i64),
+                "rope_offsets": ((max_batch,), i64),
                 "position_top_ks": ((rows,), i64),
                 "request_top_ks": ((max_batch,), i64),
                 "seq_lens": ((max_batch,), i32),
@@ -254,6 +258,7 @@ class VerifyGraphs:
             first_draft_rows=constants["first_draft_rows"],
             base=v["base"][:b],
             limits=v["limits"][:b],
+            rope_offsets=v["rope_offsets"][:b],
         )
 
     def _host_seq_lens(self, batch_size: int, num_new: int) -> tuple[int, ...]:
@@ -311,7 +316,7 @@ class VerifyGraphs:
         """Valid inputs for the warm-up runs: token 0 at positions from 0 on page 0, greedy rows,
         slots 0..max_batch-1 (the runner zeroes what they wrote afterwards)."""
         k, views = self.num_draft_tokens, self.inputs.views
-        for name in ("token_ids", "slot_mapping", "mtp_slot_mapping", "drafts", "num_drafts"):
+        for name in ("token_ids", "slot_mapping", "mtp_slot_mapping", "drafts", "num_drafts", "rope_offsets"):
             views[name].zero_()
         for name in ("position_top_ks", "request_top_ks", "position_greedy", "request_greedy"):
             views[name].fill_(1)
@@ -366,8 +371,11 @@ class VerifyGraphs:
         host["token_ids"][:rows] = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), np.int64, rows)
         computed = np.array([c.num_computed_tokens for c in chunks], dtype=np.int64)
         positions = computed[:, None] + np.arange(k + 2, dtype=np.int64)
-        host["positions"][:rows] = positions[:, : k + 1].reshape(-1)
-        host["mtp_positions"][:mtp_rows] = positions.reshape(-1)
+        rope_offsets = np.array([c.rope_offset for c in chunks], dtype=np.int64)
+        rotary = positions + rope_offsets[:, None]  # every row decodes past its prompt
+        host["positions"][:rows] = rotary[:, : k + 1].reshape(-1)
+        host["mtp_positions"][:mtp_rows] = rotary.reshape(-1)
+        host["rope_offsets"][:batch_size] = rope_offsets
         mapping = np.empty((batch_size, k + 2), dtype=np.int64)
         for row, chunk in enumerate(chunks):
             # Only the round's pages: a long context's page list is thousands of ids.

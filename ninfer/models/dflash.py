@@ -50,6 +50,7 @@ class DraftBlock:
     limits: torch.Tensor  # [R] int64: positions reserved per request
     page_table: torch.Tensor  # [R, max_pages] int32
     positions: torch.Tensor  # [R * block_len] int64
+    rope_positions: torch.Tensor  # [R * block_len] int64: positions plus the request's rope offset (media)
     slot_mapping: torch.Tensor  # [R * block_len] int64: where each row's K/V are written
     row_page_table: torch.Tensor  # [R * block_len, max_pages] int32
     row_starts: torch.Tensor  # [R * block_len + 1] int32: one query per row
@@ -60,8 +61,11 @@ class DraftBlock:
 
     @classmethod
     def build(
-        cls, starts: torch.Tensor, limits: torch.Tensor, page_table: torch.Tensor, block_len: int, page_size: int
+        cls, starts: torch.Tensor, limits: torch.Tensor, page_table: torch.Tensor, block_len: int, page_size: int,
+        rope_offsets: torch.Tensor | None = None,
     ) -> DraftBlock:
+        """rope_offsets [R]: what a target request with media adds to its decoded tokens' index for
+        RoPE (its context rows are stored at the target's rotary positions)."""
         num_rows = starts.shape[0] * block_len
         device = starts.device
         positions = starts[:, None] + torch.arange(block_len, device=device)
@@ -76,6 +80,7 @@ class DraftBlock:
             limits=limits,
             page_table=page_table,
             positions=positions.view(-1),
+            rope_positions=(positions if rope_offsets is None else positions + rope_offsets[:, None]).view(-1),
             slot_mapping=(pages * page_size + stored % page_size).view(-1),
             row_page_table=page_table.repeat_interleave(block_len, dim=0),
             row_starts=torch.arange(num_rows + 1, dtype=torch.int32, device=device),
@@ -254,7 +259,7 @@ class DflashDraftModel(nn.Module):
 
     def forward(self, embeds: torch.Tensor, block: DraftBlock, kv_cache: KVCache) -> torch.Tensor:
         """embeds [R * block_len, H] of the block rows -> final-normed hidden [R * block_len, H]."""
-        cos, sin = self.rotary_emb(block.positions, embeds.dtype)
+        cos, sin = self.rotary_emb(block.rope_positions, embeds.dtype)
         x, residual = embeds, None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, block, kv_cache)

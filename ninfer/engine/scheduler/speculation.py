@@ -71,7 +71,8 @@ class Speculation:
     def verification_chunk(self, seq: Sequence) -> ScheduledChunk:
         """The pending token and K draft places: as many of the request's drafts as its output
         limit can take (a round commits at most drafts + 1 tokens), then filler that is never
-        accepted. Every verification row has K + 1 tokens, the shape the verify graphs replay."""
+        accepted. Every verification row has K + 1 tokens, the shape the verify graphs replay; a
+        request with media keeps its rows' MRoPE positions (index + rope offset on every axis)."""
         pending = seq.token_ids[seq.num_computed_tokens :]
         room = seq.max_new_tokens - seq.num_output_tokens - 1
         drafts = seq.draft_token_ids[: max(0, min(room, self.limits.num_draft_tokens))]
@@ -90,6 +91,8 @@ class Speculation:
             output_token_ids=chunk.output_token_ids,
             speculative=True,
             num_draft_tokens=len(drafts),
+            rope_positions=chunk.rope_positions,
+            rope_offset=chunk.rope_offset,
         )
 
     # ---- commit --------------------------------------------------------------------

@@ -14,7 +14,9 @@ checkpoint's training block (block_size >= K + 1), as the published vLLM reader 
 num_speculative_tokens + 1 query rows. DFlash proposes from each mask row's logits (argmax, or
 a draw from the request's filtered distribution); DFlash2 walks its candidate selector from the
 token the block starts with. Positions come from the round's accepted counts on the device:
-nothing syncs with the host on CUDA.
+nothing syncs with the host on CUDA. The drafter's RoPE is one-axis: a row takes the target's
+temporal MRoPE position, which for a request with media is its index plus its rope offset after
+the prompt, so the block adds that offset too.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class DflashDrafter:
         self._store_context(batch)
 
     def _store_context(self, batch: ForwardBatch) -> None:
-        # Text rows carry the sequence position on every MRoPE axis.
+        # Text rows carry the same position on every MRoPE axis (index + rope offset with media).
         positions = batch.positions if batch.positions.dim() == 1 else batch.positions[0]
         self.model.store_context(batch.aux_hidden, positions, self.kv_cache, batch.slot_mapping)
 
@@ -91,6 +93,7 @@ class DflashDrafter:
             round.target_batch.page_table[:num_requests],
             block_len,
             self.kv_cache.page_size,
+            inputs.rope_offsets,
         )
         return self.model(embeds, block, self.kv_cache).view(num_requests, block_len, -1)[:, 1:]
 

@@ -10,7 +10,8 @@ accepted drafts replaces the first rejected draft. That row's output gives the f
 draft; the head then runs on its own output, one row per request, for the others (its
 entries past the accepted tokens are rewritten by the next round before anything reads
 them). Positions are computed on the device from the accepted counts: nothing syncs with
-the host on CUDA.
+the host on CUDA. A request with media runs the head at the target's MRoPE positions: its
+prompt's three axes in the pass over the prompt, and its index plus its rope offset after it.
 """
 
 from __future__ import annotations
@@ -63,9 +64,8 @@ class MtpDrafter:
                 break
             # The head's next row: the draft just made, at the position after it was predicted from.
             positions = torch.minimum(inputs.base + round.num_accepted + step, inputs.limits - 1)
-            hidden = self.model.forward_mtp(
-                token, hidden, self._decode_batch(positions, round.target_batch, num_verify), step_index=step
-            )
+            batch = self._decode_batch(positions, inputs.rope_offsets, round.target_batch, num_verify)
+            hidden = self.model.forward_mtp(token, hidden, batch, step_index=step)
         return DraftProposal(torch.stack(drafted, 1), torch.stack(probs, 1), torch.stack(candidates, 1))
 
     def extend_context(self, token_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
@@ -75,8 +75,11 @@ class MtpDrafter:
         del hidden  # the target's hidden of these rows feeds the next row, through the slot
         self.model.forward_mtp(token_ids, slot_hidden.index_select(0, batch.state_slots), batch, step_index=0)
 
-    def _decode_batch(self, positions: torch.Tensor, target: ForwardBatch, num_rows: int) -> ForwardBatch:
-        """One row per verification request at device-computed positions (pages of the target batch)."""
+    def _decode_batch(
+        self, positions: torch.Tensor, rope_offsets: torch.Tensor, target: ForwardBatch, num_rows: int
+    ) -> ForwardBatch:
+        """One row per verification request at device-computed positions (pages of the target batch);
+        rope_offsets: what each request's rotary position adds to its index (media, MRoPE models)."""
         kv = target.kv_cache
         page_table = target.page_table[:num_rows]
         pages = page_table.gather(1, (positions // kv.page_size)[:, None]).squeeze(1).to(torch.int64)
@@ -85,7 +88,7 @@ class MtpDrafter:
         # The reference attention loops over host lengths; the fast kernels read the device ones.
         host_lens = tuple((positions + 1).tolist()) if device.type == "cpu" else (1,) * num_rows
         return ForwardBatch(
-            positions=positions.unsqueeze(0).expand(3, -1) if self.mrope else positions,
+            positions=(positions + rope_offsets).unsqueeze(0).expand(3, -1) if self.mrope else positions,
             query_start_loc=rows,
             seq_lens=(positions + 1).to(torch.int32),
             page_table=page_table,

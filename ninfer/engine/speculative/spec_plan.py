@@ -4,7 +4,9 @@ The scheduler's chunks become, per verification request (they lead the step): wh
 target rows score which position, its drafts and how many count, the acceptance uniforms,
 its sampling rows (one per scored position, and one for its drafts) and the drafter's draws;
 and per computed chunk, the rows of the drafter's own pass over the step (the MTP head's
-input token and hidden-state source of each row, its positions and pages). The eager path
+input token and hidden-state source of each row, its positions and pages). A request with media
+keeps its MRoPE positions there: its prompt rows' three axes, and after the prompt its index plus
+its rope offset on every axis (Sequence.chunk_rope_positions). The eager path
 stages these arrays with the step's other metadata; the verify graphs copy them into their
 static buffers. Building them is host work only; using them never syncs with the host.
 """
@@ -44,6 +46,8 @@ class SpecPlan:
     first_draft_rows: np.ndarray  # [B] drafter row after each verification row's pending token
     base: np.ndarray  # [B] position after the pending token
     limits: np.ndarray  # [B] reserved positions (drafts past them are clamped)
+    rope_offsets: np.ndarray  # [B] what a request with media adds to a decoded token's index (rotary only)
+    mtp_rope_positions: list[np.ndarray | None]  # per chunk: its drafter rows' [3, rows] MRoPE positions, or None
 
     @property
     def num_verify_rows(self) -> int:
@@ -108,7 +112,20 @@ def plan_step(chunks: Sequence[ScheduledChunk], num_verify: int, num_draft_token
         first_draft_rows=mtp_starts[:num_verify] + 1,
         base=np.array([c.num_computed_tokens + 1 for c in verifying], dtype=np.int64),
         limits=np.array([len(c.page_ids) * page_size for c in verifying], dtype=np.int64),
+        rope_offsets=np.array([c.rope_offset for c in verifying], dtype=np.int64),
+        mtp_rope_positions=[drafter_rope_positions(c, n) for c, n in zip(chunks, mtp_lengths)],
     )
+
+
+def drafter_rope_positions(chunk: ScheduledChunk, num_rows: int) -> np.ndarray | None:
+    """The MRoPE positions [3, num_rows] of the drafter's rows over `chunk` (None: text positions).
+    A verification row's extra row decodes past the prompt: its index plus the rope offset."""
+    explicit = chunk.rope_positions
+    if explicit is None or explicit.shape[1] == num_rows:
+        return explicit
+    first = chunk.num_computed_tokens + explicit.shape[1]
+    later = np.arange(first, chunk.num_computed_tokens + num_rows, dtype=np.int64) + chunk.rope_offset
+    return np.concatenate([explicit, np.broadcast_to(later, (3, len(later)))], axis=1)
 
 
 @dataclass
@@ -129,6 +146,7 @@ class SpecInputs:
     first_draft_rows: torch.Tensor
     base: torch.Tensor
     limits: torch.Tensor
+    rope_offsets: torch.Tensor  # [B]: added to the drafter's decode positions for rotary (media)
 
 
 def stage_sampling(host: SamplingBatch, staging: HostStaging) -> SamplingBatch:
@@ -163,6 +181,7 @@ def stage_inputs(plan: SpecPlan, staging: HostStaging, kv_cache: KVCache, mrope:
         logits_indices=[],
         staging=staging,
         mrope=mrope,
+        rope_positions=plan.mtp_rope_positions,
     )
     return SpecInputs(
         drafts=staging.add(plan.drafts),
@@ -179,4 +198,5 @@ def stage_inputs(plan: SpecPlan, staging: HostStaging, kv_cache: KVCache, mrope:
         first_draft_rows=staging.add(plan.first_draft_rows),
         base=staging.add(plan.base),
         limits=staging.add(plan.limits),
+        rope_offsets=staging.add(plan.rope_offsets),
     )
