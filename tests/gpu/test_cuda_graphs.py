@@ -179,6 +179,16 @@ class _DirectGraphs(DecodeGraphs):
                 self._store_graph(key, _Direct(self, key, region))
 
 
+def _direct_graphs(model, runner, batch_sizes=range(1, 5)) -> _DirectGraphs:
+    """Decode graphs for `runner` whose replays call the captured regions directly (CPU)."""
+    graphs = _DirectGraphs(
+        model, runner.kv_cache, runner.state_cache, runner.slot_logits, runner.num_valid_tokens,
+        batch_sizes, -(-192 // runner.kv_cache.page_size), runner.sampler,
+    )
+    graphs.capture()
+    return graphs
+
+
 def device_lengths_only(*args, prefetch_kv: bool = False, split_short_requests: bool = False, **kwargs):
     """The reference attention reading the device lengths, as the Triton kernel does (prefetch_kv and
     split_short_requests are the kernel's launch choices: the same result)."""
@@ -198,11 +208,7 @@ def test_static_buffers_match_eager_on_cpu(arch, tmp_root, monkeypatch):
     graph = EngineCore(model, tokenizer, _config())
     assert graph.runner.graphs is None  # no CUDA here: the engine itself decodes eagerly
     runner = graph.runner
-    runner.graphs = _DirectGraphs(
-        model, runner.kv_cache, runner.state_cache, runner.slot_logits, runner.num_valid_tokens,
-        range(1, 5), -(-192 // runner.kv_cache.page_size), runner.sampler,
-    )
-    runner.graphs.capture()
+    runner.graphs = _direct_graphs(model, runner)
     replays = _count_replays(runner.graphs)
     tokens = _lockstep(graph, eager)
     assert set(replays) >= {1, 2, 3, 4, "chained"}, replays  # every captured size; rounds launched ahead
@@ -264,11 +270,7 @@ def test_constrained_rounds_launched_ahead_replay_like_eager_on_cpu(tmp_root, mo
     eager = EngineCore(model, tokenizer, _config(cuda_graphs=False, decode_overlap=False))
     graph = EngineCore(model, tokenizer, _config())
     runner = graph.runner
-    runner.graphs = _DirectGraphs(
-        model, runner.kv_cache, runner.state_cache, runner.slot_logits, runner.num_valid_tokens,
-        range(1, 5), -(-192 // runner.kv_cache.page_size), runner.sampler,
-    )
-    runner.graphs.capture()
+    runner.graphs = _direct_graphs(model, runner)
     replays = _count_replays(runner.graphs)
     deferred = _count_deferred_samples(runner.graphs)
     assert _constrained_tokens(graph) == _constrained_tokens(eager)
@@ -296,11 +298,7 @@ def test_chained_rows_past_the_largest_graph_run_eagerly(tmp_root):
     model = _model("llama", tmp_root, torch.float32, "cpu")
     core = EngineCore(model, make_byte_tokenizer(), _config())
     runner = core.runner
-    graphs = _DirectGraphs(
-        model, runner.kv_cache, runner.state_cache, runner.slot_logits, runner.num_valid_tokens,
-        (1, 2), -(-192 // runner.kv_cache.page_size), runner.sampler,
-    )
-    graphs.capture()
+    graphs = _direct_graphs(model, runner, (1, 2))
 
     def chunk(previous_row):
         return ScheduledChunk(

@@ -27,7 +27,7 @@ from ninfer.models.vision_loader import load_vision_tower
 from ninfer.testing.oracle_drafter import TableOracleDrafter
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.engine.test_engine_vision import png, prompt_with
-from tests.gpu.test_verify_graphs import _count_rounds, _run
+from tests.gpu.test_verify_graphs import _count_rounds, _run, _run_alone
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -102,13 +102,7 @@ def test_the_table_oracle_is_accepted_in_full_through_the_graphs(root, rid) -> N
     head = ProposalHead(model.lm_head, artifact.tokenizer.vocab_size, reduced=False)
     core = _engine(root, drafter=TableOracleDrafter(model, head, 3, table))
     rounds = _count_rounds(core)
-    finals, counters = [], None
-    core.add_request(arrivals[0][0])
-    while core.has_work:
-        for out in core.step():
-            finals.extend(out.new_token_ids)
-            if out.finished:
-                counters = out.speculative
+    finals, counters = _run_alone(core, arrivals[0][0])
     assert finals == expected
     assert counters.accepted_tokens == counters.drafted_tokens > 0
     # Four tokens a round once drafting starts: 60 tokens in about 15 rounds, not 60.

@@ -286,6 +286,18 @@ def test_speculative_greedy_equals_plain_decoding_in_fp32(root) -> None:
     assert spec == plain
 
 
+def _run_alone(core: EngineCore, request: EngineRequest):
+    """-> (the request's tokens, its final output's speculative counters), run alone in core."""
+    tokens, counters = [], None
+    core.add_request(request)
+    while core.has_work:
+        for out in core.step():
+            tokens.extend(out.new_token_ids)
+            if out.finished:
+                counters = out.speculative
+    return tokens, counters
+
+
 def test_the_table_oracle_is_accepted_in_full_through_the_graphs(root) -> None:
     """The continuation comes from the speculative engine itself (its verification path's
     greedy tokens; plain decoding runs other kernels), then the table oracle proposes it."""
@@ -298,13 +310,7 @@ def test_the_table_oracle_is_accepted_in_full_through_the_graphs(root) -> None:
     head = ProposalHead(model.lm_head, artifact.tokenizer.vocab_size, reduced=False)
     core = _engine(root, drafter=TableOracleDrafter(model, head, 3, table))
     rounds = _count_rounds(core)
-    finals = []
-    core.add_request(arrivals[0][0])
-    while core.has_work:
-        for out in core.step():
-            finals.extend(out.new_token_ids)
-            if out.finished:
-                counters = out.speculative
+    finals, counters = _run_alone(core, arrivals[0][0])
     assert finals == expected
     assert counters.accepted_tokens == counters.drafted_tokens > 0
     # Four tokens a round once drafting starts: 60 tokens in 16 rounds, not 60.

@@ -307,24 +307,14 @@ def gemv_nvfp4(x, weight, block_scale, row_scale, bias=None, *, config: Config |
         return out
     cfg = config or _config(M, N, K, device_sms(x.device))
     use_pdl = pdl_enabled(x)
+    # Both kernels' leading arguments; the bias pointer is never read without HAS_BIAS.
+    operands = (x, weight, block_scale, row_scale, out if bias is None else bias, out, M, N, K,
+                x.stride(0), weight.stride(0), block_scale.stride(0), out.stride(0), bias is not None)
     if cfg.use_dot:
         if x.dtype not in (torch.bfloat16, torch.float32) or cfg.block_k % 16 or K % cfg.block_k or cfg.block_n % 16:
             raise ValueError(f"invalid config {cfg} for x {x.dtype} and K = {K} (DOT: bf16 or fp32 x, K a multiple of block_k)")
         _nvfp4_dot_kernel[(triton.cdiv(N, cfg.block_n),)](
-            x,
-            weight,
-            block_scale,
-            row_scale,
-            out if bias is None else bias,  # never read without HAS_BIAS
-            out,
-            M,
-            N,
-            K,
-            x.stride(0),
-            weight.stride(0),
-            block_scale.stride(0),
-            out.stride(0),
-            HAS_BIAS=bias is not None,
+            *operands,
             BLOCK_M=max(DOT_ROWS, triton.next_power_of_2(M)),
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
@@ -338,20 +328,7 @@ def gemv_nvfp4(x, weight, block_scale, row_scale, bias=None, *, config: Config |
     if 16 % vec or cfg.block_k % vec or cfg.block_k % 16 or cfg.block_n < 1:
         raise ValueError(f"invalid config {cfg}")
     _nvfp4_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x,
-        weight,
-        block_scale,
-        row_scale,
-        out if bias is None else bias,  # never read without HAS_BIAS
-        out,
-        M,
-        N,
-        K,
-        x.stride(0),
-        weight.stride(0),
-        block_scale.stride(0),
-        out.stride(0),
-        HAS_BIAS=bias is not None,
+        *operands,
         BLOCK_M=triton.next_power_of_2(M),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
