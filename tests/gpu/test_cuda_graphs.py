@@ -233,9 +233,10 @@ def _constrained_requests() -> list[EngineRequest]:
     ]
 
 
-def _constrained_tokens(core: EngineCore) -> dict[str, list[int]]:
+def _tokens(core: EngineCore, requests: list[EngineRequest]) -> dict[str, list[int]]:
+    """Each request's tokens, all added at once and run to the end."""
     tokens: dict[str, list[int]] = {}
-    for request in _constrained_requests():
+    for request in requests:
         tokens[request.request_id] = []
         assert core.add_request(request) == []
     while core.has_work:
@@ -243,6 +244,10 @@ def _constrained_tokens(core: EngineCore) -> dict[str, list[int]]:
             tokens[out.request_id].extend(out.new_token_ids)
     assert core.failed is None
     return tokens
+
+
+def _constrained_tokens(core: EngineCore) -> dict[str, list[int]]:
+    return _tokens(core, _constrained_requests())
 
 
 def _count_deferred_samples(graphs: DecodeGraphs) -> list[int]:
@@ -361,7 +366,6 @@ def test_decode_overlap_equals_sync_on_gpu(arch, tmp_root):
     for overlap in (False, True):
         core = EngineCore(model, tokenizer, _config(decode_overlap=overlap))
         replays = _count_replays(core.runner.graphs)
-        tokens: dict[str, list[int]] = {}
         # Four at once, into the four lanes: the rounds' rows must not differ between the
         # runs (a request admitted a round later would change later batches). No penalties
         # or thinking budget: those rows keep the rounds synchronous.
@@ -373,13 +377,7 @@ def test_decode_overlap_equals_sync_on_gpu(arch, tmp_root):
             EngineRequest("greedy-short", text("abc"), SamplingParams(temperature=0.0), max_new_tokens=11),
             EngineRequest("sampled-long", text("a longer prompt, chunked in prefill"), sampled(7), max_new_tokens=17),
         ]
-        for request in requests:
-            tokens[request.request_id] = []
-            assert core.add_request(request) == []
-        while core.has_work:
-            for out in core.step():
-                tokens[out.request_id].extend(out.new_token_ids)
-        assert core.failed is None
+        tokens = _tokens(core, requests)
         assert ("chained" in replays) == overlap, replays
         finals[overlap] = tokens
     assert finals[True] == finals[False]
