@@ -7,11 +7,12 @@ StateImages spill to (host_states.py). Decode rounds replay a CUDA graph when
 graphs were captured (cuda_graphs.py); prefill chunks, multi-token rows and steps that
 sample stored logits run eagerly.
 
-launch() enqueues a step and returns a PendingStep; the host waits only when it reads the
-sampled ids. A chunk with a previous_row computes the id the previously launched step
-sampled in that row, read on the device, so the engine can launch decode round N+1 before
-round N's ids reach the host (at most two launched steps unread). execute() is launch()
-then result().
+launch() enqueues a step and returns a PendingStep (its results come back through
+StepReadback's pinned buffers); the host waits only when it reads the sampled ids. A chunk
+with a previous_row computes the id the previously launched step sampled in that row, read on
+the device, so the engine can launch decode round N+1 before round N's ids reach the host (at
+most two launched steps unread); a round whose masks follow round N's tokens is sampled later
+(DeferredSampling, sample_deferred). execute() is launch() then result().
 
 An eager step packs its host-side metadata (page table, positions, lengths, slots, input ids,
 sampling rows) into a pinned staging buffer and moves it with one non-blocking copy before
@@ -53,6 +54,7 @@ from ninfer.engine.speculative.drafter_factory import make_drafter
 from ninfer.engine.speculative.proposal_head import ProposalHead
 from ninfer.engine.speculative.speculator import Speculator
 from ninfer.engine.step_graphs import StepGraphs, token_buckets
+from ninfer.engine.step_readback import MAX_TOP_LOGPROBS, MAX_UNREAD_STEPS, StepReadback
 from ninfer.engine.step_layout import StepLayout
 from ninfer.engine.verify_graphs import VerifyGraphs
 from ninfer.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
@@ -65,13 +67,8 @@ from ninfer.models.verify_scratch import VerifyRows
 
 log = logging.getLogger("ninfer.engine")
 
-# Launched steps whose ids the host has not read: the current round and the one launched
-# ahead of it. The pinned buffers come in this many copies.
-MAX_UNREAD_STEPS = 2
 # Chunks with a checkpoint inside them that a step graph holds (each is a second request row).
 MAX_GRAPH_SNAPSHOTS = 2
-# Alternatives a row's log probabilities may list (OpenAI's top_logprobs range).
-MAX_TOP_LOGPROBS = 20
 
 
 class ModelRunner:
@@ -145,30 +142,12 @@ class ModelRunner:
         self.vision_seconds: dict[str, float] = {}  # tower time by request, until the engine takes it
         self.sampler = Sampler()
         # Every running request holds a state slot, so no step has more rows than slots.
-        pin = self.device.type == "cuda"
-        self._ids_host = [
-            torch.zeros(num_state_slots, dtype=torch.int64, pin_memory=pin) for _ in range(MAX_UNREAD_STEPS)
-        ]
-        # Speculative outcomes (accepted count, K+1 tokens, K drafts per verification row), likewise.
-        width = 2 * num_draft_tokens + 2
-        self._verified_host = [
-            torch.zeros(num_state_slots, width, dtype=torch.int64, pin_memory=pin) for _ in range(MAX_UNREAD_STEPS)
-        ]
-        # Log probabilities of the rows that ask for them: the sampled token's, then the top ones'
-        # values, then their ids (exact in float64), one row per asking row.
-        self._logprobs_host = [
-            torch.zeros(num_state_slots, 1 + 2 * MAX_TOP_LOGPROBS, dtype=torch.float64, pin_memory=pin)
-            for _ in range(MAX_UNREAD_STEPS)
-        ]
-        # Recorded after each launch's copy; re-recorded only once that launch has been read.
-        self._ready = [torch.cuda.Event() for _ in range(MAX_UNREAD_STEPS)] if pin else None
+        self.readback = StepReadback(self.device, num_state_slots, num_draft_tokens)
         # Eager steps' metadata, one buffer per unread step: a pinned buffer is refilled only after
         # the copies out of it have completed (the step that used it was read; else next_step waits).
         self._staging = HostStaging(self.device, num_turns=MAX_UNREAD_STEPS)
         # The log-probability rows' slots and masks, packed after the step's sampling (same turns).
         self._logprobs_staging = HostStaging(self.device, num_turns=MAX_UNREAD_STEPS)
-        self._num_launches = 0
-        self._num_unread = 0
         # The last launched step's sampled ids by chunk row (on the device), and its sampling rows.
         self._last_ids: torch.Tensor | None = None
         self._last_sampled_rows: frozenset[int] = frozenset()
@@ -286,8 +265,7 @@ class ModelRunner:
         """Enqueue a step; its sampled ids are read through the returned PendingStep. A step with
         rows whose masks follow the previous step's tokens is computed but not sampled: ->
         DeferredSampling, which sample_deferred() completes once the masks are known."""
-        if self._num_unread >= MAX_UNREAD_STEPS:
-            raise RuntimeError(f"{MAX_UNREAD_STEPS} launched steps are unread: read the oldest first")
+        self.readback.check_room()
         for chunk in step.chunks:
             if chunk.previous_row is not None and (
                 chunk.previous_row not in self._last_sampled_rows or len(chunk.token_ids) != 1
@@ -319,8 +297,9 @@ class ModelRunner:
         self._last_ids = ids
         self._last_sampled_rows = frozenset(sampled_rows)
         logprobs = self._logprobs(step.chunks, ids, sampled_rows)
-        return self._pending(step, ids, sampled_rows, verified, logprobs)
+        return self.readback.pending(step, ids, sampled_rows, verified, logprobs)
 
+    @torch.inference_mode()
     def sample_deferred(self, deferred: DeferredSampling, masks: dict[int, np.ndarray | None]) -> PendingStep:
         """Sample a launched step whose rows waited for their masks (by row; rows not in `masks`
         keep theirs); -> its PendingStep, whose step carries the masks it was sampled with."""
@@ -336,7 +315,7 @@ class ModelRunner:
         self._last_ids = ids
         self._last_sampled_rows = frozenset(sampled_rows)
         logprobs = self._logprobs(chunks, ids, sampled_rows)
-        return self._pending(dataclasses.replace(deferred.step, chunks=chunks), ids, sampled_rows, None, logprobs)
+        return self.readback.pending(dataclasses.replace(deferred.step, chunks=chunks), ids, sampled_rows, None, logprobs)
 
     def _logprobs(
         self, chunks: list[ScheduledChunk], ids: torch.Tensor | None, sampled_rows: list[int]
@@ -365,45 +344,10 @@ class ModelRunner:
         packed[:, 1 + MAX_TOP_LOGPROBS : 1 + MAX_TOP_LOGPROBS + num_top] = top_ids
         return rows, packed
 
-    def _pending(
-        self,
-        step: SchedulerStep,
-        ids: torch.Tensor | None,
-        sampled_rows: list[int],
-        verified: torch.Tensor | None = None,
-        logprobs: tuple[list[int], torch.Tensor] | None = None,
-    ) -> PendingStep:
-        turn = self._num_launches % MAX_UNREAD_STEPS
-        self._num_launches += 1
-        ids_host, verified_host, ready = None, None, None
-        logprobs_host = None
-        if ids is not None:
-            ids_host = self._ids_host[turn][: len(ids)]
-            ids_host.copy_(ids, non_blocking=True)
-        if verified is not None:
-            verified_host = self._verified_host[turn][: len(verified)]
-            verified_host.copy_(verified, non_blocking=True)
-        if logprobs is not None:
-            rows, packed = logprobs
-            host = self._logprobs_host[turn][: len(rows)]
-            host.copy_(packed, non_blocking=True)
-            logprobs_host = (rows, host)
-        if self._ready is not None:
-            ready = self._ready[turn]
-            ready.record()
-        self._num_unread += 1
-        return PendingStep(
-            step, sampled_rows, ids_host, ready, on_read=self._read_one, verified_host=verified_host,
-            logprobs_host=logprobs_host,
-        )
-
-    def _read_one(self) -> None:
-        self._num_unread -= 1
-
     def abandon_launched(self) -> None:
         """A step failed: its launched steps will never be read, and no later step may chain to
         ids they sampled."""
-        self._num_unread = 0
+        self.readback.abandon()
         self._last_ids = None
         self._last_sampled_rows = frozenset()
 
