@@ -33,6 +33,8 @@ from ninfer.models.quant.half_weights import store_half_weights_
 log = logging.getLogger("ninfer.engine")
 
 KV_HEADROOM_BYTES = 1 << 30  # --kv-capacity auto leaves this much device memory free
+# Environment settings a kept KV-sizing record depends on (kernel choice, PDL, the allocator).
+_PROBE_SETTINGS = ("NINFER_KERNELS", "NINFER_PDL", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _AUTO_LEDGER: dict[str, int] = {}  # the last auto sizing's terms, for the server_start record
 
 
@@ -342,6 +344,8 @@ def _probe_inputs(model, draft_model, device: torch.device) -> tuple[str, ...]:
     import triton
 
     properties = torch.cuda.get_device_properties(device)
+    # Settings that change which kernels run or how the allocator reserves memory.
+    settings = {name: os.environ.get(name) for name in _PROBE_SETTINGS}
     return (
         repr(model.config),
         describe_quantized(model),
@@ -349,4 +353,5 @@ def _probe_inputs(model, draft_model, device: torch.device) -> tuple[str, ...]:
         repr(draft_model.config) if draft_model is not None else "",
         f"{properties.name};{properties.total_memory};{properties.multi_processor_count}",
         f"torch={torch.__version__};cuda={torch.version.cuda};triton={triton.__version__}",
+        repr(sorted(settings.items())),
     )

@@ -108,3 +108,20 @@ def test_a_restart_sizes_the_pool_from_the_kept_record(stub_device, tmp_path) ->
     again.confirm(MEASURE.worst_step_bytes + 2 * WORKSPACE_SLACK_BYTES)
     builder._auto_kv_tokens(model, None, engine)
     assert len(stub_device) == 3
+
+
+def test_the_key_covers_the_device_libraries_and_kernel_settings(monkeypatch, tmp_path) -> None:
+    import types
+
+    device = types.SimpleNamespace(name="NVIDIA H200", total_memory=141 * GIB, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: device)
+    config = open_artifact(make_tiny_qwen3_5(tmp_path / "model")).config
+    model = build_model(config, dtype=torch.float32, device="cpu")
+    monkeypatch.delenv("NINFER_PDL", raising=False)
+    inputs = builder._probe_inputs(model, None, torch.device("cuda:0"))
+    assert builder._probe_inputs(model, None, torch.device("cuda:0")) == inputs
+    monkeypatch.setenv("NINFER_PDL", "0")  # other kernels launch: another worst step
+    assert builder._probe_inputs(model, None, torch.device("cuda:0")) != inputs
+    monkeypatch.delenv("NINFER_PDL")
+    device.total_memory = 80 * GIB
+    assert builder._probe_inputs(model, None, torch.device("cuda:0")) != inputs
