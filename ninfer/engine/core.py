@@ -25,12 +25,12 @@ from ninfer.contract.output import EngineError, EngineOutput, ErrorCode, FinishR
 from ninfer.contract.request import EngineRequest
 from ninfer.engine.cache.context_cache import CacheLimits, ContextCache
 from ninfer.engine.cache.context_costs import resolve_context_costs
-from ninfer.engine.cache.host_kv import HostKV
 from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.host_time import HostTime
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.deferred_sampling import DeferredSampling
+from ninfer.engine.engine_description import describe_engine
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep, StepKind
@@ -456,94 +456,7 @@ class EngineCore:
 
     def describe(self) -> dict:
         """The engine's resolved capacities and device, for the server_start record."""
-        config = self.config
-        device = self.runner.device
-        return {
-            "capacities": {
-                "max_concurrency": config.max_concurrency,
-                "max_context": config.max_context,
-                "kv_tokens": config.num_kv_pages * config.page_size,
-                "kv_pages": config.num_kv_pages,
-                "page_size": config.page_size,
-                "prefill_chunk": config.prefill_chunk,
-                "mixed_prefill_chunk": config.mixed_prefill_chunk,
-                "device_state_slots": config.num_state_slots,
-                "host_state_slots": config.num_host_state_slots,
-                "host_kv_pages": self.cache.host_kv_pool.num_pages if self.cache.host_kv_pool else 0,
-                "max_private_continuations": config.num_private_continuations,
-                "max_shared_prefixes": config.num_shared_prefixes,
-                "max_long_anchors_per_continuation": config.num_long_anchors,
-                "prefix_reuse": config.prefix_reuse,
-                "kv_dtype": config.kv_dtype,
-            },
-            "cuda_graph_batch_sizes": sorted(self.runner.graphs.batch_sizes) if self.runner.graphs else [],
-            "decode_overlap": self.decode_overlap,
-            "speculative": self._describe_speculative(),
-            "memory": {**self.memory_ledger, "workspace": {
-                "capacity_bytes": self.workspace_bytes,
-                "source": "warm_up_peak" if self.workspace_bytes is not None else "not_measured",
-            }},
-            "host_tier": self._describe_host_tier(),
-            "weight_format": self.weight_format,
-            "vision_encoder": self._describe_vision(),
-            "context_costs": {"source": self.context_costs.source,
-                              "prefill_seconds_per_token": self.context_costs.prefill_seconds_per_token,
-                              "host_transfer_bytes_per_second": self.context_costs.host_transfer_bytes_per_second},
-            "device": {
-                "type": device.type,
-                "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "torch": str(torch.__version__),
-                "cuda": torch.version.cuda,
-            },
-        }
-
-    def _describe_host_tier(self) -> dict:
-        """The pinned host tier's capacity and what it holds now (spilled StateImages and KV)."""
-        host_states, host_kvs = self.runner.host_states, self.runner.host_kvs
-        host_pool, host_kv = self.cache.host_pool, self.cache.host_kv_pool
-        page_bytes = sum(HostKV.page_bytes(cache) for cache in self.runner.paged_caches)
-        return {
-            "state_slots": host_pool.num_slots,
-            "state_slots_used": host_pool.num_slots - host_pool.num_free,
-            "state_slot_bytes": host_states.bytes_per_slot,
-            "kv_pages": host_kv.num_pages if host_kv else 0,
-            "kv_pages_used": host_kv.num_used if host_kv else 0,
-            "kv_page_bytes": page_bytes,
-            "pinned_bytes": host_states.num_slots * host_states.bytes_per_slot
-            + (host_kvs[0].num_pages if host_kvs else 0) * page_bytes,
-        }
-
-    def _describe_vision(self) -> dict | None:
-        """With --vision: the encoder's measured peak (with --kv-capacity auto on CUDA, else None)
-        and the hand-off of its output rows to prompt steps (MediaEmbeddings): capacity and use."""
-        media = self.runner.media
-        if media is None:
-            return None
-        config = media.tower.config
-        row_bytes = config.out_hidden_size * media.dtype.itemsize
-        return {
-            "encode_peak_bytes": self.memory_ledger.get("vision_encode"),
-            "handoff": {
-                "capacity_tokens": media.capacity_tokens,
-                "row_bytes": row_bytes,
-                "capacity_bytes": media.capacity_tokens * row_bytes,
-                "used_tokens": media.held_tokens,
-            },
-        }
-
-    def _describe_speculative(self) -> dict | None:
-        """The speculative backend as started (None without --spec)."""
-        config = self.config
-        if config.spec is None:
-            return None
-        graphs = self.runner.verify_graphs
-        return {
-            "backend": config.spec,
-            "draft_tokens": config.num_draft_tokens,
-            "lm_head_draft": config.lm_head_draft,
-            "adaptive_drafts": config.adaptive_drafts,
-            "verify_graph_batch_sizes": sorted(graphs.forward_graphs) if graphs is not None else [],
-        }
+        return describe_engine(self)
 
     def pool_accounting(self) -> dict[str, int]:
         """Resource usage for tests and /health diagnostics."""
