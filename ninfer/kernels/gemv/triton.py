@@ -567,10 +567,6 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
             # 32-row tiles leave SMs idle.
             if M > 8 or triton.cdiv(N, 64) >= 2 * num_sms:
                 block_n, num_warps = 64, 2
-                if M > DOT_ROWS:
-                    # Measured (bench_gemv, H100, 27B shapes, M = 24 and 32): 3 stages, K split only
-                    # under one program per SM: 10-25 % faster than 4 stages split to two per SM.
-                    num_stages = 3
             elif triton.cdiv(N, 32) >= target_programs:
                 # Measured on the H200 (bench_gemv, M = 8): 16 rows beat 32 up to N = 16480 (27.1 vs 29.5 us).
                 block_n, num_warps = 32, 1
@@ -628,6 +624,10 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int, min
         # Under two programs per SM even with the narrowest tile: split K into fp32
         # partials (one more launch), keeping >= 2 steps per split.
         split_k = min(triton.next_power_of_2(triton.cdiv(2 * num_sms, programs)), _pow2_floor(K // (2 * block_k)))
+    if use_dot and fp8 and M > DOT_ROWS and split_k > 1:
+        # Measured (bench_gemv, H100, 27B shapes, M = 24 and 32): with K split only under one
+        # program per SM (above), the split launches run best 3 stages deep (the unsplit, 4).
+        num_stages = 3
     # FMA prefetch: the first weight tile before the PDL wait, so the stream starts while the
     # short kernel before the GEMV (a norm, the conv, silu * mul) runs.
     return Config(block_n, block_k, num_warps, num_stages, use_dot, split_k, prefetch=not use_dot)
