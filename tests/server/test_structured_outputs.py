@@ -194,10 +194,13 @@ def test_chat_forced_calls_stream_and_parse_with_pydantic_tools(server, oai) -> 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
 def test_responses_forced_calls_parse_and_validate(server, oai, tool_choice) -> None:
+    # Neither API takes a seed, and a forced choice may call several times: room for many calls,
+    # so that the output limit (the server's default is 200 tokens) never cuts one short.
     response = oai.responses.create(
         model=model(server), input="Weather in Oslo?", tools=RESPONSES_TOOLS, tool_choice=tool_choice,
-        reasoning={"effort": "none"},
+        reasoning={"effort": "none"}, max_output_tokens=2048,
     )
+    assert response.status == "completed", response.incomplete_details
     calls = [item for item in response.output if item.type == "function_call"]
     assert calls and all(item.type in ("function_call", "reasoning") for item in response.output)
     for call in calls:
@@ -208,8 +211,8 @@ def test_responses_forced_calls_parse_and_validate(server, oai, tool_choice) -> 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "search"}])
 def test_messages_forced_tool_use_parses_and_validates(server, claude, tool_choice) -> None:
-    message = claude.messages.create(
-        model="any", max_tokens=200, messages=QUESTION, tools=MESSAGES_TOOLS, tool_choice=tool_choice,
+    message = claude.messages.create(  # room for several calls, as above
+        model="any", max_tokens=2048, messages=QUESTION, tools=MESSAGES_TOOLS, tool_choice=tool_choice,
         thinking={"type": "disabled"},
     )
     uses = [block for block in message.content if block.type == "tool_use"]
