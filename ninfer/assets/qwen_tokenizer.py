@@ -174,8 +174,9 @@ def _cache_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Parallel test workers may build at once: write a private file, then rename over."""
+def write_atomically(path: Path, text: str) -> None:
+    """Writers may race (parallel test workers, two servers starting): each writes a private
+    file, then renames it over `path`, so a reader sees one whole version."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
@@ -197,7 +198,7 @@ def qwen3_5_tokenizer_json() -> str:
         pass
     text = build_qwen3_5_tokenizer_uncached().to_str()
     try:
-        _write_atomically(path, text)
+        write_atomically(path, text)
     except OSError:
         pass  # a read-only home still gets a working (uncached) tokenizer
     return text

@@ -14,9 +14,10 @@ import functools
 import hashlib
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ninfer.assets.qwen_tokenizer import write_atomically
 
 log = logging.getLogger("ninfer.engine")
 
@@ -74,10 +75,7 @@ class KvSizingRecords:
         """Keep `measure` under `key`; a folder that cannot be written costs the next start a probe."""
         path = self._path(key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps({"key": key, "measure": asdict(measure)}))
-            partial.replace(path)  # two servers starting at once: each writes whole, the last one stays
+            write_atomically(path, json.dumps({"key": key, "measure": asdict(measure)}))
         except OSError as error:
             log.warning("KV sizing record not kept in %s (%s)", path.parent, error)
 
