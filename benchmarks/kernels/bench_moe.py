@@ -10,6 +10,10 @@ of 1000 and 4096 tokens (the sorted, grouped path) at each BLOCK_M are reported 
 and as the fraction of copy bandwidth that reading each hit expert's weights once would take.
 
     python benchmarks/kernels/bench_moe.py [--json OUT.json]
+
+--block times the whole decode block as a layer runs it (router GEMV, choice, experts, shared
+expert, its gate, the sum) on the separate ops against the router GEMV + the fused block
+(kernels/moe_block, two launches), with its tile variants, at 1-4 tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ import json
 import torch
 import triton
 
+from ninfer.kernels.activation import sigmoid_mul
+from ninfer.kernels.gemv import linear, linear_silu_and_mul
 from ninfer.kernels.moe import triton as moe_fast
+from ninfer.kernels.moe_block import triton as block_fast
 from timing import copy_bandwidth, median_seconds  # benchmarks/kernels/timing.py (run as a script)
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
@@ -98,6 +105,59 @@ def bench_batch(batch: int, gate_up: torch.Tensor, down: torch.Tensor, bandwidth
     return rows
 
 
+# (up, down) tiles of the fused block timed beside the default: (BLOCK_N, BLOCK_K, warps)
+BLOCK_VARIANTS = (
+    ((16, 256, 4), (16, 256, 4)),
+    ((32, 256, 4), (16, 256, 4)),
+    ((8, 256, 4), (16, 256, 4)),
+    ((16, 512, 4), (16, 512, 4)),
+    ((16, 256, 4), (32, 256, 4)),
+    ((16, 256, 4), (8, 256, 2)),
+    ((32, 128, 4), (32, 128, 4)),
+    ((16, 256, 8), (16, 256, 8)),
+)
+
+
+def bench_block(batch: int, gate_up, down, bandwidth: float, gen: torch.Generator) -> list[dict]:
+    """One layer's MoE block at decode sizes: separate ops against the fused block."""
+    x = torch.randn(batch, HIDDEN, device="cuda", generator=gen).bfloat16()
+
+    def randn(*shape):
+        return (torch.randn(*shape, device="cuda", generator=gen) * shape[-1] ** -0.5).bfloat16()
+
+    # One router per call: its choices differ call to call, so experts come from HBM.
+    routers = [randn(NUM_EXPERTS, HIDDEN) for _ in range(NUM_CALLS)]
+    shared_gate_up, shared_down, shared_gate = randn(2 * INTER, HIDDEN), randn(HIDDEN, INTER), randn(1, HIDDEN)
+    unique = sum(torch.unique(moe_fast.route(linear(x, r), TOP_K, True)[1]).numel() for r in routers) / NUM_CALLS
+    num_bytes = int((unique + 1) * 3 * HIDDEN * INTER * 2 + (NUM_EXPERTS + 1) * HIDDEN * 2)
+    rows = []
+
+    def record(variant: str, seconds: float) -> None:
+        rows.append({"batch": batch, "op": "moe block", "variant": variant, "unique_experts": unique, "us": seconds * 1e6,
+                     "bytes": num_bytes, "floor_us": num_bytes / bandwidth * 1e6,
+                     "fraction_of_copy_bw": num_bytes / seconds / bandwidth})  # fmt: skip
+
+    def separate_ops():
+        for router in routers:
+            weights, ids = moe_fast.route(linear(x, router), TOP_K, True)
+            out = moe_fast.fused_experts(x, weights, ids, gate_up, down)
+            shared = linear(linear_silu_and_mul(x, shared_gate_up), shared_down)
+            out + sigmoid_mul(shared, linear(x, shared_gate))
+
+    record("separate ops (11 launches)", median_seconds(separate_ops) / NUM_CALLS)
+    for tiles in BLOCK_VARIANTS:
+
+        def fused(tiles=tiles):
+            for router in routers:
+                block_fast.moe_block(x, linear(x, router), TOP_K, True, gate_up, down, shared_gate_up, shared_down,
+                                     shared_gate, tiles=tiles)  # fmt: skip
+
+        name = "fused up" + "/".join(map(str, tiles[0])) + " dn" + "/".join(map(str, tiles[1]))
+        record(name + (" (default)" if tiles == (block_fast.UP_TILE, block_fast.DOWN_TILE) else ""),
+               median_seconds(fused) / NUM_CALLS)  # fmt: skip
+    return rows
+
+
 def prefill_sweep(gate_up: torch.Tensor, down: torch.Tensor, gen: torch.Generator) -> list[dict]:
     """8192-token prefill: the Triton grouped kernels (best tiles of the first sweep) and the
     torch grouped GEMM path, the stages of the default split out by the profiler, and a cuBLAS
@@ -139,6 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write all rows here")
     parser.add_argument("--prefill-sweep", action="store_true", help="only the 8192-token prefill tile sweep")
+    parser.add_argument("--block", action="store_true", help="only the whole decode block: separate ops vs fused")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
@@ -150,6 +211,16 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"copy_bandwidth": bandwidth, "prefill_sweep": sweep}, f, indent=1)
+        return
+    if args.block:
+        rows = [row for batch in range(1, block_fast.MAX_TOKENS + 1) for row in bench_block(batch, gate_up, down, bandwidth, gen)]
+        print(f"{'B':>2} {'variant':44} {'uniq':>5} {'us':>8} {'floor us':>9} {'of copy bw':>10}")
+        for r in rows:
+            print(f"{r['batch']:>2} {r['variant']:44} {r['unique_experts']:5.1f} {r['us']:8.2f} {r['floor_us']:9.2f} "
+                  f"{r['fraction_of_copy_bw']:10.1%}")  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"copy_bandwidth": bandwidth, "block": rows}, f, indent=1)
         return
     rows = []
     for batch in BATCHES:

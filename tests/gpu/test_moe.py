@@ -117,7 +117,64 @@ def test_decode_routing_and_experts_replay_in_a_cuda_graph(batch: int, experts) 
         assert torch.equal(static_out, eager)
 
 
-def test_layer_graph_decode_matches_reference_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module")
+def shared_expert() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator("cuda").manual_seed(1)
+    gate_up = (torch.randn(2 * INTER, HIDDEN, device="cuda", generator=gen) * HIDDEN**-0.5).bfloat16()
+    down = (torch.randn(HIDDEN, INTER, device="cuda", generator=gen) * INTER**-0.5).bfloat16()
+    gate = (torch.randn(1, HIDDEN, device="cuda", generator=gen) * HIDDEN**-0.5).bfloat16()
+    return gate_up, down, gate
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4])
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_moe_block_matches_float64(num_tokens: int, with_shared: bool, experts, shared_expert) -> None:
+    """The fused decode block (router choice, experts, shared expert in two launches)."""
+    from ninfer.kernels.moe_block import moe_block, ref as block_ref
+
+    gen = torch.Generator("cuda").manual_seed(300 + num_tokens)
+    x = torch.randn(num_tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+    logits = torch.randn(num_tokens, NUM_EXPERTS, device="cuda", generator=gen)
+    if num_tokens == 4:
+        logits[:, 17] += 20  # every token streams expert 17 on its own
+    logits = logits.bfloat16()
+    shared = shared_expert if with_shared else (None, None, None)
+    out = moe_block(x, logits, TOP_K, True, *experts, *shared)
+    doubled = [None if w is None else w.double() for w in (*experts, *shared)]
+    # The float64 evaluation takes the experts the bf16 router chose (float64 logits could break a tie otherwise).
+    weights, ids = ref.route(logits, TOP_K, True)
+    exact = ref.fused_experts(x.double(), weights.double(), ids, *doubled[:2])
+    if with_shared:
+        act = torch.nn.functional.linear(x.double(), doubled[2])
+        act = torch.nn.functional.silu(act[:, :INTER]) * act[:, INTER:]
+        exact = exact + torch.nn.functional.linear(act, doubled[3]) * torch.sigmoid(x.double() @ doubled[4].t())
+    bf16_ref = block_ref.moe_block(x, logits, TOP_K, True, *experts, *shared)
+    err, ref_err = _relative_error(out, exact), _relative_error(bf16_ref, exact)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert err < EXPERTS_REL
+    assert err <= ref_err * 1.5  # no worse than the all-bf16 reference
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_moe_block_replays_in_a_cuda_graph(num_tokens: int, experts, shared_expert) -> None:
+    from ninfer.kernels.moe_block import moe_block
+    from tests.gpu.graph_replay import assert_replay_equals_eager
+
+    router = (torch.randn(NUM_EXPERTS, HIDDEN, device="cuda") * HIDDEN**-0.5).bfloat16()
+
+    def fresh(seed: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator("cuda").manual_seed(seed)
+        return {"x": torch.randn(num_tokens, HIDDEN, device="cuda", generator=gen).bfloat16()}
+
+    def step(inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        x = inputs["x"]
+        return [moe_block(x, x @ router.t(), TOP_K, True, *experts, *shared_expert)]
+
+    assert_replay_equals_eager(step, fresh)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 8])  # 1 and 4: the fused block; 8: route + grouped experts
+def test_layer_graph_decode_matches_reference_ops(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """SparseMoE (256 experts, top-8, shared expert) on the fast ops, one CUDA graph replayed
     per decode step, against the same layer on the reference ops.
 
@@ -147,7 +204,7 @@ def test_layer_graph_decode_matches_reference_ops(monkeypatch: pytest.MonkeyPatc
     with torch.no_grad():
         for param in layer.parameters():
             param.normal_(0.0, param.shape[-1] ** -0.5)
-    x = torch.empty(8, HIDDEN, device="cuda")
+    x = torch.empty(batch, HIDDEN, device="cuda")
     with torch.no_grad():
         x.normal_()
         layer(x)  # compile outside the capture
@@ -156,7 +213,7 @@ def test_layer_graph_decode_matches_reference_ops(monkeypatch: pytest.MonkeyPatc
         with torch.cuda.graph(graph):
             static_out = layer(x)
         for _ in range(3):
-            new = torch.randn(8, HIDDEN, device="cuda")
+            new = torch.randn(batch, HIDDEN, device="cuda")
             x.copy_(new)
             graph.replay()
             monkeypatch.setenv("NINFER_KERNELS", "ref")

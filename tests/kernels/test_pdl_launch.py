@@ -30,6 +30,7 @@ KERNEL_MODULES = {
     "attention_prep": ("_prepare_qkv_kernel",),
     "paged_attention": ("_paged_attention_kernel", "_merge_splits_kernel"),
     "moe": ("_route_kernel", "_moe_up_kernel", "_moe_down_kernel", "_combine_kernel"),
+    "moe_block": ("_block_up_kernel", "_block_down_kernel"),
     "gemv": ("_gemv_kernel", "_split_sum_kernel"),
     "nvfp4_gemv": ("_nvfp4_gemv_kernel",),
     "nvfp4_gemm": ("_nvfp4_gemm_kernel",),  # decode batches above 16 rows, and prefill
@@ -129,6 +130,8 @@ def _call_every_wrapper(k) -> None:
     k["moe"].fused_experts(r(3, 64), weights, ids, gate_up, down)  # decode grouping
     prefill_ids = torch.randint(0, 16, (40, 4), generator=gen)
     k["moe"].fused_experts(r(40, 64), r(40, 4), prefill_ids, gate_up, down)  # 160 pairs: sorted by expert
+    shared = (r(96, 64), r(64, 48), r(1, 64))
+    k["moe_block"].moe_block(r(2, 64), r(2, 16), 4, True, gate_up, down, *shared)  # decode: the fused block
     fp8_weight = r(1024, 2048).to(torch.float8_e4m3fn)
     k["gemv"].gemv(r(1, 2048), fp8_weight, r(1024, dtype=f32).abs())  # FMA path
     k["gemv"].gemv(r(4, 2048), fp8_weight, r(1024, dtype=f32).abs())  # tensor-core path
@@ -201,6 +204,7 @@ PRE_WAIT_LOADS = {
     "_conv_update_kernel", "_recurrent_kernel",  # the slot, weights / gate parameters, the state
     "_gemv_kernel",  # the first weight tile (FMA path); with a conv epilogue the slots, conv weights and state
     "_nvfp4_gemv_kernel",  # the first tile of codes
+    "_block_down_kernel",  # the shared expert gate's weight and x (the output of the launch before last)
     "_paged_attention_kernel",  # prefetch_kv: the step's lengths and page table (then L2 prefetches)
 }  # fmt: skip
 _WRITE_OR_BRANCH = re.compile(r"\b(st\.global|atom\.|red\.|cp\.async|bra|ret|exit)\b")

@@ -74,23 +74,15 @@ Tile = tuple[int, int, int, int]
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr,
-    weights_ptr,
-    ids_ptr,
-    stride_lt,
-    num_experts,
-    TOP_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+def top_k_choice(
+    logits_ptr, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr
 ):
-    pdl_sync(USE_PDL)  # before the first global load or store
-    t = tl.program_id(0).to(tl.int64)
+    """One token's choice from its E logits at logits_ptr -> (fp32 weights [BLOCK_K], int64 expert
+    ids [BLOCK_K]), the first TOP_K entries valid: softmax in fp32, k argmax rounds (ties to the
+    lowest id), optionally renormalised. Shared with the fused MoE block (kernels/moe_block)."""
     e = tl.arange(0, BLOCK_E)
     mask = e < num_experts
-    logits = tl.load(logits_ptr + t * stride_lt + e, mask=mask, other=float("-inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + e, mask=mask, other=float("-inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(mask, p, -1.0)  # probabilities are >= 0, so -1 is never picked
@@ -105,6 +97,26 @@ def _route_kernel(
         p = tl.where(e == idx, -1.0, p)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=0)
+    return top_w, top_i
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    stride_lt,
+    num_experts,
+    TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_sync(USE_PDL)  # before the first global load or store
+    t = tl.program_id(0).to(tl.int64)
+    top_w, top_i = top_k_choice(logits_ptr + t * stride_lt, num_experts, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE)
+    j = tl.arange(0, BLOCK_K)
     out_mask = j < TOP_K
     tl.store(weights_ptr + t * TOP_K + j, top_w.to(weights_ptr.dtype.element_ty), mask=out_mask)
     tl.store(ids_ptr + t * TOP_K + j, top_i, mask=out_mask)

@@ -7,6 +7,7 @@ from torch import nn
 
 from ninfer.kernels.activation import sigmoid_mul
 from ninfer.kernels.moe import fused_experts, route
+from ninfer.kernels.moe_block import MAX_TOKENS, moe_block
 from ninfer.models.config import ModelConfig
 from ninfer.models.layers.linear import Linear
 from ninfer.models.layers.mlp import MLP
@@ -38,8 +39,29 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize)
+        router_logits = self.gate(x)
+        block = self._block_weights(x)
+        if block is not None:
+            return moe_block(x, router_logits, self.top_k, self.renormalize, *block)
+        weights, expert_ids = route(router_logits, self.top_k, self.renormalize)
         out = self.experts(x, weights, expert_ids)
         if self.shared_expert is not None:
             out = out + sigmoid_mul(self.shared_expert(x), self.shared_expert_gate(x))
         return out
+
+    def _block_weights(self, x: torch.Tensor) -> tuple[torch.Tensor | None, ...] | None:
+        """The weights of moe_block where it computes this block (decode sizes, every weight
+        unquantized in x's dtype, no biases), else None: prefill, and quantized experts or
+        shared expert (their modules' own kernels)."""
+        if x.shape[0] > MAX_TOKENS:
+            return None
+        experts = self.experts
+        weights = [getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)]
+        if self.shared_expert is not None:
+            linears = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
+            if any(getattr(linear, "bias", None) is not None for linear in linears):
+                return None
+            weights += [getattr(linear, "weight", None) for linear in linears]
+        if any(not isinstance(w, torch.Tensor) or w.dtype != x.dtype for w in weights):
+            return None
+        return (*weights, *(None,) * (5 - len(weights)))

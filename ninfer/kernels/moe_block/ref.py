@@ -1,0 +1,43 @@
+"""A whole routed MoE block at decode sizes: router choice, the chosen experts' SwiGLU, their
+weighted sum, and the sigmoid-gated shared expert, from the router's logits.
+
+The reference is the block as the layers compute it op by op (kernels/moe's route and
+fused_experts, then the shared expert's products and gate), with their roundings.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.kernels.activation.ref import sigmoid_mul, silu_and_mul
+from ninfer.kernels.moe.ref import fused_experts, route
+
+# The fused kernels give every (token, expert) pair its own weight stream, which pays while
+# tokens rarely share an expert; they take up to this many tokens (a K = 3 verify round of
+# one request). Larger batches run kernels/moe's grouped kernels.
+MAX_TOKENS = 4
+
+
+def moe_block(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    shared_gate_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T, H], router_logits [T, E]; experts gate_up_proj [E, 2I, H] (gate rows then up rows)
+    and down_proj [E, H, I]; the shared expert (all three or none): shared_gate_up [2S, H],
+    shared_down [H, S] and its gate shared_gate [1, H]. -> [T, H] in x's dtype."""
+    if (shared_gate_up is None) != (shared_down is None) or (shared_gate_up is None) != (shared_gate is None):
+        raise ValueError("the shared expert takes shared_gate_up, shared_down and shared_gate together")
+    weights, expert_ids = route(router_logits, top_k, renormalize)
+    out = fused_experts(x, weights, expert_ids, gate_up_proj, down_proj)
+    if shared_gate_up is not None:
+        shared = F.linear(silu_and_mul(F.linear(x, shared_gate_up)), shared_down)
+        out = out + sigmoid_mul(shared, F.linear(x, shared_gate))
+    return out

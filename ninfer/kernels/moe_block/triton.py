@@ -1,0 +1,242 @@
+"""The MoE block at decode sizes in two launches: router choice + expert up-projections, then
+down-projections + weighted sum + shared expert.
+
+A decode step of the 35B-A3B is bound by its ~700 launches, not by bandwidth: the block ran
+as eleven (router GEMV, top-k, expert up, expert down, combine, shared gate_up, shared down,
+shared gate GEMV, sigmoid, add), each a graph node of ~2 us against 1-12 us of bytes. Here,
+after the router's GEMV:
+  up:   program (token t, slot j, column tile): slots 0..k-1 are t's routed choices, each
+        program taking the top-k from t's logits itself (the route kernel's helper, the same
+        bits); slot k is the shared expert. act[t, j] = silu(x[t] @ Wg^T) * (x[t] @ Wu^T).
+        Programs of column tile 0 also write the choice (weights, ids) for the down kernel.
+  down: program (token t, column tile) sums w_j * (act[t, j] @ Wd_j^T) over t's k experts,
+        plus sigmoid(x[t] . w_gate) times the shared expert's, in fp32, rounded once.
+Every pair streams its expert's weights on its own (no grouping of tokens that share an
+expert): at <= MAX_TOKENS tokens of top-8 over 256 experts a repeat is rare, and an
+expert read twice in the same launch mostly comes from L2.
+
+The products are weight streams (one row of x per program): each thread multiplies 16-byte
+weight vectors by x in registers and reduces across threads once per program, as the GEMV's
+FMA path does (kernels/gemv).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.activation.triton import silu_mul
+from ninfer.kernels.backend import fast_version
+from ninfer.kernels.moe.triton import top_k_choice
+from ninfer.kernels.moe_block import ref
+from ninfer.kernels.moe_block.ref import MAX_TOKENS
+from ninfer.kernels.pdl import pdl_enabled, pdl_sync
+
+Tile = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_warps)
+# up: BLOCK_N weight rows per program (half gate, half up: BLOCK_N / 2 act columns).
+UP_TILE: Tile = (16, 256, 4)
+DOWN_TILE: Tile = (16, 256, 4)
+
+
+@triton.jit
+def _row_products(
+    x_row_ptr, w_ptr, n_load, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr
+):
+    """fp32 [BLOCK_N]: x_row . w[n] for the rows n_load of a row-major [*, K] weight at w_ptr.
+
+    Tiles are [R, BLOCK_N, VEC] with R = BLOCK_K / VEC first, so a warp reads consecutive
+    16-byte vectors of a weight row and x arrives in the weight's layout; the VEC products
+    are summed in registers each step, the R partial sums once at the end."""
+    R: tl.constexpr = BLOCK_K // VEC
+    k_in_tile = tl.arange(0, R)[:, None, None] * VEC + tl.arange(0, VEC)[None, None, :]  # [R, 1, VEC]
+    w_ptrs = w_ptr + n_load.to(tl.int64)[None, :, None] * K + k_in_tile
+    x_ptrs = x_row_ptr + k_in_tile
+    acc = tl.zeros([R, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if K % BLOCK_K == 0:
+            w = tl.load(w_ptrs + k0)
+            xv = tl.load(x_ptrs + k0)
+        else:
+            in_k = (k0 + k_in_tile) < K
+            w = tl.load(w_ptrs + k0, mask=in_k, other=0.0)
+            xv = tl.load(x_ptrs + k0, mask=in_k, other=0.0)
+        acc += tl.sum(xv.to(tl.float32) * w.to(tl.float32), axis=2)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _glu_rows(col0, rows, BLOCK_N: tl.constexpr):
+    """Weight rows of a gate | up matrix ([2 * rows, K]) for act columns col0 .. col0 + BLOCK_N/2:
+    the gate rows, then the up rows of the same columns. Columns past `rows` re-read the last
+    one (their act is not stored), so the loads need no masks."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    idx = tl.arange(0, BLOCK_N)
+    return tl.minimum(col0 + idx % HALF, rows - 1) + (idx // HALF) * rows
+
+
+@triton.jit
+def _store_act(sums, act_row_ptr, col0, rows, BLOCK_N: tl.constexpr):
+    """act = silu(gate) * up from the [BLOCK_N] gate | up sums, with the roundings of the
+    product then silu_and_mul (gate and up rounded to act's dtype first)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    dtype: tl.constexpr = act_row_ptr.dtype.element_ty
+    sums = sums.to(dtype).to(tl.float32)
+    gate, up = tl.split(tl.permute(tl.reshape(sums, [2, HALF]), [1, 0]))
+    cols = col0 + tl.arange(0, HALF)
+    tl.store(act_row_ptr + cols, silu_mul(gate, up, dtype).to(dtype), mask=cols < rows)
+
+
+@triton.jit
+def _block_up_kernel(
+    x_ptr,
+    logits_ptr,
+    w_ptr,
+    shared_w_ptr,
+    act_ptr,
+    route_w_ptr,
+    ids_ptr,
+    stride_xt,
+    stride_lt,
+    stride_we,
+    num_experts,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    SHARED_INTER: tl.constexpr,
+    ACT_COLS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    t = slot // SLOTS
+    j = slot % SLOTS
+    tile = tl.program_id(1)
+    col0 = tile * (BLOCK_N // 2)
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
+    act_row = act_ptr + slot.to(tl.int64) * ACT_COLS
+    pdl_sync(USE_PDL)  # x and the logits come from the kernels just before
+    if j < TOP_K:
+        top_w, top_i = top_k_choice(logits_ptr + t.to(tl.int64) * stride_lt, num_experts, TOP_K, BLOCK_E, BLOCK_TOP, RENORMALIZE)
+        pick = tl.arange(0, BLOCK_TOP) == j
+        expert = tl.sum(tl.where(pick, top_i, 0), axis=0)
+        if tile == 0:
+            weight = tl.sum(tl.where(pick, top_w, 0.0), axis=0)
+            tl.store(route_w_ptr + t * TOP_K + j, weight.to(route_w_ptr.dtype.element_ty))
+            tl.store(ids_ptr + t * TOP_K + j, expert.to(tl.int32))
+        if col0 < INTER:
+            n_load = _glu_rows(col0, INTER, BLOCK_N)
+            sums = _row_products(x_row, w_ptr + expert * stride_we, n_load, HIDDEN, BLOCK_N, BLOCK_K, VEC)
+            _store_act(sums, act_row, col0, INTER, BLOCK_N)
+    elif col0 < SHARED_INTER:
+        n_load = _glu_rows(col0, SHARED_INTER, BLOCK_N)
+        sums = _row_products(x_row, shared_w_ptr, n_load, HIDDEN, BLOCK_N, BLOCK_K, VEC)
+        _store_act(sums, act_row, col0, SHARED_INTER, BLOCK_N)
+
+
+@triton.jit
+def _block_down_kernel(
+    x_ptr,
+    act_ptr,
+    w_ptr,
+    shared_w_ptr,
+    shared_gate_ptr,
+    route_w_ptr,
+    ids_ptr,
+    out_ptr,
+    stride_xt,
+    stride_we,
+    stride_ot,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    SHARED_INTER: tl.constexpr,
+    ACT_COLS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_load = tl.minimum(n, HIDDEN - 1)
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    if HAS_SHARED:
+        # x is the output of the kernel before last, complete once this program runs
+        # (kernels/pdl.py): the shared gate's inputs load while the up kernel drains.
+        h = tl.arange(0, BLOCK_H)
+        x_gate = tl.load(x_ptr + t * stride_xt + h, mask=h < HIDDEN, other=0.0)
+        w_gate = tl.load(shared_gate_ptr + h, mask=h < HIDDEN, other=0.0)
+    pdl_sync(USE_PDL)  # act and the choice are the up kernel's
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    act_row = act_ptr + t * SLOTS * ACT_COLS
+    for j in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64)
+        weight = tl.load(route_w_ptr + t * TOP_K + j).to(tl.float32)
+        acc += weight * _row_products(act_row + j * ACT_COLS, w_ptr + expert * stride_we, n_load, INTER, BLOCK_N, BLOCK_K, VEC)
+    if HAS_SHARED:
+        gate = tl.sum(x_gate.to(tl.float32) * w_gate.to(tl.float32), axis=0)
+        gate = tl.sigmoid(gate.to(dtype).to(tl.float32))  # the logit rounded, as its Linear's output
+        acc += gate * _row_products(act_row + TOP_K * ACT_COLS, shared_w_ptr, n_load, SHARED_INTER, BLOCK_N, BLOCK_K, VEC)
+    tl.store(out_ptr + t * stride_ot + n, acc.to(dtype), mask=n < HIDDEN)
+
+
+@fast_version(ref.moe_block)
+def moe_block(
+    x, router_logits, top_k, renormalize, gate_up_proj, down_proj, shared_gate_up=None, shared_down=None, shared_gate=None,
+    *,
+    tiles: tuple[Tile, Tile] | None = None,
+):  # fmt: skip
+    """Same contract as ref.moe_block for T <= MAX_TOKENS and weights in x's dtype (16-bit,
+    or fp32 under the interpreter). Capture-safe: the launch follows the shapes alone.
+    tiles overrides the (up, down) launch shapes; for the benchmark."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up_proj.shape
+    has_shared = shared_gate_up is not None
+    if has_shared != (shared_down is not None) or has_shared != (shared_gate is not None):
+        raise ValueError("the shared expert takes shared_gate_up, shared_down and shared_gate together")
+    if num_tokens > MAX_TOKENS:
+        raise ValueError(f"the fused MoE block takes up to {MAX_TOKENS} tokens, not {num_tokens}")
+    weights = [gate_up_proj, down_proj] + ([shared_gate_up, shared_down, shared_gate] if has_shared else [])
+    if any(w.dtype != x.dtype for w in weights):
+        raise ValueError("the fused MoE block takes weights in x's dtype (quantized experts run kernels/moe)")
+    if x.stride(1) != 1 or router_logits.stride(1) != 1 or not all(w.is_contiguous() for w in weights):
+        raise ValueError("x and router_logits rows and the weights must be contiguous")
+    inter = two_inter // 2
+    shared_inter = shared_gate_up.shape[0] // 2 if has_shared else 0
+    slots = top_k + has_shared
+    act_cols = max(inter, shared_inter)
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    act = torch.empty((num_tokens * slots, act_cols), dtype=x.dtype, device=x.device)
+    route_w = torch.empty((num_tokens, top_k), dtype=router_logits.dtype, device=x.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=x.device)
+    vec = 16 // x.element_size()  # 16-byte weight vectors
+    (up_n, up_k, up_warps), (down_n, down_k, down_warps) = tiles or (UP_TILE, DOWN_TILE)
+    use_pdl = pdl_enabled(x)
+    shared = (shared_gate_up, shared_down, shared_gate) if has_shared else (x, x, x)  # unused pointers
+    _block_up_kernel[(num_tokens * slots, triton.cdiv(act_cols, up_n // 2))](
+        x, router_logits, gate_up_proj, shared[0], act, route_w, ids,
+        x.stride(0), router_logits.stride(0), gate_up_proj.stride(0), num_experts,
+        HIDDEN=hidden, INTER=inter, SHARED_INTER=shared_inter, ACT_COLS=act_cols, TOP_K=top_k, SLOTS=slots,
+        RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP=triton.next_power_of_2(top_k),
+        BLOCK_N=up_n, BLOCK_K=up_k, VEC=vec, USE_PDL=use_pdl, num_warps=up_warps, launch_pdl=use_pdl,
+    )  # fmt: skip
+    _block_down_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
+        x, act, down_proj, shared[1], shared[2], route_w, ids, out,
+        x.stride(0), down_proj.stride(0), out.stride(0),
+        HIDDEN=hidden, INTER=inter, SHARED_INTER=shared_inter, ACT_COLS=act_cols, TOP_K=top_k, SLOTS=slots,
+        HAS_SHARED=has_shared, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_N=down_n, BLOCK_K=down_k, VEC=vec, USE_PDL=use_pdl, num_warps=down_warps,
+        launch_pdl=use_pdl,
+    )  # fmt: skip
+    return out
