@@ -25,7 +25,8 @@ import torch
 import triton
 
 from ninfer.kernels.activation import sigmoid_mul
-from ninfer.kernels.gemv import linear, linear_silu_and_mul
+from ninfer.kernels.gemv import gemv, gemv_silu_and_mul, linear
+from ninfer.kernels.gemv.ref import quantize_blocks
 from ninfer.kernels.moe import triton as moe_fast
 from ninfer.kernels.moe_block import triton as block_fast
 from timing import copy_bandwidth, median_seconds  # benchmarks/kernels/timing.py (run as a script)
@@ -118,8 +119,10 @@ BLOCK_VARIANTS = (
 )
 
 
-def bench_block(batch: int, gate_up, down, bandwidth: float, gen: torch.Generator) -> list[dict]:
-    """One layer's MoE block at decode sizes: separate ops against the fused block."""
+def bench_block(batch: int, gate_up, down, bandwidth: float, gen: torch.Generator, fp8: bool = False) -> list[dict]:
+    """One layer's MoE block at decode sizes: separate ops against the fused block. fp8: experts
+    in 128 x 128 blocks (Qwen's FP8 checkpoints), the shared expert in row blocks (Fp8Linear's
+    layout for them), router and shared gate bf16."""
     x = torch.randn(batch, HIDDEN, device="cuda", generator=gen).bfloat16()
 
     def randn(*shape):
@@ -128,20 +131,25 @@ def bench_block(batch: int, gate_up, down, bandwidth: float, gen: torch.Generato
     # One router per call: its choices differ call to call, so experts come from HBM.
     routers = [randn(NUM_EXPERTS, HIDDEN) for _ in range(NUM_CALLS)]
     shared_gate_up, shared_down, shared_gate = randn(2 * INTER, HIDDEN), randn(HIDDEN, INTER), randn(1, HIDDEN)
+    scales = [None] * 4
+    if fp8:
+        (gate_up, scales[0]), (down, scales[1]) = quantize_blocks(gate_up, 128), quantize_blocks(down, 128)
+        (shared_gate_up, scales[2]), (shared_down, scales[3]) = quantize_blocks(shared_gate_up, 1), quantize_blocks(shared_down, 1)
     unique = sum(torch.unique(moe_fast.route(linear(x, r), TOP_K, True)[1]).numel() for r in routers) / NUM_CALLS
-    num_bytes = int((unique + 1) * 3 * HIDDEN * INTER * 2 + (NUM_EXPERTS + 1) * HIDDEN * 2)
+    weight_bytes = 1 if fp8 else 2
+    num_bytes = int((unique + 1) * 3 * HIDDEN * INTER * weight_bytes + (NUM_EXPERTS + 1) * HIDDEN * 2)
     rows = []
 
     def record(variant: str, seconds: float) -> None:
-        rows.append({"batch": batch, "op": "moe block", "variant": variant, "unique_experts": unique, "us": seconds * 1e6,
-                     "bytes": num_bytes, "floor_us": num_bytes / bandwidth * 1e6,
-                     "fraction_of_copy_bw": num_bytes / seconds / bandwidth})  # fmt: skip
+        rows.append({"batch": batch, "op": "moe block" + (" fp8" if fp8 else ""), "variant": variant,
+                     "unique_experts": unique, "us": seconds * 1e6, "bytes": num_bytes,
+                     "floor_us": num_bytes / bandwidth * 1e6, "fraction_of_copy_bw": num_bytes / seconds / bandwidth})  # fmt: skip
 
     def separate_ops():
         for router in routers:
             weights, ids = moe_fast.route(linear(x, router), TOP_K, True)
-            out = moe_fast.fused_experts(x, weights, ids, gate_up, down)
-            shared = linear(linear_silu_and_mul(x, shared_gate_up), shared_down)
+            out = moe_fast.fused_experts(x, weights, ids, gate_up, down, scales[0], scales[1])
+            shared = gemv(gemv_silu_and_mul(x, shared_gate_up, scales[2]), shared_down, scales[3])
             out + sigmoid_mul(shared, linear(x, shared_gate))
 
     record("separate ops (11 launches)", median_seconds(separate_ops) / NUM_CALLS)
@@ -150,7 +158,7 @@ def bench_block(batch: int, gate_up, down, bandwidth: float, gen: torch.Generato
         def fused(tiles=tiles):
             for router in routers:
                 block_fast.moe_block(x, linear(x, router), TOP_K, True, gate_up, down, shared_gate_up, shared_down,
-                                     shared_gate, tiles=tiles)  # fmt: skip
+                                     shared_gate, *scales, tiles=tiles)  # fmt: skip
 
         name = "fused up" + "/".join(map(str, tiles[0])) + " dn" + "/".join(map(str, tiles[1]))
         record(name + (" (default)" if tiles == (block_fast.UP_TILE, block_fast.DOWN_TILE) else ""),
@@ -213,10 +221,11 @@ def main() -> None:
                 json.dump({"copy_bandwidth": bandwidth, "prefill_sweep": sweep}, f, indent=1)
         return
     if args.block:
-        rows = [row for batch in range(1, block_fast.MAX_TOKENS + 1) for row in bench_block(batch, gate_up, down, bandwidth, gen)]
-        print(f"{'B':>2} {'variant':44} {'uniq':>5} {'us':>8} {'floor us':>9} {'of copy bw':>10}")
+        rows = [row for fp8 in (False, True) for batch in range(1, block_fast.MAX_TOKENS + 1)
+                for row in bench_block(batch, gate_up, down, bandwidth, gen, fp8)]  # fmt: skip
+        print(f"{'B':>2} {'op':13} {'variant':44} {'uniq':>5} {'us':>8} {'floor us':>9} {'of copy bw':>10}")
         for r in rows:
-            print(f"{r['batch']:>2} {r['variant']:44} {r['unique_experts']:5.1f} {r['us']:8.2f} {r['floor_us']:9.2f} "
+            print(f"{r['batch']:>2} {r['op']:13} {r['variant']:44} {r['unique_experts']:5.1f} {r['us']:8.2f} {r['floor_us']:9.2f} "
                   f"{r['fraction_of_copy_bw']:10.1%}")  # fmt: skip
         if args.json:
             with open(args.json, "w") as f:

@@ -8,9 +8,9 @@ fused_experts, then the shared expert's products and gate), with their roundings
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ninfer.kernels.activation.ref import sigmoid_mul, silu_and_mul
+from ninfer.kernels.activation.ref import sigmoid_mul
+from ninfer.kernels.gemv.ref import gemv, gemv_silu_and_mul
 from ninfer.kernels.moe.ref import fused_experts, route
 
 # The fused kernels give every (token, expert) pair its own weight stream, which pays while
@@ -29,15 +29,23 @@ def moe_block(
     shared_gate_up: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    shared_gate_up_scale: torch.Tensor | None = None,
+    shared_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], router_logits [T, E]; experts gate_up_proj [E, 2I, H] (gate rows then up rows)
     and down_proj [E, H, I]; the shared expert (all three or none): shared_gate_up [2S, H],
-    shared_down [H, S] and its gate shared_gate [1, H]. -> [T, H] in x's dtype."""
+    shared_down [H, S] and its gate shared_gate [1, H]. -> [T, H] in x's dtype.
+
+    FP8 (weight-only): the experts e4m3 with gate_up_scale and down_scale in a layout of
+    kernels/moe/ref.py, and on its own the shared expert's projections e4m3 with their scales
+    in a layout of kernels/gemv/ref.py; the shared gate stays in x's dtype."""
     if (shared_gate_up is None) != (shared_down is None) or (shared_gate_up is None) != (shared_gate is None):
         raise ValueError("the shared expert takes shared_gate_up, shared_down and shared_gate together")
     weights, expert_ids = route(router_logits, top_k, renormalize)
-    out = fused_experts(x, weights, expert_ids, gate_up_proj, down_proj)
+    out = fused_experts(x, weights, expert_ids, gate_up_proj, down_proj, gate_up_scale, down_scale)
     if shared_gate_up is not None:
-        shared = F.linear(silu_and_mul(F.linear(x, shared_gate_up)), shared_down)
-        out = out + sigmoid_mul(shared, F.linear(x, shared_gate))
+        act = gemv_silu_and_mul(x, shared_gate_up, shared_gate_up_scale)
+        out = out + sigmoid_mul(gemv(act, shared_down, shared_down_scale), gemv(x, shared_gate))
     return out

@@ -17,10 +17,14 @@ expert read twice in the same launch mostly comes from L2.
 
 The products are weight streams (one row of x per program): each thread multiplies 16-byte
 weight vectors by x in registers and reduces across threads once per program, as the GEMV's
-FMA path does (kernels/gemv).
+FMA path does (kernels/gemv). FP8 weights (weight-only) are widened exactly through fp16 as
+there; a per-row scale multiplies each column's sum, a block scale each 16-wide vector's
+(which lies in one 128-wide K block). Each matrix (experts, shared expert) has its own layout.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -28,7 +32,9 @@ import triton.language as tl
 
 from ninfer.kernels.activation.triton import silu_mul
 from ninfer.kernels.backend import fast_version
-from ninfer.kernels.moe.triton import top_k_choice
+from ninfer.kernels.gemv.ref import FP8
+from ninfer.kernels.gemv.triton import _to_fp32
+from ninfer.kernels.moe.triton import _scales, top_k_choice
 from ninfer.kernels.moe_block import ref
 from ninfer.kernels.moe_block.ref import MAX_TOKENS
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
@@ -39,17 +45,28 @@ UP_TILE: Tile = (16, 256, 4)
 DOWN_TILE: Tile = (16, 256, 4)
 
 
+@triton.constexpr_function
+def _vec(dtype):
+    """Weight elements per 16-byte vector."""
+    return 128 // dtype.primitive_bitwidth
+
+
 @triton.jit
 def _row_products(
-    x_row_ptr, w_ptr, n_load, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr
-):
-    """fp32 [BLOCK_N]: x_row . w[n] for the rows n_load of a row-major [*, K] weight at w_ptr.
+    x_row_ptr, w_ptr, scale_ptr, n_load, stride_sn,
+    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_N]: x_row . w[n] for the rows n_load of a row-major [*, K] weight at w_ptr;
+    SCALE 0: none, 1: scale_ptr[n] per row, 2: block scales, row n // SCALE_ROWS of
+    scale_ptr (stride_sn), column k // 128.
 
     Tiles are [R, BLOCK_N, VEC] with R = BLOCK_K / VEC first, so a warp reads consecutive
     16-byte vectors of a weight row and x arrives in the weight's layout; the VEC products
     are summed in registers each step, the R partial sums once at the end."""
+    VEC: tl.constexpr = _vec(w_ptr.dtype.element_ty)
     R: tl.constexpr = BLOCK_K // VEC
-    k_in_tile = tl.arange(0, R)[:, None, None] * VEC + tl.arange(0, VEC)[None, None, :]  # [R, 1, VEC]
+    r = tl.arange(0, R)
+    k_in_tile = r[:, None, None] * VEC + tl.arange(0, VEC)[None, None, :]  # [R, 1, VEC]
     w_ptrs = w_ptr + n_load.to(tl.int64)[None, :, None] * K + k_in_tile
     x_ptrs = x_row_ptr + k_in_tile
     acc = tl.zeros([R, BLOCK_N], dtype=tl.float32)
@@ -61,8 +78,16 @@ def _row_products(
             in_k = (k0 + k_in_tile) < K
             w = tl.load(w_ptrs + k0, mask=in_k, other=0.0)
             xv = tl.load(x_ptrs + k0, mask=in_k, other=0.0)
-        acc += tl.sum(xv.to(tl.float32) * w.to(tl.float32), axis=2)
-    return tl.sum(acc, axis=0)
+        part = tl.sum(xv.to(tl.float32) * _to_fp32(w), axis=2)
+        if SCALE == 2:
+            # Clamped: a masked tail past K would name a block column that does not exist.
+            kb = tl.minimum((k0 + r * VEC) // 128, (K - 1) // 128)
+            part *= tl.load(scale_ptr + (n_load // SCALE_ROWS)[None, :] * stride_sn + kb[:, None])
+        acc += part
+    sums = tl.sum(acc, axis=0)
+    if SCALE == 1:
+        sums *= tl.load(scale_ptr + n_load)
+    return sums
 
 
 @triton.jit
@@ -92,14 +117,23 @@ def _block_up_kernel(
     x_ptr,
     logits_ptr,
     w_ptr,
+    scale_ptr,
     shared_w_ptr,
+    shared_scale_ptr,
     act_ptr,
     route_w_ptr,
     ids_ptr,
     stride_xt,
     stride_lt,
     stride_we,
+    stride_se,
+    stride_sn,
+    shared_stride_sn,
     num_experts,
+    SCALE: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SHARED_SCALE: tl.constexpr,
+    SHARED_SCALE_ROWS: tl.constexpr,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     SHARED_INTER: tl.constexpr,
@@ -111,7 +145,6 @@ def _block_up_kernel(
     BLOCK_TOP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    VEC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     slot = tl.program_id(0)
@@ -132,11 +165,13 @@ def _block_up_kernel(
             tl.store(ids_ptr + t * TOP_K + j, expert.to(tl.int32))
         if col0 < INTER:
             n_load = _glu_rows(col0, INTER, BLOCK_N)
-            sums = _row_products(x_row, w_ptr + expert * stride_we, n_load, HIDDEN, BLOCK_N, BLOCK_K, VEC)
+            sums = _row_products(x_row, w_ptr + expert * stride_we, scale_ptr + expert * stride_se, n_load, stride_sn,
+                                 HIDDEN, BLOCK_N, BLOCK_K, SCALE, SCALE_ROWS)  # fmt: skip
             _store_act(sums, act_row, col0, INTER, BLOCK_N)
     elif col0 < SHARED_INTER:
         n_load = _glu_rows(col0, SHARED_INTER, BLOCK_N)
-        sums = _row_products(x_row, shared_w_ptr, n_load, HIDDEN, BLOCK_N, BLOCK_K, VEC)
+        sums = _row_products(x_row, shared_w_ptr, shared_scale_ptr, n_load, shared_stride_sn,
+                             HIDDEN, BLOCK_N, BLOCK_K, SHARED_SCALE, SHARED_SCALE_ROWS)  # fmt: skip
         _store_act(sums, act_row, col0, SHARED_INTER, BLOCK_N)
 
 
@@ -145,14 +180,23 @@ def _block_down_kernel(
     x_ptr,
     act_ptr,
     w_ptr,
+    scale_ptr,
     shared_w_ptr,
+    shared_scale_ptr,
     shared_gate_ptr,
     route_w_ptr,
     ids_ptr,
     out_ptr,
     stride_xt,
     stride_we,
+    stride_se,
+    stride_sn,
+    shared_stride_sn,
     stride_ot,
+    SCALE: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SHARED_SCALE: tl.constexpr,
+    SHARED_SCALE_ROWS: tl.constexpr,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     SHARED_INTER: tl.constexpr,
@@ -163,7 +207,6 @@ def _block_down_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    VEC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -182,22 +225,48 @@ def _block_down_kernel(
     for j in tl.static_range(TOP_K):
         expert = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64)
         weight = tl.load(route_w_ptr + t * TOP_K + j).to(tl.float32)
-        acc += weight * _row_products(act_row + j * ACT_COLS, w_ptr + expert * stride_we, n_load, INTER, BLOCK_N, BLOCK_K, VEC)
+        acc += weight * _row_products(act_row + j * ACT_COLS, w_ptr + expert * stride_we, scale_ptr + expert * stride_se,
+                                      n_load, stride_sn, INTER, BLOCK_N, BLOCK_K, SCALE, SCALE_ROWS)  # fmt: skip
     if HAS_SHARED:
         gate = tl.sum(x_gate.to(tl.float32) * w_gate.to(tl.float32), axis=0)
         gate = tl.sigmoid(gate.to(dtype).to(tl.float32))  # the logit rounded, as its Linear's output
-        acc += gate * _row_products(act_row + TOP_K * ACT_COLS, shared_w_ptr, n_load, SHARED_INTER, BLOCK_N, BLOCK_K, VEC)
+        acc += gate * _row_products(act_row + TOP_K * ACT_COLS, shared_w_ptr, shared_scale_ptr, n_load, shared_stride_sn,
+                                    SHARED_INTER, BLOCK_N, BLOCK_K, SHARED_SCALE, SHARED_SCALE_ROWS)  # fmt: skip
     tl.store(out_ptr + t * stride_ot + n, acc.to(dtype), mask=n < HIDDEN)
+
+
+class _Layout(NamedTuple):
+    """A weight's scales as the kernels take them (kernels/moe's _Scales, plus the mode)."""
+
+    ptr: torch.Tensor  # the weight itself (an unused pointer) when unscaled
+    stride_expert: int
+    stride_row: int
+    mode: int  # 0: none, 1: per row, 2: blocks
+    scale_rows: int
+
+
+def _layout(weight: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, what: str) -> _Layout:
+    """weight [E, N, K] (scale [E, ...]) or a shared expert's [N, K] (scale [N] or 2-D)."""
+    if (weight.dtype == FP8) != (scale is not None) or weight.dtype not in (FP8, x.dtype):
+        raise ValueError(f"{what}: weights in x's dtype, or e4m3 with their scales (other quantized weights run kernels/moe)")
+    if not weight.is_contiguous():
+        raise ValueError(f"{what}: the weights must be contiguous")
+    if weight.dim() == 2:
+        weight, scale = weight[None], None if scale is None else scale[None]
+    layout = _scales(weight, scale)
+    mode = 0 if scale is None else 2 if layout.block_scales else 1
+    return _Layout(layout.ptr, layout.stride_expert, layout.stride_row, mode, layout.scale_rows)
 
 
 @fast_version(ref.moe_block)
 def moe_block(
     x, router_logits, top_k, renormalize, gate_up_proj, down_proj, shared_gate_up=None, shared_down=None, shared_gate=None,
+    gate_up_scale=None, down_scale=None, shared_gate_up_scale=None, shared_down_scale=None,
     *,
     tiles: tuple[Tile, Tile] | None = None,
 ):  # fmt: skip
-    """Same contract as ref.moe_block for T <= MAX_TOKENS and weights in x's dtype (16-bit,
-    or fp32 under the interpreter). Capture-safe: the launch follows the shapes alone.
+    """Same contract as ref.moe_block for T <= MAX_TOKENS (weights 16-bit, fp32 under the
+    interpreter, or e4m3). Capture-safe: the launch follows the shapes alone.
     tiles overrides the (up, down) launch shapes; for the benchmark."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up_proj.shape
@@ -206,11 +275,17 @@ def moe_block(
         raise ValueError("the shared expert takes shared_gate_up, shared_down and shared_gate together")
     if num_tokens > MAX_TOKENS:
         raise ValueError(f"the fused MoE block takes up to {MAX_TOKENS} tokens, not {num_tokens}")
-    weights = [gate_up_proj, down_proj] + ([shared_gate_up, shared_down, shared_gate] if has_shared else [])
-    if any(w.dtype != x.dtype for w in weights):
-        raise ValueError("the fused MoE block takes weights in x's dtype (quantized experts run kernels/moe)")
-    if x.stride(1) != 1 or router_logits.stride(1) != 1 or not all(w.is_contiguous() for w in weights):
-        raise ValueError("x and router_logits rows and the weights must be contiguous")
+    if x.stride(1) != 1 or router_logits.stride(1) != 1:
+        raise ValueError("x and router_logits rows must be contiguous")
+    up, down = _layout(gate_up_proj, gate_up_scale, x, "experts"), _layout(down_proj, down_scale, x, "experts")
+    if has_shared:
+        shared_up = _layout(shared_gate_up, shared_gate_up_scale, x, "shared expert")
+        shared_dn = _layout(shared_down, shared_down_scale, x, "shared expert")
+        if shared_gate.dtype != x.dtype or not shared_gate.is_contiguous():
+            raise ValueError("shared expert gate: a contiguous weight in x's dtype")
+    else:
+        shared_gate_up = shared_down = shared_gate = x  # unused pointers
+        shared_up = shared_dn = _Layout(x, 0, 0, 0, 1)
     inter = two_inter // 2
     shared_inter = shared_gate_up.shape[0] // 2 if has_shared else 0
     slots = top_k + has_shared
@@ -221,22 +296,23 @@ def moe_block(
     act = torch.empty((num_tokens * slots, act_cols), dtype=x.dtype, device=x.device)
     route_w = torch.empty((num_tokens, top_k), dtype=router_logits.dtype, device=x.device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=x.device)
-    vec = 16 // x.element_size()  # 16-byte weight vectors
     (up_n, up_k, up_warps), (down_n, down_k, down_warps) = tiles or (UP_TILE, DOWN_TILE)
     use_pdl = pdl_enabled(x)
-    shared = (shared_gate_up, shared_down, shared_gate) if has_shared else (x, x, x)  # unused pointers
     _block_up_kernel[(num_tokens * slots, triton.cdiv(act_cols, up_n // 2))](
-        x, router_logits, gate_up_proj, shared[0], act, route_w, ids,
-        x.stride(0), router_logits.stride(0), gate_up_proj.stride(0), num_experts,
+        x, router_logits, gate_up_proj, up.ptr, shared_gate_up, shared_up.ptr, act, route_w, ids,
+        x.stride(0), router_logits.stride(0), gate_up_proj.stride(0), up.stride_expert, up.stride_row,
+        shared_up.stride_row, num_experts,
+        SCALE=up.mode, SCALE_ROWS=up.scale_rows, SHARED_SCALE=shared_up.mode, SHARED_SCALE_ROWS=shared_up.scale_rows,
         HIDDEN=hidden, INTER=inter, SHARED_INTER=shared_inter, ACT_COLS=act_cols, TOP_K=top_k, SLOTS=slots,
         RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP=triton.next_power_of_2(top_k),
-        BLOCK_N=up_n, BLOCK_K=up_k, VEC=vec, USE_PDL=use_pdl, num_warps=up_warps, launch_pdl=use_pdl,
+        BLOCK_N=up_n, BLOCK_K=up_k, USE_PDL=use_pdl, num_warps=up_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     _block_down_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
-        x, act, down_proj, shared[1], shared[2], route_w, ids, out,
-        x.stride(0), down_proj.stride(0), out.stride(0),
+        x, act, down_proj, down.ptr, shared_down, shared_dn.ptr, shared_gate, route_w, ids, out,
+        x.stride(0), down_proj.stride(0), down.stride_expert, down.stride_row, shared_dn.stride_row, out.stride(0),
+        SCALE=down.mode, SCALE_ROWS=down.scale_rows, SHARED_SCALE=shared_dn.mode, SHARED_SCALE_ROWS=shared_dn.scale_rows,
         HIDDEN=hidden, INTER=inter, SHARED_INTER=shared_inter, ACT_COLS=act_cols, TOP_K=top_k, SLOTS=slots,
-        HAS_SHARED=has_shared, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_N=down_n, BLOCK_K=down_k, VEC=vec, USE_PDL=use_pdl, num_warps=down_warps,
-        launch_pdl=use_pdl,
+        HAS_SHARED=has_shared, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_N=down_n, BLOCK_K=down_k, USE_PDL=use_pdl,
+        num_warps=down_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return out

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ninfer.kernels.activation import sigmoid_mul
+from ninfer.kernels.gemv.ref import FP8
 from ninfer.kernels.moe import fused_experts, route
 from ninfer.kernels.moe_block import MAX_TOKENS, moe_block
 from ninfer.models.config import ModelConfig
@@ -50,18 +51,26 @@ class SparseMoE(nn.Module):
         return out
 
     def _block_weights(self, x: torch.Tensor) -> tuple[torch.Tensor | None, ...] | None:
-        """The weights of moe_block where it computes this block (decode sizes, every weight
-        unquantized in x's dtype, no biases), else None: prefill, and quantized experts or
-        shared expert (their modules' own kernels)."""
+        """moe_block's weight arguments where it computes this block, else None. It takes decode
+        sizes, and weights in x's dtype or e4m3 with scales (Experts or Fp8Experts, Linear or
+        Fp8Linear, no biases); prefill and other formats run the modules' own kernels."""
         if x.shape[0] > MAX_TOKENS:
             return None
         experts = self.experts
         weights = [getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)]
+        scales = [getattr(experts, "gate_up_proj_scale", None), getattr(experts, "down_proj_scale", None)]
+        linears = ()
         if self.shared_expert is not None:
             linears = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
-            if any(getattr(linear, "bias", None) is not None for linear in linears):
-                return None
             weights += [getattr(linear, "weight", None) for linear in linears]
-        if any(not isinstance(w, torch.Tensor) or w.dtype != x.dtype for w in weights):
+            scales += [getattr(linear, "weight_scale", None) for linear in linears]
+            if scales.pop() is not None:  # the kernel takes the shared gate unquantized (it has one row)
+                return None
+        if any(getattr(linear, "bias", None) is not None for linear in linears):
             return None
-        return (*weights, *(None,) * (5 - len(weights)))
+        for weight, scale in zip(weights, scales + [None]):
+            if not isinstance(weight, torch.Tensor) or weight.dtype != (x.dtype if scale is None else FP8):
+                return None
+        if self.shared_expert is None:
+            return (*weights, None, None, None, *scales)
+        return (*weights, *scales)
