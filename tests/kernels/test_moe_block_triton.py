@@ -39,7 +39,7 @@ def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     return ((out.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 4])
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 6])  # 6: past MAX_TOKENS (the benchmark times it)
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["default-tiles", "small-tiles"])
 def test_moe_block_matches_reference_fp32(num_tokens: int, shared: bool, tiles) -> None:
@@ -73,9 +73,6 @@ def test_moe_block_bf16_close_to_reference() -> None:
 
 
 def test_refuses_what_it_does_not_fuse() -> None:
-    x, logits, experts, shared_weights = _block(seed=3, num_tokens=ref.MAX_TOKENS + 1)
-    with pytest.raises(ValueError, match="up to"):
-        fast.moe_block(x, logits, TOP_K, True, *experts, *shared_weights)
     x, logits, experts, shared_weights = _block(seed=3, num_tokens=1)
     with pytest.raises(ValueError, match="together"):
         fast.moe_block(x, logits, TOP_K, True, *experts, shared_weights[0], None, None)
