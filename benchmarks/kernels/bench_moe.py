@@ -194,6 +194,17 @@ def prefill_sweep(gate_up: torch.Tensor, down: torch.Tensor, gen: torch.Generato
             replays=10, graph=False))
     record("torch grouped_mm (the default on sm_90)", median_seconds(
         lambda: moe_fast.fused_experts(x, weights, ids, gate_up, down, grouped_mm=True), replays=10, graph=False))
+    # FP8 experts (128 x 128 blocks, Qwen's checkpoints): the Triton kernels on e4m3 tiles, and
+    # every expert dequantized to bf16 for the grouped GEMM (the default from FP8_GROUPED_MM_MIN_PAIRS).
+    (fp8_gate_up, gate_up_scale), (fp8_down, down_scale) = quantize_blocks(gate_up, 128), quantize_blocks(down, 128)
+    fp8 = (fp8_gate_up, fp8_down, gate_up_scale, down_scale)
+    record("FP8 Triton kernels on e4m3 tiles", median_seconds(
+        lambda: moe_fast.fused_experts(x, weights, ids, *fp8, grouped_mm=False), replays=10, graph=False))
+    record("FP8 dequantized + torch grouped_mm", median_seconds(
+        lambda: moe_fast.fused_experts(x, weights, ids, *fp8, grouped_mm=True), replays=10, graph=False))
+    record("FP8 dequantization alone (both)", median_seconds(
+        lambda: (moe_fast.dequantize_experts(fp8_gate_up, gate_up_scale, torch.bfloat16),
+                 moe_fast.dequantize_experts(fp8_down, down_scale, torch.bfloat16)), replays=10, graph=False))
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

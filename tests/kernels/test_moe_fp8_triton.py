@@ -33,7 +33,7 @@ if ON_GPU:
     pytest.importorskip("triton")
     from ninfer.kernels.moe import triton as fast
 else:
-    from tests.kernels.interpreter import cpu_interpreter, interpreted  # noqa: F401 (autouse fixture)
+    from tests.kernels.interpreter import bf16_round_to_nearest_even, cpu_interpreter, interpreted  # noqa: F401 (fixtures)
 
     fast = interpreted("ninfer.kernels.moe.triton")
 
@@ -240,6 +240,13 @@ class TestOnGpu:
         err = _relative_error(out, bf16)
         assert err < AGAINST_BF16_KERNELS_REL
 
+    def test_dequantize_experts_gives_the_reference_bits(self, experts) -> None:
+        """The FP8 prefill's one-pass dequantization (2048 tokens above take it: FP8_GROUPED_MM_MIN_PAIRS)."""
+        _, (gate_up, gate_up_scale, down, down_scale) = experts
+        for weight, scale in ((gate_up, gate_up_scale), (down, down_scale)):
+            out = fast.dequantize_experts(weight, scale, torch.bfloat16)
+            assert torch.equal(out, ref.dequantize_experts(weight, scale, torch.bfloat16))
+
     def test_decode_replays_from_a_cuda_graph(self, experts) -> None:
         _, (gate_up, gate_up_scale, down, down_scale) = experts
         x, weights, ids = self._routed(2, seed=300)
@@ -254,3 +261,15 @@ class TestOnGpu:
         graph.replay()
         expected = fast.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
         assert torch.equal(out, expected)
+
+
+@interpreter_only
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dequantize_experts_gives_the_reference_bits(layout: str, request: pytest.FixtureRequest) -> None:
+    """The one-pass dequantization the FP8 prefill hands to the grouped GEMM: fp32 products rounded once."""
+    request.getfixturevalue("bf16_round_to_nearest_even")  # the GPU's conversion, not the interpreter's
+    gen = torch.Generator().manual_seed(len(layout))
+    codes, scale = _fp8_weight(3, 200, 136, LAYOUTS[layout], gen)  # partial 128-row and 128-column blocks
+    for dtype in (torch.float32, torch.bfloat16):
+        out = fast.dequantize_experts(codes, scale, dtype, block_n=32, block_k=64)
+        assert out.dtype == dtype and torch.equal(out, ref.dequantize_experts(codes, scale, dtype))

@@ -5,3 +5,4 @@ from ninfer.kernels.moe import ref
 
 route = dispatched(__name__, ref.route)
 fused_experts = dispatched(__name__, ref.fused_experts)
+dequantize_experts = dispatched(__name__, ref.dequantize_experts)

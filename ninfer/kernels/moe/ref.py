@@ -53,3 +53,9 @@ def _expert_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
         return F.linear(x, weight)
     compute = torch.promote_types(x.dtype, torch.float32)
     return F.linear(x.to(compute), dequantize(weight, scale).to(compute)).to(x.dtype)
+
+
+def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 experts [E, N, K] with scales in a layout above -> [E, N, K] in dtype: each weight
+    times its scale in fp32, rounded once (what a 16-bit grouped GEMM takes at prefill sizes)."""
+    return torch.stack([dequantize(weight[e], scale[e]) for e in range(weight.shape[0])]).to(dtype)

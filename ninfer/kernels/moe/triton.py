@@ -34,7 +34,9 @@ registers by gemv's exact bit moves (_e4m3_bits: the value times 2^-120 into bf1
 with the activation tile times 2^64 (exact) so products stay clear of fp32's subnormals. A
 per-row scale multiplies each output column's sum once at the end; block scales multiply
 each K step's product (BLOCK_K divides 128, so a step lies in one 128-wide K block). The
-fold 2^56 rides with the scales. Activations stay in x's dtype.
+fold 2^56 rides with the scales. Activations stay in x's dtype. From FP8_GROUPED_MM_MIN_PAIRS
+pairs (a long prefill chunk) the layer's experts are instead dequantized to bf16 in one pass
+(dequantize_experts) for torch's grouped GEMM.
 """
 
 from __future__ import annotations
@@ -509,6 +511,14 @@ def grouped_mm_supported(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
     )
 
 
+def _grouped_mm_default(x: torch.Tensor, gate_up_proj: torch.Tensor, num_pairs: int) -> bool:
+    """Prefill experts on torch's grouped GEMM by default: 16-bit experts where it is supported;
+    FP8 experts dequantized, from FP8_GROUPED_MM_MIN_PAIRS pairs."""
+    if gate_up_proj.dtype != torch.float8_e4m3fn:
+        return grouped_mm_supported(x, gate_up_proj)
+    return num_pairs >= FP8_GROUPED_MM_MIN_PAIRS and grouped_mm_supported(x, x.new_empty((1, 1, 1)))
+
+
 def _grouped_mm_experts(
     x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
 ) -> torch.Tensor:
@@ -582,6 +592,54 @@ def _scales(weight: torch.Tensor, scale: torch.Tensor | None) -> _Scales:
     return _Scales(scale, scale.stride(0), scale.stride(1), True, rows)
 
 
+@triton.jit
+def _dequantize_experts_kernel(
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    stride_se,
+    stride_sn,
+    N,
+    K,
+    BLOCK_SCALES: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    expert = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (n < N)[:, None] & (k < K)[None, :]
+    offsets = expert * N * K + n.to(tl.int64)[:, None] * K + k[None, :]
+    w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)  # e4m3 -> fp32 is exact
+    if BLOCK_SCALES:
+        s = tl.load(scale_ptr + expert * stride_se + (n // SCALE_ROWS)[:, None] * stride_sn + (k // 128)[None, :], mask=mask)
+    else:
+        s = tl.load(scale_ptr + expert * stride_se + n, mask=n < N)[:, None]
+    tl.store(out_ptr + offsets, (w * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@fast_version(ref.dequantize_experts)
+def dequantize_experts(weight, scale, dtype, *, block_n: int = 64, block_k: int = 128):
+    """Same contract as ref.dequantize_experts (the same bits: one fp32 product per weight)."""
+    num_experts, rows, cols = weight.shape
+    if weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous():
+        raise ValueError("dequantize_experts takes contiguous float8_e4m3fn experts")
+    scales = _scales(weight, scale)
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    _dequantize_experts_kernel[(num_experts, triton.cdiv(rows, block_n), triton.cdiv(cols, block_k))](
+        weight, scales.ptr, out, scales.stride_expert, scales.stride_row, rows, cols,
+        BLOCK_SCALES=scales.block_scales, SCALE_ROWS=scales.scale_rows, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+# FP8 experts at prefill sizes: from this many (token, expert) pairs the chosen experts are
+# dequantized to x's dtype for torch's grouped GEMM (see fused_experts) instead of running the
+# Triton grouped kernels on e4m3 tiles.
+FP8_GROUPED_MM_MIN_PAIRS = 16384
+
+
 @fast_version(ref.fused_experts)
 def fused_experts(
     x, weights, expert_ids, gate_up_proj, down_proj, gate_up_scale=None, down_scale=None, *,
@@ -592,7 +650,8 @@ def fused_experts(
     """Same contract as ref.fused_experts. Capture-safe when T * top_k <= DECODE_MAX_PAIRS.
 
     Prefill runs on torch's grouped GEMM where it is supported (grouped_mm None: decide by
-    grouped_mm_supported; 16-bit experts only), else on the Triton grouped kernels. block_m
+    _grouped_mm_default; FP8 experts dequantized to x's dtype first), else on the Triton
+    grouped kernels. block_m
     (Triton prefill only) and tiles override the tile choice; for the benchmark.
     """
     num_tokens, hidden = x.shape
@@ -610,7 +669,12 @@ def fused_experts(
         raise ValueError("FP8 experts take e4m3 gate_up_proj and down_proj with both scales; others neither")
     up_scales, down_scales = _scales(gate_up_proj, gate_up_scale), _scales(down_proj, down_scale)
     decode = num_pairs <= DECODE_MAX_PAIRS
-    if not decode and not fp8 and (grouped_mm if grouped_mm is not None else grouped_mm_supported(x, gate_up_proj)):
+    if not decode and (grouped_mm if grouped_mm is not None else _grouped_mm_default(x, gate_up_proj, num_pairs)):
+        if fp8:
+            # Every expert of the layer, dequantized once: at these sizes nearly all are chosen,
+            # and the bf16 grouped GEMM outruns e4m3 tiles widened in the Triton kernels.
+            gate_up_proj = dequantize_experts(gate_up_proj, gate_up_scale, x.dtype)
+            down_proj = dequantize_experts(down_proj, down_scale, x.dtype)
         return _grouped_mm_experts(x, weights, expert_ids, gate_up_proj, down_proj)
     ids = expert_ids.reshape(-1).contiguous()
     route_w = weights.reshape(-1).contiguous()
