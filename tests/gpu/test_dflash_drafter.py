@@ -43,8 +43,8 @@ def _config(kind: str) -> DraftConfig:
     return DraftConfig.from_hf(hf, kind)
 
 
-def _drafters(kind: str, dtype: torch.dtype) -> dict[str, DflashDrafter]:
-    """The same random drafter (and target stand-in) on the CPU in fp32 and on the GPU in dtype."""
+def _drafters(kind: str, dtype: torch.dtype, cpu_dtype: torch.dtype = torch.float32) -> dict[str, DflashDrafter]:
+    """The same random drafter (and target stand-in) on the CPU in cpu_dtype and on the GPU in dtype."""
     generator = torch.Generator().manual_seed(0)
     model = DflashDraftModel(_config(kind))
     embed, lm_head = nn.Embedding(VOCAB, HIDDEN), Linear(HIDDEN, VOCAB, bias=False)
@@ -54,7 +54,7 @@ def _drafters(kind: str, dtype: torch.dtype) -> dict[str, DflashDrafter]:
                 scale = param.shape[-1] ** -0.5 if param.dim() >= 2 and "codebook" not in name else 0.3
                 param.copy_(torch.randn(param.shape, generator=generator) * scale + (1.0 if "norm" in name else 0.0))
     drafters = {}
-    for device, device_dtype in (("cpu", torch.float32), ("cuda", dtype)):
+    for device, device_dtype in (("cpu", cpu_dtype), ("cuda", dtype)):
         dm = model.to(device, device_dtype) if device == "cpu" else DflashDraftModel(model.config).to(device, device_dtype)
         if device == "cuda":
             dm.load_state_dict(model.state_dict())
@@ -122,7 +122,8 @@ def _round(fixed: dict, step: dict[str, torch.Tensor], dtype: torch.dtype) -> Dr
         aux_layer_ids=(1, 3), aux_hidden=step["aux"].to(dtype),
     )
     inputs = SimpleNamespace(
-        base=fixed["base"], limits=fixed["limits"], request_sampling=fixed["sampling"], draft_noise=step["noise"]
+        base=fixed["base"], limits=fixed["limits"], request_sampling=fixed["sampling"], draft_noise=step["noise"],
+        rope_offsets=torch.zeros_like(fixed["base"]),  # no media: rotary positions are the indices
     )
     return DraftRound(
         num_verify=len(CONTEXT_LENS), target_batch=batch, input_ids=None, hidden=None, slot_hidden=None,
@@ -148,7 +149,22 @@ def _on(device: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
 def test_the_gpu_drafter_equals_the_cpu_drafter(kind: str, dtype: torch.dtype) -> None:
-    drafters = _drafters(kind, dtype)
+    gpu, cpu = _block_hidden(_drafters(kind, dtype))
+    if dtype == torch.float32:
+        torch.testing.assert_close(gpu, cpu, atol=2e-4 * cpu.abs().max(), rtol=0)
+    else:
+        # bf16 through five layers (and DFlash2's dynamic convs) on two devices' kernels: a few
+        # elements drift by a tenth of the range, so the whole block is compared by its relative
+        # error against fp32, next to the same drafter's in bf16 on the CPU (the reference's own
+        # bf16 error: this random DFlash2 drafter drifts ~6% there, DFlash ~2%).
+        _, cpu_bf16 = _block_hidden(_drafters(kind, dtype, cpu_dtype=dtype))
+        relative = ((gpu - cpu).norm() / cpu.norm()).item()
+        reference = ((cpu_bf16 - cpu).norm() / cpu.norm()).item()
+        assert relative < max(2e-2, 1.5 * reference), (relative, reference)
+
+
+def _block_hidden(drafters: dict[str, DflashDrafter]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GPU, CPU) hidden states of one draft block over the same context, as fp32 on the CPU."""
     inputs = _inputs(1)
     hidden = {}
     for device, drafter in drafters.items():
@@ -158,15 +174,7 @@ def test_the_gpu_drafter_equals_the_cpu_drafter(kind: str, dtype: torch.dtype) -
         drafter.model.store_context(batch.aux_hidden, batch.positions, drafter.kv_cache, batch.slot_mapping)
         first = round.tokens.gather(1, round.num_accepted[:, None]).squeeze(1)
         hidden[device] = drafter.block_hidden(round, first).float().cpu()
-    gpu, cpu = hidden["cuda"], hidden["cpu"]
-    if dtype == torch.float32:
-        torch.testing.assert_close(gpu, cpu, atol=2e-4 * cpu.abs().max(), rtol=0)
-    else:
-        # bf16 through five layers (and DFlash2's dynamic convs) on two devices' kernels: a few
-        # elements drift by a tenth of the range (seen: 7 of 5,376), so the whole block is compared
-        # by its relative error, as the other bf16 GPU-vs-reference tests do.
-        relative = ((gpu - cpu).norm() / cpu.norm()).item()
-        assert relative < 2e-2, relative
+    return hidden["cuda"], hidden["cpu"]
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
