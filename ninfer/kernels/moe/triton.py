@@ -613,7 +613,9 @@ def _dequantize_experts_kernel(
     offsets = expert * N * K + n.to(tl.int64)[:, None] * K + k[None, :]
     w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)  # e4m3 -> fp32 is exact
     if BLOCK_SCALES:
-        s = tl.load(scale_ptr + expert * stride_se + (n // SCALE_ROWS)[:, None] * stride_sn + (k // 128)[None, :], mask=mask)
+        # BLOCK_K divides 128: the tile lies in one 128-wide K block, so a scale per row.
+        kb = tl.program_id(2) * BLOCK_K // 128
+        s = tl.load(scale_ptr + expert * stride_se + (n // SCALE_ROWS) * stride_sn + kb, mask=n < N)[:, None]
     else:
         s = tl.load(scale_ptr + expert * stride_se + n, mask=n < N)[:, None]
     tl.store(out_ptr + offsets, (w * s).to(out_ptr.dtype.element_ty), mask=mask)
@@ -621,8 +623,11 @@ def _dequantize_experts_kernel(
 
 @fast_version(ref.dequantize_experts)
 def dequantize_experts(weight, scale, dtype, *, block_n: int = 64, block_k: int = 128):
-    """Same contract as ref.dequantize_experts (the same bits: one fp32 product per weight)."""
+    """Same contract as ref.dequantize_experts (the same bits: one fp32 product per weight).
+    block_k divides 128."""
     num_experts, rows, cols = weight.shape
+    if 128 % block_k:
+        raise ValueError(f"block_k must divide 128, not {block_k}")
     if weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous():
         raise ValueError("dequantize_experts takes contiguous float8_e4m3fn experts")
     scales = _scales(weight, scale)
