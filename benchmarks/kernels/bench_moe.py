@@ -165,7 +165,7 @@ def bench_block(batch: int, gate_up, down, bandwidth: float, gen: torch.Generato
                                      shared_gate, *scales, tiles=tiles)  # fmt: skip
 
         name = "fused up" + "/".join(map(str, tiles[0])) + " dn" + "/".join(map(str, tiles[1]))
-        record(name + (" (default)" if tiles == (block_fast.UP_TILE, block_fast.DOWN_TILE) else ""),
+        record(name + (" (default)" if tiles == block_fast.TILES[1 if fp8 else 2] else ""),
                median_seconds(fused) / NUM_CALLS)  # fmt: skip
     return rows
 

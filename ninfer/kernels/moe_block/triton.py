@@ -39,9 +39,13 @@ from ninfer.kernels.moe_block import ref
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 Tile = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_warps)
-# up: BLOCK_N weight rows per program (half gate, half up: BLOCK_N / 2 act columns).
-UP_TILE: Tile = (16, 256, 4)
-DOWN_TILE: Tile = (16, 256, 4)
+# (up, down) tiles by weight bytes per element, the best of bench_moe.py --block on an H100
+# (35B-A3B shapes, 1-4 tokens). up: BLOCK_N weight rows per program (half gate, half up).
+# FP8 takes 512-wide K steps: at 256 a step is 4 KB a program, too few bytes in flight.
+TILES: dict[int, tuple[Tile, Tile]] = {
+    2: ((8, 256, 1), (16, 256, 4)),
+    1: ((16, 512, 4), (16, 512, 4)),
+}
 
 
 @triton.constexpr_function
@@ -294,7 +298,7 @@ def moe_block(
     act = torch.empty((num_tokens * slots, act_cols), dtype=x.dtype, device=x.device)
     route_w = torch.empty((num_tokens, top_k), dtype=router_logits.dtype, device=x.device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=x.device)
-    (up_n, up_k, up_warps), (down_n, down_k, down_warps) = tiles or (UP_TILE, DOWN_TILE)
+    (up_n, up_k, up_warps), (down_n, down_k, down_warps) = tiles or TILES.get(gate_up_proj.element_size(), TILES[2])
     use_pdl = pdl_enabled(x)
     _block_up_kernel[(num_tokens * slots, triton.cdiv(act_cols, up_n // 2))](
         x, router_logits, gate_up_proj, up.ptr, shared_gate_up, shared_up.ptr, act, route_w, ids,
