@@ -639,10 +639,11 @@ def dequantize_experts(weight, scale, dtype, *, block_n: int = 64, block_k: int 
     return out
 
 
-# FP8 experts at prefill sizes: from this many (token, expert) pairs the chosen experts are
-# dequantized to x's dtype for torch's grouped GEMM (see fused_experts) instead of running the
-# Triton grouped kernels on e4m3 tiles.
-FP8_GROUPED_MM_MIN_PAIRS = 16384
+# FP8 experts at prefill sizes: from this many (token, expert) pairs the experts are dequantized
+# to x's dtype for torch's grouped GEMM (see fused_experts) instead of running the Triton grouped
+# kernels on e4m3 tiles. H100, 35B-A3B, 8K tokens: 2.37 ms against 2.73, of which the
+# dequantization is 0.96 ms whatever the tokens; scaled linearly the two meet near 6K tokens.
+FP8_GROUPED_MM_MIN_PAIRS = 49152
 
 
 @fast_version(ref.fused_experts)
