@@ -240,8 +240,22 @@ class TestOnGpu:
         err = _relative_error(out, bf16)
         assert err < AGAINST_BF16_KERNELS_REL
 
+    @pytest.mark.parametrize("grouped_mm", [False, True])
+    def test_prefill_paths_match_float64(self, grouped_mm: bool, experts) -> None:
+        """2048 tokens on the Triton kernels and on the dequantized grouped GEMM (the default
+        from FP8_GROUPED_MM_MIN_PAIRS)."""
+        layout, (gate_up, gate_up_scale, down, down_scale) = experts
+        x, weights, ids = self._routed(2048, seed=400)
+        out = fast.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, grouped_mm=grouped_mm)
+        exact = ref.fused_experts(
+            x.double(), weights.double(), ids,
+            _dequantized(gate_up, gate_up_scale).double(), _dequantized(down, down_scale).double(),
+        )  # fmt: skip
+        fp8_ref = ref.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
+        assert _relative_error(out, exact) <= max(EXPERTS_REL, 1.5 * _relative_error(fp8_ref, exact))
+
     def test_dequantize_experts_gives_the_reference_bits(self, experts) -> None:
-        """The FP8 prefill's one-pass dequantization (2048 tokens above take it: FP8_GROUPED_MM_MIN_PAIRS)."""
+        """The FP8 prefill's one-pass dequantization."""
         _, (gate_up, gate_up_scale, down, down_scale) = experts
         for weight, scale in ((gate_up, gate_up_scale), (down, down_scale)):
             out = fast.dequantize_experts(weight, scale, torch.bfloat16)
