@@ -251,8 +251,9 @@ class TestOnGpu:
             x.double(), weights.double(), ids,
             _dequantized(gate_up, gate_up_scale).double(), _dequantized(down, down_scale).double(),
         )  # fmt: skip
-        fp8_ref = ref.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
-        assert _relative_error(out, exact) <= max(EXPERTS_REL, 1.5 * _relative_error(fp8_ref, exact))
+        # The grouped path rounds each dequantized weight to bf16 once (the Triton kernels keep
+        # exact products), so only the bf16-operand bound applies to both.
+        assert _relative_error(out, exact) < EXPERTS_REL
 
     def test_dequantize_experts_gives_the_reference_bits(self, experts) -> None:
         """The FP8 prefill's one-pass dequantization."""
