@@ -107,19 +107,18 @@ def bench_batch(batch: int, gate_up: torch.Tensor, down: torch.Tensor, bandwidth
     return rows
 
 
-# (up, down) tiles of the fused block timed beside the default: (BLOCK_N, BLOCK_K, warps)
+# (up, down) tiles of the fused block timed beside the default: (BLOCK_N, BLOCK_K, warps), and
+# for down optionally its splits over the slots
 BLOCK_VARIANTS = (
     ((16, 256, 4), (16, 256, 4)),
-    ((32, 256, 4), (16, 256, 4)),
-    ((8, 256, 4), (16, 256, 4)),
-    ((16, 512, 4), (16, 512, 4)),
-    ((16, 256, 4), (32, 256, 4)),
-    ((16, 256, 4), (8, 256, 2)),
-    ((32, 128, 4), (32, 128, 4)),
-    ((16, 256, 8), (16, 256, 8)),
-    ((16, 256, 2), (16, 256, 4)),
     ((8, 256, 1), (16, 256, 4)),
-    ((16, 256, 1), (16, 256, 1)),
+    ((16, 512, 4), (16, 512, 4)),
+    ((16, 256, 4), (8, 256, 2)),
+    ((8, 256, 1), (16, 256, 4, 3)),
+    ((8, 256, 1), (16, 256, 4, 9)),
+    ((8, 256, 1), (32, 256, 4, 3)),
+    ((16, 512, 4), (16, 512, 4, 3)),
+    ((8, 512, 1), (16, 512, 4)),
 )
 
 

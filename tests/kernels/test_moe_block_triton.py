@@ -16,6 +16,7 @@ fast = interpreted("ninfer.kernels.moe_block.triton")
 
 NUM_EXPERTS, HIDDEN, INTER, SHARED_INTER, TOP_K = 12, 48, 40, 24, 3  # nothing a power of two or a block multiple
 SMALL_TILES = ((8, 16, 1), (8, 16, 1))  # several column tiles and K steps at these sizes
+SPLIT_TILES = ((8, 16, 1), (8, 16, 1, 3))  # the down stage split over the slots, then summed
 
 
 def _block(seed: int, num_tokens: int, dtype: torch.dtype = torch.float32, shared: bool = True):
@@ -41,7 +42,7 @@ def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 4, 6])  # 6: past MAX_TOKENS (the benchmark times it)
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["default-tiles", "small-tiles"])
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES, SPLIT_TILES], ids=["default-tiles", "small-tiles", "split-down"])
 def test_moe_block_matches_reference_fp32(num_tokens: int, shared: bool, tiles) -> None:
     x, logits, experts, shared_weights = _block(seed=num_tokens, num_tokens=num_tokens, shared=shared)
     out = fast.moe_block(x, logits, TOP_K, True, *experts, *shared_weights, tiles=tiles)

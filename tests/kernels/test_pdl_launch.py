@@ -132,6 +132,8 @@ def _call_every_wrapper(k) -> None:
     k["moe"].fused_experts(r(40, 64), r(40, 4), prefill_ids, gate_up, down)  # 160 pairs: sorted by expert
     shared = (r(96, 64), r(64, 48), r(1, 64))
     k["moe_block"].moe_block(r(2, 64), r(2, 16), 4, True, gate_up, down, *shared)  # decode: the fused block
+    k["moe_block"].moe_block(r(1, 64), r(1, 16), 4, True, gate_up, down, *shared,
+                             tiles=((8, 64, 1), (16, 64, 4, 3)))  # down split over the slots, then summed
     fp8_weight = r(1024, 2048).to(torch.float8_e4m3fn)
     k["gemv"].gemv(r(1, 2048), fp8_weight, r(1024, dtype=f32).abs())  # FMA path
     k["gemv"].gemv(r(4, 2048), fp8_weight, r(1024, dtype=f32).abs())  # tensor-core path

@@ -10,7 +10,9 @@ after the router's GEMV:
         bits); slot k is the shared expert. act[t, j] = silu(x[t] @ Wg^T) * (x[t] @ Wu^T).
         Programs of column tile 0 also write the choice (weights, ids) for the down kernel.
   down: program (token t, column tile) sums w_j * (act[t, j] @ Wd_j^T) over t's k experts,
-        plus sigmoid(x[t] . w_gate) times the shared expert's, in fp32, rounded once.
+        plus sigmoid(x[t] . w_gate) times the shared expert's, in fp32, rounded once. A down
+        tile may split the slots over more programs (more weight streams at once): each writes
+        an fp32 partial and one more launch adds them in split order (gemv's split sum).
 Every pair streams its expert's weights on its own (no grouping of tokens that share an
 expert): at <= MAX_TOKENS tokens of top-8 over 256 experts a repeat is rare, and an
 expert read twice in the same launch mostly comes from L2.
@@ -33,12 +35,12 @@ import triton.language as tl
 from ninfer.kernels.activation.triton import silu_mul
 from ninfer.kernels.backend import fast_version
 from ninfer.kernels.gemv.ref import FP8
-from ninfer.kernels.gemv.triton import _to_fp32
+from ninfer.kernels.gemv.triton import _split_sum_kernel, _to_fp32
 from ninfer.kernels.moe.triton import _scales, top_k_choice
 from ninfer.kernels.moe_block import ref
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
-Tile = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_warps)
+Tile = tuple[int, ...]  # (BLOCK_N, BLOCK_K, num_warps); down: optionally the number of splits over the slots
 # (up, down) tiles by weight bytes per element, the best of bench_moe.py --block on an H100
 # (35B-A3B shapes, 1-4 tokens). up: BLOCK_N weight rows per program (half gate, half up).
 # FP8 takes 512-wide K steps: at 256 a step is 4 KB a program, too few bytes in flight.
@@ -190,12 +192,14 @@ def _block_down_kernel(
     route_w_ptr,
     ids_ptr,
     out_ptr,
+    partial_ptr,
     stride_xt,
     stride_we,
     stride_se,
     stride_sn,
     shared_stride_sn,
     stride_ot,
+    NUM_TOKENS,
     SCALE: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     SHARED_SCALE: tl.constexpr,
@@ -207,6 +211,7 @@ def _block_down_kernel(
     TOP_K: tl.constexpr,
     SLOTS: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -223,19 +228,28 @@ def _block_down_kernel(
         x_gate = tl.load(x_ptr + t * stride_xt + h, mask=h < HIDDEN, other=0.0)
         w_gate = tl.load(shared_gate_ptr + h, mask=h < HIDDEN, other=0.0)
     pdl_sync(USE_PDL)  # act and the choice are the up kernel's
+    # SPLITS > 1: program (t, tile, split) sums slots [split * PER, (split + 1) * PER) into an
+    # fp32 partial; a second launch adds the partials in split order (the same bits every run).
+    split = tl.program_id(2)
+    PER: tl.constexpr = (SLOTS + SPLITS - 1) // SPLITS
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     act_row = act_ptr + t * SLOTS * ACT_COLS
     for j in tl.static_range(TOP_K):
-        expert = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64)
-        weight = tl.load(route_w_ptr + t * TOP_K + j).to(tl.float32)
-        acc += weight * _row_products(act_row + j * ACT_COLS, w_ptr + expert * stride_we, scale_ptr + expert * stride_se,
-                                      n_load, stride_sn, INTER, BLOCK_N, BLOCK_K, SCALE, SCALE_ROWS)  # fmt: skip
+        if j // PER == split:
+            expert = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64)
+            weight = tl.load(route_w_ptr + t * TOP_K + j).to(tl.float32)
+            acc += weight * _row_products(act_row + j * ACT_COLS, w_ptr + expert * stride_we, scale_ptr + expert * stride_se,
+                                          n_load, stride_sn, INTER, BLOCK_N, BLOCK_K, SCALE, SCALE_ROWS)  # fmt: skip
     if HAS_SHARED:
-        gate = tl.sum(x_gate.to(tl.float32) * w_gate.to(tl.float32), axis=0)
-        gate = tl.sigmoid(gate.to(dtype).to(tl.float32))  # the logit rounded, as its Linear's output
-        acc += gate * _row_products(act_row + TOP_K * ACT_COLS, shared_w_ptr, shared_scale_ptr, n_load, shared_stride_sn,
-                                    SHARED_INTER, BLOCK_N, BLOCK_K, SHARED_SCALE, SHARED_SCALE_ROWS)  # fmt: skip
-    tl.store(out_ptr + t * stride_ot + n, acc.to(dtype), mask=n < HIDDEN)
+        if TOP_K // PER == split:
+            gate = tl.sum(x_gate.to(tl.float32) * w_gate.to(tl.float32), axis=0)
+            gate = tl.sigmoid(gate.to(dtype).to(tl.float32))  # the logit rounded, as its Linear's output
+            acc += gate * _row_products(act_row + TOP_K * ACT_COLS, shared_w_ptr, shared_scale_ptr, n_load,
+                                        shared_stride_sn, SHARED_INTER, BLOCK_N, BLOCK_K, SHARED_SCALE, SHARED_SCALE_ROWS)  # fmt: skip
+    if SPLITS == 1:
+        tl.store(out_ptr + t * stride_ot + n, acc.to(dtype), mask=n < HIDDEN)
+    else:
+        tl.store(partial_ptr + (split * NUM_TOKENS + t) * HIDDEN + n, acc, mask=n < HIDDEN)
 
 
 class _Layout(NamedTuple):
@@ -298,7 +312,11 @@ def moe_block(
     act = torch.empty((num_tokens * slots, act_cols), dtype=x.dtype, device=x.device)
     route_w = torch.empty((num_tokens, top_k), dtype=router_logits.dtype, device=x.device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=x.device)
-    (up_n, up_k, up_warps), (down_n, down_k, down_warps) = tiles or TILES.get(gate_up_proj.element_size(), TILES[2])
+    up_tile, down_tile = tiles or TILES.get(gate_up_proj.element_size(), TILES[2])
+    (up_n, up_k, up_warps), (down_n, down_k, down_warps, *split) = up_tile, down_tile
+    splits = min(split[0] if split else 1, slots)
+    # fp32 partials of each split over the slots (with one split the down kernel writes out)
+    partial = torch.empty((splits, num_tokens, hidden), dtype=torch.float32, device=x.device) if splits > 1 else out
     use_pdl = pdl_enabled(x)
     _block_up_kernel[(num_tokens * slots, triton.cdiv(act_cols, up_n // 2))](
         x, router_logits, gate_up_proj, up.ptr, shared_gate_up, shared_up.ptr, act, route_w, ids,
@@ -309,12 +327,19 @@ def moe_block(
         RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP=triton.next_power_of_2(top_k),
         BLOCK_N=up_n, BLOCK_K=up_k, USE_PDL=use_pdl, num_warps=up_warps, launch_pdl=use_pdl,
     )  # fmt: skip
-    _block_down_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
-        x, act, down_proj, down.ptr, shared_down, shared_dn.ptr, shared_gate, route_w, ids, out,
+    _block_down_kernel[(num_tokens, triton.cdiv(hidden, down_n), splits)](
+        x, act, down_proj, down.ptr, shared_down, shared_dn.ptr, shared_gate, route_w, ids, out, partial,
         x.stride(0), down_proj.stride(0), down.stride_expert, down.stride_row, shared_dn.stride_row, out.stride(0),
+        num_tokens,
         SCALE=down.mode, SCALE_ROWS=down.scale_rows, SHARED_SCALE=shared_dn.mode, SHARED_SCALE_ROWS=shared_dn.scale_rows,
         HIDDEN=hidden, INTER=inter, SHARED_INTER=shared_inter, ACT_COLS=act_cols, TOP_K=top_k, SLOTS=slots,
-        HAS_SHARED=has_shared, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_N=down_n, BLOCK_K=down_k, USE_PDL=use_pdl,
-        num_warps=down_warps, launch_pdl=use_pdl,
+        HAS_SHARED=has_shared, SPLITS=splits, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_N=down_n, BLOCK_K=down_k,
+        USE_PDL=use_pdl, num_warps=down_warps, launch_pdl=use_pdl,
     )  # fmt: skip
+    if splits > 1:
+        block = min(1024, triton.next_power_of_2(hidden))
+        _split_sum_kernel[(triton.cdiv(hidden, block), num_tokens)](
+            partial, partial, out, num_tokens, hidden, out.stride(0),
+            SPLIT_K=splits, HAS_BIAS=False, BLOCK=block, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        )  # fmt: skip
     return out
