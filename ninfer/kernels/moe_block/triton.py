@@ -42,11 +42,12 @@ from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 Tile = tuple[int, ...]  # (BLOCK_N, BLOCK_K, num_warps); down: optionally the number of splits over the slots
 # (up, down) tiles by weight bytes per element, the best of bench_moe.py --block on an H100
-# (35B-A3B shapes, 1-4 tokens). up: BLOCK_N weight rows per program (half gate, half up).
-# FP8 takes 512-wide K steps: at 256 a step is 4 KB a program, too few bytes in flight.
+# (35B-A3B shapes, 1-4 tokens). up: BLOCK_N weight rows per program (half gate, half up), on
+# one warp (the top-k's reductions need no barriers); down: every slot its own program (9
+# splits), the fp32 partials then summed: one program per 16 columns had too few bytes in flight.
 TILES: dict[int, tuple[Tile, Tile]] = {
-    2: ((8, 256, 1), (16, 256, 4)),
-    1: ((16, 512, 4), (16, 512, 4)),
+    2: ((8, 256, 1), (16, 256, 4, 9)),
+    1: ((8, 256, 1), (16, 256, 4, 9)),
 }
 
 
