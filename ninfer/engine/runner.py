@@ -170,6 +170,8 @@ class ModelRunner:
         """Why prompt and mixed steps of this configuration run eagerly, or None."""
         if num_draft_tokens:
             return "speculative decoding (the drafter reads every prompt step's hidden states)"
+        if model.config.is_moe:
+            return "a MoE model (the routed experts' prompt path sizes its work on the host)"
         if next(model.parameters()).is_cuda:
             return graph_blocker(model)
         return None

@@ -19,9 +19,8 @@ go to the scratch slot), and the runner samples from the slots' logits as after 
 
 Steps stay eager when a graph cannot hold them: more tokens than the largest bucket, more
 requests, media rows (the vision tower's), speculative verification rows. The runner builds no
-step graphs under --spec (the drafter reads every prompt step's hidden states). MoE layers run
-in them as eagerly: their expert order and grouped products take sizes from the shapes alone
-(kernels/moe), and the rows of no request route like any other (their outputs are never read).
+step graphs under --spec (the drafter reads every prompt step's hidden states) or for MoE
+models (the routed experts' prompt path sizes its work on the host).
 """
 
 from __future__ import annotations
