@@ -206,7 +206,7 @@ PRE_WAIT_LOADS = {
     "_conv_update_kernel", "_recurrent_kernel",  # the slot, weights / gate parameters, the state
     "_gemv_kernel",  # the first weight tile (FMA path); with a conv epilogue the slots, conv weights and state
     "_nvfp4_gemv_kernel",  # the first tile of codes
-    "_block_down_kernel",  # the shared expert gate's weight and x (the output of the launch before last)
+    "_block_down_kernel",  # the shared expert gate's weight and x (x: written three launches earlier)
     "_paged_attention_kernel",  # prefetch_kv: the step's lengths and page table (then L2 prefetches)
 }  # fmt: skip
 _WRITE_OR_BRANCH = re.compile(r"\b(st\.global|atom\.|red\.|cp\.async|bra|ret|exit)\b")

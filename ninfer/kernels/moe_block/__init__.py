@@ -1,4 +1,4 @@
-"""The routed MoE block at decode sizes (router choice, experts, shared expert) in two launches:
+"""The routed MoE block at decode sizes (router choice, experts, shared expert) in three launches:
 the op of ref.py, run by triton.py on CUDA (kernels/backend.py)."""
 
 import torch

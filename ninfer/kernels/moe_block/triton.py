@@ -1,18 +1,18 @@
-"""The MoE block at decode sizes in two launches: router choice + expert up-projections, then
-down-projections + weighted sum + shared expert.
+"""The MoE block at decode sizes in three launches: router choice + expert up-projections, then
+down-projections of each slot, then their weighted sum with the shared expert's.
 
-A decode step of the 35B-A3B is bound by its ~700 launches, not by bandwidth: the block ran
-as eleven (router GEMV, top-k, expert up, expert down, combine, shared gate_up, shared down,
-shared gate GEMV, sigmoid, add), each a graph node of ~2 us against 1-12 us of bytes. Here,
-after the router's GEMV:
+The block ran as eleven launches (router GEMV, top-k, expert up, expert down, combine, shared
+gate_up, shared down, shared gate GEMV, sigmoid, add). Inside a CUDA graph with PDL launches
+are cheap; what set the time was how many weight streams ran at once. Here, after the
+router's GEMV:
   up:   program (token t, slot j, column tile): slots 0..k-1 are t's routed choices, each
         program taking the top-k from t's logits itself (the route kernel's helper, the same
         bits); slot k is the shared expert. act[t, j] = silu(x[t] @ Wg^T) * (x[t] @ Wu^T).
         Programs of column tile 0 also write the choice (weights, ids) for the down kernel.
-  down: program (token t, column tile) sums w_j * (act[t, j] @ Wd_j^T) over t's k experts,
-        plus sigmoid(x[t] . w_gate) times the shared expert's, in fp32, rounded once. A down
-        tile may split the slots over more programs (more weight streams at once): each writes
-        an fp32 partial and one more launch adds them in split order (gemv's split sum).
+  down: program (token t, column tile, split) computes w_j * (act[t, j] @ Wd_j^T) for the
+        slots of its split (by default one each; slot k is the shared expert, weighted by
+        sigmoid(x[t] . w_gate)) in fp32; gemv's split-sum kernel adds the splits in order and
+        rounds once. With one split the down kernel sums all slots and writes the output.
 Every pair streams its expert's weights on its own (no grouping of tokens that share an
 expert): at <= MAX_TOKENS tokens of top-8 over 256 experts a repeat is rare, and an
 expert read twice in the same launch mostly comes from L2.
@@ -223,8 +223,8 @@ def _block_down_kernel(
     n_load = tl.minimum(n, HIDDEN - 1)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     if HAS_SHARED:
-        # x is the output of the kernel before last, complete once this program runs
-        # (kernels/pdl.py): the shared gate's inputs load while the up kernel drains.
+        # x was written three launches earlier (the norm before the router's GEMV), so it is
+        # complete once this program runs (kernels/pdl.py): these load while the up kernel drains.
         h = tl.arange(0, BLOCK_H)
         x_gate = tl.load(x_ptr + t * stride_xt + h, mask=h < HIDDEN, other=0.0)
         w_gate = tl.load(shared_gate_ptr + h, mask=h < HIDDEN, other=0.0)
