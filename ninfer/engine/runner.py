@@ -58,6 +58,7 @@ from ninfer.engine.step_readback import MAX_TOP_LOGPROBS, MAX_UNREAD_STEPS, Step
 from ninfer.engine.step_layout import StepLayout
 from ninfer.engine.verify_graphs import VerifyGraphs
 from ninfer.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
+from ninfer.kernels.gemv import UNQUANTIZED_GEMV_MAX_ROWS
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.dflash import DflashDraftModel
 from ninfer.models.forward_batch import ForwardBatch, HostStaging
@@ -182,9 +183,11 @@ class ModelRunner:
     ) -> None:
         kv = self.kv_cache
         max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
-        # FP8 layers run the GEMV (bf16 activations) up to its row limit and the FP8 matmul
-        # (activations quantized) above: a bucket ends there, so a padded step runs eager's products.
-        switches = (GEMV_MAX_ROWS,) if weight_format(self.model) == "fp8" else ()
+        # Layers hand over from the GEMV to a matmul at a row count: 16-bit (and NVFP4) ones above
+        # 16 rows (cuBLAS, the NVFP4 GEMM), FP8 ones above the GEMV's limit (the FP8 matmul). A
+        # bucket ends at each, so a padded step runs the products its eager step runs (routers and
+        # other 16-bit layers run at the bucket's rows in FP8 models too).
+        switches = (UNQUANTIZED_GEMV_MAX_ROWS,) + ((GEMV_MAX_ROWS,) if weight_format(self.model) == "fp8" else ())
         buckets = token_buckets(max_tokens, max_decode_rows, switches)
         graphs = StepGraphs(self.model, kv, self.state_cache, self.slot_logits, self.num_valid_tokens, buckets,
                             max_requests, max_pages, scratch_slot, scratch_page)

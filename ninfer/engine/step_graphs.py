@@ -4,8 +4,9 @@ A step that carries prompt tokens runs the same kernels as a decode round, layer
 eagerly it costs the host ~1,000 launches: below ~1K tokens that host work, not the GPU, sets the
 step's time. Here such steps replay a graph captured at start-up for the smallest token bucket
 that holds them (powers of two from 16, plus the most decode rows a step can carry, up to the
-largest bucket, and with FP8 weights the GEMV's largest row count, where their products change
-kernel), in two variants: with and without checkpoints inside the step (models/step_snapshots.py).
+largest bucket, and the row counts where layers leave the GEMV for a matmul: 16 for 16-bit and
+NVFP4 layers, the GEMV's largest with FP8 weights), in two variants: with and without
+checkpoints inside the step (models/step_snapshots.py).
 
 A graph's shape is fixed, so a step is padded to it (models/padded_step.py): its requests fill
 the first rows of a request table of max_requests + 1 rows, the others are empty (no rows, the

@@ -89,6 +89,14 @@ def _count_runs(graphs: StepGraphs) -> _Runs:
     return runs
 
 
+def test_a_bucket_ends_where_the_layers_leave_the_gemv(tmp_root):
+    """16-bit layers run the GEMV up to 16 rows and a matmul above: a prompt of up to 16 tokens
+    pads to 16, so its padded step runs its eager step's products."""
+    model = _model("qwen3_5", tmp_root, torch.float32, "cpu")
+    padded, _ = _runners(model)
+    assert padded.step_graphs.buckets == [16, 20, 36, 68, 132, 200]
+
+
 def test_token_buckets() -> None:
     assert token_buckets(1032) == [16, 32, 64, 128, 256, 512, 1024, 1032]
     assert token_buckets(64) == [16, 32, 64]

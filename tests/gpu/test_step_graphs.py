@@ -63,7 +63,7 @@ def test_replayed_prompt_and_mixed_steps_equal_eager_steps(arch, tmp_root):
     replays = []
     for key, graph in list(graphed.step_graphs.graphs.items()):
         graphed.step_graphs.graphs[key] = _Counted(graph, key, replays)
-    histories = {i: tokens(i, 12 + 33 * i) for i in range(4)}  # 12..111 tokens: buckets 20..132
+    histories = {i: tokens(i, 12 + 33 * i) for i in range(4)}  # 12..111 tokens: buckets 16..132
     for i, prompt in histories.items():
         ids = [runner.execute(SchedulerStep(StepKind.PREFILL, [chunk(i, prompt, 0)])) for runner in (graphed, eager)]
         assert ids[0] == ids[1], f"prompt {i}"
@@ -78,8 +78,8 @@ def test_replayed_prompt_and_mixed_steps_equal_eager_steps(arch, tmp_root):
     ids = [runner.execute(SchedulerStep(StepKind.MIXED, step)) for runner in (graphed, eager)]
     assert ids[0] == ids[1]
     _assert_close(graphed, eager, [1, 2, 6], "checkpoint inside the step")
-    # Buckets at max_batch 4: 20, 36, 68, 132 and 200.
-    assert [key for key, _ in replays] == [(20, False), (68, False), (132, False), (132, False), (132, False),
+    # Buckets at max_batch 4: 16 (the GEMV's last row count), 20, 36, 68, 132 and 200.
+    assert [key for key, _ in replays] == [(16, False), (68, False), (132, False), (132, False), (132, False),
                                            (200, True)]
 
 
