@@ -14,8 +14,8 @@ from ninfer.kernels.gemv.ref import gemv, gemv_silu_and_mul
 from ninfer.kernels.moe.ref import fused_experts, route
 
 # The fused kernels give every (token, expert) pair its own weight stream, which pays while
-# tokens rarely share an expert; they take up to this many tokens (a K = 3 verify round of
-# one request). Larger batches run kernels/moe's grouped kernels.
+# tokens rarely share an expert: the layers use them up to this many tokens (a K = 3 verify
+# round of one request) and kernels/moe's grouped kernels for larger batches.
 MAX_TOKENS = 4
 
 

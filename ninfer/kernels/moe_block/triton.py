@@ -222,17 +222,19 @@ def _block_down_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_load = tl.minimum(n, HIDDEN - 1)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
+    # SPLITS > 1: program (t, tile, split) sums slots [split * PER, (split + 1) * PER) into an
+    # fp32 partial; a second launch adds the partials in split order (the same bits every run).
+    PER: tl.constexpr = (SLOTS + SPLITS - 1) // SPLITS
     if HAS_SHARED:
         # x was written three launches earlier (the norm before the router's GEMV), so it is
         # complete once this program runs (kernels/pdl.py): these load while the up kernel drains.
+        # Only the split holding the shared slot reads them (a predicate, not a branch, before the wait).
         h = tl.arange(0, BLOCK_H)
-        x_gate = tl.load(x_ptr + t * stride_xt + h, mask=h < HIDDEN, other=0.0)
-        w_gate = tl.load(shared_gate_ptr + h, mask=h < HIDDEN, other=0.0)
+        gate_mask = (h < HIDDEN) & (tl.program_id(2) == TOP_K // PER)
+        x_gate = tl.load(x_ptr + t * stride_xt + h, mask=gate_mask, other=0.0)
+        w_gate = tl.load(shared_gate_ptr + h, mask=gate_mask, other=0.0)
     pdl_sync(USE_PDL)  # act and the choice are the up kernel's
-    # SPLITS > 1: program (t, tile, split) sums slots [split * PER, (split + 1) * PER) into an
-    # fp32 partial; a second launch adds the partials in split order (the same bits every run).
     split = tl.program_id(2)
-    PER: tl.constexpr = (SLOTS + SPLITS - 1) // SPLITS
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     act_row = act_ptr + t * SLOTS * ACT_COLS
     for j in tl.static_range(TOP_K):
