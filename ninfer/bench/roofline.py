@@ -74,7 +74,7 @@ def model_bytes(
     config: ModelConfig, weight_bytes: float, kv_element_bytes: int, batch: int, expert_bytes: float = 2.0
 ) -> ModelBytes:
     """weight_bytes: bytes per Linear weight element (2 for bf16, 1 for FP8); expert_bytes: per
-    routed-expert weight element (FP8 experts: 1; NVFP4 keeps them bf16); lm_head and the MoE
+    routed-expert weight element (FP8 experts: 1; NVFP4: 0.5625); lm_head and the MoE
     routers stay bf16 in every mode."""
     h = config.hidden_size
     attn_layers = len(config.attention_layer_ids)

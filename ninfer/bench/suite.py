@@ -61,6 +61,7 @@ from ninfer.models.loader import QUANTIZE_AT_LOAD, build_model, load_weights
 from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.fp8_experts import Fp8Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
+from ninfer.models.quant.nvfp4_experts import Nvfp4Experts
 
 log = logging.getLogger("ninfer.bench")
 GREEDY = SamplingParams(temperature=0.0, seed=0)
@@ -212,9 +213,9 @@ class Suite:
         load_weights(model, random_tensors(config, torch.bfloat16, self.device, self.options.seed),
                      progress=False, source=f"random {shape} weights", dtype=torch.bfloat16)
         model.eval()
-        replaced = sum(isinstance(m, (Fp8Linear, Fp8Experts, Nvfp4Linear)) for m in model.modules())
+        replaced = sum(isinstance(m, (Fp8Linear, Fp8Experts, Nvfp4Linear, Nvfp4Experts)) for m in model.modules())
         weight_bytes = 2.0
-        self.expert_bytes = 2.0  # routed MoE experts: FP8 under quantize_fp8_, bf16 otherwise (NVFP4 too)
+        self.expert_bytes = 2.0  # routed MoE experts: in the quantized format, bf16 otherwise
         if weights == "fp8":
             weight_bytes = self.expert_bytes = 1.0  # e4m3; per-channel scales are negligible
             log.info("[%s fp8] %d modules quantized as made (Linear layers and routed experts; routers, embedding "
@@ -230,9 +231,11 @@ class Suite:
             weight_bytes, self.expert_bytes = 1.0 + 4 / 128, 1.0
             log.info("[%s fp8-block] %d modules quantized in Qwen's 128x128 blocks (routers, embedding and lm_head stay bf16)", shape, replaced)
         elif weights == "nvfp4":
-            weight_bytes = 0.5 + 1 / 16  # e2m1 codes and an e4m3 scale per 16; row scales are negligible
-            log.info("[%s nvfp4] %d Linear layers quantized as made (experts, routers, embedding and lm_head stay "
-                     "bf16); peak %.1f GiB", shape, replaced, torch.cuda.max_memory_allocated(self.device) / (1 << 30))
+            # e2m1 codes and an e4m3 scale per 16 (row scales are negligible); experts alike
+            weight_bytes = self.expert_bytes = 0.5 + 1 / 16
+            log.info("[%s nvfp4] %d modules quantized as made (Linear layers and routed experts; routers, embedding "
+                     "and lm_head stay bf16); peak %.1f GiB", shape, replaced,
+                     torch.cuda.max_memory_allocated(self.device) / (1 << 30))
         options = self.options
         max_batch = max(options.batches)
         max_tokens = max([max(options.contexts) + 1, *options.prefill_lengths])

@@ -27,6 +27,7 @@ from ninfer.engine.warm_up import run_warm_up
 from ninfer.kernels.backend import persist_compile_caches
 from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.fp8_experts import Fp8Experts
+from ninfer.models.quant.nvfp4_experts import Nvfp4Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
 from ninfer.models.quant.half_weights import store_half_weights_
 
@@ -207,6 +208,7 @@ def describe_quantized(model) -> str:
         "FP8 expert groups (one scale per output row)": per_row_experts,
         "FP8 expert groups (a checkpoint's block scales)": len(experts) - per_row_experts,
         "NVFP4 Linear layers": sum(isinstance(m, Nvfp4Linear) for m in model.modules()),
+        "NVFP4 expert groups": sum(isinstance(m, Nvfp4Experts) for m in model.modules()),
     }
     return ", ".join(f"{count} {kind}" for kind, count in counts.items() if count) or "nothing"
 
@@ -237,6 +239,7 @@ def _num_weights(model) -> int:
         + sum(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear))
         + sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in model.modules() if isinstance(m, Fp8Experts))
         + sum(2 * m.weight.numel() for m in model.modules() if isinstance(m, Nvfp4Linear))
+        + sum(m.num_weights for m in model.modules() if isinstance(m, Nvfp4Experts))
     )
 
 

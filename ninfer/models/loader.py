@@ -27,6 +27,7 @@ from ninfer.models.layers.moe import Experts
 from ninfer.models.quant.fp8 import FP8, SCALE_BLOCK, Fp8Linear, quantize_fp8_
 from ninfer.models.quant.fp8_experts import PROJECTIONS, Fp8Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear, quantize_nvfp4_
+from ninfer.models.quant.nvfp4_experts import Nvfp4Experts
 from ninfer.models.quant.stored_write import StoresCheckpointWrites
 from ninfer.models.registry import CheckpointRule, checkpoint_rule, model_class
 from ninfer.models.weight_load_error import WeightLoadError
@@ -49,7 +50,8 @@ def build_model(
     fp8_weights: stored names and shapes of block-scaled FP8 checkpoint weights; the Linear
     layers they fill become Fp8Linear (row-block scales) and the fused experts Fp8Experts
     (fp8_expert_layouts) before any storage is allocated.
-    nvfp4_weights: likewise for NVFP4 checkpoint weights (their unpacked shapes) -> Nvfp4Linear.
+    nvfp4_weights: likewise for NVFP4 checkpoint weights (their unpacked shapes) -> Nvfp4Linear
+    and Nvfp4Experts.
     quantize: "fp8" | "nvfp4": then the modules quantize_fp8_ / quantize_nvfp4_ would convert
     (of those left) are built quantized and unfilled too, and load_weights quantizes each bf16
     weight into them as it arrives, so no quantized layer's bf16 weights are ever all held.
@@ -63,6 +65,8 @@ def build_model(
             _replace(model, module_name, module_type.placeholder)
     for module_name, rows_per_block in sorted(fp8_expert_layouts(model, config, fp8_weights or {}).items()):
         _replace(model, module_name, lambda experts: Fp8Experts.placeholder(experts, rows_per_block))
+    for module_name in sorted(expert_names(model, config, nvfp4_weights or {})):
+        _replace(model, module_name, Nvfp4Experts.placeholder)
     if quantize is not None:
         if quantize not in QUANTIZE_AT_LOAD:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_AT_LOAD)}, not {quantize!r}")
@@ -97,6 +101,14 @@ def fp8_linear_names(model: nn.Module, config: ModelConfig, fp8_weights: dict[st
         if param_name.endswith(".weight") and isinstance(modules.get(module_name), nn.Linear):
             names.add(module_name)
     return names
+
+
+def expert_names(model: nn.Module, config: ModelConfig, stored: dict[str, tuple[int, ...]]) -> set[str]:
+    """The fused experts that stored quantized weights write into."""
+    modules = dict(model.named_modules())
+    names = {param_name.rpartition(".") for param_name, _ in _stored_writes(model, config, stored)}
+    return {module_name for module_name, _, projection in names
+            if projection in PROJECTIONS and isinstance(modules.get(module_name), Experts)}  # fmt: skip
 
 
 def fp8_expert_layouts(model: nn.Module, config: ModelConfig, fp8_weights: dict[str, tuple[int, ...]]) -> dict[str, int]:

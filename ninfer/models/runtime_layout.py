@@ -22,11 +22,13 @@ from ninfer.models.loader import QUANTIZE_AT_LOAD, WeightLoadError, build_model,
 from ninfer.models.quant.fp8 import SCALE_BLOCK, Fp8Linear
 from ninfer.models.quant.fp8_experts import PROJECTIONS, Fp8Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
+from ninfer.models.quant.nvfp4_experts import Nvfp4Experts
 
 FP8_LINEAR = "fp8_linear"
 NVFP4_LINEAR = "nvfp4_linear"
 # FP8 experts record weight rows per scale row: null (per output row), 128 (128 x 128 blocks) or 1.
 FP8_EXPERTS = "fp8_experts"
+NVFP4_EXPERTS = "nvfp4_experts"
 # Stored bits that must arrive as they are; floating tensors may widen (bf16 stored, fp32 model).
 _EXACT_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
@@ -55,6 +57,8 @@ def quantized_modules(model: nn.Module) -> dict[str, dict[str, object]]:
             modules[name] = {"kind": FP8_EXPERTS, "rows_per_block": module.rows_per_block("gate_up_proj")}
         elif isinstance(module, Nvfp4Linear):
             modules[name] = {"kind": NVFP4_LINEAR}
+        elif isinstance(module, Nvfp4Experts):
+            modules[name] = {"kind": NVFP4_EXPERTS}
     return modules
 
 
@@ -75,7 +79,7 @@ def build_runtime_model(
     model = build_model(config, dtype, "meta")
     for module_name, entry in sorted(modules.items()):
         kind = entry.get("kind")
-        if kind not in (FP8_LINEAR, NVFP4_LINEAR, FP8_EXPERTS):
+        if kind not in (FP8_LINEAR, NVFP4_LINEAR, FP8_EXPERTS, NVFP4_EXPERTS):
             raise WeightLoadError(f"{source}: module {module_name!r} has unknown quantization {kind!r}")
         try:
             module = model.get_submodule(module_name)
@@ -85,6 +89,13 @@ def build_runtime_model(
             raise WeightLoadError(f"{source}: quantized module {module_name!r} is not part of this model") from None
         if kind == FP8_EXPERTS:
             replacement: nn.Module = _fp8_experts_placeholder(module, entry.get("rows_per_block"), module_name, source)
+        elif kind == NVFP4_EXPERTS:
+            if not isinstance(module, Experts):
+                raise WeightLoadError(f"{source}: NVFP4 experts {module_name!r} are not fused experts here")
+            try:
+                replacement = Nvfp4Experts.placeholder(module)
+            except ValueError as error:
+                raise WeightLoadError(f"{source}: NVFP4 experts {module_name!r}: {error}") from None
         elif not isinstance(module, nn.Linear):
             raise WeightLoadError(f"{source}: quantized module {module_name!r} is not a Linear layer here")
         elif kind == FP8_LINEAR:
@@ -179,9 +190,10 @@ def _arriving_weights(model: nn.Module, module_names: Iterable[str]) -> dict[str
     arriving: dict[str, tuple[nn.Module, str, list[str]]] = {}
     for module_name in module_names:
         module = model.get_submodule(module_name)
-        if isinstance(module, Fp8Experts):
+        if isinstance(module, (Fp8Experts, Nvfp4Experts)):
             for projection in PROJECTIONS:
-                filled = [f"{module_name}.{projection}", f"{module_name}.{projection}_scale"]
+                suffixes = ("", "_scale") if isinstance(module, Fp8Experts) else ("", "_block_scale", "_row_scale")
+                filled = [f"{module_name}.{projection}{suffix}" for suffix in suffixes]
                 arriving[filled[0]] = (module, projection, filled)
         else:
             buffers = [f"{module_name}.{name}" for name, _ in module.named_buffers(recurse=False)]
@@ -194,14 +206,14 @@ def _quantize_saved(
 ) -> None:
     weight = getattr(module, attribute)
     expected = tuple(weight.shape)
-    if isinstance(module, Nvfp4Linear):
+    if isinstance(module, (Nvfp4Linear, Nvfp4Experts)):
         expected = (*weight.shape[:-1], weight.shape[-1] * 2)  # two codes a byte
     if not tensor.is_floating_point() or tuple(tensor.shape) != expected:
         raise WeightLoadError(
             f"{source}: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}; quantized at load, "
             f"the model expects an unquantized {list(expected)}"
         )
-    if isinstance(module, Fp8Experts):
+    if isinstance(module, (Fp8Experts, Nvfp4Experts)):
         module.quantize_into(attribute, None, tensor, dtype)
     else:
         module.quantize_into(None, tensor, dtype)

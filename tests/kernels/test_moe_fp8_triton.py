@@ -17,9 +17,7 @@ with it; so this file imports it only on CPU-only machines.
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
 
 import pytest
 import torch
@@ -163,12 +161,9 @@ def test_launches_compile_for_sm90(layout: str, monkeypatch: pytest.MonkeyPatch)
     run, and compiled for sm_90."""
     from triton.runtime.jit import JITFunction
 
-    from tests.kernels.test_pdl_launch import _ptx
+    from tests.kernels.test_pdl_launch import _ptx, compiled_kernel_module
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    for name in ("ninfer.kernels.pdl", "ninfer.kernels.gemv.triton", "ninfer.kernels.moe.triton"):
-        monkeypatch.delitem(sys.modules, name, raising=False)  # the @jit functions built for compilation
-    compiled = importlib.import_module("ninfer.kernels.moe.triton")
+    compiled = compiled_kernel_module(monkeypatch, "ninfer.kernels.moe.triton")
     recorded: list = []
     monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs: recorded.append((self, args, kwargs)))
     gate_up, gate_up_scale, down, down_scale = _experts(NUM_EXPERTS, 256, 128, "row" if layout == "bf16" else layout, seed=8)

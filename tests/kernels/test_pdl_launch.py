@@ -38,6 +38,17 @@ KERNEL_MODULES = {
 ALL_KERNELS = {name for names in KERNEL_MODULES.values() for name in names}
 
 
+def compiled_kernel_module(monkeypatch: pytest.MonkeyPatch, name: str):
+    """The kernel module `name` built for compilation (not the interpreter): every loaded kernel
+    module with @triton.jit functions is dropped first, since one an interpreter test imported
+    holds interpreted helpers a compilation cannot reference; sys.modules is restored afterwards."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for loaded in list(sys.modules):
+        if loaded.startswith("ninfer.kernels.") and loaded.endswith((".triton", ".pdl", ".l2_prefetch")):
+            monkeypatch.delitem(sys.modules, loaded)
+    return importlib.import_module(name)
+
+
 @pytest.fixture
 def kernels(monkeypatch: pytest.MonkeyPatch):
     """The kernel modules built for compilation (not the interpreter), whatever other test

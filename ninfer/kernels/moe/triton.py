@@ -37,6 +37,11 @@ each K step's product (BLOCK_K divides 128, so a step lies in one 128-wide K blo
 fold 2^56 rides with the scales. Activations stay in x's dtype. From FP8_GROUPED_MM_MIN_PAIRS
 pairs (a long prefill chunk) the layer's experts are instead dequantized to bf16 in one pass
 (dequantize_experts) for torch's grouped GEMM.
+
+NVFP4 experts (ModelOpt's layout: e2m1 codes two a byte, an e4m3 scale per 16, an fp32 scale
+per row) likewise: each K step loads code bytes and block scales and widens them to x's dtype as
+the NVFP4 GEMM does (kernels/nvfp4_gemm's _weight_tile: code value times block scale is exact
+in bf16), the row scale multiplying each column's sum at the end.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from ninfer.kernels.backend import fast_version
 from ninfer.kernels.gemv.ref import SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.gemv.triton import _bits_exp, _e4m3_bits, _x_exp
 from ninfer.kernels.moe import ref
+from ninfer.kernels.nvfp4_gemm.triton import _weight_tile
+from ninfer.kernels.nvfp4_gemv.triton import _decode
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 DECODE_MAX_PAIRS = 128
@@ -72,6 +79,9 @@ FP8_TILES = {
     32: ((64, 128, 4, 3), (64, 128, 4, 3)),
     64: ((64, 128, 4, 3), (64, 128, 4, 3)),
 }
+# NVFP4 experts: the FP8 tiles (BLOCK_K a multiple of 16: whole scale blocks per step); not yet
+# measured on a GPU.
+NVFP4_TILES = FP8_TILES
 Tile = tuple[int, int, int, int]
 
 
@@ -223,12 +233,42 @@ def _weight_dot(acc, a, w, s_ptrs, k0, BLOCK_SCALES: tl.constexpr, FP8_ASM: tl.c
 
 
 @triton.jit
-def _true_sums(acc, s_ptrs, dtype: tl.constexpr, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr):
+def _true_sums(acc, s_ptrs, r_ptrs, dtype: tl.constexpr, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr, NVFP4: tl.constexpr):
     """The fp32 sums in true units: per-row scales (times the fold) applied once per column;
-    block scales already were, step by step."""
+    block scales already were, step by step; NVFP4's row scales once per column."""
     if FP8 and not BLOCK_SCALES:
         acc = acc * (tl.load(s_ptrs) * _fold(dtype))[None, :]
+    if NVFP4:
+        acc = acc * tl.load(r_ptrs)[None, :]
     return acc
+
+
+@triton.jit
+def _nvfp4_ptrs(w_ptr, scale_ptr, expert, n_load, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K: tl.constexpr):
+    """Pointers to K step 0 of an NVFP4 expert's rows n_load: code bytes [BLOCK_N, BLOCK_K/16, 8]
+    and block scales [BLOCK_N, BLOCK_K/16] (a step is whole 16-code scale blocks)."""
+    g = tl.arange(0, BLOCK_K // 16)
+    byte = g[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    rows = n_load.to(tl.int64)
+    codes = w_ptr + expert.to(tl.int64) * stride_we + rows[:, None, None] * stride_wn + byte
+    scales = scale_ptr + expert.to(tl.int64) * stride_se + rows[:, None] * stride_sn + g[None, :]
+    return codes, scales
+
+
+@triton.jit
+def _nvfp4_dot(acc, a, p_codes, p_scales, k0, K, EVEN_K: tl.constexpr):
+    """acc + a @ w^T over the K step at k0 of an NVFP4 weight tile, widened to a's dtype exactly
+    (code value times block scale; the row scale comes in _true_sums). Scale blocks past K
+    load zero codes and zero scales."""
+    BLOCK_K: tl.constexpr = a.shape[1]
+    if EVEN_K:
+        packed = tl.load(p_codes + k0 // 2)
+        scale = tl.load(p_scales + k0 // 16)
+    else:
+        in_k = (k0 + tl.arange(0, BLOCK_K // 16) * 16) < K
+        packed = tl.load(p_codes + k0 // 2, mask=in_k[None, :, None], other=0)
+        scale = tl.load(p_scales + k0 // 16, mask=in_k[None, :], other=0.0)
+    return tl.dot(a, tl.trans(_weight_tile(packed, scale, a.dtype)), acc)
 
 
 @triton.jit
@@ -236,6 +276,7 @@ def _moe_up_kernel(
     x_ptr,
     w_ptr,
     scale_ptr,
+    row_scale_ptr,
     act_ptr,
     ids_ptr,
     sorted_pairs_ptr,
@@ -246,6 +287,7 @@ def _moe_up_kernel(
     stride_wn,
     stride_se,
     stride_sn,
+    stride_re,
     stride_ap,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
@@ -256,12 +298,17 @@ def _moe_up_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_SCALES: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
+    NVFP4: tl.constexpr,
     FP8_ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)  # before the first global load or store (_group_rows loads the expert ids)
     expert, pairs, row_mask = _group_rows(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, DECODE, BLOCK_M)
-    if expert >= 0:
+    if NVFP4:  # constexpr: the e4m3 / 16-bit branch below is not compiled for code bytes
+        if expert >= 0:
+            _moe_up_nvfp4(x_ptr, w_ptr, scale_ptr, row_scale_ptr, act_ptr, expert, pairs, row_mask, stride_xt, stride_we,
+                          stride_wn, stride_se, stride_sn, stride_re, stride_ap, HIDDEN, INTER, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    elif expert >= 0:
         tokens = pairs // TOP_K
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = n < INTER
@@ -292,14 +339,51 @@ def _moe_up_kernel(
             p_gate += BLOCK_K
             p_up += BLOCK_K
         x_dtype: tl.constexpr = x_ptr.dtype.element_ty
-        acc_gate = _true_sums(acc_gate, s_gate, x_dtype, fp8, BLOCK_SCALES)
-        acc_up = _true_sums(acc_up, s_up, x_dtype, fp8, BLOCK_SCALES)
-        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-        tl.store(
-            act_ptr + pairs.to(tl.int64)[:, None] * stride_ap + n[None, :],
-            act.to(act_ptr.dtype.element_ty),
-            mask=row_mask[:, None] & mask_n[None, :],
-        )
+        acc_gate = _true_sums(acc_gate, s_gate, s_gate, x_dtype, fp8, BLOCK_SCALES, False)
+        acc_up = _true_sums(acc_up, s_up, s_up, x_dtype, fp8, BLOCK_SCALES, False)
+        _store_act(acc_gate, acc_up, act_ptr, pairs, n, row_mask, mask_n, stride_ap)
+
+
+@triton.jit
+def _store_act(acc_gate, acc_up, act_ptr, pairs, n, row_mask, mask_n, stride_ap):
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    tl.store(
+        act_ptr + pairs.to(tl.int64)[:, None] * stride_ap + n[None, :],
+        act.to(act_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & mask_n[None, :],
+    )
+
+
+@triton.jit
+def _moe_up_nvfp4(
+    x_ptr, w_ptr, scale_ptr, row_scale_ptr, act_ptr, expert, pairs, row_mask,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_re, stride_ap,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The up stage of one program on NVFP4 experts (the caller's rows and expert)."""
+    tokens = pairs // TOP_K
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = n < INTER
+    n_load = tl.minimum(n, INTER - 1)
+    kk = tl.arange(0, BLOCK_K)
+    p_x = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt + kk[None, :]
+    c_gate, s_gate = _nvfp4_ptrs(w_ptr, scale_ptr, expert, n_load, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
+    c_up, s_up = _nvfp4_ptrs(w_ptr, scale_ptr, expert, INTER + n_load, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    even_k: tl.constexpr = HIDDEN % BLOCK_K == 0
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        if even_k:
+            b_x = tl.load(p_x + k0)
+        else:
+            b_x = tl.load(p_x + k0, mask=((k0 + kk) < HIDDEN)[None, :], other=0.0)
+        acc_gate = _nvfp4_dot(acc_gate, b_x, c_gate, s_gate, k0, HIDDEN, even_k)
+        acc_up = _nvfp4_dot(acc_up, b_x, c_up, s_up, k0, HIDDEN, even_k)
+    r_rows = row_scale_ptr + expert.to(tl.int64) * stride_re
+    acc_gate = _true_sums(acc_gate, r_rows, r_rows + n_load, x_ptr.dtype.element_ty, False, False, True)
+    acc_up = _true_sums(acc_up, r_rows, r_rows + INTER + n_load, x_ptr.dtype.element_ty, False, False, True)
+    _store_act(acc_gate, acc_up, act_ptr, pairs, n, row_mask, mask_n, stride_ap)
 
 
 @triton.jit
@@ -307,6 +391,7 @@ def _moe_down_kernel(
     act_ptr,
     w_ptr,
     scale_ptr,
+    row_scale_ptr,
     part_ptr,
     route_w_ptr,
     ids_ptr,
@@ -318,6 +403,7 @@ def _moe_down_kernel(
     stride_wn,
     stride_se,
     stride_sn,
+    stride_re,
     stride_pp,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
@@ -327,6 +413,7 @@ def _moe_down_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_SCALES: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
+    NVFP4: tl.constexpr,
     FP8_ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -338,22 +425,33 @@ def _moe_down_kernel(
         n_load = tl.minimum(n, HIDDEN - 1)
         kk = tl.arange(0, BLOCK_K)
         p_act = act_ptr + pairs.to(tl.int64)[:, None] * stride_ap + kk[None, :]
-        p_w = w_ptr + expert.to(tl.int64) * stride_we + n_load[None, :] * stride_wn + kk[:, None]
-        s_w = _scale_ptrs(scale_ptr, expert, n_load, stride_se, stride_sn, SCALE_ROWS)
         fp8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            if INTER % BLOCK_K == 0:
-                b_act = tl.load(p_act)
-                b_w = tl.load(p_w)
-            else:
-                mask_k = (k0 + kk) < INTER
-                b_act = tl.load(p_act, mask=mask_k[None, :], other=0.0)
-                b_w = tl.load(p_w, mask=mask_k[:, None], other=0.0)
-            acc = _weight_dot(acc, _fp8_lhs(b_act, fp8), b_w, s_w, k0, BLOCK_SCALES, FP8_ASM)
-            p_act += BLOCK_K
-            p_w += BLOCK_K
-        acc = _true_sums(acc, s_w, act_ptr.dtype.element_ty, fp8, BLOCK_SCALES)
+        if NVFP4:
+            c_w, s_w = _nvfp4_ptrs(w_ptr, scale_ptr, expert, n_load, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
+            for k0 in range(0, INTER, BLOCK_K):
+                if INTER % BLOCK_K == 0:
+                    b_act = tl.load(p_act + k0)
+                else:
+                    b_act = tl.load(p_act + k0, mask=((k0 + kk) < INTER)[None, :], other=0.0)
+                acc = _nvfp4_dot(acc, b_act, c_w, s_w, k0, INTER, INTER % BLOCK_K == 0)
+            r_w = row_scale_ptr + expert.to(tl.int64) * stride_re + n_load
+        else:
+            p_w = w_ptr + expert.to(tl.int64) * stride_we + n_load[None, :] * stride_wn + kk[:, None]
+            s_w = _scale_ptrs(scale_ptr, expert, n_load, stride_se, stride_sn, SCALE_ROWS)
+            r_w = s_w
+            for k0 in range(0, INTER, BLOCK_K):
+                if INTER % BLOCK_K == 0:
+                    b_act = tl.load(p_act)
+                    b_w = tl.load(p_w)
+                else:
+                    mask_k = (k0 + kk) < INTER
+                    b_act = tl.load(p_act, mask=mask_k[None, :], other=0.0)
+                    b_w = tl.load(p_w, mask=mask_k[:, None], other=0.0)
+                acc = _weight_dot(acc, _fp8_lhs(b_act, fp8), b_w, s_w, k0, BLOCK_SCALES, FP8_ASM)
+                p_act += BLOCK_K
+                p_w += BLOCK_K
+        acc = _true_sums(acc, s_w, r_w, act_ptr.dtype.element_ty, fp8, BLOCK_SCALES, NVFP4)
         route_w = tl.load(route_w_ptr + pairs).to(tl.float32)
         acc = acc * route_w[:, None]
         tl.store(
@@ -513,8 +611,8 @@ def grouped_mm_supported(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
 
 def _grouped_mm_default(x: torch.Tensor, gate_up_proj: torch.Tensor, num_pairs: int) -> bool:
     """Prefill experts on torch's grouped GEMM by default: 16-bit experts where it is supported;
-    FP8 experts dequantized, from FP8_GROUPED_MM_MIN_PAIRS pairs."""
-    if gate_up_proj.dtype != torch.float8_e4m3fn:
+    FP8 and NVFP4 experts dequantized, from FP8_GROUPED_MM_MIN_PAIRS pairs."""
+    if gate_up_proj.dtype not in (torch.float8_e4m3fn, torch.uint8):
         return grouped_mm_supported(x, gate_up_proj)
     return num_pairs >= FP8_GROUPED_MM_MIN_PAIRS and grouped_mm_supported(x, x.new_empty((1, 1, 1)))
 
@@ -575,13 +673,22 @@ class _Scales(NamedTuple):
     stride_row: int
     block_scales: bool  # False: one scale per output row, or none
     scale_rows: int  # weight rows per scale row: 128 (128 x 128 blocks) or 1
+    row_ptr: torch.Tensor | None = None  # NVFP4: the row scales [E, N] (ptr: the block scales)
+    stride_row_expert: int = 0
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.row_ptr is not None
 
 
-def _scales(weight: torch.Tensor, scale: torch.Tensor | None) -> _Scales:
+def _scales(weight: torch.Tensor, scale: ref.ExpertScales | None) -> _Scales:
     """weight [E, N, K]'s scales: none, per output row [E, N], or blocks [E, ceil(N/128) or N,
-    ceil(K/128)] (ref.py's layouts)."""
+    ceil(K/128)]; NVFP4 codes [E, N, K/2]: (block scales [E, N, K/16], row scales [E, N])
+    (ref.py's layouts)."""
     if scale is None:
         return _Scales(weight, 0, 0, False, 1)
+    if isinstance(scale, tuple):
+        return _nvfp4_scales(weight, *scale)
     if scale.dtype != torch.float32 or scale.stride(-1) != 1:
         raise ValueError("expert scales must be float32 with contiguous rows")
     if scale.dim() == 2 and scale.shape == weight.shape[:2]:
@@ -590,6 +697,24 @@ def _scales(weight: torch.Tensor, scale: torch.Tensor | None) -> _Scales:
     if rows is None:
         raise ValueError(f"scales {tuple(scale.shape)} fit no layout of expert weights {tuple(weight.shape)}")
     return _Scales(scale, scale.stride(0), scale.stride(1), True, rows)
+
+
+def _nvfp4_scales(codes: torch.Tensor, block_scale: torch.Tensor, row_scale: torch.Tensor) -> _Scales:
+    num_experts, rows, packed_cols = codes.shape
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"NVFP4 experts: codes must be uint8 [E, N, K/2], got {codes.dtype}")
+    if block_scale.dtype != torch.float8_e4m3fn or tuple(block_scale.shape) != (num_experts, rows, packed_cols // 8):
+        raise ValueError(
+            f"NVFP4 experts: block_scale must be float8_e4m3fn {(num_experts, rows, packed_cols // 8)},"
+            f" got {block_scale.dtype} {tuple(block_scale.shape)}"
+        )
+    if row_scale.dtype != torch.float32 or tuple(row_scale.shape) != (num_experts, rows):
+        raise ValueError(
+            f"NVFP4 experts: row_scale must be float32 {(num_experts, rows)}, got {row_scale.dtype} {tuple(row_scale.shape)}"
+        )
+    if packed_cols % 8 or block_scale.stride(-1) != 1 or row_scale.stride(-1) != 1:
+        raise ValueError("NVFP4 experts: K a multiple of 16, scales with contiguous rows")
+    return _Scales(block_scale, block_scale.stride(0), block_scale.stride(1), False, 1, row_scale, row_scale.stride(0))
 
 
 @triton.jit
@@ -621,13 +746,51 @@ def _dequantize_experts_kernel(
     tl.store(out_ptr + offsets, (w * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dequantize_nvfp4_experts_kernel(
+    w_ptr,
+    block_scale_ptr,
+    row_scale_ptr,
+    out_ptr,
+    N,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (expert, row tile, column tile): each value times (block scale times row scale),
+    the scales' product rounded first in fp32 as ref.py's dequantization does."""
+    expert = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(2) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    rows = expert * N + n.to(tl.int64)
+    mask = (n < N)[:, None] & (g * 16 < K)[None, :]
+    byte = g[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    packed = tl.load(w_ptr + rows[:, None, None] * (K // 2) + byte, mask=mask[:, :, None], other=0)
+    block_scale = tl.load(block_scale_ptr + rows[:, None] * (K // 16) + g[None, :], mask=mask, other=0.0)
+    scale = block_scale.to(tl.float32) * tl.load(row_scale_ptr + rows, mask=n < N, other=0.0)[:, None]
+    low, high = _decode(packed)  # values times 2^-14, exact
+    values = tl.join(low * 16384.0 * scale[:, :, None], high * 16384.0 * scale[:, :, None])  # [N, G, 8, 2]
+    cols = g[None, :, None, None] * 16 + tl.arange(0, 8)[None, None, :, None] * 2 + tl.arange(0, 2)[None, None, None, :]
+    out_mask = (n < N)[:, None, None, None] & (cols < K)
+    tl.store(out_ptr + rows[:, None, None, None] * K + cols, values.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 @fast_version(ref.dequantize_experts)
 def dequantize_experts(weight, scale, dtype, *, block_n: int = 64, block_k: int = 128):
     """Same contract as ref.dequantize_experts (the same bits: one fp32 product per weight).
     block_k divides 128."""
     num_experts, rows, cols = weight.shape
-    if 128 % block_k:
-        raise ValueError(f"block_k must divide 128, not {block_k}")
+    if 128 % block_k or block_k % 16:
+        raise ValueError(f"block_k must divide 128 and be a multiple of 16, not {block_k}")
+    if isinstance(scale, tuple):
+        scales = _nvfp4_scales(weight, *scale)
+        if not weight.is_contiguous() or not scale[0].is_contiguous() or not scale[1].is_contiguous():
+            raise ValueError("dequantize_experts takes contiguous NVFP4 codes and scales")
+        out = torch.empty((num_experts, rows, cols * 2), dtype=dtype, device=weight.device)
+        _dequantize_nvfp4_experts_kernel[(num_experts, triton.cdiv(rows, block_n), triton.cdiv(cols * 2, block_k))](
+            weight, scales.ptr, scales.row_ptr, out, rows, cols * 2, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        )  # fmt: skip
+        return out
     if weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous():
         raise ValueError("dequantize_experts takes contiguous float8_e4m3fn experts")
     scales = _scales(weight, scale)
@@ -670,15 +833,21 @@ def fused_experts(
         return out
     if x.stride(1) != 1 or gate_up_proj.stride(2) != 1 or down_proj.stride(2) != 1:
         raise ValueError("x rows and expert weight rows must be contiguous")
+    quantized = gate_up_proj.dtype in (torch.float8_e4m3fn, torch.uint8)
+    if quantized != (gate_up_scale is not None) or quantized != (down_scale is not None) or down_proj.dtype != gate_up_proj.dtype:
+        raise ValueError("FP8 and NVFP4 experts take gate_up_proj and down_proj of one format with both scales; others neither")
     fp8 = gate_up_proj.dtype == torch.float8_e4m3fn
-    if fp8 != (gate_up_scale is not None) or fp8 != (down_scale is not None) or down_proj.dtype != gate_up_proj.dtype:
-        raise ValueError("FP8 experts take e4m3 gate_up_proj and down_proj with both scales; others neither")
     up_scales, down_scales = _scales(gate_up_proj, gate_up_scale), _scales(down_proj, down_scale)
+    nvfp4 = up_scales.nvfp4
+    if nvfp4:
+        inter = down_proj.shape[2] * 2  # codes two a byte
+    elif gate_up_proj.dtype == torch.uint8:
+        raise ValueError("FP8 expert scales are one tensor (NVFP4's a (block_scale, row_scale) pair for uint8 codes)")
     decode = num_pairs <= DECODE_MAX_PAIRS
     if not decode and (grouped_mm if grouped_mm is not None else _grouped_mm_default(x, gate_up_proj, num_pairs)):
-        if fp8:
+        if quantized:
             # Every expert of the layer, dequantized once: at these sizes nearly all are chosen,
-            # and the bf16 grouped GEMM outruns e4m3 tiles widened in the Triton kernels.
+            # and the bf16 grouped GEMM outruns quantized tiles widened in the Triton kernels.
             gate_up_proj = dequantize_experts(gate_up_proj, gate_up_scale, x.dtype)
             down_proj = dequantize_experts(down_proj, down_scale, x.dtype)
         return _grouped_mm_experts(x, weights, expert_ids, gate_up_proj, down_proj)
@@ -695,9 +864,11 @@ def fused_experts(
         # Rows per expert on average decide how full a block is; weights are read once per block.
         block_m = block_m or min(64, max(16, triton.next_power_of_2(triton.cdiv(num_pairs, num_experts))))
         sorted_pairs, block_expert, num_programs = _sort_by_expert(expert_ids, num_experts, block_m)
-    up_cfg, down_cfg = tiles or (FP8_TILES if fp8 else TILES)[min(block_m, 64)]
+    up_cfg, down_cfg = tiles or (NVFP4_TILES if nvfp4 else FP8_TILES if fp8 else TILES)[min(block_m, 64)]
     if (up_scales.block_scales and SCALE_BLOCK % up_cfg[1]) or (down_scales.block_scales and SCALE_BLOCK % down_cfg[1]):
         raise ValueError(f"block-scaled experts need a BLOCK_K that divides {SCALE_BLOCK}, not {up_cfg[1]} / {down_cfg[1]}")
+    if nvfp4 and (up_cfg[1] % 16 or down_cfg[1] % 16):
+        raise ValueError(f"NVFP4 experts need a BLOCK_K of whole 16-code scale blocks, not {up_cfg[1]} / {down_cfg[1]}")
     # fp32 operands take twice the shared memory per pipeline stage; two stages keep the
     # tiles under the 227 KB a block may have.
     max_stages = 2 if x.element_size() > 2 else 8
@@ -709,6 +880,7 @@ def fused_experts(
         x,
         gate_up_proj,
         up_scales.ptr,
+        up_scales.row_ptr if nvfp4 else up_scales.ptr,
         act,
         ids,
         sorted_pairs,
@@ -719,6 +891,7 @@ def fused_experts(
         gate_up_proj.stride(1),
         up_scales.stride_expert,
         up_scales.stride_row,
+        up_scales.stride_row_expert,
         act.stride(0),
         HIDDEN=hidden,
         INTER=inter,
@@ -729,6 +902,7 @@ def fused_experts(
         BLOCK_K=bk,
         BLOCK_SCALES=up_scales.block_scales,
         SCALE_ROWS=up_scales.scale_rows,
+        NVFP4=nvfp4,
         FP8_ASM=fp8_asm,
         USE_PDL=use_pdl,
         num_warps=warps,
@@ -740,6 +914,7 @@ def fused_experts(
         act,
         down_proj,
         down_scales.ptr,
+        down_scales.row_ptr if nvfp4 else down_scales.ptr,
         part,
         route_w,
         ids,
@@ -751,6 +926,7 @@ def fused_experts(
         down_proj.stride(1),
         down_scales.stride_expert,
         down_scales.stride_row,
+        down_scales.stride_row_expert,
         part.stride(0),
         HIDDEN=hidden,
         INTER=inter,
@@ -760,6 +936,7 @@ def fused_experts(
         BLOCK_K=bk,
         BLOCK_SCALES=down_scales.block_scales,
         SCALE_ROWS=down_scales.scale_rows,
+        NVFP4=nvfp4,
         FP8_ASM=fp8_asm,
         USE_PDL=use_pdl,
         num_warps=warps,

@@ -6,7 +6,8 @@ through the weight-only GEMV, which widens codes in registers. Larger batches (p
 run the NVFP4 GEMM (kernels/nvfp4_gemm), which dequantizes weight tiles in registers for
 the tensor cores on CUDA; on the CPU its reference dequantizes the weight and runs one
 fp32 matmul.
-Embeddings, lm_head and MoE routers stay bf16, as in ModelOpt's NVFP4 checkpoints.
+Embeddings, lm_head and MoE routers stay bf16, as in ModelOpt's NVFP4 checkpoints; fused MoE
+experts become Nvfp4Experts (nvfp4_experts.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from torch import nn
 from ninfer.kernels.nvfp4_gemv.ref import MAX_ROWS
 from ninfer.kernels.nvfp4_gemm import nvfp4_matmul
 from ninfer.kernels.nvfp4_gemv import BLOCK, dequantize_nvfp4, gemv_nvfp4, quantize_nvfp4
-from ninfer.models.quant.linear_replacement import UnfusedEpilogues, replace_linear_layers
+from ninfer.models.layers.moe import Experts
+from ninfer.models.quant.linear_replacement import UnfusedEpilogues, replace_linear_layers, replace_modules
+from ninfer.models.quant.nvfp4_experts import Nvfp4Experts
 from ninfer.models.quant.row_chunks import quantize_rows_into
 from ninfer.models.quant.stored_write import StoredWrite
 
@@ -106,14 +109,22 @@ class Nvfp4Linear(UnfusedEpilogues, nn.Module):
 
 
 def quantize_nvfp4_(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, placeholders: bool = False) -> int:
-    """Replace every nn.Linear whose input features are a multiple of 16 by an Nvfp4Linear in
-    place, except those named by `skip` (whole dotted components) or with fewer than 16
-    outputs; returns how many.
+    """Replace every nn.Linear whose input features are a multiple of 16 by an Nvfp4Linear and
+    every fused Experts by an Nvfp4Experts in place, except those named by `skip` (whole dotted
+    components), Linear layers with fewer than 16 outputs, and experts whose projections' input
+    features are not a multiple of 16; returns how many.
     placeholders: unfilled modules instead, on a meta-device model, for the loader to quantize
     each bf16 weight into as it arrives (loader.build_model)."""
-    return replace_linear_layers(
+    linears = replace_linear_layers(
         model,
         skip,
         Nvfp4Linear.placeholder if placeholders else Nvfp4Linear.from_linear,
         lambda linear: linear.out_features >= 16 and linear.in_features % BLOCK == 0,
+    )
+    return linears + replace_modules(
+        model,
+        Experts,
+        skip,
+        Nvfp4Experts.placeholder if placeholders else Nvfp4Experts.from_experts,
+        lambda experts: all(getattr(experts, name).shape[-1] % BLOCK == 0 for name in ("gate_up_proj", "down_proj")),
     )

@@ -16,6 +16,7 @@ from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.fp8_experts import Fp8Experts
 from ninfer.models.quant.half_weights import HalfWeightLinear
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
+from ninfer.models.quant.nvfp4_experts import Nvfp4Experts
 
 
 def weight_format(model: nn.Module) -> str:
@@ -23,6 +24,8 @@ def weight_format(model: nn.Module) -> str:
     for module in model.modules():
         if isinstance(module, Nvfp4Linear):
             elements["nvfp4"] += 2 * module.weight.numel()  # two codes a byte
+        elif isinstance(module, Nvfp4Experts):
+            elements["nvfp4"] += module.num_weights
         elif isinstance(module, (Fp8Linear, Fp8Experts)):
             elements["fp8"] += sum(t.numel() for t in module.buffers(recurse=False) if t.element_size() == 1)
         elif isinstance(module, (nn.Linear, HalfWeightLinear)):
