@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,7 +31,7 @@ import torch
 
 from ninfer.engine.cache.host_kv import HostKV
 from ninfer.engine.cache.host_states import HostStates
-from ninfer.engine.cuda_graphs import DecodeGraphs, graph_blocker
+from ninfer.engine.cuda_graphs import DecodeGraphs
 from ninfer.engine.host_detail import HostDetail
 from ninfer.engine.media_embeddings import MediaEmbeddings
 from ninfer.engine.deferred_sampling import DeferredSampling
@@ -53,16 +52,14 @@ from ninfer.engine.scheduler import (
 from ninfer.engine.speculative.drafter_factory import make_drafter
 from ninfer.engine.speculative.proposal_head import ProposalHead
 from ninfer.engine.speculative.speculator import Speculator
-from ninfer.engine.step_graphs import StepGraphs, token_buckets
+from ninfer.engine.runner_graphs import build_step_graphs, capture_decode_graphs, step_graph_blocker
+from ninfer.engine.step_graphs import StepGraphs
 from ninfer.engine.step_readback import MAX_TOP_LOGPROBS, MAX_UNREAD_STEPS, StepReadback
 from ninfer.engine.step_layout import StepLayout
 from ninfer.engine.verify_graphs import VerifyGraphs
-from ninfer.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from ninfer.kernels.gemv import UNQUANTIZED_GEMV_MAX_ROWS
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.dflash import DflashDraftModel
 from ninfer.models.forward_batch import ForwardBatch, HostStaging
-from ninfer.models.quant.weight_format import weight_format
 from ninfer.models.step_snapshots import StepSnapshots
 from ninfer.models.verify_scratch import VerifyRows
 
@@ -110,7 +107,7 @@ class ModelRunner:
         self.model = model
         param = next(model.parameters())
         self.device = param.device
-        if step_graph_tokens and (blocker := self._step_graph_blocker(model, num_draft_tokens)) is not None:
+        if step_graph_tokens and (blocker := step_graph_blocker(model, num_draft_tokens)) is not None:
             log.info("prompt and mixed steps run eagerly: %s", blocker)
             step_graph_tokens = 0
         # Step graphs pad with a state slot and a KV page that no request uses (beyond the pools).
@@ -156,108 +153,19 @@ class ModelRunner:
         self.verify_graphs: VerifyGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         max_context = max_context or num_pages * page_size
+        caches = (model, self.kv_cache, self.state_cache, self.slot_logits, self.num_valid_tokens)
         if cuda_graph_batch_sizes:
-            self._capture_graphs(sorted(set(cuda_graph_batch_sizes)), max_context)
+            self.graphs, self.verify_graphs = capture_decode_graphs(
+                *caches, sorted(set(cuda_graph_batch_sizes)), max_context, self.sampler, self.speculator
+            )
         if step_graph_tokens:
             # A chunk with a checkpoint inside it is two requests of the forward; steps with more than
             # two such chunks are rare and run eagerly (every request row costs the rule a state copy).
             max_chunks = max_batch or max(cuda_graph_batch_sizes, default=num_state_slots)
             max_requests = max_chunks + min(max_chunks, MAX_GRAPH_SNAPSHOTS)
-            self._build_step_graphs(step_graph_tokens, max_chunks, max_requests, max_context, num_state_slots,
-                                    num_pages)
-
-    @staticmethod
-    def _step_graph_blocker(model: CausalLM, num_draft_tokens: int) -> str | None:
-        """Why prompt and mixed steps of this configuration run eagerly, or None."""
-        if num_draft_tokens:
-            return "speculative decoding (the drafter reads every prompt step's hidden states)"
-        if model.config.is_moe:
-            return "a MoE model (the routed experts' prompt path sizes its work on the host)"
-        if next(model.parameters()).is_cuda:
-            return graph_blocker(model)
-        return None
-
-    def _build_step_graphs(
-        self, max_tokens: int, max_decode_rows: int, max_requests: int, max_context: int, scratch_slot: int,
-        scratch_page: int,
-    ) -> None:
-        kv = self.kv_cache
-        max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
-        # Layers hand over from the GEMV to a matmul at a row count: 16-bit (and NVFP4) ones above
-        # 16 rows (cuBLAS, the NVFP4 GEMM), FP8 ones above the GEMV's limit (the FP8 matmul). A
-        # bucket ends at each, so a padded step runs the products its eager step runs (routers and
-        # other 16-bit layers run at the bucket's rows in FP8 models too).
-        switches = (UNQUANTIZED_GEMV_MAX_ROWS,) + ((GEMV_MAX_ROWS,) if weight_format(self.model) == "fp8" else ())
-        buckets = token_buckets(max_tokens, max_decode_rows, switches)
-        graphs = StepGraphs(self.model, kv, self.state_cache, self.slot_logits, self.num_valid_tokens, buckets,
-                            max_requests, max_pages, scratch_slot, scratch_page)
-        if self.device.type == "cuda":
-            started = time.perf_counter()
-            try:
-                # Into the decode graphs' pool: a replay's intermediates are free by the next replay.
-                graphs.capture(self.graphs.pool if self.graphs is not None else None)
-            except Exception:  # noqa: BLE001 - as for the decode graphs: such steps run eagerly instead
-                log.exception("step graph capture failed; prompt and mixed steps run eagerly")
-                graphs.discard_warmup_writes()
-                return
-            log.info("CUDA graphs captured for prompt and mixed steps of %s tokens in %.1f s",
-                     ", ".join(map(str, buckets)), time.perf_counter() - started)
-        self.step_graphs = graphs
-
-    def _capture_graphs(self, batch_sizes: list[int], max_context: int) -> None:
-        blocker = graph_blocker(self.model)
-        if blocker is not None:
-            log.info("CUDA graphs off: %s", blocker)
-            return
-        speculator = self.speculator
-        if speculator is not None and not getattr(speculator.drafter, "capturable", False):
-            log.info("CUDA graphs off: the drafter cannot be captured")
-            return
-        kv = self.kv_cache
-        max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
-        graphs = DecodeGraphs(
-            self.model, kv, self.state_cache, self.slot_logits, self.num_valid_tokens, batch_sizes, max_pages,
-            self.sampler, speculator=speculator,
-        )
-        try:
-            graphs.capture()
-        except Exception:  # noqa: BLE001 - an op that is not capture-safe must not stop the server
-            log.exception("CUDA graph capture failed; decoding eagerly")
-            graphs.discard_warmup_writes()
-            if speculator is not None:
-                for slot in range(graphs.max_batch):
-                    speculator.reset_slot(slot)  # the drafter's context pass wrote their hidden
-            return
-        self.graphs = graphs
-        log.info("CUDA graphs captured for decode batch sizes %s", ", ".join(map(str, batch_sizes)))
-        if self.speculator is not None:
-            self._capture_verify_graphs(graphs, batch_sizes, max_context)
-
-    def _capture_verify_graphs(self, decode: DecodeGraphs, batch_sizes: list[int], max_context: int) -> None:
-        """Speculative rounds of every batch size, and the commits before them, when the drafter
-        can be captured (test drafters that read the host cannot)."""
-        speculator, kv = self.speculator, self.kv_cache
-        # A round writes K+1 positions past the last committed token (Admission.spare_tokens).
-        width = max_context + speculator.num_draft_tokens + 1
-        max_pages = min(kv.num_pages, -(-width // kv.page_size))
-        batch_sizes = [b for b in batch_sizes if b <= speculator.max_batch]
-        graphs = VerifyGraphs(self.model, kv, self.state_cache, speculator, batch_sizes, max_pages)
-        pool = torch.cuda.graph_pool_handle()
-        try:
-            speculator.capture_commit_graphs(pool)
-            graphs.capture(pool)
-        except Exception:  # noqa: BLE001 - as for the decode graphs: verify eagerly instead
-            log.exception("verify graph capture failed; speculative rounds run eagerly")
-            speculator.discard_commit_graphs()
-            return
-        finally:
-            # The warm-up runs wrote KV page 0 and slots 0..max_batch-1 (states, logits, hidden).
-            decode.discard_warmup_writes()
-            for slot in range(graphs.max_batch):
-                speculator.reset_slot(slot)
-        self.verify_graphs = graphs
-        log.info("CUDA graphs captured for speculative rounds of %d drafts, batch sizes %s",
-                 speculator.num_draft_tokens, ", ".join(map(str, batch_sizes)))
+            # The scratch state slot and KV page sit just past the pools' own.
+            self.step_graphs = build_step_graphs(*caches, self.graphs, self.device, step_graph_tokens, max_chunks,
+                                                 max_requests, max_context, num_state_slots, num_pages)  # fmt: skip
 
     def execute(self, step: SchedulerStep) -> dict[str, int]:
         """Run a step and wait for it: request id -> sampled token id."""

@@ -1,0 +1,123 @@
+"""The runner's CUDA graphs, captured once at start-up: decode rounds (cuda_graphs.py), speculative
+rounds and their commits (verify_graphs.py), prompt and mixed steps (step_graphs.py).
+
+Capture failures are not fatal: an op that is not capture-safe logs the failure and its steps run
+eagerly; the warm-up runs' writes to scratch pages and slots are undone either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ninfer.engine.cuda_graphs import DecodeGraphs, graph_blocker
+from ninfer.engine.sampler import Sampler
+from ninfer.engine.speculative.speculator import Speculator
+from ninfer.engine.step_graphs import StepGraphs, token_buckets
+from ninfer.engine.verify_graphs import VerifyGraphs
+from ninfer.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
+from ninfer.kernels.gemv import UNQUANTIZED_GEMV_MAX_ROWS
+from ninfer.models.causal_lm import CausalLM
+from ninfer.models.quant.weight_format import weight_format
+
+log = logging.getLogger("ninfer.engine")
+
+
+def step_graph_blocker(model: CausalLM, num_draft_tokens: int) -> str | None:
+    """Why prompt and mixed steps of this configuration run eagerly, or None."""
+    if num_draft_tokens:
+        return "speculative decoding (the drafter reads every prompt step's hidden states)"
+    if model.config.is_moe:
+        return "a MoE model (the routed experts' prompt path sizes its work on the host)"
+    if next(model.parameters()).is_cuda:
+        return graph_blocker(model)
+    return None
+
+
+def build_step_graphs(
+    model: CausalLM, kv, state_cache, slot_logits: torch.Tensor, num_valid_tokens: int, decode: DecodeGraphs | None,
+    device: torch.device, max_tokens: int, max_decode_rows: int, max_requests: int, max_context: int, scratch_slot: int, scratch_page: int,
+) -> StepGraphs | None:  # fmt: skip
+    """Step graphs over token buckets up to max_tokens, captured on CUDA into the decode graphs'
+    pool (on the CPU, tests run their padded forward uncaptured); None if capture failed."""
+    max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
+    # Layers hand over from the GEMV to a matmul at a row count: 16-bit (and NVFP4) ones above
+    # 16 rows (cuBLAS, the NVFP4 GEMM), FP8 ones above the GEMV's limit (the FP8 matmul). A
+    # bucket ends at each, so a padded step runs the products its eager step runs (routers and
+    # other 16-bit layers run at the bucket's rows in FP8 models too).
+    switches = (UNQUANTIZED_GEMV_MAX_ROWS,) + ((GEMV_MAX_ROWS,) if weight_format(model) == "fp8" else ())
+    buckets = token_buckets(max_tokens, max_decode_rows, switches)
+    graphs = StepGraphs(model, kv, state_cache, slot_logits, num_valid_tokens, buckets, max_requests, max_pages,
+                        scratch_slot, scratch_page)  # fmt: skip
+    if device.type == "cuda":
+        started = time.perf_counter()
+        try:
+            # Into the decode graphs' pool: a replay's intermediates are free by the next replay.
+            graphs.capture(decode.pool if decode is not None else None)
+        except Exception:  # noqa: BLE001 - as for the decode graphs: such steps run eagerly instead
+            log.exception("step graph capture failed; prompt and mixed steps run eagerly")
+            graphs.discard_warmup_writes()
+            return None
+        log.info("CUDA graphs captured for prompt and mixed steps of %s tokens in %.1f s",
+                 ", ".join(map(str, buckets)), time.perf_counter() - started)  # fmt: skip
+    return graphs
+
+
+def capture_decode_graphs(
+    model: CausalLM, kv, state_cache, slot_logits: torch.Tensor, num_valid_tokens: int, batch_sizes: list[int],
+    max_context: int, sampler: Sampler, speculator: Speculator | None,
+) -> tuple[DecodeGraphs | None, VerifyGraphs | None]:  # fmt: skip
+    """Decode graphs for batch_sizes, and with a speculator its verify graphs: (decode, verify),
+    None where the model, the drafter or a capture does not allow them."""
+    blocker = graph_blocker(model)
+    if blocker is not None:
+        log.info("CUDA graphs off: %s", blocker)
+        return None, None
+    if speculator is not None and not getattr(speculator.drafter, "capturable", False):
+        log.info("CUDA graphs off: the drafter cannot be captured")
+        return None, None
+    max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
+    graphs = DecodeGraphs(model, kv, state_cache, slot_logits, num_valid_tokens, batch_sizes, max_pages, sampler,
+                          speculator=speculator)  # fmt: skip
+    try:
+        graphs.capture()
+    except Exception:  # noqa: BLE001 - an op that is not capture-safe must not stop the server
+        log.exception("CUDA graph capture failed; decoding eagerly")
+        graphs.discard_warmup_writes()
+        if speculator is not None:
+            for slot in range(graphs.max_batch):
+                speculator.reset_slot(slot)  # the drafter's context pass wrote their hidden
+        return None, None
+    log.info("CUDA graphs captured for decode batch sizes %s", ", ".join(map(str, batch_sizes)))
+    verify = _capture_verify_graphs(model, kv, state_cache, graphs, speculator, batch_sizes, max_context) if speculator else None
+    return graphs, verify
+
+
+def _capture_verify_graphs(
+    model: CausalLM, kv, state_cache, decode: DecodeGraphs, speculator: Speculator, batch_sizes: list[int], max_context: int
+) -> VerifyGraphs | None:
+    """Speculative rounds of every batch size, and the commits before them, when the drafter
+    can be captured (test drafters that read the host cannot)."""
+    # A round writes K+1 positions past the last committed token (Admission.spare_tokens).
+    width = max_context + speculator.num_draft_tokens + 1
+    max_pages = min(kv.num_pages, -(-width // kv.page_size))
+    batch_sizes = [b for b in batch_sizes if b <= speculator.max_batch]
+    graphs = VerifyGraphs(model, kv, state_cache, speculator, batch_sizes, max_pages)
+    pool = torch.cuda.graph_pool_handle()
+    try:
+        speculator.capture_commit_graphs(pool)
+        graphs.capture(pool)
+    except Exception:  # noqa: BLE001 - as for the decode graphs: verify eagerly instead
+        log.exception("verify graph capture failed; speculative rounds run eagerly")
+        speculator.discard_commit_graphs()
+        return None
+    finally:
+        # The warm-up runs wrote KV page 0 and slots 0..max_batch-1 (states, logits, hidden).
+        decode.discard_warmup_writes()
+        for slot in range(graphs.max_batch):
+            speculator.reset_slot(slot)
+    log.info("CUDA graphs captured for speculative rounds of %d drafts, batch sizes %s",
+             speculator.num_draft_tokens, ", ".join(map(str, batch_sizes)))  # fmt: skip
+    return graphs
