@@ -33,13 +33,14 @@ if [ "${1:-}" = "--test" ]; then
 fi
 
 # Debian's Chromium and its driver, which the chat page's browser tests (tests/server/test_web_ui.py)
-# drive headless; where they cannot be installed those tests skip and say why.
-if [ "${1:-}" = "--test" ] && ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then
+# drive headless, and HAProxy, which the replica tests (tests/server/test_replicas.py) put in front
+# of two servers; where they cannot be installed those tests skip and say why.
+if [ "${1:-}" = "--test" ] && ! { command -v chromium && command -v chromedriver && command -v haproxy; } >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
-            || echo "install.sh: warning: apt-get could not install chromium and chromium-driver; the browser tests will be skipped" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver haproxy; } \
+            || echo "install.sh: warning: apt-get could not install chromium, chromium-driver and haproxy; the browser and replica tests will be skipped" >&2
     else
-        echo "install.sh: warning: installing Debian's chromium and chromium-driver needs root and apt-get; without them the browser tests (tests/server/test_web_ui.py) will be skipped" >&2
+        echo "install.sh: warning: installing Debian's chromium, chromium-driver and haproxy needs root and apt-get; without them the browser tests (tests/server/test_web_ui.py) and replica tests (tests/server/test_replicas.py) will be skipped" >&2
     fi
 fi
 

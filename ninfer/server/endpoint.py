@@ -29,6 +29,7 @@ from ninfer.server.errors import APIError
 from ninfer.server.generation import FinishEvent, Generation, GenerationOptions, ProgressEvent, race_disconnect
 from ninfer.server.http import read_json, request_id_of
 from ninfer.server.request_record import RequestRecord
+from ninfer.server.routing_key import ROUTING_KEY_HEADER, header_value
 from ninfer.server.served_model import ServedModel
 from ninfer.server.sse import with_keepalive
 
@@ -43,6 +44,11 @@ class ParsedRequest:
     options: GenerationOptions
     stream: bool = False
     requested_reasoning_effort: str | None = None  # the client's effort as sent, before any mapping (request log)
+    routing_key: str | None = None  # the conversation's key for a router in front of replicas (routing_key.py)
+
+    def routing_headers(self) -> dict[str, str]:
+        """Response headers a router keeps the conversation on this replica by."""
+        return {} if self.routing_key is None else {ROUTING_KEY_HEADER: header_value(self.routing_key)}
 
     def semantic_change(self, prepared: PreparedPrompt) -> bool | None:
         """Whether this request starts a new semantic branch of a stored chain (Responses only;
@@ -202,7 +208,7 @@ async def generate(request: Request, serving: ServedModel, protocol: Protocol) -
         return StreamingResponse(
             with_keepalive(_stream(protocol, wire, generation, ticket, request_id)),
             media_type="text/event-stream",
-            headers={"cache-control": "no-cache"},
+            headers={"cache-control": "no-cache", **parsed.routing_headers()},
         )
     try:
         payload = await race_disconnect(request.receive, _aggregate(wire, generation))
@@ -215,7 +221,7 @@ async def generate(request: Request, serving: ServedModel, protocol: Protocol) -
         raise
     finally:
         ticket.release()
-    return JSONResponse(payload)
+    return JSONResponse(payload, headers=parsed.routing_headers())
 
 
 async def count_tokens(request: Request, serving: ServedModel, protocol: Protocol) -> Response:

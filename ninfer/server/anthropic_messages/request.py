@@ -30,6 +30,7 @@ from ninfer.server.endpoint import ParsedRequest
 from ninfer.server.errors import invalid
 from ninfer.server.generation import GenerationOptions
 from ninfer.server.request_context import RequestContext
+from ninfer.server.routing_key import routing_key
 from ninfer.server.validation.fields import (
     Field,
     Fields,
@@ -209,6 +210,7 @@ def parse_messages_request(body: Any, context: RequestContext, *, count_only: bo
         requested_reasoning_effort=(PROMPT_FIELDS.read(body, "output_config") or {}).get("effort"),
         thinking_omitted=thinking.omitted,
         notes=notes,
+        routing_key=routing_key(body, "metadata.user_id"),
     )
 
 

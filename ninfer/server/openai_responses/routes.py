@@ -34,6 +34,7 @@ from ninfer.server.openai_responses.store import (
     session_key_for,
 )
 from ninfer.server.openai_responses.wire import ResponseAssembler
+from ninfer.server.routing_key import RESPONSE_ID_HEADER
 from ninfer.server.served_model import ServedModel
 from ninfer.server.sse import event_frame
 from ninfer.server.validation.tools import check_template_renders_tools
@@ -52,6 +53,11 @@ class ResponsesCreate(ParsedRequest):
     response_id: str = ""
     session_key: str | None = None
     history_bytes: int = 0
+
+    def routing_headers(self) -> dict[str, str]:
+        """The routing key and, for a router that sticks follow-ups to the replica storing their
+        parent (previous_response_id), this response's id."""
+        return {**super().routing_headers(), RESPONSE_ID_HEADER: self.response_id}
 
     def semantic_change(self, prepared: PreparedPrompt) -> bool:
         """A child whose resolved preserve_thinking differs from its parent's branches the chain;
@@ -98,6 +104,8 @@ class ResponsesProtocol(Protocol):
             session_key=session_key,
             history_bytes=history_bytes,
             requested_reasoning_effort=parsed.echo["reasoning"]["effort"],
+            # A stored chain without a prompt_cache_key is keyed by its root, as its engine session.
+            routing_key=parsed.echo.get("prompt_cache_key") or session_key,
         )
 
     def wire(self, parsed: ResponsesCreate, generation: Generation, request_id: str) -> ResponsesWire:
