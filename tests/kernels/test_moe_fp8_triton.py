@@ -25,6 +25,7 @@ import torch
 from ninfer.bench.shapes import SHAPES
 from ninfer.kernels.gemv.ref import SCALE_BLOCK
 from ninfer.kernels.moe import fused_experts, ref
+from tests.kernels.moe_cases import relative_error, routed
 
 ON_GPU = torch.cuda.is_available()
 if ON_GPU:
@@ -69,17 +70,6 @@ def _experts(num_experts: int, hidden: int, inter: int, layout: str, seed: int, 
     return gate_up, gate_up_scale, down, down_scale
 
 
-def _routed(num_tokens: int, hidden: int, num_experts: int, top_k: int, seed: int, device: str = "cpu"):
-    gen = torch.Generator(device).manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen, device=device)
-    weights, ids = ref.route(torch.randn(num_tokens, num_experts, generator=gen, device=device), top_k, True)
-    return x, weights, ids
-
-
-def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
-    out, expected = out.double(), expected.double()
-    assert torch.isfinite(out).all()
-    return ((out - expected).norm() / expected.norm()).item()
 
 
 # ---- the reference ------------------------------------------------------------------------------
@@ -89,19 +79,19 @@ def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
 def test_ref_equals_the_unquantized_reference_on_dequantized_weights(layout: str, num_tokens: int) -> None:
     gate_up, gate_up_scale, down, down_scale = _experts(8, 256, 128, layout, seed=num_tokens)
-    x, weights, ids = _routed(num_tokens, 256, 8, 2, seed=num_tokens)
+    x, weights, ids = routed(num_tokens, 256, 8, 2, seed=num_tokens)
     out = ref.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
     expected = ref.fused_experts(x, weights, ids, _dequantized(gate_up, gate_up_scale), _dequantized(down, down_scale))
     assert torch.equal(out, expected)  # fp32 x: the same fp32 products and sums
     # bf16 x: the products in fp32, rounded to bf16 where the bf16 path rounds (~2^-9 each)
     out_bf16 = ref.fused_experts(x.bfloat16(), weights.bfloat16(), ids, gate_up, down, gate_up_scale, down_scale)
     assert out_bf16.dtype == torch.bfloat16
-    assert _relative_error(out_bf16, expected) < 1e-2
+    assert relative_error(out_bf16, expected) < 1e-2
 
 
 def test_ref_rejects_scales_of_no_layout() -> None:
     gate_up, gate_up_scale, down, down_scale = _experts(4, 256, 128, "block", seed=0)
-    x, weights, ids = _routed(3, 256, 4, 2, seed=0)
+    x, weights, ids = routed(3, 256, 4, 2, seed=0)
     with pytest.raises(ValueError, match="fits no block layout"):
         ref.fused_experts(x, weights, ids, gate_up, down, gate_up_scale[:, :1, :1], down_scale)
 
@@ -117,11 +107,11 @@ NUM_EXPERTS, HIDDEN, INTER, TOP_K = 8, 200, 96, 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernels_match_reference(layout: str, num_tokens: int, dtype: torch.dtype) -> None:
     gate_up, gate_up_scale, down, down_scale = _experts(NUM_EXPERTS, HIDDEN, INTER, layout, seed=num_tokens)
-    x, weights, ids = _routed(num_tokens, HIDDEN, NUM_EXPERTS, TOP_K, seed=10 + num_tokens)
+    x, weights, ids = routed(num_tokens, HIDDEN, NUM_EXPERTS, TOP_K, seed=10 + num_tokens)
     out = fast.fused_experts(x.to(dtype), weights.to(dtype), ids, gate_up, down, gate_up_scale, down_scale)
     expected = ref.fused_experts(x.double(), weights.double(), ids, gate_up, down, gate_up_scale, down_scale)
     assert out.dtype == dtype and out.shape == x.shape
-    assert _relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 2e-3)
+    assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
 @interpreter_only
@@ -137,13 +127,13 @@ def test_prefill_blocks_and_an_expert_serving_every_token(block_m: int) -> None:
     weights, ids = ref.route(logits, TOP_K, True)
     out = fast.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, block_m=block_m)
     expected = ref.fused_experts(x.double(), weights.double(), ids, gate_up, down, gate_up_scale, down_scale)
-    assert _relative_error(out, expected) < 1e-5
+    assert relative_error(out, expected) < 1e-5
 
 
 @interpreter_only
 def test_kernels_reject_mismatched_experts() -> None:
     gate_up, gate_up_scale, down, down_scale = _experts(NUM_EXPERTS, HIDDEN, INTER, "block", seed=7)
-    x, weights, ids = _routed(2, HIDDEN, NUM_EXPERTS, TOP_K, seed=7)
+    x, weights, ids = routed(2, HIDDEN, NUM_EXPERTS, TOP_K, seed=7)
     with pytest.raises(ValueError, match="both scales"):
         fast.fused_experts(x, weights, ids, gate_up, down, gate_up_scale)
     with pytest.raises(ValueError, match="fit no layout"):
@@ -171,7 +161,7 @@ def test_launches_compile_for_sm90(layout: str, monkeypatch: pytest.MonkeyPatch)
     if layout == "bf16":
         experts = (_dequantized(gate_up, gate_up_scale).bfloat16(), _dequantized(down, down_scale).bfloat16())
     for num_tokens in (2, 40):
-        x, weights, ids = _routed(num_tokens, 256, NUM_EXPERTS, TOP_K, seed=8)
+        x, weights, ids = routed(num_tokens, 256, NUM_EXPERTS, TOP_K, seed=8)
         compiled.fused_experts(x.bfloat16(), weights.bfloat16(), ids, *experts, grouped_mm=False)
     launches = [(fn, args, kwargs) for fn, args, kwargs in recorded if fn.fn.__name__ != "_combine_kernel"]
     assert len(launches) == 4
@@ -201,7 +191,7 @@ class TestOnGpu:
         return request.param, tuple(w.cuda() for w in weights)
 
     def _routed(self, num_tokens: int, seed: int):
-        x, weights, ids = _routed(num_tokens, HIDDEN_35B, E_35B, TOP_K_35B, seed, device="cuda")
+        x, weights, ids = routed(num_tokens, HIDDEN_35B, E_35B, TOP_K_35B, seed, device="cuda")
         return x.bfloat16(), weights.bfloat16(), ids
 
     # 1..8: decode kernels (<= 128 pairs); 17, 300, 2048: sorted, BLOCK_M 16, 16, 64
@@ -215,7 +205,7 @@ class TestOnGpu:
             _dequantized(gate_up, gate_up_scale).double(), _dequantized(down, down_scale).double(),
         )  # fmt: skip
         fp8_ref = ref.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
-        err, ref_err = _relative_error(out, exact), _relative_error(fp8_ref, exact)
+        err, ref_err = relative_error(out, exact), relative_error(fp8_ref, exact)
         assert out.dtype == torch.bfloat16 and out.shape == x.shape
         assert err < EXPERTS_REL
         assert err <= ref_err * 1.5  # no worse than the reference's bf16 roundings
@@ -232,7 +222,7 @@ class TestOnGpu:
         x, weights, ids = self._routed(num_tokens, seed=200 + num_tokens)
         out = fast.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
         bf16 = fast.fused_experts(x, weights, ids, gate_up_bf16, down_bf16, grouped_mm=False)
-        err = _relative_error(out, bf16)
+        err = relative_error(out, bf16)
         assert err < AGAINST_BF16_KERNELS_REL
 
     @pytest.mark.parametrize("grouped_mm", [False, True])
@@ -248,7 +238,7 @@ class TestOnGpu:
         )  # fmt: skip
         # The grouped path rounds each dequantized weight to bf16 once (the Triton kernels keep
         # exact products), so only the bf16-operand bound applies to both.
-        assert _relative_error(out, exact) < EXPERTS_REL
+        assert relative_error(out, exact) < EXPERTS_REL
 
     def test_dequantize_experts_gives_the_reference_bits(self, experts) -> None:
         """The FP8 prefill's one-pass dequantization."""

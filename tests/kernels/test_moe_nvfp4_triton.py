@@ -20,6 +20,7 @@ import torch
 
 from ninfer.bench.shapes import SHAPES
 from ninfer.kernels.moe import fused_experts, ref
+from tests.kernels.moe_cases import relative_error, routed
 from ninfer.kernels.nvfp4_gemv.ref import dequantize_nvfp4, quantize_nvfp4
 
 ON_GPU = torch.cuda.is_available()
@@ -53,17 +54,6 @@ def _dequantized(codes: torch.Tensor, scale: tuple[torch.Tensor, torch.Tensor]) 
     return torch.stack([dequantize_nvfp4(codes[e], scale[0][e], scale[1][e]) for e in range(codes.shape[0])])
 
 
-def _routed(num_tokens: int, hidden: int, num_experts: int, top_k: int, seed: int, device: str = "cpu"):
-    gen = torch.Generator(device).manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen, device=device)
-    weights, ids = ref.route(torch.randn(num_tokens, num_experts, generator=gen, device=device), top_k, True)
-    return x, weights, ids
-
-
-def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
-    out, expected = out.double(), expected.double()
-    assert torch.isfinite(out).all()
-    return ((out - expected).norm() / expected.norm()).item()
 
 
 # ---- the reference ------------------------------------------------------------------------------
@@ -72,7 +62,7 @@ def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
 def test_ref_equals_the_unquantized_reference_on_dequantized_weights(num_tokens: int) -> None:
     gate_up, gate_up_scale, down, down_scale = _experts(8, 256, 128, seed=num_tokens)
-    x, weights, ids = _routed(num_tokens, 256, 8, 2, seed=num_tokens)
+    x, weights, ids = routed(num_tokens, 256, 8, 2, seed=num_tokens)
     out = ref.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
     expected = ref.fused_experts(x, weights, ids, _dequantized(gate_up, gate_up_scale), _dequantized(down, down_scale))
     assert torch.equal(out, expected)  # fp32 x: the same fp32 products and sums
@@ -90,14 +80,14 @@ NUM_EXPERTS, HIDDEN, INTER, TOP_K = 8, 208, 80, 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernels_match_reference(num_tokens: int, dtype: torch.dtype) -> None:
     gate_up, gate_up_scale, down, down_scale = _experts(NUM_EXPERTS, HIDDEN, INTER, seed=num_tokens)
-    x, weights, ids = _routed(num_tokens, HIDDEN, NUM_EXPERTS, TOP_K, seed=10 + num_tokens)
+    x, weights, ids = routed(num_tokens, HIDDEN, NUM_EXPERTS, TOP_K, seed=10 + num_tokens)
     out = fast.fused_experts(x.to(dtype), weights.to(dtype), ids, gate_up, down, gate_up_scale, down_scale)
     expected = ref.fused_experts(
         x.double(), weights.double(), ids, _dequantized(gate_up, gate_up_scale).double(), _dequantized(down, down_scale).double()
     )
     assert out.dtype == dtype and out.shape == x.shape
     # fp16 rounds the activation and each weighted expert output once (2^-11 relative each)
-    assert _relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 2e-3)
+    assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
 @interpreter_only
@@ -113,13 +103,13 @@ def test_prefill_blocks_and_an_expert_serving_every_token(block_m: int) -> None:
     weights, ids = ref.route(logits, TOP_K, True)
     out = fast.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, block_m=block_m)
     expected = ref.fused_experts(x.double(), weights.double(), ids, gate_up, down, gate_up_scale, down_scale)
-    assert _relative_error(out, expected) < 1e-5
+    assert relative_error(out, expected) < 1e-5
 
 
 @interpreter_only
 def test_kernels_reject_mismatched_experts() -> None:
     gate_up, (gate_up_block, gate_up_row), down, down_scale = _experts(NUM_EXPERTS, HIDDEN, INTER, seed=7)
-    x, weights, ids = _routed(2, HIDDEN, NUM_EXPERTS, TOP_K, seed=7)
+    x, weights, ids = routed(2, HIDDEN, NUM_EXPERTS, TOP_K, seed=7)
     with pytest.raises(ValueError, match="both scales"):
         fast.fused_experts(x, weights, ids, gate_up, down, (gate_up_block, gate_up_row))
     with pytest.raises(ValueError, match="block_scale must be float8_e4m3fn"):
@@ -157,7 +147,7 @@ def test_launches_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs: recorded.append((self, args, kwargs)))
     gate_up, gate_up_scale, down, down_scale = _experts(NUM_EXPERTS, 256, 128, seed=8)
     for num_tokens in (2, 40):
-        x, weights, ids = _routed(num_tokens, 256, NUM_EXPERTS, TOP_K, seed=8)
+        x, weights, ids = routed(num_tokens, 256, NUM_EXPERTS, TOP_K, seed=8)
         compiled.fused_experts(x.bfloat16(), weights.bfloat16(), ids, gate_up, down, gate_up_scale, down_scale, grouped_mm=False)
     compiled.dequantize_experts(gate_up, gate_up_scale, torch.bfloat16)
     launches = [(fn, args, kwargs) for fn, args, kwargs in recorded if fn.fn.__name__ != "_combine_kernel"]
@@ -185,7 +175,7 @@ class TestOnGpu:
         return _experts(E_35B, HIDDEN_35B, INTER_35B, seed=0, device="cuda")
 
     def _routed(self, num_tokens: int, seed: int):
-        x, weights, ids = _routed(num_tokens, HIDDEN_35B, E_35B, TOP_K_35B, seed, device="cuda")
+        x, weights, ids = routed(num_tokens, HIDDEN_35B, E_35B, TOP_K_35B, seed, device="cuda")
         return x.bfloat16(), weights.bfloat16(), ids
 
     def _exact(self, x, weights, ids, experts) -> torch.Tensor:
@@ -203,7 +193,7 @@ class TestOnGpu:
         out = fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale)  # the dispatched op
         exact = self._exact(x, weights, ids, experts)
         nvfp4_ref = ref.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
-        err, ref_err = _relative_error(out, exact), _relative_error(nvfp4_ref, exact)
+        err, ref_err = relative_error(out, exact), relative_error(nvfp4_ref, exact)
         assert out.dtype == torch.bfloat16 and out.shape == x.shape
         assert err < EXPERTS_REL
         assert err <= ref_err * 1.5  # no worse than the reference's bf16 roundings
@@ -212,7 +202,7 @@ class TestOnGpu:
         gate_up, gate_up_scale, down, down_scale = experts
         x, weights, ids = self._routed(2048, seed=400)
         out = fast.fused_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, grouped_mm=False)
-        assert _relative_error(out, self._exact(x, weights, ids, experts)) < EXPERTS_REL
+        assert relative_error(out, self._exact(x, weights, ids, experts)) < EXPERTS_REL
 
     def test_dequantize_experts_gives_the_reference_bits(self, experts) -> None:
         gate_up, gate_up_scale, down, down_scale = experts
