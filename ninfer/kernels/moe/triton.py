@@ -279,21 +279,21 @@ def _nvfp4_dot(acc, a, p_codes, p_scales, k0, K, EVEN_K: tl.constexpr):
 @triton.jit
 def _moe_up_kernel(
     x_ptr,
-    w_ptr,
-    scale_ptr,
-    row_scale_ptr,
     act_ptr,
     ids_ptr,
     sorted_pairs_ptr,
     block_expert_ptr,
     num_pairs,
     stride_xt,
+    stride_ap,
+    w_ptr,
+    scale_ptr,
+    row_scale_ptr,
     stride_we,
     stride_wn,
     stride_se,
     stride_sn,
     stride_re,
-    stride_ap,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -394,9 +394,6 @@ def _moe_up_nvfp4(
 @triton.jit
 def _moe_down_kernel(
     act_ptr,
-    w_ptr,
-    scale_ptr,
-    row_scale_ptr,
     part_ptr,
     route_w_ptr,
     ids_ptr,
@@ -404,12 +401,15 @@ def _moe_down_kernel(
     block_expert_ptr,
     num_pairs,
     stride_ap,
+    stride_pp,
+    w_ptr,
+    scale_ptr,
+    row_scale_ptr,
     stride_we,
     stride_wn,
     stride_se,
     stride_sn,
     stride_re,
-    stride_pp,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     DECODE: tl.constexpr,
@@ -704,6 +704,14 @@ def _scales(weight: torch.Tensor, scale: ref.ExpertScales | None) -> _Scales:
     return _Scales(scale, scale.stride(0), scale.stride(1), True, rows)
 
 
+def _weight_operands(weight: torch.Tensor, scales: _Scales) -> tuple:
+    """An expert weight's pointers and strides in the grouped kernels' order: codes or values, scales
+    (block scales for NVFP4), NVFP4's row scales (else the scales again, unread), strides."""
+    row_ptr = scales.row_ptr if scales.nvfp4 else scales.ptr
+    return (weight, scales.ptr, row_ptr, weight.stride(0), weight.stride(1), scales.stride_expert, scales.stride_row,
+            scales.stride_row_expert)  # fmt: skip
+
+
 def _nvfp4_scales(codes: torch.Tensor, block_scale: torch.Tensor, row_scale: torch.Tensor) -> _Scales:
     num_experts, rows, packed_cols = codes.shape
     if codes.dtype != torch.uint8:
@@ -880,72 +888,21 @@ def fused_experts(
     use_pdl = pdl_enabled(x)
     fp8_asm = x.is_cuda  # inline PTX for the e4m3 bit moves: not for the CPU interpreter
 
-    bn, bk, warps, stages = up_cfg
-    _moe_up_kernel[(num_programs, triton.cdiv(inter, bn))](
-        x,
-        gate_up_proj,
-        up_scales.ptr,
-        up_scales.row_ptr if nvfp4 else up_scales.ptr,
-        act,
-        ids,
-        sorted_pairs,
-        block_expert,
-        num_pairs,
-        x.stride(0),
-        gate_up_proj.stride(0),
-        gate_up_proj.stride(1),
-        up_scales.stride_expert,
-        up_scales.stride_row,
-        up_scales.stride_row_expert,
-        act.stride(0),
-        HIDDEN=hidden,
-        INTER=inter,
-        TOP_K=top_k,
-        DECODE=decode,
-        BLOCK_M=block_m,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        BLOCK_SCALES=up_scales.block_scales,
-        SCALE_ROWS=up_scales.scale_rows,
-        NVFP4=nvfp4,
-        FP8_ASM=fp8_asm,
-        USE_PDL=use_pdl,
-        num_warps=warps,
-        num_stages=min(stages, max_stages),
-        launch_pdl=use_pdl,
-    )
-    bn, bk, warps, stages = down_cfg
-    _moe_down_kernel[(num_programs, triton.cdiv(hidden, bn))](
-        act,
-        down_proj,
-        down_scales.ptr,
-        down_scales.row_ptr if nvfp4 else down_scales.ptr,
-        part,
-        route_w,
-        ids,
-        sorted_pairs,
-        block_expert,
-        num_pairs,
-        act.stride(0),
-        down_proj.stride(0),
-        down_proj.stride(1),
-        down_scales.stride_expert,
-        down_scales.stride_row,
-        down_scales.stride_row_expert,
-        part.stride(0),
-        HIDDEN=hidden,
-        INTER=inter,
-        DECODE=decode,
-        BLOCK_M=block_m,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        BLOCK_SCALES=down_scales.block_scales,
-        SCALE_ROWS=down_scales.scale_rows,
-        NVFP4=nvfp4,
-        FP8_ASM=fp8_asm,
-        USE_PDL=use_pdl,
-        num_warps=warps,
-        num_stages=min(stages, max_stages),
-        launch_pdl=use_pdl,
-    )
+    routing = (ids, sorted_pairs, block_expert, num_pairs)
+
+    def stage(cfg: Tile, scales: _Scales) -> dict:
+        """A stage's launch options and scale layout constants."""
+        block_n, block_k, warps, stages = cfg
+        return dict(DECODE=decode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=scales.block_scales,
+                    SCALE_ROWS=scales.scale_rows, NVFP4=scales.nvfp4, FP8_ASM=fp8_asm, USE_PDL=use_pdl,
+                    num_warps=warps, num_stages=min(stages, max_stages), launch_pdl=use_pdl)  # fmt: skip
+
+    _moe_up_kernel[(num_programs, triton.cdiv(inter, up_cfg[0]))](
+        x, act, *routing, x.stride(0), act.stride(0), *_weight_operands(gate_up_proj, up_scales),
+        HIDDEN=hidden, INTER=inter, TOP_K=top_k, **stage(up_cfg, up_scales),
+    )  # fmt: skip
+    _moe_down_kernel[(num_programs, triton.cdiv(hidden, down_cfg[0]))](
+        act, part, route_w, *routing, act.stride(0), part.stride(0), *_weight_operands(down_proj, down_scales),
+        HIDDEN=hidden, INTER=inter, **stage(down_cfg, down_scales),
+    )  # fmt: skip
     return _combine(part, out, top_k)
