@@ -52,6 +52,8 @@ def test_responses_name_their_routing_key(qwen_server) -> None:
         model="any", max_tokens=4, messages=QUESTION, metadata={"user_id": "user_abc_session_42"}
     )
     assert reply.headers[ROUTING_KEY_HEADER] == "user_abc_session_42"
+    with pytest.raises(anthropic.BadRequestError, match="metadata.user_id"):
+        messages.messages.create(model="any", max_tokens=4, messages=QUESTION, metadata={"user_id": 42})
 
 
 def test_a_responses_chain_keeps_its_roots_key(qwen_server) -> None:

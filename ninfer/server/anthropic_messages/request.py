@@ -112,6 +112,11 @@ CREATE_FIELDS = Fields(
         "temperature": Field.number(0, 1),
         "top_p": Field.number(0, 1),
         "top_k": Field.shape(unprovidable(integer(0, TOP_K_CAP), f"top_k above {TOP_K_CAP}")),
+        "metadata": Field.shape({
+            "type": "object",
+            "properties": {"user_id": {"anyOf": [STRING, {"type": "null"}],
+                                       "description": "the conversation's routing key (ninfer-routing-key header)"}},
+        }),  # fmt: skip
     }
 )
 
@@ -210,8 +215,17 @@ def parse_messages_request(body: Any, context: RequestContext, *, count_only: bo
         requested_reasoning_effort=(PROMPT_FIELDS.read(body, "output_config") or {}).get("effort"),
         thinking_omitted=thinking.omitted,
         notes=notes,
-        routing_key=routing_key(body, "metadata.user_id"),
+        routing_key=None if count_only else _routing_key(body),
     )
+
+
+def _routing_key(body: dict) -> str | None:
+    """metadata.user_id: Claude Code's carries its session, the key a router keeps it on."""
+    metadata = optional_object(body, "metadata", "metadata")
+    user_id = (metadata or {}).get("user_id")
+    if user_id is not None and not isinstance(user_id, str):
+        raise wrong_type("metadata.user_id", "a string", user_id)
+    return routing_key(body, "metadata.user_id")
 
 
 def _reject_unprovidable_fields(body: dict) -> None:
