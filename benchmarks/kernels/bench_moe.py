@@ -14,7 +14,7 @@ and as the fraction of copy bandwidth that reading each hit expert's weights onc
 --block times the whole decode block as a layer runs it (router GEMV, choice, experts, shared
 expert, its gate, the sum) on the separate ops against the router GEMV + the fused block
 (kernels/moe_block, two launches), with its tile variants, at 1-8 tokens (the layers take it up
-to 4).
+to 4): bf16 weights, then FP8, then NVFP4 (experts and shared expert; router and gate bf16).
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ import json
 import torch
 import triton
 
-from ninfer.kernels.activation import sigmoid_mul
+from ninfer.kernels.activation import sigmoid_mul, silu_and_mul
 from ninfer.kernels.gemv import gemv, gemv_silu_and_mul, linear
 from ninfer.kernels.gemv.ref import quantize_blocks
 from ninfer.kernels.moe import triton as moe_fast
 from ninfer.kernels.moe_block import triton as block_fast
+from ninfer.kernels.nvfp4_gemv import gemv_nvfp4, quantize_nvfp4
 from timing import copy_bandwidth, median_seconds  # benchmarks/kernels/timing.py (run as a script)
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
@@ -120,12 +121,36 @@ BLOCK_VARIANTS = (
     ((8, 256, 1), (8, 256, 2, 9)),
     ((8, 256, 1), (16, 512, 4, 9)),
 )
+# The same for NVFP4 weights, BLOCK_K in codes (16 bytes, 32 codes, a thread's vector): the down
+# projection's K is 512 codes (one step at 512), the up one's 2048.
+NVFP4_BLOCK_VARIANTS = (
+    ((8, 1024, 1), (16, 512, 4, 9)),
+    ((8, 512, 1), (16, 512, 4, 9)),
+    ((4, 1024, 1), (16, 512, 4, 9)),
+    ((16, 1024, 2), (16, 512, 4, 9)),
+    ((8, 2048, 2), (16, 512, 4, 9)),
+    ((8, 1024, 1), (8, 512, 2, 9)),
+    ((8, 1024, 1), (32, 512, 8, 9)),
+    ((8, 1024, 1), (16, 512, 4, 3)),
+    ((8, 1024, 1), (16, 512, 4)),
+)
 
 
-def bench_block(batch: int, gate_up, down, bandwidth: float, gen: torch.Generator, fp8: bool = False) -> list[dict]:
-    """One layer's MoE block at decode sizes: separate ops against the fused block. fp8: experts
-    in 128 x 128 blocks (Qwen's FP8 checkpoints), the shared expert in row blocks (Fp8Linear's
-    layout for them), router and shared gate bf16."""
+def _nvfp4(weight: torch.Tensor):
+    """[..., N, K] -> (codes, (block_scale, row_scale)), quantized per expert (ref.py's recipe)."""
+    if weight.dim() == 2:
+        codes, block_scale, row_scale = quantize_nvfp4(weight)
+        return codes, (block_scale, row_scale)
+    parts = [quantize_nvfp4(w) for w in weight]
+    return torch.stack([p[0] for p in parts]), tuple(torch.stack([p[i] for p in parts]) for i in (1, 2))
+
+
+def bench_block(batch: int, gate_up, down, bandwidth: float, gen: torch.Generator, quant: str | None = None) -> list[dict]:
+    """One layer's MoE block at decode sizes: separate ops against the fused block. quant "fp8":
+    experts in 128 x 128 blocks (Qwen's FP8 checkpoints), the shared expert in row blocks
+    (Fp8Linear's layout for them); "nvfp4": experts and shared expert NVFP4 (ModelOpt's layout,
+    quantized per expert, gate_up and down given as (codes, (block_scale, row_scale))); router
+    and shared gate bf16."""
     x = torch.randn(batch, HIDDEN, device="cuda", generator=gen).bfloat16()
 
     def randn(*shape):
@@ -135,28 +160,40 @@ def bench_block(batch: int, gate_up, down, bandwidth: float, gen: torch.Generato
     routers = [randn(NUM_EXPERTS, HIDDEN) for _ in range(NUM_CALLS)]
     shared_gate_up, shared_down, shared_gate = randn(2 * INTER, HIDDEN), randn(HIDDEN, INTER), randn(1, HIDDEN)
     scales = [None] * 4
-    if fp8:
+    if quant == "fp8":
         (gate_up, scales[0]), (down, scales[1]) = quantize_blocks(gate_up, 128), quantize_blocks(down, 128)
         (shared_gate_up, scales[2]), (shared_down, scales[3]) = quantize_blocks(shared_gate_up, 1), quantize_blocks(shared_down, 1)
+    elif quant == "nvfp4":
+        (gate_up, scales[0]), (down, scales[1]) = _nvfp4(gate_up), _nvfp4(down)
+        (shared_gate_up, scales[2]), (shared_down, scales[3]) = _nvfp4(shared_gate_up), _nvfp4(shared_down)
     unique = sum(torch.unique(moe_fast.route(linear(x, r), TOP_K, True)[1]).numel() for r in routers) / NUM_CALLS
-    weight_bytes = 1 if fp8 else 2
-    num_bytes = int((unique + 1) * 3 * HIDDEN * INTER * weight_bytes + (NUM_EXPERTS + 1) * HIDDEN * 2)
+    if quant == "nvfp4":
+        # codes (half a byte a weight), an e4m3 scale per 16 weights and an fp32 scale per row
+        expert_bytes = 3 * HIDDEN * INTER * (0.5 + 1 / 16) + (2 * INTER + HIDDEN) * 4
+    else:
+        expert_bytes = 3 * HIDDEN * INTER * (1 if quant == "fp8" else 2)
+    num_bytes = int((unique + 1) * expert_bytes + (NUM_EXPERTS + 1) * HIDDEN * 2)
     rows = []
 
     def record(variant: str, seconds: float) -> None:
-        rows.append({"batch": batch, "op": "moe block" + (" fp8" if fp8 else ""), "variant": variant,
+        rows.append({"batch": batch, "op": "moe block" + (f" {quant}" if quant else ""), "variant": variant,
                      "unique_experts": unique, "us": seconds * 1e6, "bytes": num_bytes,
                      "floor_us": num_bytes / bandwidth * 1e6, "fraction_of_copy_bw": num_bytes / seconds / bandwidth})  # fmt: skip
+
+    def shared_expert():
+        if quant == "nvfp4":  # Nvfp4Linear's products, then the activation on its own
+            return gemv_nvfp4(silu_and_mul(gemv_nvfp4(x, shared_gate_up, *scales[2])), shared_down, *scales[3])
+        return gemv(gemv_silu_and_mul(x, shared_gate_up, scales[2]), shared_down, scales[3])
 
     def separate_ops():
         for router in routers:
             weights, ids = moe_fast.route(linear(x, router), TOP_K, True)
             out = moe_fast.fused_experts(x, weights, ids, gate_up, down, scales[0], scales[1])
-            shared = gemv(gemv_silu_and_mul(x, shared_gate_up, scales[2]), shared_down, scales[3])
-            out + sigmoid_mul(shared, linear(x, shared_gate))
+            out + sigmoid_mul(shared_expert(), linear(x, shared_gate))
 
-    record("separate ops (11 launches)", median_seconds(separate_ops) / NUM_CALLS)
-    for tiles in BLOCK_VARIANTS:
+    record(f"separate ops ({12 if quant == 'nvfp4' else 11} launches)", median_seconds(separate_ops) / NUM_CALLS)
+    default = block_fast.TILES[{"fp8": 1, "nvfp4": 0.5}.get(quant, 2)]
+    for tiles in NVFP4_BLOCK_VARIANTS if quant == "nvfp4" else BLOCK_VARIANTS:
 
         def fused(tiles=tiles):
             for router in routers:
@@ -164,8 +201,7 @@ def bench_block(batch: int, gate_up, down, bandwidth: float, gen: torch.Generato
                                      shared_gate, *scales, tiles=tiles)  # fmt: skip
 
         name = "fused up" + "/".join(map(str, tiles[0])) + " dn" + "/".join(map(str, tiles[1]))
-        record(name + (" (default)" if tiles == block_fast.TILES[1 if fp8 else 2] else ""),
-               median_seconds(fused) / NUM_CALLS)  # fmt: skip
+        record(name + (" (default)" if tiles == default else ""), median_seconds(fused) / NUM_CALLS)
     return rows
 
 
@@ -235,11 +271,11 @@ def main() -> None:
                 json.dump({"copy_bandwidth": bandwidth, "prefill_sweep": sweep}, f, indent=1)
         return
     if args.block:
-        rows = [row for fp8 in (False, True) for batch in (1, 2, 4, 8)
-                for row in bench_block(batch, gate_up, down, bandwidth, gen, fp8)]  # fmt: skip
-        print(f"{'B':>2} {'op':13} {'variant':44} {'uniq':>5} {'us':>8} {'floor us':>9} {'of copy bw':>10}")
+        rows = [row for quant in (None, "fp8", "nvfp4") for batch in (1, 2, 4, 8)
+                for row in bench_block(batch, gate_up, down, bandwidth, gen, quant)]  # fmt: skip
+        print(f"{'B':>2} {'op':15} {'variant':44} {'uniq':>5} {'us':>8} {'floor us':>9} {'of copy bw':>10}")
         for r in rows:
-            print(f"{r['batch']:>2} {r['op']:13} {r['variant']:44} {r['unique_experts']:5.1f} {r['us']:8.2f} {r['floor_us']:9.2f} "
+            print(f"{r['batch']:>2} {r['op']:15} {r['variant']:44} {r['unique_experts']:5.1f} {r['us']:8.2f} {r['floor_us']:9.2f} "
                   f"{r['fraction_of_copy_bw']:10.1%}")  # fmt: skip
         if args.json:
             with open(args.json, "w") as f:

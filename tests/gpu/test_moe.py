@@ -174,9 +174,11 @@ def test_moe_block_replays_in_a_cuda_graph(num_tokens: int, experts, shared_expe
 
 
 @pytest.mark.parametrize("batch", [1, 4, 8])  # 1 and 4: the fused block; 8: route + grouped experts
-def test_layer_graph_decode_matches_reference_ops(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("weights", ["unquantized", "nvfp4"])
+def test_layer_graph_decode_matches_reference_ops(batch: int, weights: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """SparseMoE (256 experts, top-8, shared expert) on the fast ops, one CUDA graph replayed
-    per decode step, against the same layer on the reference ops.
+    per decode step, against the same layer on the reference ops. nvfp4: the experts and the
+    shared expert's projections quantized (Nvfp4Experts, Nvfp4Linear), the router kept.
 
     In fp32: bf16 router logits tie often enough at the top-8 boundary that the two routers
     could pick different (equally valid) experts; fp32 logits do not tie. The expert GEMMs
@@ -204,6 +206,10 @@ def test_layer_graph_decode_matches_reference_ops(batch: int, monkeypatch: pytes
     with torch.no_grad():
         for param in layer.parameters():
             param.normal_(0.0, param.shape[-1] ** -0.5)
+        if weights == "nvfp4":
+            from ninfer.models.quant.nvfp4 import quantize_nvfp4_
+
+            assert quantize_nvfp4_(layer, skip=("gate",)) == 3  # experts, shared gate_up and down
     x = torch.empty(batch, HIDDEN, device="cuda")
     with torch.no_grad():
         x.normal_()
