@@ -1,7 +1,7 @@
 """Step graphs on the GPU: a prompt or mixed step replayed from its bucket's CUDA graph computes what
 the eager step computes (logits, KV, states within bf16 rounding: the matrix products run at the
 bucket's row count), with and without a checkpoint inside the step, and an engine with step
-graphs generates the eager engine's greedy tokens."""
+graphs generates the eager engine's greedy tokens (fp32)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,11 @@ class _Counted:
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_an_engine_with_step_graphs_generates_the_eager_engines_greedy_tokens(arch, tmp_root):
-    model = _model(arch, tmp_root, torch.bfloat16, "cuda")
+    """In fp32: a replayed step runs its products at the bucket's row count, which in bf16 rounds
+    differently (the test above bounds that), and a random model's greedy tokens sit on near ties
+    often enough to flip (measured on an H100: the llama model's checkpointed request only, in
+    bf16; identical in fp32)."""
+    model = _model(arch, tmp_root, torch.float32, "cuda")
     tokenizer = make_byte_tokenizer()
     config = EngineConfig(max_concurrency=3, prefill_chunk=96, mixed_prefill_chunk=48, max_context=256,
                           log_stats_interval_ms=0)
