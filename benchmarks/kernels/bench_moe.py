@@ -29,8 +29,9 @@ from ninfer.kernels.activation import sigmoid_mul, silu_and_mul
 from ninfer.kernels.gemv import gemv, gemv_silu_and_mul, linear
 from ninfer.kernels.gemv.ref import quantize_blocks
 from ninfer.kernels.moe import triton as moe_fast
+from ninfer.kernels.moe.ref import quantize_nvfp4_experts  # noqa: E402
 from ninfer.kernels.moe_block import triton as block_fast
-from ninfer.kernels.nvfp4_gemv import gemv_nvfp4, quantize_nvfp4
+from ninfer.kernels.nvfp4_gemv import gemv_nvfp4
 from timing import copy_bandwidth, median_seconds  # benchmarks/kernels/timing.py (run as a script)
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
@@ -134,15 +135,6 @@ NVFP4_BLOCK_VARIANTS = (
 )
 
 
-def _nvfp4(weight: torch.Tensor):
-    """[..., N, K] -> (codes, (block_scale, row_scale)), quantized per expert (ref.py's recipe)."""
-    if weight.dim() == 2:
-        codes, block_scale, row_scale = quantize_nvfp4(weight)
-        return codes, (block_scale, row_scale)
-    parts = [quantize_nvfp4(w) for w in weight]
-    return torch.stack([p[0] for p in parts]), tuple(torch.stack([p[i] for p in parts]) for i in (1, 2))
-
-
 def bench_block(batch: int, gate_up, down, bandwidth: float, gen: torch.Generator, quant: str | None = None) -> list[dict]:
     """One layer's MoE block at decode sizes: separate ops against the fused block. quant "fp8":
     experts in 128 x 128 blocks (Qwen's FP8 checkpoints), the shared expert in row blocks
@@ -162,8 +154,8 @@ def bench_block(batch: int, gate_up, down, bandwidth: float, gen: torch.Generato
         (gate_up, scales[0]), (down, scales[1]) = quantize_blocks(gate_up, 128), quantize_blocks(down, 128)
         (shared_gate_up, scales[2]), (shared_down, scales[3]) = quantize_blocks(shared_gate_up, 1), quantize_blocks(shared_down, 1)
     elif quant == "nvfp4":
-        (gate_up, scales[0]), (down, scales[1]) = _nvfp4(gate_up), _nvfp4(down)
-        (shared_gate_up, scales[2]), (shared_down, scales[3]) = _nvfp4(shared_gate_up), _nvfp4(shared_down)
+        (gate_up, scales[0]), (down, scales[1]) = quantize_nvfp4_experts(gate_up), quantize_nvfp4_experts(down)
+        (shared_gate_up, scales[2]), (shared_down, scales[3]) = quantize_nvfp4_experts(shared_gate_up), quantize_nvfp4_experts(shared_down)
     unique = sum(torch.unique(moe_fast.route(linear(x, r), TOP_K, True)[1]).numel() for r in routers) / NUM_CALLS
     if quant == "nvfp4":
         # codes (half a byte a weight), an e4m3 scale per 16 weights and an fp32 scale per row

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ninfer.kernels.moe.ref import quantize_nvfp4_experts
 from ninfer.kernels.moe_block import ref
-from ninfer.kernels.nvfp4_gemv.ref import quantize_nvfp4
 from tests.kernels.interpreter import bf16_round_to_nearest_even, cpu_interpreter, interpreted  # noqa: F401
 
 fast = interpreted("ninfer.kernels.moe_block.triton")
@@ -193,15 +193,6 @@ NVFP4_HIDDEN, NVFP4_INTER, NVFP4_SHARED = 48, 32, 48
 NVFP4_ROW_TILES = ((8, 256, 1), (16, 128, 1, 3))
 
 
-def _nvfp4(weight: torch.Tensor):
-    """[..., N, K] -> (codes, (block_scale, row_scale)), quantized per expert."""
-    if weight.dim() == 2:
-        codes, block_scale, row_scale = quantize_nvfp4(weight)
-        return codes, (block_scale, row_scale)
-    parts = [quantize_nvfp4(w) for w in weight]
-    return torch.stack([p[0] for p in parts]), tuple(torch.stack([p[i] for p in parts]) for i in (1, 2))
-
-
 def _nvfp4_block(seed: int, num_tokens: int, experts: str, shared: str | None, dtype: torch.dtype = torch.float32):
     """(x, logits, the moe_block weight arguments after top_k and renormalize): experts "nvfp4" or
     "fp8" (row blocks), the shared expert "nvfp4", "16-bit" (x's dtype) or None."""
@@ -213,8 +204,8 @@ def _nvfp4_block(seed: int, num_tokens: int, experts: str, shared: str | None, d
     x = torch.randn(num_tokens, NVFP4_HIDDEN, generator=gen).to(dtype)
     logits = (torch.randn(num_tokens, NUM_EXPERTS, generator=gen) * 2).to(dtype)
     if experts == "nvfp4":
-        gate_up, gate_up_scale = _nvfp4(randn(NUM_EXPERTS, 2 * NVFP4_INTER, NVFP4_HIDDEN))
-        down, down_scale = _nvfp4(randn(NUM_EXPERTS, NVFP4_HIDDEN, NVFP4_INTER))
+        gate_up, gate_up_scale = quantize_nvfp4_experts(randn(NUM_EXPERTS, 2 * NVFP4_INTER, NVFP4_HIDDEN))
+        down, down_scale = quantize_nvfp4_experts(randn(NUM_EXPERTS, NVFP4_HIDDEN, NVFP4_INTER))
     else:
         gate_up, gate_up_scale = _fp8((NUM_EXPERTS,), 2 * NVFP4_INTER, NVFP4_HIDDEN, 1, gen)
         down, down_scale = _fp8((NUM_EXPERTS,), NVFP4_HIDDEN, NVFP4_INTER, 1, gen)
@@ -222,7 +213,7 @@ def _nvfp4_block(seed: int, num_tokens: int, experts: str, shared: str | None, d
         return x, logits, (gate_up, down, None, None, None, gate_up_scale, down_scale, None, None)
     shared_gate_up, shared_down = randn(2 * NVFP4_SHARED, NVFP4_HIDDEN), randn(NVFP4_HIDDEN, NVFP4_SHARED)
     if shared == "nvfp4":
-        (shared_gate_up, shared_gate_up_scale), (shared_down, shared_down_scale) = _nvfp4(shared_gate_up), _nvfp4(shared_down)
+        (shared_gate_up, shared_gate_up_scale), (shared_down, shared_down_scale) = quantize_nvfp4_experts(shared_gate_up), quantize_nvfp4_experts(shared_down)
     else:
         shared_gate_up, shared_down = shared_gate_up.to(dtype), shared_down.to(dtype)
         shared_gate_up_scale = shared_down_scale = None

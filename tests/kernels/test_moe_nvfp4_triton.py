@@ -21,7 +21,7 @@ import torch
 from ninfer.bench.shapes import SHAPES
 from ninfer.kernels.moe import fused_experts, ref
 from tests.kernels.moe_cases import relative_error, routed
-from ninfer.kernels.nvfp4_gemv.ref import dequantize_nvfp4, quantize_nvfp4
+from ninfer.kernels.nvfp4_gemv.ref import dequantize_nvfp4
 
 ON_GPU = torch.cuda.is_available()
 if ON_GPU:
@@ -36,11 +36,8 @@ interpreter_only = pytest.mark.skipif(ON_GPU, reason="the CPU interpreter runs w
 
 
 def _nvfp4_experts(num_experts: int, rows: int, cols: int, gen: torch.Generator, device: str = "cpu"):
-    """Random N(0, 1/cols) expert weights quantized per expert -> (codes [E, N, K/2], (block_scale, row_scale))."""
-    weight = torch.randn(num_experts, rows, cols, generator=gen) * cols**-0.5
-    parts = [quantize_nvfp4(weight[e].to(device)) for e in range(num_experts)]
-    codes, block_scale, row_scale = (torch.stack(part) for part in zip(*parts))
-    return codes, (block_scale, row_scale)
+    """Random N(0, 1/cols) expert weights, quantized -> (codes [E, N, K/2], (block_scale, row_scale))."""
+    return ref.quantize_nvfp4_experts((torch.randn(num_experts, rows, cols, generator=gen) * cols**-0.5).to(device))
 
 
 def _experts(num_experts: int, hidden: int, inter: int, seed: int, device: str = "cpu"):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.kernels.gemv.ref import dequantize
-from ninfer.kernels.nvfp4_gemv.ref import dequantize_nvfp4
+from ninfer.kernels.nvfp4_gemv.ref import dequantize_nvfp4, quantize_nvfp4
 
 # An expert weight's scales: an FP8 layout's tensor, or NVFP4's (block_scale, row_scale).
 ExpertScales = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -79,3 +79,15 @@ def dequantize_experts(weight: torch.Tensor, scale: ExpertScales, dtype: torch.d
     """FP8 or NVFP4 experts with scales in a layout above -> [E, N, K] in dtype: each weight
     times its scales in fp32, rounded once (what a 16-bit grouped GEMM takes at prefill sizes)."""
     return torch.stack([_dequantized(weight[e], _of_expert(scale, e)) for e in range(weight.shape[0])]).to(dtype)
+
+
+def quantize_nvfp4_experts(weight: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Experts [E, N, K] (or one matrix [N, K]) -> NVFP4 codes and their (block_scale, row_scale),
+    each row its own scale (nvfp4_gemv's recipe), one expert at a time (the quantization's
+    temporaries hold ~180 bytes a weight)."""
+    if weight.dim() == 2:
+        codes, block_scale, row_scale = quantize_nvfp4(weight)
+        return codes, (block_scale, row_scale)
+    parts = [quantize_nvfp4(expert) for expert in weight]
+    codes, block_scale, row_scale = (torch.stack(part) for part in zip(*parts))
+    return codes, (block_scale, row_scale)
