@@ -14,14 +14,13 @@ with it; so this file imports it only on CPU-only machines.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from ninfer.bench.shapes import SHAPES
 from ninfer.kernels.moe import fused_experts, ref
-from tests.kernels.moe_cases import relative_error, routed
 from ninfer.kernels.nvfp4_gemv.ref import dequantize_nvfp4
+from tests.kernels.moe_cases import relative_error, routed
 
 ON_GPU = torch.cuda.is_available()
 if ON_GPU:
