@@ -20,18 +20,6 @@ _HEADER_SAFE = frozenset(string.ascii_letters + string.digits + string.punctuati
 MAX_HEADER_KEY = 256
 
 
-def routing_key(body: object, *fields: str) -> str | None:
-    """The first non-empty string among `fields` of the request body (dotted paths:
-    "metadata.user_id"), or None. The body was validated already; anything else is no key."""
-    for path in fields:
-        value: object = body
-        for name in path.split("."):
-            value = value.get(name) if isinstance(value, dict) else None
-        if isinstance(value, str) and value:
-            return value
-    return None
-
-
 def header_value(key: str) -> str:
     """The key as a header carries it: as sent when it is printable ASCII without spaces and at
     most MAX_HEADER_KEY characters, else "sha256:" and the hex digest of its UTF-8 bytes."""

@@ -30,7 +30,6 @@ from ninfer.server.endpoint import ParsedRequest
 from ninfer.server.errors import invalid
 from ninfer.server.generation import GenerationOptions
 from ninfer.server.request_context import RequestContext
-from ninfer.server.routing_key import routing_key
 from ninfer.server.validation.fields import (
     Field,
     Fields,
@@ -225,7 +224,7 @@ def _routing_key(body: dict) -> str | None:
     user_id = (metadata or {}).get("user_id")
     if user_id is not None and not isinstance(user_id, str):
         raise wrong_type("metadata.user_id", "a string", user_id)
-    return routing_key(body, "metadata.user_id")
+    return user_id or None
 
 
 def _reject_unprovidable_fields(body: dict) -> None:

@@ -23,7 +23,6 @@ from ninfer.server.errors import APIError, invalid
 from ninfer.server.generation import GenerationOptions
 from ninfer.server.openai_chat.messages import parse_messages
 from ninfer.server.request_context import RequestContext
-from ninfer.server.routing_key import routing_key
 from ninfer.server.validation.cache_markers import (
     CACHE_HINTS,
     check_advisory_cache_fields,
@@ -236,7 +235,7 @@ def parse_chat_request(body: Any, context: RequestContext) -> ChatRequest:
         return_progress=bool(FIELDS.read(body, "return_progress")),
         requested_reasoning_effort=thinking.requested_effort,
         prompt_cache_implicit=implicit,
-        routing_key=routing_key(body, "prompt_cache_key"),
+        routing_key=body.get("prompt_cache_key") or None,  # a string: _check_advisory_fields read it
     )
 
 
