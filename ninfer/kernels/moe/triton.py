@@ -238,13 +238,11 @@ def _weight_dot(acc, a, w, s_ptrs, k0, BLOCK_SCALES: tl.constexpr, FP8_ASM: tl.c
 
 
 @triton.jit
-def _true_sums(acc, s_ptrs, r_ptrs, dtype: tl.constexpr, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr, NVFP4: tl.constexpr):
+def _true_sums(acc, s_ptrs, dtype: tl.constexpr, FP8: tl.constexpr, BLOCK_SCALES: tl.constexpr):
     """The fp32 sums in true units: per-row scales (times the fold) applied once per column;
-    block scales already were, step by step; NVFP4's row scales once per column."""
+    block scales already were, step by step."""
     if FP8 and not BLOCK_SCALES:
         acc = acc * (tl.load(s_ptrs) * _fold(dtype))[None, :]
-    if NVFP4:
-        acc = acc * tl.load(r_ptrs)[None, :]
     return acc
 
 
@@ -263,7 +261,7 @@ def _nvfp4_ptrs(w_ptr, scale_ptr, expert, n_load, stride_we, stride_wn, stride_s
 @triton.jit
 def _nvfp4_dot(acc, a, p_codes, p_scales, k0, K, EVEN_K: tl.constexpr):
     """acc + a @ w^T over the K step at k0 of an NVFP4 weight tile, widened to a's dtype exactly
-    (code value times block scale; the row scale comes in _true_sums). Scale blocks past K
+    (code value times block scale; the row scale multiplies the finished sums). Scale blocks past K
     load zero codes and zero scales."""
     BLOCK_K: tl.constexpr = a.shape[1]
     if EVEN_K:
@@ -344,8 +342,8 @@ def _moe_up_kernel(
             p_gate += BLOCK_K
             p_up += BLOCK_K
         x_dtype: tl.constexpr = x_ptr.dtype.element_ty
-        acc_gate = _true_sums(acc_gate, s_gate, s_gate, x_dtype, fp8, BLOCK_SCALES, False)
-        acc_up = _true_sums(acc_up, s_up, s_up, x_dtype, fp8, BLOCK_SCALES, False)
+        acc_gate = _true_sums(acc_gate, s_gate, x_dtype, fp8, BLOCK_SCALES)
+        acc_up = _true_sums(acc_up, s_up, x_dtype, fp8, BLOCK_SCALES)
         _store_act(acc_gate, acc_up, act_ptr, pairs, n, row_mask, mask_n, stride_ap)
 
 
@@ -386,8 +384,8 @@ def _moe_up_nvfp4(
         acc_gate = _nvfp4_dot(acc_gate, b_x, c_gate, s_gate, k0, HIDDEN, even_k)
         acc_up = _nvfp4_dot(acc_up, b_x, c_up, s_up, k0, HIDDEN, even_k)
     r_rows = row_scale_ptr + expert.to(tl.int64) * stride_re
-    acc_gate = _true_sums(acc_gate, r_rows, r_rows + n_load, x_ptr.dtype.element_ty, False, False, True)
-    acc_up = _true_sums(acc_up, r_rows, r_rows + INTER + n_load, x_ptr.dtype.element_ty, False, False, True)
+    acc_gate *= tl.load(r_rows + n_load)[None, :]
+    acc_up *= tl.load(r_rows + INTER + n_load)[None, :]
     _store_act(acc_gate, acc_up, act_ptr, pairs, n, row_mask, mask_n, stride_ap)
 
 
@@ -440,11 +438,10 @@ def _moe_down_kernel(
                 else:
                     b_act = tl.load(p_act + k0, mask=((k0 + kk) < INTER)[None, :], other=0.0)
                 acc = _nvfp4_dot(acc, b_act, c_w, s_w, k0, INTER, INTER % BLOCK_K == 0)
-            r_w = row_scale_ptr + expert.to(tl.int64) * stride_re + n_load
+            acc *= tl.load(row_scale_ptr + expert.to(tl.int64) * stride_re + n_load)[None, :]
         else:
             p_w = w_ptr + expert.to(tl.int64) * stride_we + n_load[None, :] * stride_wn + kk[:, None]
             s_w = _scale_ptrs(scale_ptr, expert, n_load, stride_se, stride_sn, SCALE_ROWS)
-            r_w = s_w
             for k0 in range(0, INTER, BLOCK_K):
                 if INTER % BLOCK_K == 0:
                     b_act = tl.load(p_act)
@@ -456,7 +453,7 @@ def _moe_down_kernel(
                 acc = _weight_dot(acc, _fp8_lhs(b_act, fp8), b_w, s_w, k0, BLOCK_SCALES, FP8_ASM)
                 p_act += BLOCK_K
                 p_w += BLOCK_K
-        acc = _true_sums(acc, s_w, r_w, act_ptr.dtype.element_ty, fp8, BLOCK_SCALES, NVFP4)
+            acc = _true_sums(acc, s_w, act_ptr.dtype.element_ty, fp8, BLOCK_SCALES)
         route_w = tl.load(route_w_ptr + pairs).to(tl.float32)
         acc = acc * route_w[:, None]
         tl.store(
