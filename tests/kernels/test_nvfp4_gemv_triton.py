@@ -145,37 +145,13 @@ DOT = Config(block_n=16, block_k=32, num_warps=1, use_dot=True, num_stages=2)
 @pytest.mark.parametrize("k", [32, 160])
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
 def test_dot_matches_reference(m: int, k: int, with_bias: bool) -> None:
-    # Random bytes (every code, -0 included) and block scales from e4m3 subnormals to 448: the
-    # bf16 codes times 2^-126 (code 1 a subnormal) and x times 2^64 keep every product exact.
-    # fp32 x: the interpreter multiplies bf16 operands of tl.dot as another type; the bf16
-    # widening differs only in its bit positions (test_dot_codes_of_every_byte).
+    # Random bytes (every code, -0 included) and block scales from e4m3 subnormals to 448.
+    # fp32 x: the interpreter multiplies bf16 operands of tl.dot as another type; the weight
+    # tile's widening is the GEMM's (test_nvfp4_gemm_triton: every code and scale, bf16 too).
     packed, block_scale, row_scale = random_weights(N, k, seed=70 + k + m)
     x, bias = random_activations(m, N, k, torch.float32, seed=70 + m)
     bias = bias if with_bias else None
     _check(fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias, config=DOT), x, packed, block_scale, row_scale, bias)
-
-
-@interpreter_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_dot_codes_of_every_byte(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    # The DOT path's widening on all 256 bytes: both nibbles in K order, exactly their e2m1
-    # values times 2^-126, -0 included.
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def widen(packed_ptr, out_ptr):
-        row = tl.arange(0, 16)[:, None]
-        codes = tl.load(packed_ptr + row * 16 + tl.arange(0, 16)[None, :])
-        tl.store(out_ptr + row * 32 + tl.arange(0, 32)[None, :], fast._dot_codes(codes, out_ptr.dtype.element_ty))
-
-    packed = torch.arange(256, dtype=torch.uint8)
-    out = torch.empty(16, 32, dtype=dtype)
-    widen[(1,)](packed, out)
-    expected = ref.dequantize_nvfp4(packed.view(16, 16), torch.ones(16, 2).to(E4M3), torch.ones(16))
-    assert torch.equal(out.double() * 2.0**126, expected.double())
-    assert torch.equal(torch.signbit(out), torch.signbit(expected))
 
 
 @interpreter_only

@@ -40,7 +40,7 @@ pairs (a long prefill chunk) the layer's experts are instead dequantized to bf16
 
 NVFP4 experts (ModelOpt's layout: e2m1 codes two a byte, an e4m3 scale per 16, an fp32 scale
 per row) likewise: each K step loads code bytes and block scales and widens them to x's dtype as
-the NVFP4 GEMM does (kernels/nvfp4_gemm's _weight_tile: code value times block scale is exact
+the NVFP4 GEMM does (kernels/nvfp4_gemv's _weight_tile: code value times block scale is exact
 in bf16), the row scale multiplying each column's sum at the end.
 """
 
@@ -57,7 +57,7 @@ from ninfer.kernels.backend import fast_version
 from ninfer.kernels.gemv.ref import SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.gemv.triton import _bits_exp, _e4m3_bits, _x_exp
 from ninfer.kernels.moe import ref
-from ninfer.kernels.nvfp4_gemm.triton import _weight_tile
+from ninfer.kernels.nvfp4_gemv.triton import _weight_tile
 from ninfer.kernels.nvfp4_gemv.triton import _decode
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 

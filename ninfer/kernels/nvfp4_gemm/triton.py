@@ -53,7 +53,7 @@ import triton.language as tl
 from ninfer.kernels.backend import fast_version
 from ninfer.kernels.nvfp4_gemm import ref
 from ninfer.kernels.nvfp4_gemv.ref import BLOCK, kernel_operands
-from ninfer.kernels.nvfp4_gemv.triton import _decode
+from ninfer.kernels.nvfp4_gemv.triton import _weight_tile
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.sm_count import device_sms
 
@@ -71,18 +71,6 @@ class Config(NamedTuple):
     num_warps: int = 8
     num_stages: int = 2
     group_m: int = 8
-
-
-@triton.jit
-def _weight_tile(packed, scale, DTYPE: tl.constexpr):
-    """Code bytes [BLOCK_N, G, 8] and their e4m3 block scales [BLOCK_N, G] -> the weight
-    tile [BLOCK_N, 16 G] as value * block scale in DTYPE (exact, see the module docstring)."""
-    BLOCK_N: tl.constexpr = packed.shape[0]
-    GROUPS: tl.constexpr = packed.shape[1]
-    low, high = _decode(packed)  # value * 2^-14, fp32
-    s = (scale.to(tl.float32) * 16384.0)[:, :, None]
-    # Byte j holds elements 2j (low nibble) and 2j + 1 (high): interleave them back.
-    return tl.reshape(tl.join(low * s, high * s), [BLOCK_N, GROUPS * 16]).to(DTYPE)
 
 
 @triton.jit

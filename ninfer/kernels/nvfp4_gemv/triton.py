@@ -69,11 +69,6 @@ class Config(NamedTuple):
     num_stages: int = 1
 
 
-# The DOT path's codes are values times 2^-126 (code 1, 0.5, a subnormal): x is
-# multiplied by 2^64 (exact) so that the products stay in fp32's normal range, and the
-# remaining 2^62 multiplies each column's total with the row scale.
-DOT_X_SCALE = tl.constexpr(2.0**64)
-DOT_FOLD = tl.constexpr(2.0**62)
 DOT_ROWS = 8  # x^T is the MMA's B operand: 8 columns per MMA, so x is padded to 8 rows at least
 
 
@@ -95,6 +90,19 @@ def _decode(packed):
     low = ((b << 28) >> 19) & 0x8E00
     high = (b << 5) & 0x8E00
     return _fp16_bits_to_fp32(low), _fp16_bits_to_fp32(high)
+
+
+@triton.jit
+def _weight_tile(packed, scale, DTYPE: tl.constexpr):
+    """Code bytes [BLOCK_N, G, 8] and their e4m3 block scales [BLOCK_N, G] -> the weight
+    tile [BLOCK_N, 16 G] as value * block scale in DTYPE (exact: value * block scale has at most 6 significant bits
+    and lies in [2^-10, 2688], normal in bf16 and fp16)."""
+    BLOCK_N: tl.constexpr = packed.shape[0]
+    GROUPS: tl.constexpr = packed.shape[1]
+    low, high = _decode(packed)  # value * 2^-14, fp32
+    s = (scale.to(tl.float32) * 16384.0)[:, :, None]
+    # Byte j holds elements 2j (low nibble) and 2j + 1 (high): interleave them back.
+    return tl.reshape(tl.join(low * s, high * s), [BLOCK_N, GROUPS * 16]).to(DTYPE)
 
 
 @triton.jit
@@ -190,24 +198,6 @@ def _nvfp4_gemv_kernel(
 
 
 @triton.jit
-def _dot_codes(packed, DTYPE: tl.constexpr):
-    """uint8 bytes [BLOCK_N, B] -> DTYPE (bf16 or fp32) [BLOCK_N, 2 * B] in K order (low nibble
-    first), each the e2m1 value times 2^-126, exactly: the sign bit to DTYPE's sign, the 2
-    exponent bits to the bottom of its exponent field and the mantissa bit to the top of its
-    mantissa (code 1, 0.5, lands on the subnormal 2^-127)."""
-    if DTYPE == tl.float32:
-        b = packed.to(tl.uint32)
-        low = (((b << 22) & 0x01C00000) | ((b << 28) & 0x80000000)).to(tl.float32, bitcast=True)
-        high = (((b << 18) & 0x01C00000) | ((b << 24) & 0x80000000)).to(tl.float32, bitcast=True)
-    else:
-        b = packed.to(tl.int32)
-        low = (((b << 6) & 0x1C0) | ((b << 12) & 0x8000)).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        high = (((b << 2) & 0x1C0) | ((b << 8) & 0x8000)).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    pairs = tl.join(low, high)  # [BLOCK_N, B, 2]: byte j -> codes 2j, 2j + 1
-    return tl.reshape(pairs, [packed.shape[0], 2 * packed.shape[1]])
-
-
-@triton.jit
 def _nvfp4_dot_kernel(
     x_ptr,
     w_ptr,
@@ -228,32 +218,27 @@ def _nvfp4_dot_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """acc[BLOCK_N, BLOCK_M] += W @ x^T on the tensor cores, one 16-code scale block at a time:
-    the block's codes widened to x's dtype are the MMA's A operand (16 weight rows per warp),
-    x^T the B operand, and each block's [BLOCK_N, BLOCK_M] product is multiplied by its block
-    scale before it joins the sum (code x scale would not stay exact in bf16 next to 2^-126).
-    bf16 x is the served case; fp32 x (exact products) is what Triton's CPU interpreter runs.
-    K must be a multiple of BLOCK_K (the launch picks one that divides it)."""
-    BLOCKS: tl.constexpr = BLOCK_K // 16
+    """acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T on the tensor cores: each step's weight tile is
+    code value x block scale in x's dtype (exact, as the NVFP4 GEMM builds it), the MMA's A
+    operand (16 weight rows per warp), and x^T the B operand; the row scale multiplies each
+    column's total once. bf16 x is the served case; fp32 x (exact products) is what Triton's
+    CPU interpreter runs. K must be a multiple of BLOCK_K (the launch picks one that divides it)."""
+    GROUPS: tl.constexpr = BLOCK_K // 16  # scale blocks per row and step
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_load = tl.minimum(m, M - 1)  # rows past M re-read the last real one; only the store is masked
     n_load = tl.minimum(n, N - 1).to(tl.int64)
-    byte = tl.arange(0, 8)
-    code = tl.arange(0, 16)
-    w_ptrs = w_ptr + n_load[:, None] * stride_wn + byte[None, :]  # [BLOCK_N, 8]: one block's codes
-    x_ptrs = x_ptr + m_load[None, :] * stride_xm + code[:, None]  # [16, BLOCK_M]: x^T of one block
-    s_ptrs = block_scale_ptr + n_load * stride_sn
+    g = tl.arange(0, GROUPS)
+    byte = g[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    w_ptrs = w_ptr + n_load[:, None, None] * stride_wn + byte  # [BLOCK_N, GROUPS, 8]
+    s_ptrs = block_scale_ptr + n_load[:, None] * stride_sn + g[None, :]  # [BLOCK_N, GROUPS]
+    x_ptrs = x_ptr + m_load[None, :] * stride_xm + tl.arange(0, BLOCK_K)[:, None]  # x^T [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     pdl_sync(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
-        for block in tl.static_range(BLOCKS):
-            k = k0 + block * 16
-            w = _dot_codes(tl.load(w_ptrs + k // 2), x_ptr.dtype.element_ty)
-            xt = (tl.load(x_ptrs + k).to(tl.float32) * DOT_X_SCALE).to(x_ptr.dtype.element_ty)
-            part = tl.dot(w, xt, input_precision="ieee")
-            acc += part * tl.load(s_ptrs + k // 16).to(tl.float32)[:, None]
-    out = acc * (tl.load(row_scale_ptr + n_load) * DOT_FOLD)[:, None]
+        w = _weight_tile(tl.load(w_ptrs + k0 // 2), tl.load(s_ptrs + k0 // 16), x_ptr.dtype.element_ty)
+        acc = tl.dot(w, tl.load(x_ptrs + k0), acc, input_precision="ieee")
+    out = acc * tl.load(row_scale_ptr + n_load)[:, None]
     if HAS_BIAS:
         out += tl.load(bias_ptr + n_load).to(tl.float32)[:, None]
     mask = (n[:, None] < N) & (m[None, :] < M)
