@@ -19,6 +19,8 @@ from ninfer.engine.step_graphs import StepGraphs, token_buckets
 from ninfer.engine.verify_graphs import VerifyGraphs
 from ninfer.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from ninfer.kernels.gemv import UNQUANTIZED_GEMV_MAX_ROWS
+from ninfer.kernels.moe.kernel_choice import token_switches as moe_token_switches
+from ninfer.kernels.moe_block import MAX_TOKENS as MOE_BLOCK_MAX_TOKENS
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.quant.weight_format import weight_format
 
@@ -29,8 +31,6 @@ def step_graph_blocker(model: CausalLM, num_draft_tokens: int) -> str | None:
     """Why prompt and mixed steps of this configuration run eagerly, or None."""
     if num_draft_tokens:
         return "speculative decoding (the drafter reads every prompt step's hidden states)"
-    if model.config.is_moe:
-        return "a MoE model (the routed experts' prompt path sizes its work on the host)"
     if next(model.parameters()).is_cuda:
         return graph_blocker(model)
     return None
@@ -48,6 +48,9 @@ def build_step_graphs(
     # bucket ends at each, so a padded step runs the products its eager step runs (routers and
     # other 16-bit layers run at the bucket's rows in FP8 models too).
     switches = (UNQUANTIZED_GEMV_MAX_ROWS,) + ((GEMV_MAX_ROWS,) if weight_format(model) == "fp8" else ())
+    if model.config.is_moe:
+        # The fused decode block up to its token limit, then each change of expert kernels or tiles.
+        switches += (MOE_BLOCK_MAX_TOKENS,) + moe_token_switches(model.config.num_experts, model.config.num_experts_per_tok)
     buckets = token_buckets(max_tokens, max_decode_rows, switches)
     graphs = StepGraphs(model, kv, state_cache, slot_logits, num_valid_tokens, buckets, max_requests, max_pages,
                         scratch_slot, scratch_page)  # fmt: skip

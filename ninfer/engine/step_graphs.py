@@ -20,8 +20,11 @@ go to the scratch slot), and the runner samples from the slots' logits as after 
 
 Steps stay eager when a graph cannot hold them: more tokens than the largest bucket, more
 requests, media rows (the vision tower's), speculative verification rows. The runner builds no
-step graphs under --spec (the drafter reads every prompt step's hidden states) or for MoE
-models (the routed experts' prompt path sizes its work on the host).
+step graphs under --spec (the drafter reads every prompt step's hidden states). MoE layers run
+in them as eagerly: their expert order and grouped products take sizes from the shapes alone
+(kernels/moe), the rows of no request route like any other (their outputs are never read), and a
+bucket ends at each token count where the expert kernels or tiles change (kernels/moe's
+kernel_choice), so a padded step sums in its eager step's order.
 """
 
 from __future__ import annotations

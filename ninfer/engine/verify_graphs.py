@@ -296,7 +296,7 @@ class VerifyGraphs:
         for batch_size in reversed(self.batch_sizes):
             rows = batch_size * (self.num_draft_tokens + 2)  # the drafter's pass: one row more per request
             if config.is_moe:
-                from ninfer.kernels.moe.triton import DECODE_MAX_PAIRS
+                from ninfer.kernels.moe.kernel_choice import DECODE_MAX_PAIRS
 
                 if rows * config.num_experts_per_tok > DECODE_MAX_PAIRS:
                     log.info("verify graphs: batch %d (%d rows) routes more expert pairs than a capture takes; eager",

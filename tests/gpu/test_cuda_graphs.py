@@ -55,6 +55,18 @@ ARCHITECTURES = {
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         )
     ),
+    # Qwen3.5 MoE hybrid: the same trunk with routed experts (top-2 of 8) and a shared expert.
+    "qwen3_5_moe": lambda: tf.Qwen3_5MoeForCausalLM(
+        tf.Qwen3_5MoeTextConfig(
+            vocab_size=VOCAB, hidden_size=256, num_attention_heads=6, num_key_value_heads=2, head_dim=256,
+            num_hidden_layers=4, max_position_embeddings=1024, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=128, shared_expert_intermediate_size=128,
+            linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        )
+    ),
 }
 
 

@@ -57,11 +57,10 @@ from ninfer.kernels.backend import fast_version
 from ninfer.kernels.gemv.ref import SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.gemv.triton import _bits_exp, _e4m3_bits, _x_exp
 from ninfer.kernels.moe import ref
-from ninfer.kernels.nvfp4_gemv.triton import _weight_tile
-from ninfer.kernels.nvfp4_gemv.triton import _decode
+from ninfer.kernels.moe.kernel_choice import DECODE_MAX_PAIRS, FP8_GROUPED_MM_MIN_PAIRS, tile_rows
+from ninfer.kernels.nvfp4_gemv.triton import _decode, _weight_tile
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
-DECODE_MAX_PAIRS = 128
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the (up, down) kernels by BLOCK_M, from the
 # H200 sweep in benchmarks/kernels/bench_moe.py (docs/kernels.md): at BLOCK_M 16 (batch
 # 1-2) narrow up tiles give enough programs to stream 8-16 experts; from BLOCK_M 32 on,
@@ -812,13 +811,6 @@ def dequantize_experts(weight, scale, dtype, *, block_n: int = 64, block_k: int 
     return out
 
 
-# FP8 experts at prefill sizes: from this many (token, expert) pairs the experts are dequantized
-# to x's dtype for torch's grouped GEMM (see fused_experts) instead of running the Triton grouped
-# kernels on e4m3 tiles. H100, 35B-A3B, 8K tokens: 2.37 ms against 2.73, of which the
-# dequantization is 0.96 ms whatever the tokens; scaled linearly the two meet near 6K tokens.
-FP8_GROUPED_MM_MIN_PAIRS = 49152
-
-
 @fast_version(ref.fused_experts)
 def fused_experts(
     x, weights, expert_ids, gate_up_proj, down_proj, gate_up_scale=None, down_scale=None, *,
@@ -853,7 +845,7 @@ def fused_experts(
         inter = down_proj.shape[2] * 2  # codes two a byte
     elif gate_up_proj.dtype == torch.uint8:
         raise ValueError("FP8 expert scales are one tensor (NVFP4's a (block_scale, row_scale) pair for uint8 codes)")
-    decode = num_pairs <= DECODE_MAX_PAIRS
+    decode, default_block_m = tile_rows(num_pairs, num_experts)
     if not decode and (grouped_mm if grouped_mm is not None else _grouped_mm_default(x, gate_up_proj, num_pairs)):
         if quantized:
             # Every expert of the layer, dequantized once: at these sizes nearly all are chosen,
@@ -868,11 +860,10 @@ def fused_experts(
     # at prefill sizes they are the largest tensor the kernels write and read.
     part = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     if decode:
-        block_m = max(16, triton.next_power_of_2(num_pairs))
+        block_m = default_block_m
         sorted_pairs, block_expert, num_programs = ids, ids, num_pairs  # unused pointers in decode mode
     else:
-        # Rows per expert on average decide how full a block is; weights are read once per block.
-        block_m = block_m or min(64, max(16, triton.next_power_of_2(triton.cdiv(num_pairs, num_experts))))
+        block_m = block_m or default_block_m
         sorted_pairs, block_expert, num_programs = _sort_by_expert(expert_ids, num_experts, block_m)
     up_cfg, down_cfg = tiles or (NVFP4_TILES if nvfp4 else FP8_TILES if fp8 else TILES)[min(block_m, 64)]
     if (up_scales.block_scales and SCALE_BLOCK % up_cfg[1]) or (down_scales.block_scales and SCALE_BLOCK % down_cfg[1]):
