@@ -19,6 +19,8 @@ with it; so this file imports it only on CPU-only machines, and marks which test
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 
@@ -209,6 +211,112 @@ def test_decode_of_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(torch.stack((low, high), dim=1) * 2**14, expected)
     assert torch.equal(torch.signbit(low), torch.signbit(expected[:, 0]))
     assert torch.equal(torch.signbit(high), torch.signbit(expected[:, 1]))
+
+
+def _run_ptx(lines: tuple[str, ...], operands: dict[str, int]) -> dict[str, int]:
+    """The decode's PTX instructions evaluated on Python ints, per the PTX ISA: and, shr, shl,
+    mov, prmt (default mode: selector nibble i picks byte i of {b, a}, bit 3 copying that byte's
+    top bit over it), lop3 (the lookup table over the bits of a, b, c) and fma.rn.bf16x2 (each
+    half rounded to nearest even from the exact result; the tests' products are exact)."""
+    regs = dict(operands)
+    value = lambda token: regs[token] if token in regs else int(token, 0)  # noqa: E731
+
+    def bf16(bits: int) -> float:
+        return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+    def bf16_bits(number: float) -> int:
+        return torch.tensor([number]).bfloat16().view(torch.int16).item() & 0xFFFF
+
+    for line in lines:
+        op, args = line.rstrip(";").split(None, 1)
+        dest, *sources = [a.strip() for a in args.split(",")]
+        v = [value(t) for t in sources]
+        if op == "and.b32":
+            out = v[0] & v[1]
+        elif op == "shr.b32":
+            out = v[0] >> v[1]
+        elif op == "shl.b32":
+            out = (v[0] << v[1]) & 0xFFFFFFFF
+        elif op == "mov.b32":
+            out = v[0]
+        elif op == "prmt.b32":
+            table = v[0] | v[1] << 32
+            out = 0
+            for i in range(4):
+                nibble = v[2] >> 4 * i & 0xF
+                byte = table >> 8 * (nibble & 7) & 0xFF
+                out |= (0xFF if byte & 0x80 else 0) << 8 * i if nibble & 8 else byte << 8 * i
+        elif op == "lop3.b32":
+            out = 0
+            for bit in range(32):
+                index = (v[0] >> bit & 1) << 2 | (v[1] >> bit & 1) << 1 | (v[2] >> bit & 1)
+                out |= (v[3] >> index & 1) << bit
+        elif op == "fma.rn.bf16x2":
+            halves = [bf16_bits(bf16(v[0] >> h & 0xFFFF) * bf16(v[1] >> h & 0xFFFF) + bf16(v[2] >> h & 0xFFFF)) for h in (0, 16)]
+            out = halves[0] | halves[1] << 16
+        else:
+            raise AssertionError(f"no model of {op}")
+        regs[dest] = out
+    return regs
+
+
+def test_decode_asm_of_every_byte_and_scale() -> None:
+    # The sm_90 decode's instructions (DECODE_ASM_LINES; the interpreter cannot run inline PTX) on
+    # all 256 bytes, four to a register, with scales from e4m3's smallest subnormal to 448: each
+    # code's value times its scale in bf16, exactly, -0 included, in the outputs' order.
+    packed = torch.arange(256, dtype=torch.uint8)
+    scales = torch.tensor([2.0**-9, 0.375, 1.0, 1.75, 13.0, 448.0]).to(E4M3)
+    for scale in scales:
+        expected = ref.dequantize_nvfp4(packed.view(16, 16), scale.repeat(16, 2), torch.ones(16)).bfloat16().view(256, 2)
+        scale_pair = (torch.tensor([scale.float().item()] * 2).bfloat16().view(torch.int32).item()) & 0xFFFFFFFF
+        for word in range(64):
+            bytes_ = packed[4 * word : 4 * word + 4].tolist()
+            regs = _run_ptx(fast.DECODE_ASM_LINES, {"$4": int.from_bytes(bytes(bytes_), "little"), "$5": scale_pair, "$6": scale_pair})
+            got = torch.tensor([regs[f"${i}"] for i in range(4)], dtype=torch.int64).to(torch.int32).view(torch.bfloat16)
+            low = torch.cat((got[0:2], got[2:4]))  # $0: low codes of bytes 0, 1; $1: of bytes 2, 3
+            high = torch.cat((got[4:6], got[6:8]))
+            want = expected[4 * word : 4 * word + 4]
+            assert torch.equal(low, want[:, 0]) and torch.equal(high, want[:, 1]), (float(scale), bytes_)
+            assert torch.equal(torch.signbit(low), torch.signbit(want[:, 0]))
+            assert torch.equal(torch.signbit(high), torch.signbit(want[:, 1]))
+
+
+@pytest.mark.slow
+def test_tensor_core_kernels_build_with_the_decode_asm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NVFP4 kernels that widen tiles for tl.dot (this GEMV's DOT path, the GEMM, the routed
+    experts' up and down stages), recorded on CPU tensors, built for sm_90 with the PTX decode on
+    as a launch on a GPU sets it: ptxas takes the instructions and each kernel holds them."""
+    from triton.runtime.jit import JITFunction
+
+    from tests.kernels.test_pdl_launch import _ptx, compiled_kernel_module
+
+    modules = {name: compiled_kernel_module(monkeypatch, f"ninfer.kernels.{name}.triton") for name in ("nvfp4_gemv", "nvfp4_gemm", "moe")}
+    recorded: list = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs: recorded.append((self, args, kwargs)))
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (256, 512), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(256, 64, generator=gen).to(E4M3)
+    row_scale = torch.rand(256, generator=gen)
+    x = torch.randn(4, 1024, generator=gen).bfloat16()
+    modules["nvfp4_gemv"].gemv_nvfp4(x, codes, scales, row_scale, config=Config(64, 128, num_warps=4, use_dot=True, num_stages=2))
+    modules["nvfp4_gemm"].nvfp4_matmul(torch.randn(64, 1024, generator=gen).bfloat16(), codes, scales, row_scale)
+    experts = (codes.view(2, 128, 512), (scales.view(2, 128, 64), row_scale.view(2, 128)))
+    down = (torch.randint(0, 256, (2, 1024, 32), dtype=torch.uint8, generator=gen),
+            (torch.rand(2, 1024, 4, generator=gen).to(E4M3), torch.rand(2, 1024, generator=gen)))  # fmt: skip
+    ids = torch.randint(0, 2, (40, 1), generator=gen)
+    modules["moe"].fused_experts(torch.randn(40, 1024, generator=gen).bfloat16(), torch.ones(40, 1).bfloat16(), ids,
+                                 experts[0], down[0], experts[1], down[1], grouped_mm=False)  # fmt: skip
+    flags = {"_nvfp4_dot_kernel": "DECODE_BY_ASM", "_nvfp4_gemm_kernel": "DECODE_BY_ASM", "_moe_up_kernel": "ASM", "_moe_down_kernel": "ASM"}
+    built = set()
+    for fn, args, kwargs in recorded:
+        name = fn.fn.__name__
+        if name not in flags:
+            continue
+        assert kwargs[flags[name]] is False  # CPU tensors: the interpreter's decode
+        ptx = _ptx(fn, args, {**kwargs, flags[name]: True})
+        assert "prmt.b32 l01, 0xC0800000, 0xC0804000, m;" in ptx and "fma.rn.bf16x2" in ptx, name
+        built.add(name)
+    assert built == set(flags)
 
 
 @interpreter_only

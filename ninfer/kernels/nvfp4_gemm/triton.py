@@ -95,6 +95,7 @@ def _nvfp4_gemm_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    DECODE_BY_ASM: tl.constexpr,
 ):
     pdl_sync(USE_PDL)  # x comes from the previous kernel; the pipeline prologue loads x with W
     GROUPS: tl.constexpr = BLOCK_K // 16  # scale blocks per row and step
@@ -133,7 +134,7 @@ def _nvfp4_gemm_kernel(
             packed = tl.load(w_ptrs + k0 // 2, mask=in_k[None, :, None], other=0)
             scale = tl.load(s_ptrs + k0 // 16, mask=in_k[None, :], other=0.0)
             xt = tl.load(x_ptrs + k0, mask=((k0 + kk) < K)[None, :], other=0.0)
-        w = _weight_tile(packed, scale, x_ptr.dtype.element_ty)
+        w = _weight_tile(packed, scale, x_ptr.dtype.element_ty, DECODE_BY_ASM)
         acc = tl.dot(w, tl.trans(xt), acc)
     out = acc * tl.load(row_scale_ptr + n_load)[:, None]
     if HAS_BIAS:
@@ -216,6 +217,7 @@ def nvfp4_matmul(x, weight, block_scale, row_scale, bias=None, *, config: Config
         GROUP_M=cfg.group_m,
         EVEN_K=K % cfg.block_k == 0,
         USE_PDL=use_pdl,
+        DECODE_BY_ASM=x.is_cuda,  # inline PTX: not for the CPU interpreter
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=use_pdl,  # the interpreter's launcher drops launch options it does not know

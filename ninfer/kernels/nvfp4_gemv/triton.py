@@ -92,13 +92,59 @@ def _decode(packed):
     return _fp16_bits_to_fp32(low), _fp16_bits_to_fp32(high)
 
 
+# Codes to bf16 by lookup (prmt), sign and block scale applied, for 4 code bytes (8 codes) and
+# their 4 block scales as bf16: $0, $1 the low codes of bytes 0-1 and 2-3 (bf16 pairs), $2, $3
+# the high codes; $4 the bytes; $5, $6 the scales. The e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
+# in bf16 are 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0: their low bytes
+# (0xC0800000, 0xC0804000) and high bytes (0x3F3F3F00, 0x40404040) are the 8-entry tables, each
+# code's 3 magnitude bits its selector. A selector nibble with bit 3 set copies the top bit of its
+# byte over the output byte: the code signs (bit 3 of each nibble; bytes shifted left by 4 put the
+# low codes' there) become masks XORed into each bf16's sign (lop3 0x78: a ^ (b & c)). A fused
+# multiply by the scale with -0 added keeps -0 and, value and scale having 2 + 4 significant
+# bits, is exact. nvfp4_gemv/ref.py's decode_bf16_pairs runs these instructions on the CPU.
+DECODE_ASM_LINES = (
+    "and.b32 m, $4, 0x77777777;",
+    "shr.b32 n, m, 16;",
+    "prmt.b32 l01, 0xC0800000, 0xC0804000, m;",
+    "prmt.b32 h01, 0x3F3F3F00, 0x40404040, m;",
+    "prmt.b32 l23, 0xC0800000, 0xC0804000, n;",
+    "prmt.b32 h23, 0x3F3F3F00, 0x40404040, n;",
+    "shl.b32 w4, $4, 4;",
+    "mov.b32 z, 0x80008000;",
+    "prmt.b32 v, l01, h01, 0x6240;",
+    "prmt.b32 sg, w4, $4, 0x9080;",
+    "lop3.b32 v, v, sg, 0x80008000, 0x78;",
+    "fma.rn.bf16x2 $0, v, $5, z;",
+    "prmt.b32 v, l23, h23, 0x6240;",
+    "prmt.b32 sg, w4, $4, 0xB0A0;",
+    "lop3.b32 v, v, sg, 0x80008000, 0x78;",
+    "fma.rn.bf16x2 $1, v, $6, z;",
+    "prmt.b32 v, l01, h01, 0x7351;",
+    "prmt.b32 sg, w4, $4, 0xD0C0;",
+    "lop3.b32 v, v, sg, 0x80008000, 0x78;",
+    "fma.rn.bf16x2 $2, v, $5, z;",
+    "prmt.b32 v, l23, h23, 0x7351;",
+    "prmt.b32 sg, w4, $4, 0xF0E0;",
+    "lop3.b32 v, v, sg, 0x80008000, 0x78;",
+    "fma.rn.bf16x2 $3, v, $6, z;",
+)
+DECODE_ASM = tl.constexpr("{\n.reg .b32 m, n, l01, h01, l23, h23, w4, z, v, sg;\n" + "\n".join(DECODE_ASM_LINES) + "\n}")
+
+
 @triton.jit
-def _weight_tile(packed, scale, DTYPE: tl.constexpr):
+def _weight_tile(packed, scale, DTYPE: tl.constexpr, ASM: tl.constexpr = False):
     """Code bytes [BLOCK_N, G, 8] and their e4m3 block scales [BLOCK_N, G] -> the weight
-    tile [BLOCK_N, 16 G] as value * block scale in DTYPE (exact: value * block scale has at most 6 significant bits
-    and lies in [2^-10, 2688], normal in bf16 and fp16)."""
+    tile [BLOCK_N, 16 G] as value * block scale in DTYPE (exact: value * block scale has at
+    most 6 significant bits and lies in [2^-10, 2688], normal in bf16 and fp16). ASM (bf16,
+    sm_90 builds): by table lookup (DECODE_ASM, ~3 instructions a code against ~7)."""
     BLOCK_N: tl.constexpr = packed.shape[0]
     GROUPS: tl.constexpr = packed.shape[1]
+    if ASM and DTYPE == tl.bfloat16:
+        s = tl.broadcast_to(scale.to(tl.float32).to(tl.bfloat16)[:, :, None], packed.shape)
+        low, high = tl.inline_asm_elementwise(
+            DECODE_ASM, "=r,=r,=r,=r,r,r,r", [packed, s], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+        return tl.reshape(tl.join(low, high), [BLOCK_N, GROUPS * 16])
     low, high = _decode(packed)  # value * 2^-14, fp32
     s = (scale.to(tl.float32) * 16384.0)[:, :, None]
     # Byte j holds elements 2j (low nibble) and 2j + 1 (high): interleave them back.
@@ -217,6 +263,7 @@ def _nvfp4_dot_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    DECODE_BY_ASM: tl.constexpr,
 ):
     """acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T on the tensor cores: each step's weight tile is
     code value x block scale in x's dtype (exact, as the NVFP4 GEMM builds it), the MMA's A
@@ -236,7 +283,7 @@ def _nvfp4_dot_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     pdl_sync(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
-        w = _weight_tile(tl.load(w_ptrs + k0 // 2), tl.load(s_ptrs + k0 // 16), x_ptr.dtype.element_ty)
+        w = _weight_tile(tl.load(w_ptrs + k0 // 2), tl.load(s_ptrs + k0 // 16), x_ptr.dtype.element_ty, DECODE_BY_ASM)
         acc = tl.dot(w, tl.load(x_ptrs + k0), acc, input_precision="ieee")
     out = acc * tl.load(row_scale_ptr + n_load)[:, None]
     if HAS_BIAS:
@@ -304,6 +351,7 @@ def gemv_nvfp4(x, weight, block_scale, row_scale, bias=None, *, config: Config |
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
             USE_PDL=use_pdl,
+            DECODE_BY_ASM=x.is_cuda,  # inline PTX: not for the CPU interpreter
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             launch_pdl=use_pdl,
