@@ -260,32 +260,51 @@ def _run_ptx(lines: tuple[str, ...], operands: dict[str, int]) -> dict[str, int]
     return regs
 
 
-def test_decode_asm_of_every_byte_and_scale() -> None:
-    # The sm_90 decode's instructions (DECODE_ASM_LINES; the interpreter cannot run inline PTX) on
-    # all 256 bytes, four to a register, with scales from e4m3's smallest subnormal to 448: each
-    # code's value times its scale in bf16, exactly, -0 included, in the outputs' order.
+def _words_and_expected(scale: torch.Tensor):
+    """The 256 bytes as 64 little-endian words, and each byte's (low, high) code values times scale."""
     packed = torch.arange(256, dtype=torch.uint8)
-    scales = torch.tensor([2.0**-9, 0.375, 1.0, 1.75, 13.0, 448.0]).to(E4M3)
-    for scale in scales:
-        expected = ref.dequantize_nvfp4(packed.view(16, 16), scale.repeat(16, 2), torch.ones(16)).bfloat16().view(256, 2)
-        scale_pair = (torch.tensor([scale.float().item()] * 2).bfloat16().view(torch.int32).item()) & 0xFFFFFFFF
-        for word in range(64):
-            bytes_ = packed[4 * word : 4 * word + 4].tolist()
-            regs = _run_ptx(fast.DECODE_ASM_LINES, {"$4": int.from_bytes(bytes(bytes_), "little"), "$5": scale_pair, "$6": scale_pair})
+    expected = ref.dequantize_nvfp4(packed.view(16, 16), scale.repeat(16, 2), torch.ones(16)).view(256, 2)
+    words = [int.from_bytes(bytes(packed[4 * w : 4 * w + 4].tolist()), "little") for w in range(64)]
+    return words, expected
+
+
+def _assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what) -> None:
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want)), what
+
+
+def test_bf16_decode_asm_of_every_byte_and_scale() -> None:
+    # The tensor-core paths' decode (DECODE_BF16_ASM_LINES; the interpreter cannot run inline
+    # PTX) on all 256 bytes, four to a register, with scales from e4m3's smallest subnormal to
+    # 448: each code's value times its scale in bf16, exactly, -0 included, in the outputs' order.
+    for scale in torch.tensor([2.0**-9, 0.375, 1.0, 1.75, 13.0, 448.0]).to(E4M3):
+        words, expected = _words_and_expected(scale)
+        expected = expected.bfloat16()
+        scale_pair = torch.tensor([scale.float().item()] * 2).bfloat16().view(torch.int32).item() & 0xFFFFFFFF
+        for index, word in enumerate(words):
+            regs = _run_ptx(fast.DECODE_BF16_ASM_LINES, {"$4": word, "$5": scale_pair, "$6": scale_pair})
             got = torch.tensor([regs[f"${i}"] for i in range(4)], dtype=torch.int64).to(torch.int32).view(torch.bfloat16)
-            low = torch.cat((got[0:2], got[2:4]))  # $0: low codes of bytes 0, 1; $1: of bytes 2, 3
-            high = torch.cat((got[4:6], got[6:8]))
-            want = expected[4 * word : 4 * word + 4]
-            assert torch.equal(low, want[:, 0]) and torch.equal(high, want[:, 1]), (float(scale), bytes_)
-            assert torch.equal(torch.signbit(low), torch.signbit(want[:, 0]))
-            assert torch.equal(torch.signbit(high), torch.signbit(want[:, 1]))
+            want = expected[4 * index : 4 * index + 4]
+            _assert_bits_equal(got[:4], want[:, 0], (float(scale), index))  # $0, $1: low codes of bytes 0-1, 2-3
+            _assert_bits_equal(got[4:], want[:, 1], (float(scale), index))  # $2, $3: high codes
+
+
+def test_f32_decode_asm_of_every_byte() -> None:
+    # The FMA GEMV's decode (DECODE_F32_ASM_LINES) on all 256 bytes: each code's e2m1 value in
+    # fp32, exactly, -0 included; $0-$3 the low codes of bytes 0-3, $4-$7 the high ones.
+    words, expected = _words_and_expected(torch.tensor(1.0).to(E4M3))
+    for index, word in enumerate(words):
+        regs = _run_ptx(fast.DECODE_F32_ASM_LINES, {"$8": word})
+        got = torch.tensor([regs[f"${i}"] for i in range(8)], dtype=torch.int64).to(torch.int32).view(torch.float32)
+        want = expected[4 * index : 4 * index + 4]
+        _assert_bits_equal(got[:4], want[:, 0], index)
+        _assert_bits_equal(got[4:], want[:, 1], index)
 
 
 @pytest.mark.slow
-def test_tensor_core_kernels_build_with_the_decode_asm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The NVFP4 kernels that widen tiles for tl.dot (this GEMV's DOT path, the GEMM, the routed
-    experts' up and down stages), recorded on CPU tensors, built for sm_90 with the PTX decode on
-    as a launch on a GPU sets it: ptxas takes the instructions and each kernel holds them."""
+def test_kernels_build_with_the_decode_asm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NVFP4 kernels (this GEMV's FMA and DOT paths, the GEMM, the routed experts' up and down
+    stages), recorded on CPU tensors, built for sm_90 with the PTX decode on as a launch on a GPU
+    sets it: ptxas takes the instructions and each kernel holds them."""
     from triton.runtime.jit import JITFunction
 
     from tests.kernels.test_pdl_launch import _ptx, compiled_kernel_module
@@ -299,6 +318,7 @@ def test_tensor_core_kernels_build_with_the_decode_asm(monkeypatch: pytest.Monke
     row_scale = torch.rand(256, generator=gen)
     x = torch.randn(4, 1024, generator=gen).bfloat16()
     modules["nvfp4_gemv"].gemv_nvfp4(x, codes, scales, row_scale, config=Config(64, 128, num_warps=4, use_dot=True, num_stages=2))
+    modules["nvfp4_gemv"].gemv_nvfp4(x[:1], codes, scales, row_scale)  # the FMA path, fp32 codes
     modules["nvfp4_gemm"].nvfp4_matmul(torch.randn(64, 1024, generator=gen).bfloat16(), codes, scales, row_scale)
     experts = (codes.view(2, 128, 512), (scales.view(2, 128, 64), row_scale.view(2, 128)))
     down = (torch.randint(0, 256, (2, 1024, 32), dtype=torch.uint8, generator=gen),
@@ -306,7 +326,7 @@ def test_tensor_core_kernels_build_with_the_decode_asm(monkeypatch: pytest.Monke
     ids = torch.randint(0, 2, (40, 1), generator=gen)
     modules["moe"].fused_experts(torch.randn(40, 1024, generator=gen).bfloat16(), torch.ones(40, 1).bfloat16(), ids,
                                  experts[0], down[0], experts[1], down[1], grouped_mm=False)  # fmt: skip
-    flags = {"_nvfp4_dot_kernel": "DECODE_BY_ASM", "_nvfp4_gemm_kernel": "DECODE_BY_ASM", "_moe_up_kernel": "ASM", "_moe_down_kernel": "ASM"}
+    flags = {"_nvfp4_gemv_kernel": "DECODE_BY_ASM", "_nvfp4_dot_kernel": "DECODE_BY_ASM", "_nvfp4_gemm_kernel": "DECODE_BY_ASM", "_moe_up_kernel": "ASM", "_moe_down_kernel": "ASM"}
     built = set()
     for fn, args, kwargs in recorded:
         name = fn.fn.__name__
@@ -314,7 +334,8 @@ def test_tensor_core_kernels_build_with_the_decode_asm(monkeypatch: pytest.Monke
             continue
         assert kwargs[flags[name]] is False  # CPU tensors: the interpreter's decode
         ptx = _ptx(fn, args, {**kwargs, flags[name]: True})
-        assert "prmt.b32 l01, 0xC0800000, 0xC0804000, m;" in ptx and "fma.rn.bf16x2" in ptx, name
+        assert "prmt.b32 l01, 0xC0800000, 0xC0804000, m;" in ptx, name
+        assert ("fma.rn.bf16x2" in ptx) == (name != "_nvfp4_gemv_kernel"), name  # the FMA path widens to fp32
         built.add(name)
     assert built == set(flags)
 

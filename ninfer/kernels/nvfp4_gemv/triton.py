@@ -92,43 +92,60 @@ def _decode(packed):
     return _fp16_bits_to_fp32(low), _fp16_bits_to_fp32(high)
 
 
-# Codes to bf16 by lookup (prmt), sign and block scale applied, for 4 code bytes (8 codes) and
-# their 4 block scales as bf16: $0, $1 the low codes of bytes 0-1 and 2-3 (bf16 pairs), $2, $3
-# the high codes; $4 the bytes; $5, $6 the scales. The e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
-# in bf16 are 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0: their low bytes
-# (0xC0800000, 0xC0804000) and high bytes (0x3F3F3F00, 0x40404040) are the 8-entry tables, each
-# code's 3 magnitude bits its selector. A selector nibble with bit 3 set copies the top bit of its
-# byte over the output byte: the code signs (bit 3 of each nibble; bytes shifted left by 4 put the
-# low codes' there) become masks XORed into each bf16's sign (lop3 0x78: a ^ (b & c)). A fused
-# multiply by the scale with -0 added keeps -0 and, value and scale having 2 + 4 significant
-# bits, is exact. nvfp4_gemv/ref.py's decode_bf16_pairs runs these instructions on the CPU.
-DECODE_ASM_LINES = (
-    "and.b32 m, $4, 0x77777777;",
-    "shr.b32 n, m, 16;",
-    "prmt.b32 l01, 0xC0800000, 0xC0804000, m;",
-    "prmt.b32 h01, 0x3F3F3F00, 0x40404040, m;",
-    "prmt.b32 l23, 0xC0800000, 0xC0804000, n;",
-    "prmt.b32 h23, 0x3F3F3F00, 0x40404040, n;",
-    "shl.b32 w4, $4, 4;",
+# Codes by table lookup (prmt), 4 code bytes (8 codes) per call. The e2m1 magnitudes 0, 0.5, 1,
+# 1.5, 2, 3, 4, 6 in bf16 are 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0: their
+# low bytes (0xC0800000, 0xC0804000) and high bytes (0x3F3F3F00, 0x40404040) are 8-entry tables,
+# each code's 3 magnitude bits its selector. With the bytes shifted left by 4 beside them, every
+# code's sign (bit 3 of its nibble) is the top bit of some byte: a prmt gathers those of 4 codes
+# and one lop3 (0xF8: a | (b & c)) ORs them into their high bytes. Then prmt pairs low and high
+# bytes into bf16 values.
+# The tests run these instructions on every byte in Python (the interpreter cannot run PTX).
+def _lookup_lines(codes: str) -> tuple[str, ...]:
+    """l01 / h01: low / high bf16 bytes (signed) of the codes of bytes 0-1 in K order; l23 / h23 of bytes 2-3."""
+    return (
+        f"and.b32 m, {codes}, 0x77777777;",
+        "shr.b32 n, m, 16;",
+        "prmt.b32 l01, 0xC0800000, 0xC0804000, m;",
+        "prmt.b32 h01, 0x3F3F3F00, 0x40404040, m;",
+        "prmt.b32 l23, 0xC0800000, 0xC0804000, n;",
+        "prmt.b32 h23, 0x3F3F3F00, 0x40404040, n;",
+        f"shl.b32 w4, {codes}, 4;",
+        f"prmt.b32 sg, w4, {codes}, 0x5140;",
+        "lop3.b32 h01, h01, sg, 0x80808080, 0xF8;",
+        f"prmt.b32 sg, w4, {codes}, 0x7362;",
+        "lop3.b32 h23, h23, sg, 0x80808080, 0xF8;",
+    )
+
+
+# The weight tile's form: $0, $1 the low codes of bytes 0-1 and 2-3 (bf16 pairs) times their
+# block scales $5, $6 (bf16 pairs), $2, $3 the high codes; $4 the bytes. fma with -0 added keeps
+# -0 and, value and scale having 2 + 4 significant bits, is exact.
+DECODE_BF16_ASM_LINES = _lookup_lines("$4") + (
     "mov.b32 z, 0x80008000;",
     "prmt.b32 v, l01, h01, 0x6240;",
-    "prmt.b32 sg, w4, $4, 0x9080;",
-    "lop3.b32 v, v, sg, 0x80008000, 0x78;",
     "fma.rn.bf16x2 $0, v, $5, z;",
     "prmt.b32 v, l23, h23, 0x6240;",
-    "prmt.b32 sg, w4, $4, 0xB0A0;",
-    "lop3.b32 v, v, sg, 0x80008000, 0x78;",
     "fma.rn.bf16x2 $1, v, $6, z;",
     "prmt.b32 v, l01, h01, 0x7351;",
-    "prmt.b32 sg, w4, $4, 0xD0C0;",
-    "lop3.b32 v, v, sg, 0x80008000, 0x78;",
     "fma.rn.bf16x2 $2, v, $5, z;",
     "prmt.b32 v, l23, h23, 0x7351;",
-    "prmt.b32 sg, w4, $4, 0xF0E0;",
-    "lop3.b32 v, v, sg, 0x80008000, 0x78;",
     "fma.rn.bf16x2 $3, v, $6, z;",
 )
-DECODE_ASM = tl.constexpr("{\n.reg .b32 m, n, l01, h01, l23, h23, w4, z, v, sg;\n" + "\n".join(DECODE_ASM_LINES) + "\n}")
+# The GEMV's form: $0-$3 the low codes of bytes 0-3 as fp32, $4-$7 the high codes; $8 the bytes.
+# Each byte's two codes as a bf16 pair, then its halves widened (bf16 is fp32's top half).
+DECODE_F32_ASM_LINES = _lookup_lines("$8") + tuple(
+    line
+    for byte, (pairs, sel) in enumerate((("l01, h01", "0x5140"), ("l01, h01", "0x7362"), ("l23, h23", "0x5140"), ("l23, h23", "0x7362")))
+    for line in (f"prmt.b32 v, {pairs}, {sel};", f"shl.b32 ${byte}, v, 16;", f"and.b32 ${byte + 4}, v, 0xFFFF0000;")
+)
+
+
+def _asm(lines: tuple[str, ...]) -> tl.constexpr:
+    return tl.constexpr("{\n.reg .b32 m, n, l01, h01, l23, h23, w4, sg, z, v;\n" + "\n".join(lines) + "\n}")
+
+
+DECODE_BF16_ASM = _asm(DECODE_BF16_ASM_LINES)
+DECODE_F32_ASM = _asm(DECODE_F32_ASM_LINES)
 
 
 @triton.jit
@@ -136,19 +153,30 @@ def _weight_tile(packed, scale, DTYPE: tl.constexpr, ASM: tl.constexpr = False):
     """Code bytes [BLOCK_N, G, 8] and their e4m3 block scales [BLOCK_N, G] -> the weight
     tile [BLOCK_N, 16 G] as value * block scale in DTYPE (exact: value * block scale has at
     most 6 significant bits and lies in [2^-10, 2688], normal in bf16 and fp16). ASM (bf16,
-    sm_90 builds): by table lookup (DECODE_ASM, ~3 instructions a code against ~7)."""
+    sm_90 builds): by table lookup (DECODE_BF16_ASM, 20 instructions for 8 codes)."""
     BLOCK_N: tl.constexpr = packed.shape[0]
     GROUPS: tl.constexpr = packed.shape[1]
     if ASM and DTYPE == tl.bfloat16:
         s = tl.broadcast_to(scale.to(tl.float32).to(tl.bfloat16)[:, :, None], packed.shape)
         low, high = tl.inline_asm_elementwise(
-            DECODE_ASM, "=r,=r,=r,=r,r,r,r", [packed, s], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+            DECODE_BF16_ASM, "=r,=r,=r,=r,r,r,r", [packed, s], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
         )
         return tl.reshape(tl.join(low, high), [BLOCK_N, GROUPS * 16])
     low, high = _decode(packed)  # value * 2^-14, fp32
     s = (scale.to(tl.float32) * 16384.0)[:, :, None]
     # Byte j holds elements 2j (low nibble) and 2j + 1 (high): interleave them back.
     return tl.reshape(tl.join(low * s, high * s), [BLOCK_N, GROUPS * 16]).to(DTYPE)
+
+
+@triton.jit
+def _codes(packed, ASM: tl.constexpr):
+    """uint8 bytes -> (low-nibble, high-nibble) e2m1 values in fp32: by lookup (DECODE_F32_ASM)
+    exactly with ASM, else times 2^-14 (_decode)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            DECODE_F32_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed], dtype=(tl.float32, tl.float32), is_pure=True, pack=4
+        )
+    return _decode(packed)
 
 
 @triton.jit
@@ -161,7 +189,7 @@ def _load_tile(w_ptrs, k0, r, K, VEC: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES: tl.constexpr, EVEN_K: tl.constexpr):
+def _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """One K step: the loaded tile times x -> [BLOCK_N, BLOCK_M, R] block-scaled vector sums."""
     BLOCK_N: tl.constexpr = packed.shape[0]
     R: tl.constexpr = packed.shape[2]
@@ -170,7 +198,7 @@ def _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES: tl.constexpr, EVEN_K: tl.c
     PIECE: tl.constexpr = 2 * VEC_BYTES // X_PIECES  # x elements of one 16-byte load
     # A thread's vector as X_PIECES pieces, each meeting one x load: (n, 1, piece, r, byte).
     packed = tl.permute(tl.reshape(packed, [BLOCK_N, 1, R, X_PIECES, PIECE // 2]), [0, 1, 3, 2, 4])
-    low, high = _decode(packed)
+    low, high = _codes(packed, ASM)
     if EVEN_K:
         xt = tl.load(x_ptrs + k0)
         s = tl.load(s_ptrs + k0 // 16)
@@ -208,11 +236,14 @@ def _nvfp4_gemv_kernel(
     X_PIECES: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    DECODE_BY_ASM: tl.constexpr,
 ):
     VEC: tl.constexpr = 2 * VEC_BYTES  # codes per vector
     PIECE: tl.constexpr = VEC // X_PIECES
     R: tl.constexpr = BLOCK_K // VEC  # vectors of a row per step
-    FOLD: tl.constexpr = 16384.0  # 2^14: the decoded codes are their values times 2^-14
+    fold = 16384.0  # 2^14: _decode's values are the codes' times 2^-14
+    if DECODE_BY_ASM:
+        fold = 1.0  # the lookup's are exact
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Clamped indices: rows past M or N re-read the last real one, so loads need no row masks;
@@ -232,11 +263,11 @@ def _nvfp4_gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M, R], dtype=tl.float32)
     first = _load_tile(w_ptrs, 0, r, K, VEC, EVEN_K)
     pdl_sync(USE_PDL)  # x comes from the previous kernel
-    acc += _step(first, x_ptrs, s_ptrs, 0, r, K, X_PIECES, EVEN_K)
+    acc += _step(first, x_ptrs, s_ptrs, 0, r, K, X_PIECES, EVEN_K, DECODE_BY_ASM)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         packed = _load_tile(w_ptrs, k0, r, K, VEC, EVEN_K)
-        acc += _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES, EVEN_K)
-    out = tl.sum(acc, axis=2) * (tl.load(row_scale_ptr + n_load) * FOLD)[:, None]
+        acc += _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES, EVEN_K, DECODE_BY_ASM)
+    out = tl.sum(acc, axis=2) * (tl.load(row_scale_ptr + n_load) * fold)[:, None]
     if HAS_BIAS:
         out += tl.load(bias_ptr + n_load).to(tl.float32)[:, None]
     mask = (n[:, None] < N) & (m[None, :] < M)
@@ -369,6 +400,7 @@ def gemv_nvfp4(x, weight, block_scale, row_scale, bias=None, *, config: Config |
         X_PIECES=max(1, 2 * cfg.vec_bytes * x.element_size() // 16),  # x read as 16-byte loads
         EVEN_K=K % cfg.block_k == 0,
         USE_PDL=use_pdl,
+        DECODE_BY_ASM=x.is_cuda,  # inline PTX: not for the CPU interpreter
         num_warps=cfg.num_warps,
         num_stages=1,  # the loop's loads are not pipelined by Triton: resident programs hide latency
         launch_pdl=use_pdl,  # the interpreter's launcher drops launch options it does not know
