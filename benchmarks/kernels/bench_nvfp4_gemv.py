@@ -67,8 +67,12 @@ def bench_case(name: str, m: int, bandwidth: float, replays: int) -> list[dict]:
         shown = f"{seconds * 1e6:9.2f} us {row['bandwidth_fraction']:6.1%}" if seconds is not None else note
         print(f"{name:18s} M={m:<3d} {impl:14s} {'' if cfg is None else str(tuple(cfg)):48s} {shown}", flush=True)
 
-    variants = [("fma_default", None)] + [("dot", cfg) for cfg in dot_configs()]
-    for impl, cfg in variants:
+    # The default decode (PTX lookup) and the fp16 bit decode beside it (PTX_DECODE off).
+    dots = dot_configs()
+    variants = [("fma_default", None, True), ("fma_fp16_decode", None, False)] + [("dot", cfg, True) for cfg in dots]
+    variants += [("dot_fp16_decode", cfg, False) for cfg in dots[2:4]]
+    for impl, cfg, ptx in variants:
+        fast.PTX_DECODE = ptx
         try:
             out = fast.gemv_nvfp4(x, packed, block_scale, row_scale, config=cfg)
         except ValueError as error:
@@ -80,6 +84,7 @@ def bench_case(name: str, m: int, bandwidth: float, replays: int) -> list[dict]:
             continue
         calls = [(lambda p=p, s=s, r=r: fast.gemv_nvfp4(x, p, s, r, config=cfg)) for p, s, r in (weights * num_calls)[:num_calls]]
         record(impl, cfg, median_seconds(lambda: [c() for c in calls], replays=replays) / num_calls)
+    fast.PTX_DECODE = True
     dense = [w.bfloat16() for _ in range(max(1, -(-L2_FLUSH_BYTES // (2 * n * k))))]
     calls = [(lambda d=d: torch.nn.functional.linear(x, d)) for d in (dense * MIN_CALLS)[:MIN_CALLS]]
     seconds = median_seconds(lambda: [c() for c in calls], replays=replays) / MIN_CALLS
@@ -105,9 +110,11 @@ def main() -> None:
             case = [r for r in rows if r["shape"] == name and r["m"] == m and r.get("us")]
             fma = next((r for r in case if r["impl"] == "fma_default"), None)
             dot = min((r for r in case if r["impl"] == "dot"), key=lambda r: r["us"], default=None)
+            old = next((r for r in case if r["impl"] == "fma_fp16_decode"), None)
             if fma and dot:
                 print(f"{name:18s} M={m:<3d} FMA {fma['us']:8.2f} us ({fma['bandwidth_fraction']:.0%}) · best DOT "
-                      f"{dot['us']:8.2f} us ({dot['bandwidth_fraction']:.0%}) {tuple(dot['config'].values())}")
+                      f"{dot['us']:8.2f} us ({dot['bandwidth_fraction']:.0%}) {tuple(dot['config'].values())}"
+                      + (f" · FMA, fp16 decode {old['us']:8.2f} us" if old else ""))
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth,
                                               "rows": rows}, indent=1))

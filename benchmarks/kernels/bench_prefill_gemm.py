@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 from ninfer.kernels.fp8_gemm import triton as fp8_gemm  # noqa: E402
 from ninfer.kernels.nvfp4_gemm import triton as nvfp4_gemm  # noqa: E402
+from ninfer.kernels.nvfp4_gemv import triton as nvfp4_gemv  # noqa: E402
 from ninfer.models.quant.fp8 import Fp8Linear  # noqa: E402
 from ninfer.models.quant.nvfp4 import Nvfp4Linear  # noqa: E402
 from timing import median_seconds  # noqa: E402  benchmarks/kernels/timing.py
@@ -93,6 +94,9 @@ def bench_case(name: str, rows: int, replays: int) -> list[dict]:
         nvfp4 = Nvfp4Linear.from_linear(linear)
         nvfp4_weight = nvfp4.dequantized(torch.float32)
         record("nvfp4", "default", lambda: nvfp4(x), nvfp4_weight)
+        nvfp4_gemv.PTX_DECODE = False  # the fp16 bit decode the PTX lookup replaced
+        record("nvfp4", "default, fp16 decode", lambda: nvfp4(x), nvfp4_weight)
+        nvfp4_gemv.PTX_DECODE = True
         for cfg in NVFP4_TILES:
             record("nvfp4", str(tuple(cfg)),
                    lambda cfg=cfg: nvfp4_gemm.nvfp4_matmul(x, nvfp4.weight, nvfp4.block_scale, nvfp4.row_scale, config=cfg),

@@ -58,7 +58,7 @@ from ninfer.kernels.gemv.ref import SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.gemv.triton import _bits_exp, _e4m3_bits, _x_exp
 from ninfer.kernels.moe import ref
 from ninfer.kernels.moe.kernel_choice import DECODE_MAX_PAIRS, FP8_GROUPED_MM_MIN_PAIRS, tile_rows
-from ninfer.kernels.nvfp4_gemv.triton import _decode, _weight_tile
+from ninfer.kernels.nvfp4_gemv.triton import _decode, _weight_tile, ptx_decode
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the (up, down) kernels by BLOCK_M, from the
@@ -874,7 +874,8 @@ def fused_experts(
     # tiles under the 227 KB a block may have.
     max_stages = 2 if x.element_size() > 2 else 8
     use_pdl = pdl_enabled(x)
-    use_asm = x.is_cuda  # inline PTX (e4m3 bit moves, NVFP4 lookups): not for the CPU interpreter
+    # Inline PTX (e4m3 bit moves, NVFP4 lookups): not for the CPU interpreter.
+    use_asm = ptx_decode(x) if nvfp4 else x.is_cuda
 
     routing = (ids, sorted_pairs, block_expert, num_pairs)
 

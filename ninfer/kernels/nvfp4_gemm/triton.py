@@ -53,7 +53,7 @@ import triton.language as tl
 from ninfer.kernels.backend import fast_version
 from ninfer.kernels.nvfp4_gemm import ref
 from ninfer.kernels.nvfp4_gemv.ref import BLOCK, kernel_operands
-from ninfer.kernels.nvfp4_gemv.triton import _weight_tile
+from ninfer.kernels.nvfp4_gemv.triton import _weight_tile, ptx_decode
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.sm_count import device_sms
 
@@ -217,7 +217,7 @@ def nvfp4_matmul(x, weight, block_scale, row_scale, bias=None, *, config: Config
         GROUP_M=cfg.group_m,
         EVEN_K=K % cfg.block_k == 0,
         USE_PDL=use_pdl,
-        DECODE_BY_ASM=x.is_cuda,  # inline PTX: not for the CPU interpreter
+        DECODE_BY_ASM=ptx_decode(x),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=use_pdl,  # the interpreter's launcher drops launch options it does not know

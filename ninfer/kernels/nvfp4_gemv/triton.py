@@ -140,6 +140,15 @@ DECODE_F32_ASM_LINES = _lookup_lines("$8") + tuple(
 )
 
 
+def ptx_decode(x: torch.Tensor) -> bool:
+    """Whether launches for x decode codes by the PTX lookup: on CUDA unless PTX_DECODE is off
+    (benchmarks time the fp16 decode beside it); the CPU interpreter cannot run inline PTX."""
+    return x.is_cuda and PTX_DECODE
+
+
+PTX_DECODE = True
+
+
 def _asm(lines: tuple[str, ...]) -> tl.constexpr:
     return tl.constexpr("{\n.reg .b32 m, n, l01, h01, l23, h23, w4, sg, z, v;\n" + "\n".join(lines) + "\n}")
 
@@ -382,7 +391,7 @@ def gemv_nvfp4(x, weight, block_scale, row_scale, bias=None, *, config: Config |
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
             USE_PDL=use_pdl,
-            DECODE_BY_ASM=x.is_cuda,  # inline PTX: not for the CPU interpreter
+            DECODE_BY_ASM=ptx_decode(x),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             launch_pdl=use_pdl,
@@ -400,7 +409,7 @@ def gemv_nvfp4(x, weight, block_scale, row_scale, bias=None, *, config: Config |
         X_PIECES=max(1, 2 * cfg.vec_bytes * x.element_size() // 16),  # x read as 16-byte loads
         EVEN_K=K % cfg.block_k == 0,
         USE_PDL=use_pdl,
-        DECODE_BY_ASM=x.is_cuda,  # inline PTX: not for the CPU interpreter
+        DECODE_BY_ASM=ptx_decode(x),
         num_warps=cfg.num_warps,
         num_stages=1,  # the loop's loads are not pipelined by Triton: resident programs hide latency
         launch_pdl=use_pdl,  # the interpreter's launcher drops launch options it does not know
