@@ -69,7 +69,8 @@ def bench_case(name: str, rows: int, replays: int) -> list[dict]:
             expected = x[:256].float() @ weight_fp32.t()
             out = fn()[:256].float()
             err = ((out - expected).norm() / expected.norm()).item()
-            if err > 2e-2:
+            # e4m3 activations alone put the FP8 formats near 2.6% (H100); a wrong kernel is off by ~100%.
+            if err > (6e-2 if fmt.startswith("fp8") else 2e-2):
                 print(f"{name:18s} M={rows:<5d} {fmt:10s} {variant:34s} WRONG (relative error {err:.3g})", flush=True)
                 results.append({"shape": name, "m": rows, "format": fmt, "variant": variant, "error": err})
                 return

@@ -287,7 +287,7 @@ def test_heuristic_on_real_shapes() -> None:
     assert PROJECTIONS_27B["mlp_gate_up"] == (34816, 5120) and PROJECTIONS_27B["attn_qkv"] == (14336, 5120)
     assert PROJECTIONS_27B["gdn_in_proj"] == (16480, 5120) and PROJECTIONS_27B["mlp_down"] == (5120, 17408)
     for n, _ in PROJECTIONS_27B.values():
-        assert fast._config(1024, n, 132) == fast._config(8192, n, 132) == Config(128, 128, 8, 4)
+        assert fast._config(1024, n, 132) == fast._config(8192, n, 132) == Config(64, 128, 4, 4)
         assert fast._config(MAX_ROWS + 1, n, 132).block_m == 64  # decode batches past the GEMV
     assert fast._config(MAX_ROWS + 1, 5120, 132) == Config(64, 64, 4, 4)  # 80 tiles: the smallest
 

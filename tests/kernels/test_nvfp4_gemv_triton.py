@@ -288,28 +288,16 @@ def test_bf16_decode_asm_of_every_byte_and_scale() -> None:
             _assert_bits_equal(got[4:], want[:, 1], (float(scale), index))  # $2, $3: high codes
 
 
-def test_f32_decode_asm_of_every_byte() -> None:
-    # The FMA GEMV's decode (DECODE_F32_ASM_LINES) on all 256 bytes: each code's e2m1 value in
-    # fp32, exactly, -0 included; $0-$3 the low codes of bytes 0-3, $4-$7 the high ones.
-    words, expected = _words_and_expected(torch.tensor(1.0).to(E4M3))
-    for index, word in enumerate(words):
-        regs = _run_ptx(fast.DECODE_F32_ASM_LINES, {"$8": word})
-        got = torch.tensor([regs[f"${i}"] for i in range(8)], dtype=torch.int64).to(torch.int32).view(torch.float32)
-        want = expected[4 * index : 4 * index + 4]
-        _assert_bits_equal(got[:4], want[:, 0], index)
-        _assert_bits_equal(got[4:], want[:, 1], index)
-
-
 @pytest.mark.slow
-def test_kernels_build_with_the_decode_asm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The NVFP4 kernels (this GEMV's FMA and DOT paths, the GEMM, the routed experts' up and down
-    stages), recorded on CPU tensors, built for sm_90 with the PTX decode on as a launch on a GPU
-    sets it: ptxas takes the instructions and each kernel holds them."""
+def test_tensor_core_kernels_build_with_the_decode_asm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tensor-core NVFP4 kernels (this GEMV's DOT path, the GEMM), recorded on CPU tensors,
+    built for sm_90 with the PTX decode on as a launch on a GPU sets it: ptxas takes the
+    instructions and each kernel holds them."""
     from triton.runtime.jit import JITFunction
 
     from tests.kernels.test_pdl_launch import _ptx, compiled_kernel_module
 
-    modules = {name: compiled_kernel_module(monkeypatch, f"ninfer.kernels.{name}.triton") for name in ("nvfp4_gemv", "nvfp4_gemm", "moe")}
+    modules = {name: compiled_kernel_module(monkeypatch, f"ninfer.kernels.{name}.triton") for name in ("nvfp4_gemv", "nvfp4_gemm")}
     recorded: list = []
     monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs: recorded.append((self, args, kwargs)))
     gen = torch.Generator().manual_seed(0)
@@ -318,15 +306,8 @@ def test_kernels_build_with_the_decode_asm(monkeypatch: pytest.MonkeyPatch) -> N
     row_scale = torch.rand(256, generator=gen)
     x = torch.randn(4, 1024, generator=gen).bfloat16()
     modules["nvfp4_gemv"].gemv_nvfp4(x, codes, scales, row_scale, config=Config(64, 128, num_warps=4, use_dot=True, num_stages=2))
-    modules["nvfp4_gemv"].gemv_nvfp4(x[:1], codes, scales, row_scale)  # the FMA path, fp32 codes
     modules["nvfp4_gemm"].nvfp4_matmul(torch.randn(64, 1024, generator=gen).bfloat16(), codes, scales, row_scale)
-    experts = (codes.view(2, 128, 512), (scales.view(2, 128, 64), row_scale.view(2, 128)))
-    down = (torch.randint(0, 256, (2, 1024, 32), dtype=torch.uint8, generator=gen),
-            (torch.rand(2, 1024, 4, generator=gen).to(E4M3), torch.rand(2, 1024, generator=gen)))  # fmt: skip
-    ids = torch.randint(0, 2, (40, 1), generator=gen)
-    modules["moe"].fused_experts(torch.randn(40, 1024, generator=gen).bfloat16(), torch.ones(40, 1).bfloat16(), ids,
-                                 experts[0], down[0], experts[1], down[1], grouped_mm=False)  # fmt: skip
-    flags = {"_nvfp4_gemv_kernel": "DECODE_BY_ASM", "_nvfp4_dot_kernel": "DECODE_BY_ASM", "_nvfp4_gemm_kernel": "DECODE_BY_ASM", "_moe_up_kernel": "ASM", "_moe_down_kernel": "ASM"}
+    flags = {"_nvfp4_dot_kernel": "DECODE_BY_ASM", "_nvfp4_gemm_kernel": "DECODE_BY_ASM"}
     built = set()
     for fn, args, kwargs in recorded:
         name = fn.fn.__name__
@@ -334,8 +315,7 @@ def test_kernels_build_with_the_decode_asm(monkeypatch: pytest.MonkeyPatch) -> N
             continue
         assert kwargs[flags[name]] is False  # CPU tensors: the interpreter's decode
         ptx = _ptx(fn, args, {**kwargs, flags[name]: True})
-        assert "prmt.b32 l01, 0xC0800000, 0xC0804000, m;" in ptx, name
-        assert ("fma.rn.bf16x2" in ptx) == (name != "_nvfp4_gemv_kernel"), name  # the FMA path widens to fp32
+        assert "prmt.b32 l01, 0xC0800000, 0xC0804000, m;" in ptx and "fma.rn.bf16x2" in ptx, name
         built.add(name)
     assert built == set(flags)
 
@@ -386,6 +366,10 @@ SHAPES_27B = {
 
 def test_heuristic_on_real_shapes() -> None:
     for n, k in SHAPES_27B.values():
+        assert not fast._config(1, n, k, 132, dot=True).use_dot  # one row: the FMA path
+        for m in range(2, MAX_ROWS + 1):
+            dot = fast._config(m, n, k, 132, dot=True)  # bf16 x: the tensor-core path from 2 rows
+            assert dot.use_dot and k % dot.block_k == 0 and dot.block_n % 16 == 0
         for m in range(1, MAX_ROWS + 1):
             cfg = fast._config(m, n, k, 132)
             vec = 2 * cfg.vec_bytes

@@ -106,24 +106,26 @@ class Config(NamedTuple):
     band_m: int = 8
 
 
-# Largest first. Registers: the fp32 accumulator and each group's fresh dot result take
-# 2 * block_m * block_n / (32 * warps) per thread, 128 / 128 / 64 (sm_90 build: 255 / 200 / 162
-# in all, no spills); 128 x 256 would need 256 for the two tiles alone. Shared memory:
-# (block_m + block_n) * 128 bytes per stage, 4 stages = 128 / 96 / 64 KiB of the H200's
-# 227 KiB. Warps: one warpgroup per 64 rows (wgmma's M).
+# In order of preference. 64 x 128 before 128 x 128, as measured (H100, 27B shapes,
+# benchmarks/kernels/bench_prefill_gemm.py): 585 against 518 TFLOP/s on gate|up at 8,192 rows,
+# 545 against 412 on 5120 x 6144, 453 against 328 at 1,024 rows. Registers: the fp32 accumulator
+# and each group's fresh dot result take 2 * block_m * block_n / (32 * warps) per thread,
+# 128 / 128 / 64 (sm_90 build: 200 / 255 / 162 in all, no spills); 128 x 256 would need 256 for
+# the two tiles alone. Shared memory: (block_m + block_n) * 128 bytes per stage, 4 stages =
+# 96 / 128 / 64 KiB of the 227 KiB. Warps: one warpgroup per 64 rows (wgmma's M).
 TILES = (
-    Config(128, 128, 8, 4),
     Config(64, 128, 4, 4),
+    Config(128, 128, 8, 4),
     Config(64, 64, 4, 4),
 )
 
 
 @functools.cache
 def _config(M: int, N: int, num_sms: int) -> Config:
-    """The largest tile that still fills every SM once (at least num_sms tiles), else the
+    """The first tile of TILES that fills every SM once (at least num_sms tiles), else the
     smallest (few rows: the weight is streamed, and more, narrower programs read it sooner);
-    128-row tiles only from 65 rows. 27B prefill at M >= 1024 takes 128 x 128 on every
-    projection (>= 320 tiles); untuned."""
+    128-row tiles only from 65 rows. 27B prefill at M >= 1024 takes 64 x 128 on every
+    projection."""
     fitting = [tile for tile in TILES if tile.block_m <= max(64, triton.next_power_of_2(M))]
     for tile in fitting:
         if triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n) >= num_sms:

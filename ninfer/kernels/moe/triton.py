@@ -58,7 +58,7 @@ from ninfer.kernels.gemv.ref import SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.gemv.triton import _bits_exp, _e4m3_bits, _x_exp
 from ninfer.kernels.moe import ref
 from ninfer.kernels.moe.kernel_choice import DECODE_MAX_PAIRS, FP8_GROUPED_MM_MIN_PAIRS, tile_rows
-from ninfer.kernels.nvfp4_gemv.triton import _decode, _weight_tile, ptx_decode
+from ninfer.kernels.nvfp4_gemv.triton import _decode, _weight_tile
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the (up, down) kernels by BLOCK_M, from the
@@ -870,12 +870,13 @@ def fused_experts(
         raise ValueError(f"block-scaled experts need a BLOCK_K that divides {SCALE_BLOCK}, not {up_cfg[1]} / {down_cfg[1]}")
     if nvfp4 and (up_cfg[1] % 16 or down_cfg[1] % 16):
         raise ValueError(f"NVFP4 experts need a BLOCK_K of whole 16-code scale blocks, not {up_cfg[1]} / {down_cfg[1]}")
-    # fp32 operands take twice the shared memory per pipeline stage; two stages keep the
-    # tiles under the 227 KB a block may have.
-    max_stages = 2 if x.element_size() > 2 else 8
+    # fp32 operands take twice the shared memory per pipeline stage: one stage keeps the tiles
+    # under the 227 KB a block may have (the up stage's 64-row tiles asked 256 KiB at two, H100).
+    max_stages = 1 if x.element_size() > 2 else 8
     use_pdl = pdl_enabled(x)
-    # Inline PTX (e4m3 bit moves, NVFP4 lookups): not for the CPU interpreter.
-    use_asm = ptx_decode(x) if nvfp4 else x.is_cuda
+    # Inline PTX for the e4m3 bit moves (not for the CPU interpreter). Not NVFP4's lookup decode:
+    # Triton 3.6 failed to build it under the transposed operand (TritonGPUOptimizeDotOperands, H100).
+    use_asm = x.is_cuda and not nvfp4
 
     routing = (ids, sorted_pairs, block_expert, num_pairs)
 

@@ -92,35 +92,30 @@ def _decode(packed):
     return _fp16_bits_to_fp32(low), _fp16_bits_to_fp32(high)
 
 
-# Codes by table lookup (prmt), 4 code bytes (8 codes) per call. The e2m1 magnitudes 0, 0.5, 1,
-# 1.5, 2, 3, 4, 6 in bf16 are 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0: their
-# low bytes (0xC0800000, 0xC0804000) and high bytes (0x3F3F3F00, 0x40404040) are 8-entry tables,
-# each code's 3 magnitude bits its selector. With the bytes shifted left by 4 beside them, every
-# code's sign (bit 3 of its nibble) is the top bit of some byte: a prmt gathers those of 4 codes
-# and one lop3 (0xF8: a | (b & c)) ORs them into their high bytes. Then prmt pairs low and high
-# bytes into bf16 values.
-# The tests run these instructions on every byte in Python (the interpreter cannot run PTX).
-def _lookup_lines(codes: str) -> tuple[str, ...]:
-    """l01 / h01: low / high bf16 bytes (signed) of the codes of bytes 0-1 in K order; l23 / h23 of bytes 2-3."""
-    return (
-        f"and.b32 m, {codes}, 0x77777777;",
-        "shr.b32 n, m, 16;",
-        "prmt.b32 l01, 0xC0800000, 0xC0804000, m;",
-        "prmt.b32 h01, 0x3F3F3F00, 0x40404040, m;",
-        "prmt.b32 l23, 0xC0800000, 0xC0804000, n;",
-        "prmt.b32 h23, 0x3F3F3F00, 0x40404040, n;",
-        f"shl.b32 w4, {codes}, 4;",
-        f"prmt.b32 sg, w4, {codes}, 0x5140;",
-        "lop3.b32 h01, h01, sg, 0x80808080, 0xF8;",
-        f"prmt.b32 sg, w4, {codes}, 0x7362;",
-        "lop3.b32 h23, h23, sg, 0x80808080, 0xF8;",
-    )
-
-
-# The weight tile's form: $0, $1 the low codes of bytes 0-1 and 2-3 (bf16 pairs) times their
-# block scales $5, $6 (bf16 pairs), $2, $3 the high codes; $4 the bytes. fma with -0 added keeps
-# -0 and, value and scale having 2 + 4 significant bits, is exact.
-DECODE_BF16_ASM_LINES = _lookup_lines("$4") + (
+# Weight tiles by table lookup (prmt) for the tensor-core paths (this GEMV's DOT path, the NVFP4
+# GEMM), 4 code bytes (8 codes) a call: $0, $1 the low codes of bytes 0-1 and 2-3 (bf16 pairs)
+# times their block scales $5, $6 (bf16 pairs), $2, $3 the high codes; $4 the bytes. The e2m1
+# magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 in bf16 are 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000,
+# 0x4040, 0x4080, 0x40C0: their low bytes (0xC0800000, 0xC0804000) and high bytes (0x3F3F3F00,
+# 0x40404040) are 8-entry tables, each code's 3 magnitude bits its selector. With the bytes
+# shifted left by 4 beside them, every code's sign (bit 3 of its nibble) is the top bit of some
+# byte: a prmt gathers those of 4 codes and one lop3 (0xF8: a | (b & c)) ORs them into their high
+# bytes. A prmt pairs low and high bytes into bf16 values; fma with -0 added keeps -0 and, value
+# and scale having 2 + 4 significant bits, is exact. Tests run these instructions on every byte
+# in Python (the interpreter cannot run PTX). The FMA path keeps _decode: widened to fp32 from
+# these pairs it took 60 us where _decode took 37 (H100, 16480 x 5120, one row).
+DECODE_BF16_ASM_LINES = (
+    "and.b32 m, $4, 0x77777777;",
+    "shr.b32 n, m, 16;",
+    "prmt.b32 l01, 0xC0800000, 0xC0804000, m;",
+    "prmt.b32 h01, 0x3F3F3F00, 0x40404040, m;",
+    "prmt.b32 l23, 0xC0800000, 0xC0804000, n;",
+    "prmt.b32 h23, 0x3F3F3F00, 0x40404040, n;",
+    "shl.b32 w4, $4, 4;",
+    "prmt.b32 sg, w4, $4, 0x5140;",
+    "lop3.b32 h01, h01, sg, 0x80808080, 0xF8;",
+    "prmt.b32 sg, w4, $4, 0x7362;",
+    "lop3.b32 h23, h23, sg, 0x80808080, 0xF8;",
     "mov.b32 z, 0x80008000;",
     "prmt.b32 v, l01, h01, 0x6240;",
     "fma.rn.bf16x2 $0, v, $5, z;",
@@ -131,30 +126,15 @@ DECODE_BF16_ASM_LINES = _lookup_lines("$4") + (
     "prmt.b32 v, l23, h23, 0x7351;",
     "fma.rn.bf16x2 $3, v, $6, z;",
 )
-# The GEMV's form: $0-$3 the low codes of bytes 0-3 as fp32, $4-$7 the high codes; $8 the bytes.
-# Each byte's two codes as a bf16 pair, then its halves widened (bf16 is fp32's top half).
-DECODE_F32_ASM_LINES = _lookup_lines("$8") + tuple(
-    line
-    for byte, (pairs, sel) in enumerate((("l01, h01", "0x5140"), ("l01, h01", "0x7362"), ("l23, h23", "0x5140"), ("l23, h23", "0x7362")))
-    for line in (f"prmt.b32 v, {pairs}, {sel};", f"shl.b32 ${byte}, v, 16;", f"and.b32 ${byte + 4}, v, 0xFFFF0000;")
-)
-
-
-def ptx_decode(x: torch.Tensor) -> bool:
-    """Whether launches for x decode codes by the PTX lookup: on CUDA unless PTX_DECODE is off
-    (benchmarks time the fp16 decode beside it); the CPU interpreter cannot run inline PTX."""
-    return x.is_cuda and PTX_DECODE
-
-
+DECODE_BF16_ASM = tl.constexpr("{\n.reg .b32 m, n, l01, h01, l23, h23, w4, sg, z, v;\n" + "\n".join(DECODE_BF16_ASM_LINES) + "\n}")
 PTX_DECODE = True
 
 
-def _asm(lines: tuple[str, ...]) -> tl.constexpr:
-    return tl.constexpr("{\n.reg .b32 m, n, l01, h01, l23, h23, w4, sg, z, v;\n" + "\n".join(lines) + "\n}")
-
-
-DECODE_BF16_ASM = _asm(DECODE_BF16_ASM_LINES)
-DECODE_F32_ASM = _asm(DECODE_F32_ASM_LINES)
+def ptx_decode(x: torch.Tensor) -> bool:
+    """Whether tensor-core launches for x decode codes by the PTX lookup: on CUDA unless
+    PTX_DECODE is off (benchmarks time the fp16 decode beside it); the CPU interpreter
+    cannot run inline PTX."""
+    return x.is_cuda and PTX_DECODE
 
 
 @triton.jit
@@ -178,17 +158,6 @@ def _weight_tile(packed, scale, DTYPE: tl.constexpr, ASM: tl.constexpr = False):
 
 
 @triton.jit
-def _codes(packed, ASM: tl.constexpr):
-    """uint8 bytes -> (low-nibble, high-nibble) e2m1 values in fp32: by lookup (DECODE_F32_ASM)
-    exactly with ASM, else times 2^-14 (_decode)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            DECODE_F32_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed], dtype=(tl.float32, tl.float32), is_pure=True, pack=4
-        )
-    return _decode(packed)
-
-
-@triton.jit
 def _load_tile(w_ptrs, k0, r, K, VEC: tl.constexpr, EVEN_K: tl.constexpr):
     """The [BLOCK_N, 1, R, VEC_BYTES] packed weight tile of step k0 (zero codes past K)."""
     if EVEN_K:
@@ -198,7 +167,7 @@ def _load_tile(w_ptrs, k0, r, K, VEC: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+def _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES: tl.constexpr, EVEN_K: tl.constexpr):
     """One K step: the loaded tile times x -> [BLOCK_N, BLOCK_M, R] block-scaled vector sums."""
     BLOCK_N: tl.constexpr = packed.shape[0]
     R: tl.constexpr = packed.shape[2]
@@ -207,7 +176,7 @@ def _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES: tl.constexpr, EVEN_K: tl.c
     PIECE: tl.constexpr = 2 * VEC_BYTES // X_PIECES  # x elements of one 16-byte load
     # A thread's vector as X_PIECES pieces, each meeting one x load: (n, 1, piece, r, byte).
     packed = tl.permute(tl.reshape(packed, [BLOCK_N, 1, R, X_PIECES, PIECE // 2]), [0, 1, 3, 2, 4])
-    low, high = _codes(packed, ASM)
+    low, high = _decode(packed)
     if EVEN_K:
         xt = tl.load(x_ptrs + k0)
         s = tl.load(s_ptrs + k0 // 16)
@@ -245,14 +214,11 @@ def _nvfp4_gemv_kernel(
     X_PIECES: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-    DECODE_BY_ASM: tl.constexpr,
 ):
     VEC: tl.constexpr = 2 * VEC_BYTES  # codes per vector
     PIECE: tl.constexpr = VEC // X_PIECES
     R: tl.constexpr = BLOCK_K // VEC  # vectors of a row per step
-    fold = 16384.0  # 2^14: _decode's values are the codes' times 2^-14
-    if DECODE_BY_ASM:
-        fold = 1.0  # the lookup's are exact
+    FOLD: tl.constexpr = 16384.0  # 2^14: the decoded codes are their values times 2^-14
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Clamped indices: rows past M or N re-read the last real one, so loads need no row masks;
@@ -272,11 +238,11 @@ def _nvfp4_gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M, R], dtype=tl.float32)
     first = _load_tile(w_ptrs, 0, r, K, VEC, EVEN_K)
     pdl_sync(USE_PDL)  # x comes from the previous kernel
-    acc += _step(first, x_ptrs, s_ptrs, 0, r, K, X_PIECES, EVEN_K, DECODE_BY_ASM)
+    acc += _step(first, x_ptrs, s_ptrs, 0, r, K, X_PIECES, EVEN_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         packed = _load_tile(w_ptrs, k0, r, K, VEC, EVEN_K)
-        acc += _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES, EVEN_K, DECODE_BY_ASM)
-    out = tl.sum(acc, axis=2) * (tl.load(row_scale_ptr + n_load) * fold)[:, None]
+        acc += _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES, EVEN_K)
+    out = tl.sum(acc, axis=2) * (tl.load(row_scale_ptr + n_load) * FOLD)[:, None]
     if HAS_BIAS:
         out += tl.load(bias_ptr + n_load).to(tl.float32)[:, None]
     mask = (n[:, None] < N) & (m[None, :] < M)
@@ -332,10 +298,18 @@ def _nvfp4_dot_kernel(
     tl.store(out_ptr + m[None, :] * stride_om + n[:, None], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# The tensor-core path from 2 rows of bf16 x (H100, 27B shapes, PTX decode; docs/kernels.md):
+# 16480 x 5120 at 8 rows 43.9 us against the FMA path's 219; one row 46.6 against 36.8.
+DOT_MIN_ROWS = 2
+DOT_TILE = Config(block_n=32, block_k=128, num_warps=2, use_dot=True, num_stages=4)
+
+
 @functools.cache
-def _config(M: int, N: int, K: int, num_sms: int) -> Config:
-    """Default launch shape, untuned (no GPU measurement yet): chosen by register and
-    bytes-in-flight arithmetic for the H200 and the 27B shapes (K = 5120, 6144, 17408).
+def _config(M: int, N: int, K: int, num_sms: int, dot: bool = False) -> Config:
+    """Default launch shape. dot (bf16 x): the tensor-core path from DOT_MIN_ROWS rows, on
+    DOT_TILE (the best or within 3% of it at 8 rows on 16480 x 5120 and 5120 x 17408), its
+    K step halved until it divides K. Else the FMA path, chosen by register and
+    bytes-in-flight arithmetic for the 27B shapes (K = 5120, 6144, 17408):
 
     - vec_bytes: 8 (16 codes, one scale block, an 8-byte load) up to M = 4; above, 4, as a
       thread holds 2 * vec_bytes x values per row of x (16 rows x 16 would take 256 registers).
@@ -349,6 +323,11 @@ def _config(M: int, N: int, K: int, num_sms: int) -> Config:
       program, 640 programs (~5 per SM, ~20 KiB in flight per SM).
     - then fewer rows per program while the grid is under 4 programs per SM (as gemv).
     """
+    if dot and M >= DOT_MIN_ROWS:
+        block_k = DOT_TILE.block_k
+        while K % block_k:
+            block_k //= 2  # K is a multiple of 16
+        return DOT_TILE._replace(block_k=block_k)
     vec_bytes = 8 if M <= 4 else 4
     vec = 2 * vec_bytes
     block_k = min(vec * 32 * 4, max(vec * 32, triton.next_power_of_2(K)))
@@ -359,8 +338,6 @@ def _config(M: int, N: int, K: int, num_sms: int) -> Config:
     while block_n > 1 and triton.cdiv(N, block_n) < 4 * num_sms:
         block_n //= 2
     return Config(block_n, block_k, vec_bytes, num_warps)
-
-
 
 
 @fast_version(ref.gemv_nvfp4)
@@ -377,7 +354,7 @@ def gemv_nvfp4(x, weight, block_scale, row_scale, bias=None, *, config: Config |
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = config or _config(M, N, K, device_sms(x.device))
+    cfg = config or _config(M, N, K, device_sms(x.device), dot=x.dtype == torch.bfloat16 and K % 16 == 0)
     use_pdl = pdl_enabled(x)
     # Both kernels' leading arguments; the bias pointer is never read without HAS_BIAS.
     operands = (x, weight, block_scale, row_scale, out if bias is None else bias, out, M, N, K,
@@ -409,7 +386,6 @@ def gemv_nvfp4(x, weight, block_scale, row_scale, bias=None, *, config: Config |
         X_PIECES=max(1, 2 * cfg.vec_bytes * x.element_size() // 16),  # x read as 16-byte loads
         EVEN_K=K % cfg.block_k == 0,
         USE_PDL=use_pdl,
-        DECODE_BY_ASM=ptx_decode(x),
         num_warps=cfg.num_warps,
         num_stages=1,  # the loop's loads are not pipelined by Triton: resident programs hide latency
         launch_pdl=use_pdl,  # the interpreter's launcher drops launch options it does not know
