@@ -1,9 +1,10 @@
 """Weight-only NVFP4 GEMV out[M, N] = x[M, K] @ W[N, K]^T for decode batches (M <= 16).
 
 Layout and exact semantics: ref.py (uint8 [N, K/2] e2m1 codes, low nibble first; e4m3 scale
-per 16 codes of a row; fp32 scale per row). Untuned: written without a GPU, so the tile
-sizes in `_config` come from register counts and instruction counts of the sm_90 build
-(Triton compiles for sm_90 on a CPU machine), not from a measurement.
+per 16 codes of a row; fp32 scale per row). Two paths: FMA (below; one row, and fp16 x) and,
+from DOT_MIN_ROWS rows of bf16 x, tensor cores (_nvfp4_dot_kernel: weight tiles widened by a
+PTX table lookup, as the NVFP4 GEMM's). Measured on an H100 (docs/kernels.md): at 8 rows the
+tensor-core path is 3.2-5.1x faster; at one row FMA is.
 
 At M <= 16 the product is a weight stream (0.5 byte per weight, plus 1/16 byte of block
 scale), so the goal is to read W once at HBM bandwidth. As gemv/triton.py's FMA path: each
@@ -22,15 +23,10 @@ each vector with x are summed in registers, that sum is multiplied by the vector
 scale (M multiplies per vector, not one per code), and the 2^14 goes into the row scale
 that multiplies each column's total at the end.
 
-Expected cost (sm_90 build, bf16 x, not measured): the K loop issues 13.6 / 17 / 26 / 43 /
-90 instructions per weight byte at M = 1 / 2 / 4 / 8 / 16 (decode ~8 per byte, then about
-3 per byte and row of x, and x's bf16 -> fp32 conversion shared by only 2-8 weight rows).
-At 4.3 TB/s an H200 SM must take ~16.5 bytes per clock and issues 128 thread-instructions
-per clock, ~7.8 per byte: even M = 1 is issue-bound (roughly half the copy bandwidth,
-still ahead of FP8 weights per weight), and from M = 4 far more so. Next steps, to be
-measured: decoding 32-bit words (PTX prmt lookups, packed fp16x2 conversion), and a
-tensor-core path for M >= 2 (code times block scale is exact in bf16 and fp16, so a
-dequantized tile can feed tl.dot at a cost per weight that does not grow with M).
+Cost (sm_90 build, bf16 x): the K loop issues 13.6 / 17 / 26 / 43 / 90 instructions per
+weight byte at M = 1 / 2 / 4 / 8 / 16 (decode ~8 per byte, then about 3 per byte and row of x),
+against ~7.8 per byte that an SM may issue at full bandwidth: even one row is issue-bound
+(43% of copy bandwidth measured on 16480 x 5120), and more rows far more so.
 
 No split-K: the 27B shapes give >= 640 programs at the default tiles. Launch shapes come
 from shapes only (cached) and the output is torch.empty, so the launch is capture-safe for
