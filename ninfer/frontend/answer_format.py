@@ -25,10 +25,11 @@ Two places are matched as given: a string `pattern`, and strings nested inside a
 
 The grammar is written in xgrammar's structural-tag format (plain JSON, `structural_tag`, the
 reference construction). The API process has the library convert it to EBNF (milliseconds; a
-schema the library rejects is a 400 naming its field) and merges its equal rules (frontend/
-shared_rules.py: every JSON-valued parameter otherwise brings its own copy of the JSON string
-rules, and compiling walks the vocabulary once per copy); the engine compiles that EBNF against
-the vocabulary. Raw-string `format` keywords are not enforced (JSON Schema
+schema the library rejects is a 400 naming its field), spells out short length minimums (frontend/
+unrolled_repetitions.py: masks the library's rule cache can keep across grammars) and merges its
+equal rules (frontend/shared_rules.py: every JSON-valued parameter otherwise brings its own copy
+of the JSON string rules, and compiling walks the vocabulary once per copy); the engine compiles
+that EBNF against the vocabulary. Raw-string `format` keywords are not enforced (JSON Schema
 treats them as annotations).
 """
 
@@ -54,6 +55,7 @@ from ninfer.frontend.tool_call_parser import (
     TOOL_CALL_OPEN,
     declared_types,
 )
+from ninfer.frontend.unrolled_repetitions import unrolled_repetitions
 
 # Inside a value these would open or close a parameter to the parser.
 VALUE_EXCLUDES = (PARAMETER_OPEN, PARAMETER_CLOSE)
@@ -330,7 +332,7 @@ def _checked_grammar(tag: str) -> tuple[str, str]:
     """(digest, EBNF with shared rules) of a structural tag the library has parsed (raises what
     the library raises); an agent sends the same tools every turn, so each is converted once."""
     library = grammar_library()
-    ebnf = shared_rules(str(library.Grammar.from_structural_tag(tag)))
+    ebnf = shared_rules(unrolled_repetitions(str(library.Grammar.from_structural_tag(tag))))
     library.Grammar.from_ebnf(ebnf)  # the merged text reads back (it is what the engine compiles)
     return hashlib.sha256(ebnf.encode()).hexdigest(), ebnf
 
