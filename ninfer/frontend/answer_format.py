@@ -162,14 +162,11 @@ class AnswerFormat:
             return _calls(bodies, calls.parallel)
         if self.json is not None:
             return {"type": "or", "elements": [json_value(self.json.schema), _calls(bodies, calls.parallel)]}
-        # Free text, then optionally the calls, with nothing after them (the parser's rule).
-        return {
-            "type": "triggered_tags",
-            "triggers": [TOOL_CALL_OPEN],
-            "tags": [{"type": "tag", "begin": TOOL_CALL_OPEN, "content": _after_trigger(bodies, calls.parallel),
-                      "end": TOOL_CALL_CLOSE}],
-            "stop_after_first": True,
-        }
+        # Free text, then optionally the calls, with nothing after them (the parser's rule). The text
+        # cannot hold `<tool_call>`, so the calls start at its first one. This rule refers to no tool,
+        # so its masks are the same for every tool set (the library's trigger form embeds the calls).
+        text = {"type": "any_text", "excludes": [TOOL_CALL_OPEN]}
+        return {"type": "or", "elements": [text, _sequence([text, _calls(bodies, calls.parallel)])]}
 
 
 def tool_call(tool: ToolSchema) -> dict[str, Any]:
@@ -196,7 +193,6 @@ def tool_call(tool: ToolSchema) -> dict[str, Any]:
             raise AnswerFormatError(f"{tool.path}.properties.{name}", "a parameter schema must be an object")
         parameter = _parameter(name, schema, definitions, f"{tool.path}.properties.{name}")
         elements.append(parameter if name in required else {"type": "optional", "content": parameter})
-    # Five parts or more, so the calls after a trigger can drop the first and the last.
     return {"type": "sequence", "elements": [
         _const(f"{TOOL_CALL_OPEN}\n"),
         _const(f"{FUNCTION_OPEN}{tool.name}>\n"),
@@ -281,17 +277,6 @@ def _calls(bodies: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     if not parallel:
         return one
     return _sequence([one, {"type": "star", "content": _sequence([_const("\n"), one])}])
-
-
-def _after_trigger(bodies: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """The calls between their first `<tool_call>` (the trigger) and their last `</tool_call>`
-    (the trigger tag's end)."""
-    inner = _either([_sequence(body["elements"][1:-1]) for body in bodies])
-    elements = [_const("\n"), inner]
-    if parallel:
-        between = _const(f"{TOOL_CALL_CLOSE}\n{TOOL_CALL_OPEN}\n")
-        elements.append({"type": "star", "content": _sequence([between, inner])})
-    return _sequence(elements)
 
 
 def _either(formats: list[dict[str, Any]]) -> dict[str, Any]:
