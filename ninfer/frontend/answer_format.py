@@ -25,10 +25,11 @@ Two places are matched as given: a string `pattern`, and strings nested inside a
 
 The grammar is written in xgrammar's structural-tag format (plain JSON, `structural_tag`, the
 reference construction). The API process has the library convert it to EBNF (milliseconds; a
-schema the library rejects is a 400 naming its field) and merges its equal rules (frontend/
-shared_rules.py: every JSON-valued parameter otherwise brings its own copy of the JSON string
-rules, and compiling walks the vocabulary once per copy); the engine compiles that EBNF against
-the vocabulary. Raw-string `format` keywords are not enforced (JSON Schema
+schema the library rejects is a 400 naming its field), spells out short length minimums (frontend/
+unrolled_repetitions.py: masks the library's rule cache can keep across grammars) and merges its
+equal rules (frontend/shared_rules.py: every JSON-valued parameter otherwise brings its own copy
+of the JSON string rules, and compiling walks the vocabulary once per copy); the engine compiles
+that EBNF against the vocabulary. Raw-string `format` keywords are not enforced (JSON Schema
 treats them as annotations).
 """
 
@@ -54,6 +55,7 @@ from ninfer.frontend.tool_call_parser import (
     TOOL_CALL_OPEN,
     declared_types,
 )
+from ninfer.frontend.unrolled_repetitions import unrolled_repetitions
 
 # Inside a value these would open or close a parameter to the parser.
 VALUE_EXCLUDES = (PARAMETER_OPEN, PARAMETER_CLOSE)
@@ -160,14 +162,11 @@ class AnswerFormat:
             return _calls(bodies, calls.parallel)
         if self.json is not None:
             return {"type": "or", "elements": [json_value(self.json.schema), _calls(bodies, calls.parallel)]}
-        # Free text, then optionally the calls, with nothing after them (the parser's rule).
-        return {
-            "type": "triggered_tags",
-            "triggers": [TOOL_CALL_OPEN],
-            "tags": [{"type": "tag", "begin": TOOL_CALL_OPEN, "content": _after_trigger(bodies, calls.parallel),
-                      "end": TOOL_CALL_CLOSE}],
-            "stop_after_first": True,
-        }
+        # Free text, then optionally the calls, with nothing after them (the parser's rule). The text
+        # cannot hold `<tool_call>`, so the calls start at its first one. This rule refers to no tool,
+        # so its masks are the same for every tool set (the library's trigger form embeds the calls).
+        text = {"type": "any_text", "excludes": [TOOL_CALL_OPEN]}
+        return {"type": "or", "elements": [text, _sequence([text, _calls(bodies, calls.parallel)])]}
 
 
 def tool_call(tool: ToolSchema) -> dict[str, Any]:
@@ -194,7 +193,6 @@ def tool_call(tool: ToolSchema) -> dict[str, Any]:
             raise AnswerFormatError(f"{tool.path}.properties.{name}", "a parameter schema must be an object")
         parameter = _parameter(name, schema, definitions, f"{tool.path}.properties.{name}")
         elements.append(parameter if name in required else {"type": "optional", "content": parameter})
-    # Five parts or more, so the calls after a trigger can drop the first and the last.
     return {"type": "sequence", "elements": [
         _const(f"{TOOL_CALL_OPEN}\n"),
         _const(f"{FUNCTION_OPEN}{tool.name}>\n"),
@@ -281,17 +279,6 @@ def _calls(bodies: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     return _sequence([one, {"type": "star", "content": _sequence([_const("\n"), one])}])
 
 
-def _after_trigger(bodies: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """The calls between their first `<tool_call>` (the trigger) and their last `</tool_call>`
-    (the trigger tag's end)."""
-    inner = _either([_sequence(body["elements"][1:-1]) for body in bodies])
-    elements = [_const("\n"), inner]
-    if parallel:
-        between = _const(f"{TOOL_CALL_CLOSE}\n{TOOL_CALL_OPEN}\n")
-        elements.append({"type": "star", "content": _sequence([between, inner])})
-    return _sequence(elements)
-
-
 def _either(formats: list[dict[str, Any]]) -> dict[str, Any]:
     return formats[0] if len(formats) == 1 else {"type": "or", "elements": formats}
 
@@ -330,7 +317,7 @@ def _checked_grammar(tag: str) -> tuple[str, str]:
     """(digest, EBNF with shared rules) of a structural tag the library has parsed (raises what
     the library raises); an agent sends the same tools every turn, so each is converted once."""
     library = grammar_library()
-    ebnf = shared_rules(str(library.Grammar.from_structural_tag(tag)))
+    ebnf = shared_rules(unrolled_repetitions(str(library.Grammar.from_structural_tag(tag))))
     library.Grammar.from_ebnf(ebnf)  # the merged text reads back (it is what the engine compiles)
     return hashlib.sha256(ebnf.encode()).hexdigest(), ebnf
 
