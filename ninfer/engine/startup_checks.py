@@ -43,8 +43,8 @@ def resolve_device(index: int, num_ranks: int = 1) -> str:
             raise ConfigValueError(f"--device {index}: only {count} CUDA devices are visible")
         if index + num_ranks > count:
             raise ConfigValueError(
-                f"--tensor-parallel {num_ranks}: needs {num_ranks} CUDA devices from --device {index} on, "
-                f"and {count - index} are visible"
+                f"--tensor-parallel {num_ranks}: needs {num_ranks} CUDA devices from --device {index} on; "
+                f"{count - index} visible"
             )
         return f"cuda:{index}"
     return "cpu"
@@ -58,13 +58,13 @@ def check_tensor_parallel(artifact, engine: EngineConfig, quantize: str | None) 
         return
     flag = f"--tensor-parallel {size}"
     unsplit = [
-        ("--spec", engine.spec is not None, "speculative decoding"),
-        ("--vision", engine.vision, "the vision tower"),
-        ("--quantize", quantize is not None, "quantized layers"),
+        ("--spec", engine.spec is not None, "speculative decoding is"),
+        ("--vision", engine.vision, "the vision tower is"),
+        ("--quantize", quantize is not None, "quantized layers are"),
     ]
     for option, given, what in unsplit:
         if given:
-            raise ConfigValueError(f"{flag} cannot be combined with {option}: {what} is not split over ranks yet")
+            raise ConfigValueError(f"{flag} cannot be combined with {option}: {what} not split over ranks yet")
     where = str(artifact.path)
     if artifact.runtime_loader is not None:
         raise ConfigValueError(f"{flag}: {where} is a .ninfer container, which is not split over ranks yet; serve its source checkpoint")

@@ -62,7 +62,7 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
     checks = [("attention heads", config.num_attention_heads)]
     kv = config.num_key_value_heads
     if kv % size and size % kv:
-        return f"its {kv} KV heads neither split over {size} ranks nor divide them"
+        return f"its KV heads ({kv}) can neither be divided among {size} ranks nor divide them"
     if any(not config.layer_is_moe(i) for i in range(config.num_hidden_layers)):
         checks.append(("MLP intermediate size", config.intermediate_size))
     if config.is_hybrid:
@@ -74,7 +74,7 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
             checks.append(("shared expert intermediate size", config.shared_expert_intermediate_size))
     for what, count in checks:
         if count % size:
-            return f"its {count} {what} do not split over {size} ranks"
+            return f"its {what} ({count}) cannot be divided among {size} ranks"
     return None
 
 
