@@ -33,6 +33,9 @@ from tests.engine.test_engine_generation import PROMPTS, greedy, run_engine
 from tests.models.helpers import normal_init, randomize_, uniform_init
 from tests.unit.conftest import make_byte_tokenizer
 
+# Each case starts follower processes (a few seconds each on 2 CPUs; 4 ranks about 12 s).
+pytestmark = pytest.mark.slow
+
 VOCAB = 257  # the byte tokenizer's ids
 BYTE_EOS = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

@@ -4,14 +4,17 @@ process, and a model the ranks cannot split stops start-up with one line naming 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -27,6 +30,7 @@ pytestmark = [
 ]
 
 QUESTION = [{"role": "user", "content": "Say something about prefix caching."}]
+SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "request-log.schema.json").read_text())
 
 
 def serve(artifact: str, *options: str) -> tuple[subprocess.Popen, str]:
@@ -56,17 +60,22 @@ def greedy_answers(base_url: str, model: str) -> list[tuple[str | None, dict | N
     return answers
 
 
-def test_two_ranks_answer_as_one_and_a_killed_follower_restarts_the_engine(tiny_qwen):
+def test_two_ranks_answer_as_one_and_a_killed_follower_restarts_the_engine(tiny_qwen, tmp_path):
     single = start_server(serve_config(tiny_qwen, max_context=8192, prefill_chunk=8192))
     try:
         expected = greedy_answers(single.base_url, single.serving.model_id)
     finally:
         single.stop()
     assert all(tokens > 0 for *_, tokens in expected)
-    process, base = serve(tiny_qwen, "--tensor-parallel", "2")
+    request_log = tmp_path / "requests.jsonl"
+    process, base = serve(tiny_qwen, "--tensor-parallel", "2", "--request-log-jsonl", str(request_log))
     try:
         model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
         assert greedy_answers(base, model) == expected
+        (start,) = [e for e in map(json.loads, request_log.read_text().splitlines()) if e["event"] == "server_start"]
+        jsonschema.Draft202012Validator(SCHEMA).validate(start)
+        ranks = start["tensor_parallel"]
+        assert ranks["size"] == 2 and len(ranks["follower_pids"]) == 1 and len(ranks["rank_memory"]) == 2
 
         engine = engine_process_of(process.pid)
         (follower,) = spawned_children(engine)
