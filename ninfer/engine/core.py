@@ -119,7 +119,10 @@ class EngineCore:
         max_checkpoint_pages = (config.num_state_slots + config.num_host_state_slots) * (
             -(-config.max_context // config.page_size)
         )
-        num_host_kv_pages = min(config.host_kv_bytes // page_bytes, max_checkpoint_pages)
+        # --host-kv-mib bounds what the whole server pins: with tensor-parallel followers every rank
+        # pins its part of each host page.
+        num_ranks = config.tensor_parallel if followers is not None else 1
+        num_host_kv_pages = min(config.host_kv_bytes // (page_bytes * num_ranks), max_checkpoint_pages)
         self.cache = ContextCache(
             self.kv_pool,
             self.state_pool,
@@ -311,7 +314,7 @@ class EngineCore:
         if self.followers is not None:
             # The ranks stopped at different collectives of the step: no later step can pair them up.
             lost = self.followers.lost_rank(wait_s=RANK_EXIT_WAIT_S)
-            return self._fail(f"{lost}" if lost else f"a tensor-parallel step failed ({message})")
+            return self._fail(lost or f"a tensor-parallel step failed ({message})")
         self._consecutive_failures += 1
         if not self._device_usable():
             return self._fail(f"the device is unusable after a failed step ({message})")

@@ -116,5 +116,5 @@ class Follower:
         self._drop_runner()
         free, _ = torch.cuda.mem_get_info(self.group.device)
         tokens = kv_tokens_in(free, command.reserved_bytes, command.page_bytes, command.page_size, command.max_tokens)
-        log.info("rank %d: KV sizing: %.2f GiB free: %d KV tokens", self.group.rank, free / (1 << 30), tokens)
+        log.debug("rank %d: KV sizing: %.2f GiB free: %d KV tokens", self.group.rank, free / (1 << 30), tokens)
         self.group.min_over_ranks(tokens)

@@ -51,7 +51,7 @@ class Followers:
     @classmethod
     def start(cls, spec: EngineSpec, device: str, log_level: int) -> Followers:
         """Spawn ranks 1..N-1 of spec.engine.tensor_parallel and join their group as rank 0 on
-        `device` (rank r on the r-th device after it); the followers log at log_level too."""
+        `device` (rank r on the r-th device after it); log_level: rank 0's."""
         from ninfer.engine.builder import rank_device
         from ninfer.parallel.follower import follower_main
 
@@ -62,7 +62,7 @@ class Followers:
         processes = [
             spawn.Process(
                 target=follower_main,
-                args=(spec, rank, rank_device(device, rank), rendezvous, level_name(log_level)),
+                args=(spec, rank, rank_device(device, rank), rendezvous, follower_log_level(log_level)),
                 name=f"ninfer-rank-{rank}",
             )
             for rank in range(1, size)
@@ -164,8 +164,10 @@ def _join_watching(processes: list[multiprocessing.process.BaseProcess], size: i
     return joined[0]
 
 
-def level_name(level: int) -> str:
-    """The --log-level name of a logging level (the nearest one at or below it)."""
+def follower_log_level(level: int) -> str:
+    """The --log-level of a follower whose rank 0 logs at `level`: warnings and errors only, unless
+    rank 0 logs debug records (a follower's info records repeat rank 0's)."""
+    level = level if level <= logging.DEBUG else max(level, logging.WARNING)
     return max(((value, name) for name, value in LEVELS.items() if value <= level), default=(0, "trace"))[1]
 
 
