@@ -22,6 +22,7 @@ from ninfer.testing.processes import engine_process_of, spawned_children
 from tests.net import free_port
 from tests.server.conftest import serve_config, start_server
 from tests.server.test_engine_restart import stopped
+from tests.server.test_process_lifecycle import wait_gone
 
 pytestmark = [
     pytest.mark.slow,  # server processes of two and four ranks
@@ -94,12 +95,14 @@ def test_two_ranks_answer_as_one_and_a_killed_follower_restarts_the_engine(tiny_
             assert time.monotonic() < deadline, "the engine was not restarted in 180 s"
             time.sleep(0.2)
         restarted = engine_process_of(process.pid)
-        assert restarted != engine and len(spawned_children(restarted)) == 1  # a fresh rank 0 and follower
+        (restarted_follower,) = spawned_children(restarted)  # a fresh rank 0 and follower
+        assert restarted != engine
         assert greedy_answers(base, model) == expected
     finally:
         process.send_signal(signal.SIGTERM)
         exit_code = stopped(process)
     assert exit_code == 0
+    assert wait_gone(restarted, 5) and wait_gone(restarted_follower, 5), "a rank outlived the server"
     log = process.stderr.read()
     assert f"ERROR {reason}; restarting (attempt 1 of 3)" in log
     assert "INFO engine restarted in " in log and "tensor parallel: 2 ranks" in log
