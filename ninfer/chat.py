@@ -19,7 +19,7 @@ _DIM, _RESET = "\x1b[2m", "\x1b[0m"
 
 async def run_chat(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    engine = EngineConfig(max_context=8192, log_stats_interval_ms=0)
+    engine = EngineConfig(max_context=8192, log_stats_interval_ms=0, tensor_parallel=args.tensor_parallel)
     config = ServeConfig(
         engine=engine,
         sampling=SamplingOverrides(temperature=args.temperature, seed=args.seed),

@@ -58,6 +58,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help=f"prompt tokens a step computes while no request decodes (default {DEFAULT_PREFILL_CHUNK})")
     engine.add_argument("--mixed-prefill-chunk", type=int, default=DEFAULT_MIXED_PREFILL_CHUNK, help=f"prompt tokens a step computes beside the decoding requests' rows: larger admits a burst sooner, smaller keeps their inter-token time closer to idle (default {DEFAULT_MIXED_PREFILL_CHUNK})")
     engine.add_argument("--device", type=int, default=0, help="CUDA device index (default 0; CPU when no GPU is present)")
+    engine.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="split the model over N ranks (1, 2, 4 or 8), one engine process each, on N devices from --device on (CPU: N processes); N must divide the attention heads and the Gated DeltaNet heads and intermediate sizes (default 1)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="weight dtype (default auto: the artifact's on GPU; on CPU float32 activations with float16 Linear weights where the CPU has AVX2)")
     engine.add_argument("--kv-dtype", default="bf16", choices=["bf16", "int8", "fp8", "nvfp4", "k8v4"], help="KV-cache storage: bf16 (unquantized, the model's dtype), int8 or fp8 (one fp32 scale per token and head), nvfp4 (e2m1 with e4m3 scales per 16 values), k8v4 (int8 keys, nvfp4 values); smaller formats hold more tokens in the same memory (default bf16)")
     engine.add_argument("--quantize", choices=["fp8", "nvfp4"], help="quantize the model's bf16 Linear layers at load: fp8 (e4m3, one scale per output channel) or nvfp4 (e2m1, e4m3 scales per 16 values, an fp32 scale per row); a checkpoint's layers already in that format stay as stored; the routed MoE experts are quantized too; embeddings, lm_head and MoE routers stay bf16; each weight is quantized as it is read, so start-up needs the quantized model, never the bf16 one (default: weights as stored)")
@@ -176,6 +177,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         adaptive_drafts=not args.no_adaptive_drafts,
         vision=args.vision,
         kv_dtype=args.kv_dtype,
+        tensor_parallel=args.tensor_parallel,
     )
     config = ServeConfig(
         engine=engine,
@@ -236,9 +238,14 @@ def serve_main(argv: list[str] | None = None) -> int:
 
 
 def _run_chat(args: argparse.Namespace) -> int:
+    from ninfer.artifact import ArtifactError
     from ninfer.chat import run_chat
 
-    return asyncio.run(run_chat(args))
+    try:
+        return asyncio.run(run_chat(args))
+    except (ConfigValueError, ArtifactError) as error:
+        print(f"ninfer chat: error: {error}", file=sys.stderr)
+        return 2
 
 
 def _run_write_checkpoint(args: argparse.Namespace) -> int:
@@ -355,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--greedy", action="store_true", help="exact argmax decoding")
     chat.add_argument("--no-thinking", action="store_true", help="disable thinking on templates with a switch")
     chat.add_argument("--device", type=int, default=0, help="CUDA device index (CPU when no GPU is present)")
+    chat.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="split the model over N ranks (1, 2, 4 or 8; default 1)")
     chat.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     chat.add_argument("--log-level", default="warning", choices=list(LEVELS))
     bench = sub.add_parser("bench", help="GPU benchmark: random-weight Qwen3.5 shapes vs roofline and HF transformers")

@@ -35,6 +35,7 @@ class ConfigValueError(ValueError):
 
 
 KV_DTYPE_NAMES = ("bf16", "int8", "fp8", "nvfp4", "k8v4")  # models/kv_cache.py's KV_DTYPES
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class EngineConfig:
     adaptive_drafts: bool = True
     vision: bool = False  # load the vision tower: prompts may carry images and videos
     kv_dtype: str = "bf16"  # KV storage: bf16 (plain, the model's dtype) | int8 | fp8 | nvfp4 | k8v4
+    tensor_parallel: int = 1  # ranks the model is split over, one engine process each (ninfer/parallel/)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -78,6 +80,7 @@ class EngineConfig:
                 raise ConfigValueError(message)
 
         check(self.kv_dtype in KV_DTYPE_NAMES, f"--kv-dtype must be one of {', '.join(KV_DTYPE_NAMES)}")
+        check(self.tensor_parallel in TENSOR_PARALLEL_SIZES, "--tensor-parallel must be 1, 2, 4 or 8")
         check(self.spec is None or self.spec in SPEC_DRAFT_RANGES, "--spec must be mtp, dflash or dflash2")
         if self.spec is None:
             check(self.draft_tokens is None, "--draft-tokens needs --spec mtp|dflash|dflash2")

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from ninfer.models.causal_lm import CausalLM
+    from ninfer.parallel.shard_plan import ShardPlan
 
 HF_DIRECTORY = "hf_directory"
 GGUF = "gguf"
@@ -74,6 +75,7 @@ class Artifact:
         keep_fp8: bool | None = None,
         keep_nvfp4: bool | None = None,
         quantize: str | None = None,
+        shard: ShardPlan | None = None,
     ) -> CausalLM:
         """keep_fp8 (default: on CUDA devices): FP8 checkpoint weights stay FP8 in Fp8Linear
         layers (GEMV / tensor-core paths); otherwise they are dequantized to bf16 at load.
@@ -81,12 +83,16 @@ class Artifact:
         quantize: "fp8" | "nvfp4": the other Linear layers (fp8: and routed experts) quantized
         as their weights arrive, as quantize_fp8_ / quantize_nvfp4_ would quantize them loaded.
         A .ninfer container loads as it was packed (its FP8 layers stay FP8; keep_fp8 is moot), and
-        quantize quantizes the layers it holds unquantized, likewise as they arrive."""
+        quantize quantizes the layers it holds unquantized, likewise as they arrive.
+        shard: load one tensor-parallel rank's part (parallel/shard_plan.py); checkpoints only
+        (engine/startup_checks.py refuses a container or quantized weights with it)."""
         import torch
 
         from ninfer.models.loader import load_model
 
         if self.runtime_loader is not None:
+            if shard is not None:
+                raise ArtifactError(f"{self.path}: a .ninfer container is not split over tensor-parallel ranks")
             return self.runtime_loader(self.config, dtype, device, progress, quantize)
         if keep_fp8 is None:
             keep_fp8 = torch.device(device).type == "cuda"
@@ -105,6 +111,7 @@ class Artifact:
             fp8_weights=fp8_weights,
             nvfp4_weights=nvfp4_weights,
             quantize=quantize,
+            shard=shard,
         )
 
 

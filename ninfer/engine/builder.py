@@ -22,7 +22,7 @@ from ninfer.engine.cache.host_kv import HostKV
 from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
 from ninfer.engine.kv_sizing_record import AutoSizing, KvSizingRecords, ProbeMeasure, probe_key
-from ninfer.engine.startup_checks import check_kv_dtype, check_speculative, resolve_device
+from ninfer.engine.startup_checks import check_kv_dtype, check_speculative, check_tensor_parallel, resolve_device
 from ninfer.engine.warm_up import run_warm_up
 from ninfer.kernels.backend import persist_compile_caches
 from ninfer.models.quant.fp8 import Fp8Linear
@@ -77,18 +77,46 @@ def cpu_threads() -> int:
 
 
 def build_engine_core(spec: EngineSpec) -> EngineCore:
-    from ninfer.artifact import open_artifact
-
+    """With --tensor-parallel N this is rank 0: it spawns ranks 1..N-1 (parallel/follower.py), which
+    load their shards beside it and then repeat its runner's calls until it stops them."""
     started = time.perf_counter()
+    engine, artifact, companion = open_checked(spec)
+    if engine.tensor_parallel == 1:
+        return _build(spec, engine, artifact, companion, started)
+    from ninfer.parallel.followers import Followers
+
+    followers = Followers.start(spec, engine.device, log.getEffectiveLevel())
+    try:
+        return _build(spec, engine, artifact, companion, started, followers)
+    except BaseException:
+        followers.stop()
+        raise
+
+
+def open_checked(spec: EngineSpec, rank: int = 0):
+    """The start-up checks, before any weight is read: -> (the engine config with its device
+    resolved for `rank`, the artifact opened with its weights, a DFlash / DFlash2 drafter or None)."""
     engine = spec.engine
     if spec.device_index is not None:
-        engine = dataclasses.replace(engine, device=resolve_device(spec.device_index))
+        engine = dataclasses.replace(engine, device=resolve_device(spec.device_index, engine.tensor_parallel))
+    if rank:
+        engine = dataclasses.replace(engine, device=rank_device(engine.device, rank))
+    from ninfer.artifact import open_artifact
+
     artifact = open_artifact(spec.artifact_path)
     check_kv_dtype(artifact.config, engine)
+    check_tensor_parallel(artifact, engine, spec.quantize)
     companion = check_speculative(artifact, engine)  # a DFlash / DFlash2 drafter, still unread
     if artifact.config.mtp_num_hidden_layers and engine.spec != "mtp":
         # The MTP head's weights and KV layer are loaded only when speculation uses them.
         artifact.config = artifact.config.replace(mtp_num_hidden_layers=0)
+    return engine, artifact, companion
+
+
+def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float, shard=None, announce: bool = True):
+    """The model's weights on engine.device (one rank's part with `shard`), stored as the engine
+    runs them; announce: log the load's milestones at info (a follower rank logs them at debug)."""
+    say = log.info if announce else log.debug
     device = engine.device
     dtype = resolve_dtype(spec.dtype, artifact.config.torch_dtype, device)
     on_cpu = not device.startswith("cuda")
@@ -97,15 +125,15 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     else:
         persist_compile_caches(str(cache_dir()))
         # A restart loads the compiled kernels and autotuning choices from here instead of redoing them.
-        log.info("compiled GPU kernels cached in %s ($NINFER_CACHE_DIR names another folder)",
-                 os.environ["TRITON_CACHE_DIR"])
-    log.info(
-        "loading %s (%s, %s) on %s%s",
+        say("compiled GPU kernels cached in %s ($NINFER_CACHE_DIR names another folder)", os.environ["TRITON_CACHE_DIR"])
+    say(
+        "loading %s (%s, %s) on %s%s%s",
         artifact.model_id,
         artifact.config.model_type,
         str(dtype).removeprefix("torch."),
         device,
         f" ({torch.get_num_threads()} threads)" if on_cpu else "",
+        f", rank {shard.rank}'s part of {shard.size}" if shard is not None else "",
     )
     # The bar is a transient terminal line; redirected stderr gets only the milestone records.
     # --quantize keeps a checkpoint already in that format as stored, on any device, and
@@ -117,23 +145,46 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     model = artifact.load_model(
         dtype=dtype,
         device=device,
-        progress=sys.stderr.isatty(),
+        progress=announce and sys.stderr.isatty(),
         keep_fp8=keep_fp8,
         keep_nvfp4=keep_nvfp4,
         quantize=spec.quantize,
+        shard=shard,
     )
     num_params = _num_weights(model)
-    log.info("model loaded in %.1fs: %.2fB parameters", time.perf_counter() - started, num_params / 1e9)
+    say("model loaded in %.1fs: %.2fB parameters", time.perf_counter() - started, num_params / 1e9)
     if spec.quantize is not None:
-        log.info("--quantize %s: %s", spec.quantize, describe_quantized(model))
+        say("--quantize %s: %s", spec.quantize, describe_quantized(model))
     if not on_cpu:
-        log.info(
+        say(
             "load peak %.2f GiB of device memory for a model of %.2f GiB",
             torch.cuda.max_memory_allocated(device) / (1 << 30),
             model_bytes(model) / (1 << 30),
         )
     if cpu_half_weights(spec.dtype, dtype, device):
-        log.info("Linear weights stored in float16 for decode: %d layers", store_half_weights_(model))
+        say("Linear weights stored in float16 for decode: %d layers", store_half_weights_(model))
+    return model, dtype
+
+
+def _build(spec: EngineSpec, engine: EngineConfig, artifact, companion, started: float, followers=None) -> EngineCore:
+    device = engine.device
+    on_cpu = not device.startswith("cuda")
+    try:
+        shard = None
+        if followers is not None:
+            from ninfer.parallel.shard_plan import ShardPlan
+
+            shard = ShardPlan(artifact.config, 0, engine.tensor_parallel)
+        model, dtype = load_trunk(spec, engine, artifact, started, shard)
+    except BaseException as error:
+        if followers is not None:
+            followers.agree_started(error)  # the followers learn that rank 0 failed, and leave
+        raise
+    if followers is not None:
+        from ninfer.parallel.partial_sums import reduce_partial_sums
+
+        followers.agree_started(None)  # raises a follower's start-up error
+        reduce_partial_sums(model, followers.group)
     draft_model = None
     if companion is not None:
         draft_model = companion.load_model(dtype=dtype, device=device)
@@ -150,9 +201,11 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         log.info("vision tower loaded: %.2fB parameters", sum(p.numel() for p in vision_tower.parameters()) / 1e9)
     auto_sizing = None
     if spec.kv_capacity_auto:
-        kv_tokens, auto_sizing = _auto_kv_tokens(model, artifact.tokenizer, engine, draft_model, vision_tower)
+        kv_tokens, auto_sizing = _auto_kv_tokens(model, artifact.tokenizer, engine, draft_model, vision_tower, followers)
         engine = dataclasses.replace(engine, kv_capacity=kv_tokens)
-    core = EngineCore(model, artifact.tokenizer, engine, draft_model=draft_model, vision_tower=vision_tower)
+    core = EngineCore(
+        model, artifact.tokenizer, engine, draft_model=draft_model, vision_tower=vision_tower, followers=followers
+    )
     kv_bytes = sum(cache.nbytes for cache in core.runner.paged_caches)
     core.memory_ledger.update(_AUTO_LEDGER if spec.kv_capacity_auto else {})
     core.memory_ledger.update(
@@ -162,11 +215,12 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     host = core.runner.host_states
     host_kv_pages = core.runner.host_kvs[0].num_pages
     log.info(
-        "KV pool: %d tokens in %d pages (%.1f MiB) · state slots: %d (%d active + %d checkpoint)"
+        "KV pool: %d tokens in %d pages (%.1f MiB%s) · state slots: %d (%d active + %d checkpoint)"
         " · host state slots: %d (%.1f MiB pinned) · host KV: %d pages (%.1f MiB pinned)",
         engine.num_kv_pages * engine.page_size,
         engine.num_kv_pages,
         kv_bytes / (1 << 20),
+        " on each rank" if followers is not None else "",
         engine.num_state_slots,
         engine.max_concurrency,
         engine.num_state_slots - engine.max_concurrency,
@@ -193,8 +247,44 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
         core.workspace_bytes = _warm_up_measuring_workspace(core)
         if auto_sizing is not None:
             auto_sizing.confirm(core.workspace_bytes)
+    if followers is not None:
+        core.rank_memory = rank_memory_ledgers(core, model)
     install_faults(core.runner)  # tests only: nothing unless NINFER_TEST_FAULTS is set
     return core
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of tensor-parallel rank `rank` when rank 0's is `device`: the CPU, or the CUDA
+    device `rank` places after rank 0's."""
+    if not device.startswith("cuda"):
+        return device
+    index = int(device.partition(":")[2] or 0)
+    return f"cuda:{index + rank}"
+
+
+def memory_ledger(runner, model) -> dict[str, int]:
+    """One rank's resident device memory by use, in bytes: its weights, KV pool and state slots
+    (with each slot's stored logits)."""
+    states = runner.state_cache
+    return {
+        "weights": model_bytes(model),
+        "kv_pool": sum(cache.nbytes for cache in runner.paged_caches),
+        "state_slots": runner.slot_logits.nbytes + (states.conv.nbytes + states.recurrent.nbytes if states else 0),
+    }
+
+
+def rank_memory_ledgers(core: EngineCore, model) -> list[dict[str, int]]:
+    """Every rank's memory ledger, by rank (the followers report theirs)."""
+    from ninfer.parallel.commands import ReportMemory
+
+    core.followers.send(ReportMemory())
+    ledgers = core.followers.group.gather(memory_ledger(core.runner, model))
+    for rank, ledger in enumerate(ledgers):
+        log.info(
+            "rank %d: weights %.1f MiB · KV pool %.1f MiB · state slots %.1f MiB", rank,
+            *(ledger[k] / (1 << 20) for k in ("weights", "kv_pool", "state_slots")),
+        )
+    return ledgers
 
 
 def describe_quantized(model) -> str:
@@ -269,14 +359,16 @@ def _vision_reserve(tower, device: torch.device) -> tuple[int, int]:
 
 
 def _auto_kv_tokens(
-    model, tokenizer, engine: EngineConfig, draft_model=None, vision_tower=None
+    model, tokenizer, engine: EngineConfig, draft_model=None, vision_tower=None, followers=None
 ) -> tuple[int, AutoSizing | None]:
     """The KV pool that leaves room for everything else the runtime needs at its worst, measured:
     a probe engine with a small pool captures the CUDA graphs and runs the warm-up (whose
     largest step is a whole --prefill-chunk); its peak beyond its own pools is set aside with
     the state slots and 1 GiB of headroom, and with --vision the tower's encode peak and the
     encoded rows kept. A restart of the same model, configuration, device and code takes the
-    probe's figures from its record (kv_sizing_record.py). CPU follows --max-context."""
+    probe's figures from its record (kv_sizing_record.py). CPU follows --max-context.
+    With tensor-parallel followers the probe runs on every rank, each rank sizes its own pool from
+    its free memory, and the smallest pool wins."""
     if not engine.device.startswith("cuda"):
         return engine.max_context, None
     device = torch.device(engine.device)
@@ -294,16 +386,22 @@ def _auto_kv_tokens(
     measure = records.load(key)
     kept = measure is not None
     if measure is None:
-        measure = _probe(model, tokenizer, probe_config, draft_model, page_bytes, slot_bytes)
+        measure = _probe(model, tokenizer, probe_config, draft_model, page_bytes, slot_bytes, followers)
         records.store(key, measure)
     worst_step, graphs = measure.worst_step_bytes, measure.graph_bytes
     vision_encode, media_rows = _vision_reserve(vision_tower, device) if vision_tower is not None else (0, 0)
     free, _ = torch.cuda.mem_get_info(device)
     states = engine.num_state_slots * slot_bytes
-    budget = free - KV_HEADROOM_BYTES - worst_step - graphs - states - vision_encode - media_rows
-    tokens = max(engine.page_size, budget // page_bytes * engine.page_size)
+    reserved = KV_HEADROOM_BYTES + worst_step + graphs + states + vision_encode + media_rows
+    budget = free - reserved
     # Running requests and device checkpoints each hold a state slot and at most max_context tokens.
     usable = engine.num_state_slots * (engine.max_context + engine.spare_kv_tokens)
+    tokens = kv_tokens_in(free, reserved, page_bytes, engine.page_size, usable)
+    if followers is not None:
+        from ninfer.parallel.commands import AgreeKvTokens
+
+        followers.send(AgreeKvTokens(reserved, page_bytes, engine.page_size, usable))
+        tokens = followers.group.min_over_ranks(tokens)
     gib = 1 << 30
     log.info(
         "KV sizing (--kv-capacity auto%s): %.2f GiB free after the weights − worst step (%d tokens) %.2f GiB"
@@ -313,23 +411,34 @@ def _auto_kv_tokens(
         states / gib,
         f" − vision encode {vision_encode / gib:.2f} GiB − encoded media rows {media_rows / gib:.2f} GiB"
         if vision_tower is not None else "",
-        KV_HEADROOM_BYTES / gib, max(0, budget) / gib, min(tokens, usable),
-        f" (all that {engine.num_state_slots} slots x --max-context can use)" if usable < tokens else "",
+        KV_HEADROOM_BYTES / gib, max(0, budget) / gib, tokens,
+        f" (all that {engine.num_state_slots} slots x --max-context can use)" if usable < budget // page_bytes * engine.page_size else "",
     )
+    if followers is not None:
+        log.info("KV sizing: %d KV tokens on every rank (the smallest rank's answer)", tokens)
     _AUTO_LEDGER.update(free_after_weights=free, worst_step=worst_step, decode_graphs=graphs, state_slots=states,
                         headroom=KV_HEADROOM_BYTES, kv_budget=max(0, budget))
     if vision_tower is not None:
         _AUTO_LEDGER.update(vision_encode=vision_encode, media_rows=media_rows)
-    return min(tokens, usable), AutoSizing(records, key, measure)
+    return tokens, AutoSizing(records, key, measure)
 
 
-def _probe(model, tokenizer, probe_config: EngineConfig, draft_model, page_bytes: int, slot_bytes: int) -> ProbeMeasure:
+def kv_tokens_in(free_bytes: int, reserved_bytes: int, page_bytes: int, page_size: int, max_tokens: int) -> int:
+    """--kv-capacity auto: the whole pages that fit the free memory less what must stay free (at
+    least one page), at most max_tokens."""
+    pages = max(1, (free_bytes - reserved_bytes) // page_bytes)
+    return min(pages * page_size, max_tokens)
+
+
+def _probe(
+    model, tokenizer, probe_config: EngineConfig, draft_model, page_bytes: int, slot_bytes: int, followers=None
+) -> ProbeMeasure:
     """Build an engine with the probe's small pool and run the warm-up: the device memory its CUDA
     graphs and its worst step reserve beyond its pools."""
     device = torch.device(probe_config.device)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_reserved(device)
-    probe = EngineCore(model, tokenizer, probe_config, draft_model=draft_model)
+    probe = EngineCore(model, tokenizer, probe_config, draft_model=draft_model, followers=followers)
     probe_pools = probe_config.num_kv_pages * page_bytes + probe_config.num_state_slots * slot_bytes
     graphs = max(0, torch.cuda.memory_reserved(device) - base - probe_pools)
     torch.cuda.reset_peak_memory_stats(device)

@@ -17,6 +17,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +44,9 @@ from ninfer.models.dflash import DflashDraftModel
 from ninfer.models.kv_cache import kv_bytes_per_token
 from ninfer.models.quant.weight_format import weight_format
 
+if TYPE_CHECKING:
+    from ninfer.parallel.followers import Followers
+
 log = logging.getLogger("ninfer.engine")
 
 def _work_class(step: SchedulerStep) -> str:
@@ -58,6 +62,10 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 # The longest an otherwise idle step waits for a grammar to compile before the loop looks at
 # its inbox again.
 GRAMMAR_WAIT_SECONDS = 0.01
+# With tensor-parallel followers: how often an idle engine looks for a dead one, and how long a
+# failed step waits for a follower's exit to show (its closed sockets may fail the step first).
+RANK_CHECK_INTERVAL_S = 0.5
+RANK_EXIT_WAIT_S = 1.0
 
 
 def kv_page_bytes(
@@ -93,10 +101,14 @@ class EngineCore:
         drafter=None,
         draft_model: DflashDraftModel | None = None,
         vision_tower: torch.nn.Module | None = None,
+        followers: Followers | None = None,
     ):
         """drafter: a stand-in for the speculative backend's drafter (tests); draft_model: the
-        DFlash / DFlash2 drafter of --spec dflash|dflash2; vision_tower: with --vision."""
+        DFlash / DFlash2 drafter of --spec dflash|dflash2; vision_tower: with --vision.
+        followers: the other tensor-parallel ranks (this is rank 0 and `model` its shard): they
+        repeat every runner call on theirs."""
         self.config = config
+        self.followers = followers
         self.tokenizer = tokenizer
         self.clock = clock
         self.kv_pool = KVPool(config.num_kv_pages, config.page_size)
@@ -107,7 +119,10 @@ class EngineCore:
         max_checkpoint_pages = (config.num_state_slots + config.num_host_state_slots) * (
             -(-config.max_context // config.page_size)
         )
-        num_host_kv_pages = min(config.host_kv_bytes // page_bytes, max_checkpoint_pages)
+        # --host-kv-mib bounds what the whole server pins: with tensor-parallel followers every rank
+        # pins its part of each host page.
+        num_ranks = config.tensor_parallel if followers is not None else 1
+        num_host_kv_pages = min(config.host_kv_bytes // (page_bytes * num_ranks), max_checkpoint_pages)
         self.cache = ContextCache(
             self.kv_pool,
             self.state_pool,
@@ -148,11 +163,11 @@ class EngineCore:
             grammars=self.grammars,
             vocab_size=model.config.vocab_size,
         )
-        self.runner = ModelRunner(
-            model,
-            config.num_kv_pages,
-            config.page_size,
-            config.num_state_slots,
+        # Plain values only: a follower rank builds its runner from the same arguments.
+        runner_arguments = dict(
+            num_pages=config.num_kv_pages,
+            page_size=config.page_size,
+            num_state_slots=config.num_state_slots,
             num_valid_tokens=tokenizer.vocab_size,
             cuda_graph_batch_sizes=range(1, config.max_concurrency + 1) if config.cuda_graphs else (),
             max_context=config.max_context,
@@ -161,14 +176,21 @@ class EngineCore:
             num_draft_tokens=config.num_draft_tokens,
             lm_head_draft=config.lm_head_draft,
             draft_extra_token_ids=sorted(tokenizer.backend.get_added_tokens_decoder()),
-            drafter=drafter,
             max_batch=config.max_concurrency,
             spec_backend=config.spec or "mtp",
-            draft_model=draft_model,
-            vision_tower=vision_tower,
             kv_format=config.kv_dtype,
             step_graph_tokens=config.step_graph_tokens if device_type == "cuda" else 0,
         )
+        if followers is None:
+            self.runner = ModelRunner(
+                model, **runner_arguments, drafter=drafter, draft_model=draft_model, vision_tower=vision_tower
+            )
+        else:
+            from ninfer.parallel.leader_runner import LeaderRunner
+
+            self.runner = LeaderRunner(followers, model, **runner_arguments)
+        # Every rank's memory ledger, by rank, with tensor-parallel followers (the builder gathers them).
+        self.rank_memory: list[dict[str, int]] | None = None
         self.runner.host_detail = self._detail
         self.failed: str | None = None
         overlap = config.decode_overlap
@@ -289,6 +311,10 @@ class EngineCore:
         message = f"{type(exc).__name__}: {exc}"
         self._inflight = None
         self.runner.abandon_launched()
+        if self.followers is not None:
+            # The ranks stopped at different collectives of the step: no later step can pair them up.
+            lost = self.followers.lost_rank(wait_s=RANK_EXIT_WAIT_S)
+            return self._fail(lost or f"a tensor-parallel step failed ({message})")
         self._consecutive_failures += 1
         if not self._device_usable():
             return self._fail(f"the device is unusable after a failed step ({message})")
@@ -301,6 +327,24 @@ class EngineCore:
         return self.scheduler.fail_steps(
             launched, f"the engine failed while computing this request ({message}); the server goes on: retry"
         )
+
+    def check_ranks(self) -> list[EngineOutput]:
+        """With tensor-parallel followers: fail engine-wide once one has died (its peers cannot
+        compute without its shard); -> the outputs ending every request. Nothing otherwise."""
+        if self.followers is None or self.failed is not None:
+            return []
+        lost = self.followers.lost_rank()
+        return self._fail(lost) if lost is not None else []
+
+    @property
+    def seconds_to_rank_check(self) -> float | None:
+        """How long an idle loop may wait before it checks the followers again (None: no followers)."""
+        return None if self.followers is None else RANK_CHECK_INTERVAL_S
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers, if any (the loop's end)."""
+        if self.followers is not None:
+            self.followers.stop()
 
     def _device_usable(self) -> bool:
         """A CUDA error poisons the context: the next synchronize raises it again."""

@@ -14,10 +14,11 @@ if TYPE_CHECKING:
 
 
 def describe_engine(core: EngineCore) -> dict:
-    """The engine's resolved capacities and device, for the server_start record."""
+    """The engine's resolved capacities and device, for the server_start record (with
+    --tensor-parallel N > 1 also its ranks: pids and memory ledgers)."""
     config = core.config
     device = core.runner.device
-    return {
+    described = {
         "capacities": {
             "max_concurrency": config.max_concurrency,
             "max_context": config.max_context,
@@ -55,6 +56,13 @@ def describe_engine(core: EngineCore) -> dict:
             "cuda": torch.version.cuda,
         },
     }
+    if core.followers is not None:
+        described["tensor_parallel"] = {
+            "size": config.tensor_parallel,
+            "follower_pids": core.followers.pids,
+            "rank_memory": core.rank_memory,
+        }
+    return described
 
 
 def _host_tier(core: EngineCore) -> dict:

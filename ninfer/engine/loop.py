@@ -28,11 +28,19 @@ class EngineLoop:
         self.publish = publish
 
     def run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.core.close()
+
+    def _serve(self) -> None:
         reported_failure = False
         while True:
             idle = not self.core.has_work
-            # Idle, wake at the throughput boundary so the last busy interval is reported on time.
-            message = self.receive(self.core.seconds_to_stats_boundary() if idle else 0.0)
+            # Idle, wake at the throughput boundary so the last busy interval is reported on time,
+            # and, with tensor-parallel followers, to notice one that died.
+            timeout = _earliest(self.core.seconds_to_stats_boundary(), self.core.seconds_to_rank_check)
+            message = self.receive(timeout if idle else 0.0)
             if idle:
                 self.core.log_stats_if_due()
             outputs = []
@@ -44,6 +52,7 @@ class EngineLoop:
                 elif isinstance(message, Abort):
                     outputs.extend(self.core.abort(message.request_id))
                 message = self.receive(0.0)
+            outputs.extend(self.core.check_ranks())
             if self.core.has_work:
                 outputs.extend(self.core.step())
             if outputs:
@@ -56,3 +65,9 @@ class EngineLoop:
             if self.core.failed is not None and not reported_failure:
                 reported_failure = True
                 self.publish(Failed(self.core.failed))
+
+
+def _earliest(*timeouts: float | None) -> float | None:
+    """The shortest of the timeouts given (None: no timeout)."""
+    given = [t for t in timeouts if t is not None]
+    return min(given) if given else None

@@ -31,7 +31,7 @@ def engine_process_main(
 
     from ninfer.engine.loop import EngineLoop
 
-    _die_with_parent()
+    die_with_parent()
     # The terminal's Ctrl-C reaches the whole process group; the API process decides the shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ninfer.log import setup_logging
@@ -80,14 +80,15 @@ def _close(context, push, pull, last: FromEngine | None = None) -> None:
     context.term()
 
 
-def _die_with_parent() -> None:
-    """On Linux the kernel sends this process SIGTERM when the API process exits, however it
-    exits (a crash or SIGKILL included), so the engine never outlives it holding the GPU."""
+def die_with_parent() -> None:
+    """On Linux the kernel sends this process SIGTERM when the API process exits (for a
+    tensor-parallel follower: when rank 0's thread that spawned it ends), however it exits (a
+    crash or SIGKILL included), so the engine never outlives it holding the GPU."""
     if not sys.platform.startswith("linux"):
         return
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
     parent = multiprocessing.parent_process()
     if parent is not None and os.getppid() != parent.pid:
-        os._exit(1)  # the API process is already gone: the signal was set too late to fire
+        os._exit(1)  # the parent is already gone: the signal was set too late to fire
 

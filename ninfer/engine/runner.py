@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -63,6 +64,9 @@ from ninfer.models.forward_batch import ForwardBatch, HostStaging
 from ninfer.models.step_snapshots import StepSnapshots
 from ninfer.models.verify_scratch import VerifyRows
 
+if TYPE_CHECKING:
+    from ninfer.parallel.group import RankGroup
+
 log = logging.getLogger("ninfer.engine")
 
 # Chunks with a checkpoint inside them that a step graph holds (each is a second request row).
@@ -92,6 +96,7 @@ class ModelRunner:
         vision_tower: torch.nn.Module | None = None,
         kv_format: str = "bf16",
         step_graph_tokens: int = 0,
+        ranks: RankGroup | None = None,
     ):
         """kv_format: the --kv-dtype of the model's KV (a DFlash drafter's stays plain).
         cuda_graph_batch_sizes: decode batch sizes to capture a CUDA graph for (on CUDA,
@@ -103,8 +108,11 @@ class ModelRunner:
         tokens it keeps). max_batch: requests in a step at most (default: the largest graph
         batch, else the state slots). vision_tower: encodes the media of prompt steps (--vision).
         step_graph_tokens > 0: prompt and mixed steps of up to that many tokens replay CUDA graphs
-        (step_graphs.py; on the CPU, tests run their padded forward uncaptured)."""
+        (step_graphs.py; on the CPU, tests run their padded forward uncaptured).
+        ranks: the tensor-parallel group whose ranks run the same steps on their shards of `model`
+        (ninfer/parallel/): each step's sampled ids are rank 0's on every rank."""
         self.model = model
+        self.ranks = ranks
         param = next(model.parameters())
         self.device = param.device
         if step_graph_tokens and (blocker := step_graph_blocker(model, num_draft_tokens)) is not None:
@@ -205,6 +213,7 @@ class ModelRunner:
             ids, sampled_rows = self._sample(step.chunks, self._staging)
         else:
             ids, sampled_rows, verified = self._run_eagerly(step.chunks)
+        self._share_ids(ids)
         self._last_ids = ids
         self._last_sampled_rows = frozenset(sampled_rows)
         logprobs = self._logprobs(step.chunks, ids, sampled_rows)
@@ -223,10 +232,19 @@ class ModelRunner:
             sampled_rows = [row for row, c in enumerate(chunks) if c.sample]
         else:
             ids, sampled_rows = self._sample(chunks, self._staging)
+        self._share_ids(ids)
         self._last_ids = ids
         self._last_sampled_rows = frozenset(sampled_rows)
         logprobs = self._logprobs(chunks, ids, sampled_rows)
         return self.readback.pending(dataclasses.replace(deferred.step, chunks=chunks), ids, sampled_rows, None, logprobs)
+
+    def _share_ids(self, ids: torch.Tensor | None) -> None:
+        """Tensor parallel: every rank takes rank 0's sampled ids, in place, before chained rows read
+        them on the device. A sample is discrete: were the ranks' logits a bit apart (an all-reduce
+        or a kernel that is not bit-identical across devices), one rank would fork the sequence,
+        and one small broadcast a step rules that out instead of assuming bit-identical sampling."""
+        if self.ranks is not None and ids is not None:
+            self.ranks.broadcast_from_leader(ids)
 
     def _logprobs(
         self, chunks: list[ScheduledChunk], ids: torch.Tensor | None, sampled_rows: list[int]

@@ -4,6 +4,9 @@ They need torch or the model, so they run where the engine does (engine/builder.
 thing); each raises ConfigValueError naming the option, which the engine process reports as
 Refused and the API process prints as a command-line error (exit code 2).
 - The device: --device names a CUDA device this process can see (CPU when none is present).
+- Tensor parallelism: --tensor-parallel N must divide the model's heads and intermediate sizes
+  (parallel/shard_plan.py), have N devices from --device on, and not meet a part that is not
+  split over ranks yet (speculative decoding, the vision tower, quantized weights, containers).
 - The KV formats: --kv-dtype must fit the model's attention head size.
 - Speculative residency: --spec freezes the backend for the process's life, and a combination
   the artifact cannot serve names the missing part: no MTP head; no DFlash / DFlash2 drafter
@@ -24,19 +27,53 @@ from ninfer.kernels.kv_quant import check_head_dim
 from ninfer.models.config import ModelConfig
 from ninfer.models.draft_config import DraftConfig
 from ninfer.models.kv_cache import KV_DTYPES
+from ninfer.parallel.shard_plan import tensor_parallel_problem
 
 # Families whose forward writes ForwardBatch.aux_hidden (the residual streams a DFlash drafter reads).
 AUX_HIDDEN_FAMILIES = ("qwen3_5", "qwen3_next")
 
 
-def resolve_device(index: int) -> str:
+def resolve_device(index: int, num_ranks: int = 1) -> str:
     """--device: "cuda:<index>" when CUDA is available, else "cpu"; an index past the visible
-    devices raises ConfigValueError."""
+    devices raises ConfigValueError, and so do more tensor-parallel ranks than the devices from
+    `index` on (rank r runs on device index + r)."""
     if torch.cuda.is_available():
-        if not 0 <= index < torch.cuda.device_count():
-            raise ConfigValueError(f"--device {index}: only {torch.cuda.device_count()} CUDA devices are visible")
+        count = torch.cuda.device_count()
+        if not 0 <= index < count:
+            raise ConfigValueError(f"--device {index}: only {count} CUDA devices are visible")
+        if index + num_ranks > count:
+            raise ConfigValueError(
+                f"--tensor-parallel {num_ranks}: needs {num_ranks} CUDA devices from --device {index} on; "
+                f"{count - index} visible"
+            )
         return f"cuda:{index}"
     return "cpu"
+
+
+def check_tensor_parallel(artifact, engine: EngineConfig, quantize: str | None) -> None:
+    """ConfigValueError when the model or an option cannot run over --tensor-parallel's ranks: a
+    split dimension the rank count does not divide, or a part not split over ranks yet."""
+    size = engine.tensor_parallel
+    if size == 1:
+        return
+    flag = f"--tensor-parallel {size}"
+    unsplit = [
+        ("--spec", engine.spec is not None, "speculative decoding is"),
+        ("--vision", engine.vision, "the vision tower is"),
+        ("--quantize", quantize is not None, "quantized layers are"),
+    ]
+    for option, given, what in unsplit:
+        if given:
+            raise ConfigValueError(f"{flag} cannot be combined with {option}: {what} not split over ranks yet")
+    where = str(artifact.path)
+    if artifact.runtime_loader is not None:
+        raise ConfigValueError(f"{flag}: {where} is a .ninfer container, which is not split over ranks yet; serve its source checkpoint")
+    if artifact.fp8_weights or artifact.nvfp4_weights:
+        stored = "FP8" if artifact.fp8_weights else "NVFP4"
+        raise ConfigValueError(f"{flag}: {where} stores {stored} weights, which are not split over ranks yet")
+    problem = tensor_parallel_problem(artifact.config, size)
+    if problem is not None:
+        raise ConfigValueError(f"{flag}: {where} does not split over {size} ranks: {problem}")
 
 
 def check_kv_dtype(config: ModelConfig, engine: EngineConfig) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from ninfer.models.quant.nvfp4_experts import Nvfp4Experts
 from ninfer.models.quant.stored_write import StoresCheckpointWrites
 from ninfer.models.registry import CheckpointRule, checkpoint_rule, model_class
 from ninfer.models.weight_load_error import WeightLoadError
+
+if TYPE_CHECKING:
+    from ninfer.parallel.shard_plan import ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -150,13 +154,17 @@ def load_weights(
     source: str = "checkpoint",
     rule: CheckpointRule | None = None,
     dtype: torch.dtype | None = None,
+    shard: ShardPlan | None = None,
 ) -> None:
     """rule: how stored names map to parameters (default: the model family's checkpoint rule).
     dtype: the model's unquantized dtype. An unquantized weight bound for a quantized module is
     rounded to it (default: kept as stored), then quantized into the module as it arrives, on
     the module's device, a chunk of rows at a time (quant/row_chunks.py): the same bits as
-    loading it unquantized and quantizing the loaded module."""
+    loading it unquantized and quantizing the loaded module.
+    shard: `model` is one tensor-parallel rank's (built from shard.local_config): the rule maps
+    stored tensors in the full model's terms, and each write keeps the rank's part of it."""
     rule = rule or checkpoint_rule(model.config)
+    rule_config = shard.full_config if shard is not None else model.config
     params = dict(model.named_parameters())
     # Quantized weights are buffers of modules that store checkpoint writes themselves:
     # parameter name -> (module, weight's attribute).
@@ -170,6 +178,8 @@ def load_weights(
     # Tied parameters (lm_head.weight = embed_tokens.weight) appear once; a checkpoint may store both.
     aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
     packed = packed_parts(model)
+    # Where each stored part's rows are in the packed parameter the rule's writes address.
+    write_packed = shard.full_packed_parts if shard is not None else packed
     written = {name: 0 for name in params}
     parts_written: dict[str, int] = {}  # per stored part of a packed parameter, to name what is missing
     scales = CheckpointScales(source)
@@ -179,22 +189,25 @@ def load_weights(
             bar.update(1)
             if scales.hold(stored_name, tensor):
                 continue
-            for write in scales.writes(stored_name, tensor, rule, model.config):
-                if write.param_name in packed:
-                    parts_written[write.param_name] = parts_written.get(write.param_name, 0) + write.value.numel()
-                    packed_name, part_rows = packed[write.param_name]
+            for write in scales.writes(stored_name, tensor, rule, rule_config):
+                part = write.param_name if write.param_name in write_packed else None
+                if part is not None:
+                    packed_name, part_rows = write_packed[part]
                     write = replace(write, param_name=packed_name, index=rows_within(part_rows, write.index))
-                param = params.get(write.param_name)
-                if param is None and write.param_name in aliases:
-                    continue
-                if param is None:
-                    raise WeightLoadError(f"{write.what} maps to unknown parameter {write.param_name!r}")
-                module, attribute = owners.get(write.param_name, (None, None))
-                if module is None:
-                    write.copy_dense_into(param)
-                else:
-                    module.load_stored(attribute, write, dtype)
-                written[write.param_name] += write.target(param).numel()
+                for write in shard.localize(write) if shard is not None else (write,):
+                    if part is not None:
+                        parts_written[part] = parts_written.get(part, 0) + write.value.numel()
+                    param = params.get(write.param_name)
+                    if param is None and write.param_name in aliases:
+                        continue
+                    if param is None:
+                        raise WeightLoadError(f"{write.what} maps to unknown parameter {write.param_name!r}")
+                    module, attribute = owners.get(write.param_name, (None, None))
+                    if module is None:
+                        write.copy_dense_into(param)
+                    else:
+                        module.load_stored(attribute, write, dtype)
+                    written[write.param_name] += write.target(param).numel()
     bar.close()
     _check_written_once(params, written, packed, parts_written, source)
 
@@ -233,13 +246,16 @@ def load_model(
     fp8_weights: dict[str, tuple[int, ...]] | None = None,
     nvfp4_weights: dict[str, tuple[int, ...]] | None = None,
     quantize: str | None = None,
+    shard: ShardPlan | None = None,
 ) -> CausalLM:
     """fp8_weights, nvfp4_weights: see build_model; `tensors` then yields each such weight's
     scales (`<name>_scale_inv`; `<name>_scale` and `<name>_scale_2`) right before the weight.
-    quantize: "fp8" | "nvfp4", quantized as the weights arrive (build_model)."""
+    quantize: "fp8" | "nvfp4", quantized as the weights arrive (build_model).
+    shard: build and fill one tensor-parallel rank's part of the model (`config` is the full one)."""
     dtype = dtype or getattr(torch, config.torch_dtype, torch.bfloat16)
-    model = build_model(config, dtype, device, fp8_weights, nvfp4_weights, quantize)
-    load_weights(model, tensors, total=total, progress=progress, source=source, dtype=dtype)
+    built = shard.local_config if shard is not None else config
+    model = build_model(built, dtype, device, fp8_weights, nvfp4_weights, quantize)
+    load_weights(model, tensors, total=total, progress=progress, source=source, dtype=dtype, shard=shard)
     model.eval()
     return model
 

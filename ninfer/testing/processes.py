@@ -8,6 +8,16 @@ import re
 
 def engine_process_of(pid: int) -> int:
     """The engine process the API process `pid` spawned (multiprocessing's spawn_main child)."""
+    children = spawned_children(pid)
+    if not children:
+        raise LookupError(f"process {pid} has no engine process")
+    return children[0]
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The processes `pid` spawned with multiprocessing (spawn_main children), lowest pid first: an
+    API process's engine process, or an engine's tensor-parallel followers."""
+    children = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -17,8 +27,8 @@ def engine_process_of(pid: int) -> int:
         except OSError:
             continue
         if f"PPid:\t{pid}\n" in status and "spawn_main" in command:
-            return int(entry)
-    raise LookupError(f"process {pid} has no engine process")
+            children.append(int(entry))
+    return sorted(children)
 
 
 def rss_mib(pid: int) -> float:

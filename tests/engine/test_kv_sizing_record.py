@@ -84,7 +84,7 @@ def stub_device(monkeypatch, tmp_path):
     monkeypatch.setattr(builder, "_probe_inputs", lambda model, draft_model, device: ("device", "libraries"))
     probes = []
 
-    def probe(model, tokenizer, probe_config, draft_model, page_bytes, slot_bytes):
+    def probe(model, tokenizer, probe_config, draft_model, page_bytes, slot_bytes, followers=None):
         probes.append(probe_config)
         return MEASURE
 

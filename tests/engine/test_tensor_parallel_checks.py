@@ -1,0 +1,76 @@
+"""--tensor-parallel's validation: values other than 1, 2, 4, 8; models whose heads or intermediate
+sizes the ranks do not divide; more ranks than devices; parts not split over ranks yet. Each is
+one error naming --tensor-parallel, before any rank starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ninfer.cli import serve_main
+from ninfer.config import ConfigValueError, EngineConfig
+from ninfer.engine.startup_checks import check_tensor_parallel, resolve_device
+from ninfer.models.config import ModelConfig
+
+CONFIG = ModelConfig(
+    model_type="qwen3_5_text", family="qwen3_5", vocab_size=64, hidden_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+    layer_types=("linear_attention", "full_attention"), linear_num_key_heads=4, linear_num_value_heads=8,
+)  # fmt: skip
+
+
+def artifact(**changes) -> SimpleNamespace:
+    return SimpleNamespace(**{"path": Path("/models/tiny"), "config": CONFIG, "runtime_loader": None,
+                              "fp8_weights": {}, "nvfp4_weights": {}, **changes})  # fmt: skip
+
+
+@pytest.mark.parametrize("size", [0, 3, 6, 16])
+def test_only_1_2_4_and_8_ranks(size):
+    with pytest.raises(ConfigValueError, match=r"^--tensor-parallel must be 1, 2, 4 or 8$"):
+        EngineConfig(tensor_parallel=size)
+
+
+def test_the_command_line_names_the_option(capsys):
+    assert serve_main(["/models/tiny", "--tensor-parallel", "3"]) == 2
+    assert capsys.readouterr().err == "ninfer-serve: error: --tensor-parallel must be 1, 2, 4 or 8\n"
+
+
+@pytest.mark.parametrize(
+    "engine, quantize, changes, message",
+    [
+        ({"spec": "mtp", "draft_tokens": 2}, None, {},
+         "--tensor-parallel 2 cannot be combined with --spec: speculative decoding is not split over ranks yet"),
+        ({"vision": True}, None, {},
+         "--tensor-parallel 2 cannot be combined with --vision: the vision tower is not split over ranks yet"),
+        ({}, "fp8", {}, "--tensor-parallel 2 cannot be combined with --quantize: quantized layers are not split over ranks yet"),
+        ({}, None, {"fp8_weights": {"w": (128, 64)}},
+         "--tensor-parallel 2: /models/tiny stores FP8 weights, which are not split over ranks yet"),
+        ({}, None, {"nvfp4_weights": {"w": (128, 64)}},
+         "--tensor-parallel 2: /models/tiny stores NVFP4 weights, which are not split over ranks yet"),
+        ({}, None, {"runtime_loader": object()},
+         "--tensor-parallel 2: /models/tiny is a .ninfer container, which is not split over ranks yet; "
+         "serve its source checkpoint"),
+        ({"tensor_parallel": 8}, None, {},
+         "--tensor-parallel 8: /models/tiny does not split over 8 ranks: its attention heads (4) cannot be divided among 8 ranks"),
+    ],
+)  # fmt: skip
+def test_what_the_ranks_cannot_run_is_refused(engine, quantize, changes, message):
+    config = EngineConfig(**{"tensor_parallel": 2, **engine})
+    with pytest.raises(ConfigValueError) as refused:
+        check_tensor_parallel(artifact(**changes), config, quantize)
+    assert str(refused.value) == message
+
+
+def test_one_rank_checks_nothing():
+    check_tensor_parallel(artifact(fp8_weights={"w": (1, 1)}), EngineConfig(spec="mtp", draft_tokens=1), "fp8")
+
+
+def test_more_ranks_than_devices_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert resolve_device(0, 4) == "cuda:0"
+    with pytest.raises(ConfigValueError, match=r"^--tensor-parallel 4: needs 4 CUDA devices from --device 1 on; 3 visible$"):
+        resolve_device(1, 4)
