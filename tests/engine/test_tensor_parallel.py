@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import transformers as tf
 
 from ninfer.config import ConfigValueError, EngineConfig, EngineSpec
@@ -29,29 +28,16 @@ from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.builder import build_engine_core
 from ninfer.engine.core import EngineCore
 from ninfer.frontend.answer_format import AnswerFormat, JsonAnswer
-from tests.engine.test_engine_generation import PROMPTS, greedy, run_engine
-from tests.models.helpers import normal_init, randomize_, uniform_init
+from tests.engine.test_engine_generation import COMMON, GDN_INIT, HYBRID, MOE, PROMPTS, greedy, run_engine
+from tests.models.helpers import randomize_
 from tests.unit.conftest import make_byte_tokenizer
 
 # Each case starts follower processes (a few seconds each on 2 CPUs; 4 ranks about 12 s).
 pytestmark = pytest.mark.slow
 
-VOCAB = 257  # the byte tokenizer's ids
 BYTE_EOS = 256
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-HYBRID = dict(
-    COMMON,
-    num_hidden_layers=4,
-    head_dim=16,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_num_key_heads=4,
-    linear_num_value_heads=8,
-    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-GDN_INIT = {"A_log": uniform_init(0.01, 2.0, torch.log), "linear_attn.norm.weight": normal_init(1.0, 0.3)}
+# The generation tests' tiny models with twice the linear-attention heads, so 4 ranks split them.
+HYBRID = dict(HYBRID, linear_num_key_heads=4, linear_num_value_heads=8)
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
 
 ARCHITECTURES = {
