@@ -223,16 +223,16 @@ def _scale_ptrs(scale_ptr, expert, rows, stride_se, stride_sn, SCALE_ROWS: tl.co
 
 
 @triton.jit
-def _weight_dot(acc, a, w, s_ptrs, k0, BLOCK_SCALES: tl.constexpr, ASM: tl.constexpr):
+def _weight_dot(acc, a, w, s_ptrs, k0, BLOCK_SCALES: tl.constexpr, FP8_ASM: tl.constexpr):
     """acc + a @ w over the K step at k0. An e4m3 w is widened exactly to a's dtype (times
     2^-_bits_exp); block scales, times the fold, multiply this step's product."""
     if w.dtype != tl.float8e4nv:
         acc = tl.dot(a, w, acc)
     elif BLOCK_SCALES:
-        w = _e4m3_bits(w, a.dtype, ASM)
+        w = _e4m3_bits(w, a.dtype, FP8_ASM)
         acc += tl.dot(a, w) * (tl.load(s_ptrs + k0 // 128) * _fold(a.dtype))[None, :]
     else:
-        acc = tl.dot(a, _e4m3_bits(w, a.dtype, ASM), acc)
+        acc = tl.dot(a, _e4m3_bits(w, a.dtype, FP8_ASM), acc)
     return acc
 
 
@@ -258,7 +258,7 @@ def _nvfp4_ptrs(w_ptr, scale_ptr, expert, n_load, stride_we, stride_wn, stride_s
 
 
 @triton.jit
-def _nvfp4_dot(acc, a, p_codes, p_scales, k0, K, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+def _nvfp4_dot(acc, a, p_codes, p_scales, k0, K, EVEN_K: tl.constexpr):
     """acc + a @ w^T over the K step at k0 of an NVFP4 weight tile, widened to a's dtype exactly
     (code value times block scale; the row scale multiplies the finished sums). Scale blocks past K
     load zero codes and zero scales."""
@@ -270,7 +270,7 @@ def _nvfp4_dot(acc, a, p_codes, p_scales, k0, K, EVEN_K: tl.constexpr, ASM: tl.c
         in_k = (k0 + tl.arange(0, BLOCK_K // 16) * 16) < K
         packed = tl.load(p_codes + k0 // 2, mask=in_k[None, :, None], other=0)
         scale = tl.load(p_scales + k0 // 16, mask=in_k[None, :], other=0.0)
-    return tl.dot(a, tl.trans(_weight_tile(packed, scale, a.dtype, ASM)), acc)
+    return tl.dot(a, tl.trans(_weight_tile(packed, scale, a.dtype)), acc)
 
 
 @triton.jit
@@ -301,7 +301,7 @@ def _moe_up_kernel(
     BLOCK_SCALES: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     NVFP4: tl.constexpr,
-    ASM: tl.constexpr,
+    FP8_ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)  # before the first global load or store (_group_rows loads the expert ids)
@@ -309,7 +309,7 @@ def _moe_up_kernel(
     if NVFP4:  # constexpr: the e4m3 / 16-bit branch below is not compiled for code bytes
         if expert >= 0:
             _moe_up_nvfp4(x_ptr, w_ptr, scale_ptr, row_scale_ptr, act_ptr, expert, pairs, row_mask, stride_xt, stride_we,
-                          stride_wn, stride_se, stride_sn, stride_re, stride_ap, HIDDEN, INTER, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+                          stride_wn, stride_se, stride_sn, stride_re, stride_ap, HIDDEN, INTER, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     elif expert >= 0:
         tokens = pairs // TOP_K
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -335,8 +335,8 @@ def _moe_up_kernel(
                 b_gate = tl.load(p_gate, mask=mask_k[:, None], other=0.0)
                 b_up = tl.load(p_up, mask=mask_k[:, None], other=0.0)
             b_x = _fp8_lhs(b_x, fp8)
-            acc_gate = _weight_dot(acc_gate, b_x, b_gate, s_gate, k0, BLOCK_SCALES, ASM)
-            acc_up = _weight_dot(acc_up, b_x, b_up, s_up, k0, BLOCK_SCALES, ASM)
+            acc_gate = _weight_dot(acc_gate, b_x, b_gate, s_gate, k0, BLOCK_SCALES, FP8_ASM)
+            acc_up = _weight_dot(acc_up, b_x, b_up, s_up, k0, BLOCK_SCALES, FP8_ASM)
             p_x += BLOCK_K
             p_gate += BLOCK_K
             p_up += BLOCK_K
@@ -361,7 +361,7 @@ def _moe_up_nvfp4(
     x_ptr, w_ptr, scale_ptr, row_scale_ptr, act_ptr, expert, pairs, row_mask,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_re, stride_ap,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """The up stage of one program on NVFP4 experts (the caller's rows and expert)."""
     tokens = pairs // TOP_K
@@ -380,8 +380,8 @@ def _moe_up_nvfp4(
             b_x = tl.load(p_x + k0)
         else:
             b_x = tl.load(p_x + k0, mask=((k0 + kk) < HIDDEN)[None, :], other=0.0)
-        acc_gate = _nvfp4_dot(acc_gate, b_x, c_gate, s_gate, k0, HIDDEN, even_k, ASM)
-        acc_up = _nvfp4_dot(acc_up, b_x, c_up, s_up, k0, HIDDEN, even_k, ASM)
+        acc_gate = _nvfp4_dot(acc_gate, b_x, c_gate, s_gate, k0, HIDDEN, even_k)
+        acc_up = _nvfp4_dot(acc_up, b_x, c_up, s_up, k0, HIDDEN, even_k)
     r_rows = row_scale_ptr + expert.to(tl.int64) * stride_re
     acc_gate *= tl.load(r_rows + n_load)[None, :]
     acc_up *= tl.load(r_rows + INTER + n_load)[None, :]
@@ -416,7 +416,7 @@ def _moe_down_kernel(
     BLOCK_SCALES: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     NVFP4: tl.constexpr,
-    ASM: tl.constexpr,
+    FP8_ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)  # before the first global load or store (_group_rows loads the expert ids)
@@ -436,7 +436,7 @@ def _moe_down_kernel(
                     b_act = tl.load(p_act + k0)
                 else:
                     b_act = tl.load(p_act + k0, mask=((k0 + kk) < INTER)[None, :], other=0.0)
-                acc = _nvfp4_dot(acc, b_act, c_w, s_w, k0, INTER, INTER % BLOCK_K == 0, ASM)
+                acc = _nvfp4_dot(acc, b_act, c_w, s_w, k0, INTER, INTER % BLOCK_K == 0)
             acc *= tl.load(row_scale_ptr + expert.to(tl.int64) * stride_re + n_load)[None, :]
         else:
             p_w = w_ptr + expert.to(tl.int64) * stride_we + n_load[None, :] * stride_wn + kk[:, None]
@@ -449,7 +449,7 @@ def _moe_down_kernel(
                     mask_k = (k0 + kk) < INTER
                     b_act = tl.load(p_act, mask=mask_k[None, :], other=0.0)
                     b_w = tl.load(p_w, mask=mask_k[:, None], other=0.0)
-                acc = _weight_dot(acc, _fp8_lhs(b_act, fp8), b_w, s_w, k0, BLOCK_SCALES, ASM)
+                acc = _weight_dot(acc, _fp8_lhs(b_act, fp8), b_w, s_w, k0, BLOCK_SCALES, FP8_ASM)
                 p_act += BLOCK_K
                 p_w += BLOCK_K
             acc = _true_sums(acc, s_w, act_ptr.dtype.element_ty, fp8, BLOCK_SCALES)
@@ -874,9 +874,9 @@ def fused_experts(
     # under the 227 KB a block may have (the up stage's 64-row tiles asked 256 KiB at two, H100).
     max_stages = 1 if x.element_size() > 2 else 8
     use_pdl = pdl_enabled(x)
-    # Inline PTX for the e4m3 bit moves (not for the CPU interpreter). Not NVFP4's lookup decode:
-    # Triton 3.6 failed to build it under the transposed operand (TritonGPUOptimizeDotOperands, H100).
-    use_asm = x.is_cuda and not nvfp4
+    # Inline PTX for the e4m3 bit moves (not for the CPU interpreter). NVFP4 tiles keep the fp16
+    # decode: Triton 3.6 failed to build the lookup decode under the transposed operand (H100).
+    fp8_asm = x.is_cuda
 
     routing = (ids, sorted_pairs, block_expert, num_pairs)
 
@@ -884,7 +884,7 @@ def fused_experts(
         """A stage's launch options and scale layout constants."""
         block_n, block_k, warps, stages = cfg
         return dict(DECODE=decode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_SCALES=scales.block_scales,
-                    SCALE_ROWS=scales.scale_rows, NVFP4=scales.nvfp4, ASM=use_asm, USE_PDL=use_pdl,
+                    SCALE_ROWS=scales.scale_rows, NVFP4=scales.nvfp4, FP8_ASM=fp8_asm, USE_PDL=use_pdl,
                     num_warps=warps, num_stages=min(stages, max_stages), launch_pdl=use_pdl)  # fmt: skip
 
     _moe_up_kernel[(num_programs, triton.cdiv(inter, up_cfg[0]))](
