@@ -157,6 +157,16 @@ def test_dot_matches_reference(m: int, k: int, with_bias: bool) -> None:
 
 
 @interpreter_only
+@pytest.mark.parametrize("m, k, split_k", [(3, 96, 2), (8, 160, 4), (2, 64, 8)])
+def test_dot_split_k_matches_reference(m: int, k: int, split_k: int) -> None:
+    # 160 / 32 = 5 steps in 4 splits: whole steps per split, the last one short; 64 in 8: only 2 splits exist.
+    packed, block_scale, row_scale = random_weights(N, k, seed=90 + k)
+    x, bias = random_activations(m, N, k, torch.float32, seed=90 + m)
+    out = fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias, config=DOT._replace(split_k=split_k))
+    _check(out, x, packed, block_scale, row_scale, bias)
+
+
+@interpreter_only
 def test_dot_takes_bf16_or_fp32_x_and_whole_steps() -> None:
     packed, block_scale, row_scale = random_weights(N, 48, seed=80)
     with pytest.raises(ValueError, match="DOT"):
@@ -370,6 +380,9 @@ def test_heuristic_on_real_shapes() -> None:
         for m in range(2, MAX_ROWS + 1):
             dot = fast._config(m, n, k, 132, dot=True)  # bf16 x: the tensor-core path from 2 rows
             assert dot.use_dot and k % dot.block_k == 0 and dot.block_n % 16 == 0
+            programs = -(-n // dot.block_n) * dot.split_k
+            assert programs >= fast.DOT_MIN_PROGRAMS_PER_SM * 132 or k // (dot.split_k * dot.block_k) < 8
+            assert k // (dot.split_k * dot.block_k) >= 4  # at least 4 steps per split
         for m in range(1, MAX_ROWS + 1):
             cfg = fast._config(m, n, k, 132)
             vec = 2 * cfg.vec_bytes
@@ -454,7 +467,8 @@ class TestOnGpu:
         packed, block_scale, row_scale = weights(name)
         x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
         for config in (fast.Config(64, 128, num_warps=4, use_dot=True, num_stages=3),
-                       fast.Config(32, 256, num_warps=2, use_dot=True, num_stages=4)):
+                       fast.Config(32, 256, num_warps=2, use_dot=True, num_stages=4),
+                       fast.Config(32, 128, num_warps=2, use_dot=True, num_stages=4, split_k=4)):
             out = fast.gemv_nvfp4(x, packed, block_scale, row_scale, config=config)
             _check_gpu(out, _exact_fp32(x, packed, block_scale, row_scale))
 

@@ -518,6 +518,17 @@ def _split_sum_kernel(
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def sum_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, use_pdl: bool) -> None:
+    """out[M, N] = the fp32 partials [SPLIT_K, M, N] summed in split order (+ bias): the second
+    launch of every split-K GEMV."""
+    split_k, M, N = partials.shape
+    block = min(1024, triton.next_power_of_2(N))
+    _split_sum_kernel[(triton.cdiv(N, block), M)](
+        partials, partials if bias is None else bias, out, M, N, out.stride(0),
+        SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+    )  # fmt: skip
+
+
 def _block_m(M: int, use_dot: bool, fp8: bool) -> int:
     """Rows of x per program: FMA its power of two; DOT 16 or 32 (x is the MMA's A operand),
     or with FP8 weights (x^T is the B operand, 8 columns per MMA) 8 up to M = 8."""
@@ -774,19 +785,5 @@ def _gemv(x, weight, weight_scale, bias, config, glu: bool, conv=None) -> torch.
         launch_pdl=use_pdl,  # the interpreter's launcher drops launch options it does not know
     )
     if split_k > 1:
-        block = min(1024, triton.next_power_of_2(N))
-        _split_sum_kernel[(triton.cdiv(N, block), M)](
-            target,
-            dummy if bias is None else bias,
-            out,
-            M,
-            N,
-            out.stride(0),
-            SPLIT_K=split_k,
-            HAS_BIAS=bias is not None,
-            BLOCK=block,
-            USE_PDL=use_pdl,
-            num_warps=4,
-            launch_pdl=use_pdl,
-        )
+        sum_splits(target, bias, out, use_pdl)
     return out

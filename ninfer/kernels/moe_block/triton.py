@@ -38,7 +38,7 @@ import triton.language as tl
 from ninfer.kernels.activation.triton import silu_mul
 from ninfer.kernels.backend import fast_version
 from ninfer.kernels.gemv.ref import FP8
-from ninfer.kernels.gemv.triton import _split_sum_kernel, _to_fp32
+from ninfer.kernels.gemv.triton import _to_fp32, sum_splits
 from ninfer.kernels.moe.triton import _scales, top_k_choice
 from ninfer.kernels.moe_block import ref
 from ninfer.kernels.nvfp4_gemv.ref import BLOCK as NVFP4_BLOCK
@@ -472,9 +472,5 @@ def moe_block(
         X_ROWS=_x_rows(down_n, down_k, down_warps), USE_PDL=use_pdl, num_warps=down_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     if splits > 1:
-        block = min(1024, triton.next_power_of_2(hidden))
-        _split_sum_kernel[(triton.cdiv(hidden, block), num_tokens)](
-            partial, partial, out, num_tokens, hidden, out.stride(0),
-            SPLIT_K=splits, HAS_BIAS=False, BLOCK=block, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
-        )  # fmt: skip
+        sum_splits(partial, None, out, use_pdl)
     return out

@@ -28,7 +28,8 @@ weight byte at M = 1 / 2 / 4 / 8 / 16 (decode ~8 per byte, then about 3 per byte
 against ~7.8 per byte that an SM may issue at full bandwidth: even one row is issue-bound
 (43% of copy bandwidth measured on 16480 x 5120), and more rows far more so.
 
-No split-K: the 27B shapes give >= 640 programs at the default tiles. Launch shapes come
+The FMA path never splits K: the 27B shapes give >= 640 programs at its default tiles; the
+tensor-core path's 32-row tiles give 160 on N = 5120, so there K is split (fp32 partials). Launch shapes come
 from shapes only (cached) and the output is torch.empty, so the launch is capture-safe for
 CUDA graphs. PDL (ninfer.kernels.pdl) where allowed: the first weight tile is loaded
 before the wait (the weight is read-only for the launch chain), x after it.
@@ -44,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.backend import fast_version
+from ninfer.kernels.gemv.triton import sum_splits
 from ninfer.kernels.nvfp4_gemv import ref
 from ninfer.kernels.nvfp4_gemv.ref import MAX_ROWS, kernel_operands
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
@@ -55,7 +57,7 @@ class Config(NamedTuple):
     """One launch shape. block_n: weight rows per program; block_k: codes per row and step;
     vec_bytes: bytes of a row one thread reads per step (2 * vec_bytes codes, dividing 16
     so that a vector never straddles a scale block). use_dot: the tensor-core path (bf16 x;
-    vec_bytes unused, num_stages its pipeline depth)."""
+    vec_bytes unused, num_stages its pipeline depth, split_k programs along K)."""
 
     block_n: int
     block_k: int
@@ -63,6 +65,7 @@ class Config(NamedTuple):
     num_warps: int = 2
     use_dot: bool = False
     num_stages: int = 1
+    split_k: int = 1
 
 
 DOT_ROWS = 8  # x^T is the MMA's B operand: 8 columns per MMA, so x is padded to 8 rows at least
@@ -261,9 +264,11 @@ def _nvfp4_dot_kernel(
     stride_sn,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    k_per_split,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
     DECODE_BY_ASM: tl.constexpr,
 ):
@@ -271,7 +276,9 @@ def _nvfp4_dot_kernel(
     code value x block scale in x's dtype (exact, as the NVFP4 GEMM builds it), the MMA's A
     operand (16 weight rows per warp), and x^T the B operand; the row scale multiplies each
     column's total once. bf16 x is the served case; fp32 x (exact products) is what Triton's
-    CPU interpreter runs. K must be a multiple of BLOCK_K (the launch picks one that divides it)."""
+    CPU interpreter runs. K must be a multiple of BLOCK_K (the launch picks one that divides it).
+    SPLIT: program (., s) sums K[s * k_per_split, ...) into fp32 partials [SPLIT_K, M, N] (row
+    scale applied, no bias) that gemv's split sum adds in order."""
     GROUPS: tl.constexpr = BLOCK_K // 16  # scale blocks per row and step
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -283,28 +290,33 @@ def _nvfp4_dot_kernel(
     s_ptrs = block_scale_ptr + n_load[:, None] * stride_sn + g[None, :]  # [BLOCK_N, GROUPS]
     x_ptrs = x_ptr + m_load[None, :] * stride_xm + tl.arange(0, BLOCK_K)[:, None]  # x^T [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_start = tl.program_id(1) * k_per_split
     pdl_sync(USE_PDL)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         w = _weight_tile(tl.load(w_ptrs + k0 // 2), tl.load(s_ptrs + k0 // 16), x_ptr.dtype.element_ty, DECODE_BY_ASM)
         acc = tl.dot(w, tl.load(x_ptrs + k0), acc, input_precision="ieee")
     out = acc * tl.load(row_scale_ptr + n_load)[:, None]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + n_load).to(tl.float32)[:, None]
     mask = (n[:, None] < N) & (m[None, :] < M)
-    tl.store(out_ptr + m[None, :] * stride_om + n[:, None], out.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT:
+        tl.store(out_ptr + (tl.program_id(1) * M + m[None, :]) * N + n[:, None], out, mask=mask)
+    else:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + n_load).to(tl.float32)[:, None]
+        tl.store(out_ptr + m[None, :] * stride_om + n[:, None], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # The tensor-core path from 2 rows of bf16 x (H100, 27B shapes, PTX decode; docs/kernels.md):
 # 16480 x 5120 at 8 rows 43.9 us against the FMA path's 219; one row 46.6 against 36.8.
 DOT_MIN_ROWS = 2
 DOT_TILE = Config(block_n=32, block_k=128, num_warps=2, use_dot=True, num_stages=4)
+DOT_MIN_PROGRAMS_PER_SM = 4
 
 
 @functools.cache
 def _config(M: int, N: int, K: int, num_sms: int, dot: bool = False) -> Config:
     """Default launch shape. dot (bf16 x): the tensor-core path from DOT_MIN_ROWS rows, on
     DOT_TILE (the best or within 3% of it at 8 rows on 16480 x 5120 and 5120 x 17408), its
-    K step halved until it divides K. Else the FMA path, chosen by register and
+    K step halved until it divides K, K split where the columns give few programs. Else the FMA path, chosen by register and
     bytes-in-flight arithmetic for the 27B shapes (K = 5120, 6144, 17408):
 
     - vec_bytes: 8 (16 codes, one scale block, an 8-byte load) up to M = 4; above, 4, as a
@@ -323,7 +335,13 @@ def _config(M: int, N: int, K: int, num_sms: int, dot: bool = False) -> Config:
         block_k = DOT_TILE.block_k
         while K % block_k:
             block_k //= 2  # K is a multiple of 16
-        return DOT_TILE._replace(block_k=block_k)
+        programs = triton.cdiv(N, DOT_TILE.block_n)
+        # Under DOT_MIN_PROGRAMS_PER_SM programs per SM (N = 5120 on 132 SMs: 160), split K
+        # into fp32 partials, keeping >= 4 steps per split.
+        split_k = 1
+        while programs * split_k < DOT_MIN_PROGRAMS_PER_SM * num_sms and K // (2 * split_k * block_k) >= 4:
+            split_k *= 2
+        return DOT_TILE._replace(block_k=block_k, split_k=split_k)
     vec_bytes = 8 if M <= 4 else 4
     vec = 2 * vec_bytes
     block_k = min(vec * 32 * 4, max(vec * 32, triton.next_power_of_2(K)))
@@ -358,17 +376,27 @@ def gemv_nvfp4(x, weight, block_scale, row_scale, bias=None, *, config: Config |
     if cfg.use_dot:
         if x.dtype not in (torch.bfloat16, torch.float32) or cfg.block_k % 16 or K % cfg.block_k or cfg.block_n % 16:
             raise ValueError(f"invalid config {cfg} for x {x.dtype} and K = {K} (DOT: bf16 or fp32 x, K a multiple of block_k)")
-        _nvfp4_dot_kernel[(triton.cdiv(N, cfg.block_n),)](
+        # Whole K steps per split, none empty.
+        k_per_split = triton.cdiv(K // cfg.block_k, max(1, cfg.split_k)) * cfg.block_k
+        split_k = triton.cdiv(K, k_per_split)
+        if split_k > 1:
+            partials = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+            operands = operands[:5] + (partials,) + operands[6:]
+        _nvfp4_dot_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
             *operands,
+            k_per_split,
             BLOCK_M=max(DOT_ROWS, triton.next_power_of_2(M)),
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
+            SPLIT=split_k > 1,
             USE_PDL=use_pdl,
             DECODE_BY_ASM=ptx_decode(x),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             launch_pdl=use_pdl,
         )
+        if split_k > 1:
+            sum_splits(partials, bias, out, use_pdl)
         return out
     vec = 2 * cfg.vec_bytes
     if 16 % vec or cfg.block_k % vec or cfg.block_k % 16 or cfg.block_n < 1:
