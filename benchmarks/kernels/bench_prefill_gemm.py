@@ -3,8 +3,9 @@
 Each format runs as its Linear module runs it at prefill sizes (activation quantization
 included): bf16 on cuBLAS; FP8 per output channel (tokens quantized per row, torch._scaled_mm);
 Qwen's block-scaled FP8 (tokens quantized per 128 columns, kernels/fp8_gemm) with its default
-tile and the others of its table; NVFP4 (kernels/nvfp4_gemm) with its default and a few tiles
-around it, and NVFP4 dequantized to bf16 then cuBLAS (what the kernel must beat). Each variant
+tile and the others of its table; NVFP4 (kernels/nvfp4_gemm) as the module runs it (from
+DEQUANTIZED_MIN_ROWS rows a dequantized bf16 copy, then cuBLAS) and its in-register kernel
+at the default tile and a few around it. Each variant
 is first checked against the fp32 product of its own dequantized weight (a failing one is
 reported and skipped), then timed: CUDA-event median of graph-replayed calls after warm-up.
 Rates are in TFLOP/s next to the bf16 8192^3 matmul rate measured in the same run.
@@ -25,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 from ninfer.kernels.fp8_gemm import triton as fp8_gemm  # noqa: E402
 from ninfer.kernels.nvfp4_gemm import triton as nvfp4_gemm  # noqa: E402
-from ninfer.kernels.nvfp4_gemv import triton as nvfp4_gemv  # noqa: E402
 from ninfer.models.quant.fp8 import Fp8Linear  # noqa: E402
 from ninfer.models.quant.nvfp4 import Nvfp4Linear  # noqa: E402
 from timing import median_seconds  # noqa: E402  benchmarks/kernels/timing.py
@@ -37,7 +37,7 @@ SHAPES = {  # (N, K) of the 27B's projections
     "27b_mlp_gate_up": (34816, 5120),
     "27b_mlp_down": (5120, 17408),
 }
-ROWS = (1024, 8192)
+ROWS = (512, 1024, 8192)
 NVFP4_TILES = (  # (block_m, block_n, block_k, warps, stages) around the default table
     nvfp4_gemm.Config(128, 128, 128, 8, 3),
     nvfp4_gemm.Config(256, 128, 128, 8, 2),
@@ -95,14 +95,14 @@ def bench_case(name: str, rows: int, replays: int) -> list[dict]:
         nvfp4 = Nvfp4Linear.from_linear(linear)
         nvfp4_weight = nvfp4.dequantized(torch.float32)
         record("nvfp4", "default", lambda: nvfp4(x), nvfp4_weight)
-        nvfp4_gemv.PTX_DECODE = False  # the fp16 bit decode the PTX lookup replaced
-        record("nvfp4", "default, fp16 decode", lambda: nvfp4(x), nvfp4_weight)
-        nvfp4_gemv.PTX_DECODE = True
         for cfg in NVFP4_TILES:
             record("nvfp4", str(tuple(cfg)),
                    lambda cfg=cfg: nvfp4_gemm.nvfp4_matmul(x, nvfp4.weight, nvfp4.block_scale, nvfp4.row_scale, config=cfg),
                    nvfp4_weight)  # fmt: skip
-        record("nvfp4", "dequantized, then cublas", lambda: torch.nn.functional.linear(x, nvfp4.dequantized(torch.bfloat16)), nvfp4_weight)
+        kernel_tile = nvfp4_gemm._config(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        record("nvfp4", "in-register kernel, default tile",
+               lambda: nvfp4_gemm.nvfp4_matmul(x, nvfp4.weight, nvfp4.block_scale, nvfp4.row_scale, config=kernel_tile),
+               nvfp4_weight)  # fmt: skip
     return results
 
 
@@ -110,7 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="write every row here (JSON)")
     parser.add_argument("--shapes", help=f"comma-separated subset of {', '.join(SHAPES)}")
-    parser.add_argument("--rows", help="comma-separated M values (default 1024,8192)")
+    parser.add_argument("--rows", help="comma-separated M values (default 512,1024,8192)")
     parser.add_argument("--replays", type=int, default=10)
     args = parser.parse_args()
     shapes = args.shapes.split(",") if args.shapes else list(SHAPES)

@@ -148,7 +148,7 @@ def test_launches_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     compiled.dequantize_experts(gate_up, gate_up_scale, torch.bfloat16)
     launches = [(fn, args, kwargs) for fn, args, kwargs in recorded if fn.fn.__name__ != "_combine_kernel"]
     assert [fn.fn.__name__ for fn, _, _ in launches] == ["_moe_up_kernel", "_moe_down_kernel"] * 2 + [
-        "_dequantize_nvfp4_experts_kernel"
+        "_dequantize_kernel"
     ]
     for fn, args, kwargs in launches[:4]:
         assert "mma" in _ptx(fn, args, kwargs)

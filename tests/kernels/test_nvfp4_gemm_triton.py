@@ -212,6 +212,34 @@ def test_default_config_and_strided_rows() -> None:
 
 
 @interpreter_only
+@pytest.mark.usefixtures("bf16_round_to_nearest_even")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_gives_the_reference_values_rounded_once(dtype: torch.dtype) -> None:
+    # Every code and scale byte at random (zero and subnormal blocks); N and K no tile multiples.
+    packed, block_scale, row_scale = random_weights(N, 80, seed=11)
+    out = fast.dequantize_nvfp4(packed, block_scale, row_scale, dtype, block_n=32, block_k=32)
+    assert out.dtype == dtype and torch.equal(out, nvfp4_ref.dequantize_nvfp4(packed, block_scale, row_scale).to(dtype))
+
+
+@interpreter_only
+@pytest.mark.usefixtures("bf16_dot", "bf16_round_to_nearest_even")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_many_rows_multiply_a_dequantized_copy(with_bias: bool) -> None:
+    # From DEQUANTIZED_MIN_ROWS rows: the product of the weight rounded once to x's dtype.
+    m, k = fast.DEQUANTIZED_MIN_ROWS, 48
+    packed, block_scale, row_scale = random_weights(N, k, seed=12)
+    x, bias = random_activations(m, N, k, torch.bfloat16, seed=12)
+    bias = bias.bfloat16() if with_bias else None
+    dense = nvfp4_ref.dequantize_nvfp4(packed, block_scale, row_scale).bfloat16()
+    out = fast.nvfp4_matmul(x, packed, block_scale, row_scale, bias)
+    assert torch.equal(out, torch.nn.functional.linear(x, dense, bias))
+    exact = exact_product(x, packed, block_scale, row_scale, bias)
+    assert ((out.double() - exact).norm() / exact.norm()).item() < 2**-8  # the weight's rounding, averaged
+    below = fast.nvfp4_matmul(x[:-1], packed, block_scale, row_scale, bias, config=SMALL)  # the in-register kernel
+    _check(below, x[:-1], packed, block_scale, row_scale, bias)
+
+
+@interpreter_only
 def test_fp32_empty_and_invalid_inputs() -> None:
     packed, block_scale, row_scale = random_weights(N, 32, seed=8)
     x, bias = random_activations(20, N, 32, torch.float32, seed=8)
@@ -263,11 +291,12 @@ def test_heuristic_on_real_shapes() -> None:
 # --- compiled on the GPU ---------------------------------------------------------------------
 
 
-def _exact_fp32(x, packed, block_scale, row_scale, bias=None) -> torch.Tensor:
+def _exact_fp32(x, packed, block_scale, row_scale, bias=None, dense: torch.dtype = torch.float32) -> torch.Tensor:
+    """dense: the dtype the dequantized weight is rounded to first (the many-rows route's copy)."""
     previous = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        out = x.float() @ nvfp4_ref.dequantize_nvfp4(packed, block_scale, row_scale).T
+        out = x.float() @ nvfp4_ref.dequantize_nvfp4(packed, block_scale, row_scale).to(dense).float().T
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
     return out if bias is None else out + bias.float()
@@ -300,14 +329,21 @@ class TestOnGpu:
         return get
 
     @pytest.mark.parametrize("name", ["27b_mlp_gate_up", "27b_mlp_down", "27b_gdn_out_proj"])
-    @pytest.mark.parametrize("m", [1024, 8192])
+    @pytest.mark.parametrize("m", [300, 1024, 8192])
     def test_matches_reference(self, name: str, m: int, weights) -> None:
         n, k = SHAPES_27B[name]
         packed, block_scale, row_scale = weights(name)
         x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
         out = gemm_op.nvfp4_matmul(x, packed, block_scale, row_scale)
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
-        _check_gpu(out, _exact_fp32(x, packed, block_scale, row_scale), torch.bfloat16)
+        exact = _exact_fp32(x, packed, block_scale, row_scale)
+        if m >= fast.DEQUANTIZED_MIN_ROWS:
+            # cuBLAS over the weight rounded once to bf16: exact against that weight, and within
+            # its rounding (2^-9 per weight, averaged over K terms) of the NVFP4 weight.
+            _check_gpu(out, _exact_fp32(x, packed, block_scale, row_scale, dense=torch.bfloat16), torch.bfloat16)
+            assert ((out.float() - exact).norm() / exact.norm()).item() < 2**-8
+        else:
+            _check_gpu(out, exact, torch.bfloat16)
         # The dispatcher's choice for CUDA tensors, and the same bits on every run.
         assert torch.equal(fast.nvfp4_matmul(x, packed, block_scale, row_scale), out)
 
@@ -340,9 +376,10 @@ class TestOnGpu:
         layer(x[:1, :MAX_ROWS])  # decode sizes: the GEMV
         assert len(calls) == 1
 
-    def test_cuda_graph_replay(self, weights) -> None:
+    @pytest.mark.parametrize("m", [64, 1024])  # the in-register kernel; the dequantized copy
+    def test_cuda_graph_replay(self, weights, m: int) -> None:
         packed, block_scale, row_scale = weights("27b_mlp_down")
-        x = torch.randn(64, 17408, device="cuda").bfloat16()
+        x = torch.randn(m, 17408, device="cuda").bfloat16()
         eager = fast.nvfp4_matmul(x, packed, block_scale, row_scale)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

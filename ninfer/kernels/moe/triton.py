@@ -58,7 +58,8 @@ from ninfer.kernels.gemv.ref import SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.gemv.triton import _bits_exp, _e4m3_bits, _x_exp
 from ninfer.kernels.moe import ref
 from ninfer.kernels.moe.kernel_choice import DECODE_MAX_PAIRS, FP8_GROUPED_MM_MIN_PAIRS, tile_rows
-from ninfer.kernels.nvfp4_gemv.triton import _decode, _weight_tile
+from ninfer.kernels.nvfp4_gemm.triton import dequantize_nvfp4
+from ninfer.kernels.nvfp4_gemv.triton import _weight_tile
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the (up, down) kernels by BLOCK_M, from the
@@ -755,35 +756,6 @@ def _dequantize_experts_kernel(
     tl.store(out_ptr + offsets, (w * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _dequantize_nvfp4_experts_kernel(
-    w_ptr,
-    block_scale_ptr,
-    row_scale_ptr,
-    out_ptr,
-    N,
-    K,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Program (expert, row tile, column tile): each value times (block scale times row scale),
-    the scales' product rounded first in fp32 as ref.py's dequantization does."""
-    expert = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = tl.program_id(2) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-    rows = expert * N + n.to(tl.int64)
-    mask = (n < N)[:, None] & (g * 16 < K)[None, :]
-    byte = g[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    packed = tl.load(w_ptr + rows[:, None, None] * (K // 2) + byte, mask=mask[:, :, None], other=0)
-    block_scale = tl.load(block_scale_ptr + rows[:, None] * (K // 16) + g[None, :], mask=mask, other=0.0)
-    scale = block_scale.to(tl.float32) * tl.load(row_scale_ptr + rows, mask=n < N, other=0.0)[:, None]
-    low, high = _decode(packed)  # values times 2^-14, exact
-    values = tl.join(low * 16384.0 * scale[:, :, None], high * 16384.0 * scale[:, :, None])  # [N, G, 8, 2]
-    cols = g[None, :, None, None] * 16 + tl.arange(0, 8)[None, None, :, None] * 2 + tl.arange(0, 2)[None, None, None, :]
-    out_mask = (n < N)[:, None, None, None] & (cols < K)
-    tl.store(out_ptr + rows[:, None, None, None] * K + cols, values.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
 @fast_version(ref.dequantize_experts)
 def dequantize_experts(weight, scale, dtype, *, block_n: int = 64, block_k: int = 128):
     """Same contract as ref.dequantize_experts (the same bits: one fp32 product per weight).
@@ -795,11 +767,7 @@ def dequantize_experts(weight, scale, dtype, *, block_n: int = 64, block_k: int 
         scales = _nvfp4_scales(weight, *scale)
         if not weight.is_contiguous() or not scale[0].is_contiguous() or not scale[1].is_contiguous():
             raise ValueError("dequantize_experts takes contiguous NVFP4 codes and scales")
-        out = torch.empty((num_experts, rows, cols * 2), dtype=dtype, device=weight.device)
-        _dequantize_nvfp4_experts_kernel[(num_experts, triton.cdiv(rows, block_n), triton.cdiv(cols * 2, block_k))](
-            weight, scales.ptr, scales.row_ptr, out, rows, cols * 2, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        )  # fmt: skip
-        return out
+        return dequantize_nvfp4(weight, scales.ptr, scales.row_ptr, dtype, block_n=block_n, block_k=block_k)
     if weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous():
         raise ValueError("dequantize_experts takes contiguous float8_e4m3fn experts")
     scales = _scales(weight, scale)

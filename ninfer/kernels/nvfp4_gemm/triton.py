@@ -1,8 +1,14 @@
 """NVFP4 GEMM out[M, N] = x[M, K] @ W[N, K]^T on the tensor cores, for prefill (any M).
 
-Layout and exact semantics: nvfp4_gemv/ref.py. Hopper has no FP4 tensor cores, so each
-program dequantizes its weight tiles in registers and feeds them to bf16 (or fp16) tl.dot;
-no dequantized copy of the weight is ever written.
+Layout and exact semantics: nvfp4_gemv/ref.py. Hopper has no FP4 tensor cores. Two routes:
+- below DEQUANTIZED_MIN_ROWS rows (the kernel below), each program dequantizes its weight
+  tiles in registers and feeds them to bf16 (or fp16) tl.dot; no dequantized copy of the
+  weight is written. Its K loop decodes every weight element once per BLOCK_M rows, which
+  bounds it under the dense rate (measured 0.28-0.41x bf16 cuBLAS on an H100).
+- from DEQUANTIZED_MIN_ROWS rows, dequantize_nvfp4 writes the weight in x's dtype (each value
+  the reference's fp32 one, rounded once: block scale x row scale do not fit 16 bits) and
+  cuBLAS multiplies: ~4.6 bytes moved per weight (codes and scales read, the copy written and
+  read back) against 2 * M FLOP, a few percent of the product at prefill sizes.
 
 Exactness: an e2m1 value has at most 2 significant bits (0.5 ... 6) and an e4m3 scale at
 most 4 (subnormals fewer), so value * block scale has at most 6 and lies in [2^-10, 2688]
@@ -53,9 +59,12 @@ import triton.language as tl
 from ninfer.kernels.backend import fast_version
 from ninfer.kernels.nvfp4_gemm import ref
 from ninfer.kernels.nvfp4_gemv.ref import BLOCK, kernel_operands
-from ninfer.kernels.nvfp4_gemv.triton import _weight_tile, ptx_decode
+from ninfer.kernels.nvfp4_gemv.triton import _decode, _weight_tile, ptx_decode
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.sm_count import device_sms
+
+# From this many rows of x the product runs on cuBLAS over a dequantized copy of the weight.
+DEQUANTIZED_MIN_ROWS = 512
 
 
 
@@ -178,6 +187,49 @@ def _config(M: int, N: int, K: int, num_sms: int) -> Config:
 
 
 
+@triton.jit
+def _dequantize_kernel(
+    w_ptr,
+    block_scale_ptr,
+    row_scale_ptr,
+    out_ptr,
+    N,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (matrix, row tile, column tile): each value times (block scale times row scale),
+    the scales' product rounded first in fp32 as nvfp4_gemv/ref.py's dequantization does."""
+    matrix = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(2) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    rows = matrix * N + n.to(tl.int64)
+    mask = (n < N)[:, None] & (g * 16 < K)[None, :]
+    byte = g[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    packed = tl.load(w_ptr + rows[:, None, None] * (K // 2) + byte, mask=mask[:, :, None], other=0)
+    block_scale = tl.load(block_scale_ptr + rows[:, None] * (K // 16) + g[None, :], mask=mask, other=0.0)
+    scale = block_scale.to(tl.float32) * tl.load(row_scale_ptr + rows, mask=n < N, other=0.0)[:, None]
+    low, high = _decode(packed)  # values times 2^-14, exact
+    values = tl.join(low * 16384.0 * scale[:, :, None], high * 16384.0 * scale[:, :, None])  # [N, G, 8, 2]
+    cols = g[None, :, None, None] * 16 + tl.arange(0, 8)[None, None, :, None] * 2 + tl.arange(0, 2)[None, None, None, :]
+    out_mask = (n < N)[:, None, None, None] & (cols < K)
+    tl.store(out_ptr + rows[:, None, None, None] * K + cols, values.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def dequantize_nvfp4(weight, block_scale, row_scale, dtype: torch.dtype, *, block_n: int = 64, block_k: int = 128):
+    """The weight [N, K/2] (or E such matrices [E, N, K/2], contiguous, scales with contiguous
+    rows) dequantized to dtype: nvfp4_gemv/ref.py's fp32 values, each rounded once. Runs on the
+    device with no host sync (capturable)."""
+    if 128 % block_k or block_k % 16:
+        raise ValueError(f"block_k must divide 128 and be a multiple of 16, not {block_k}")
+    *matrices, rows, packed_cols = weight.shape
+    out = torch.empty((*matrices, rows, packed_cols * 2), dtype=dtype, device=weight.device)
+    _dequantize_kernel[(weight.numel() // max(1, rows * packed_cols), triton.cdiv(rows, block_n), triton.cdiv(packed_cols * 2, block_k))](
+        weight, block_scale, row_scale, out, rows, packed_cols * 2, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 @fast_version(ref.nvfp4_matmul)
 def nvfp4_matmul(x, weight, block_scale, row_scale, bias=None, *, config: Config | None = None):
     """Config overrides the heuristic (tests, benchmarks).
@@ -191,6 +243,11 @@ def nvfp4_matmul(x, weight, block_scale, row_scale, bias=None, *, config: Config
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
+    if config is None and M >= DEQUANTIZED_MIN_ROWS and weight.is_contiguous() and block_scale.is_contiguous():
+        # Many rows: the decode in the K loop would bound the tensor cores; one dequantized copy
+        # of the weight (a few % of the product's time) and cuBLAS instead.
+        dense = dequantize_nvfp4(weight, block_scale, row_scale, x.dtype)
+        return torch.nn.functional.linear(x, dense, None if bias is None else bias.to(x.dtype))
     cfg = config or _config(M, N, K, device_sms(x.device))
     if cfg.block_k % BLOCK or min(cfg.block_m, cfg.block_n, cfg.block_k) < 16 or cfg.group_m < 1:
         raise ValueError(f"invalid config {cfg}")
