@@ -95,14 +95,17 @@ class Result:
     finish: tuple  # the protocol's finish fields
     usage: tuple[int, int, int]  # prompt tokens (cache included), completion tokens, cached tokens
     timings: dict | None = None  # Chat only
+    request_id: str | None = None  # aggregate Chat: x-request-id, the engine's id of the request
 
     def key(self) -> tuple:
         return self.text, self.reasoning, self.finish, self.usage
 
 
-def chat(server: RunningServer, prompt: str, stream: bool = False, **kwargs) -> Result:
-    """A Chat exchange; a stream's text is its deltas joined, its usage and timings the last chunk's."""
-    client = openai_client(server)
+def chat(server: RunningServer, prompt: str, stream: bool = False, client: openai.OpenAI | None = None,
+         **kwargs) -> Result:
+    """A Chat exchange; a stream's text is its deltas joined, its usage and timings the last chunk's.
+    client: one to share between calls (a new client builds a TLS context: ~30 ms of CPU)."""
+    client = client or openai_client(server)
     messages = kwargs.pop("messages", None) or [{"role": "user", "content": prompt}]
     request = dict(model=server.serving.model_id, messages=messages, **kwargs)
     if not stream:
@@ -112,7 +115,7 @@ def chat(server: RunningServer, prompt: str, stream: bool = False, **kwargs) -> 
         return Result(message.content or "", (message.model_extra or {}).get("reasoning_content") or "",
                       (resp.choices[0].finish_reason,),
                       (usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens),
-                      resp.model_extra["timings"])
+                      resp.model_extra["timings"], resp._request_id)
     chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
