@@ -65,6 +65,7 @@ class GrammarVocabulary:
         self._info: xgrammar.TokenizerInfo | None = None
         self._token_bytes: list[bytes] | None = None
         self._lock = threading.Lock()
+        self._bytes_lock = threading.Lock()
 
     @property
     def info(self) -> xgrammar.TokenizerInfo:
@@ -75,13 +76,17 @@ class GrammarVocabulary:
 
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         """Each id's bytes as the model writes them (special tokens: their text)."""
-        if self._token_bytes is None:
-            decoded = list(self.info.decoded_vocab)
-            for token_id, token in self.tokenizer.backend.get_added_tokens_decoder().items():
-                if token_id < len(decoded):
-                    decoded[token_id] = token.content.encode()
-            self._token_bytes = decoded
         table = self._token_bytes
+        if table is None:
+            # Requests with log probabilities arriving together wait for one build (~1 s of CPU on 248K ids).
+            with self._bytes_lock:
+                if self._token_bytes is None:
+                    decoded = list(self.info.decoded_vocab)
+                    for token_id, token in self.tokenizer.backend.get_added_tokens_decoder().items():
+                        if token_id < len(decoded):
+                            decoded[token_id] = token.content.encode()
+                    self._token_bytes = decoded
+                table = self._token_bytes
         return [table[i] if 0 <= i < len(table) else b"" for i in token_ids]
 
     def _build(self) -> xgrammar.TokenizerInfo:

@@ -97,6 +97,12 @@ def tiny_qwen38(artifact_root) -> str:
     return str(make_tiny_qwen3_5(artifact_root, template="qwen3_8"))
 
 
+@pytest.fixture(scope="session")
+def mtp_artifact(artifact_root) -> str:
+    """The tiny Qwen3.5 with an MTP head (random, so its drafts are almost always rejected)."""
+    return str(make_tiny_qwen3_5(artifact_root, mtp=True))
+
+
 def serve_config(artifact: str, **overrides) -> ServeConfig:
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     engine = EngineConfig(

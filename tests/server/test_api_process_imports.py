@@ -13,7 +13,6 @@ import sys
 import pytest
 
 from ninfer.artifact.packer import pack
-from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.net import ROOT, free_port
 
 FORBIDDEN = """
@@ -92,11 +91,6 @@ def run_python(script: str, *args: str) -> dict:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def mtp_artifact(artifact_root) -> str:
-    return str(make_tiny_qwen3_5(artifact_root, mtp=True))
 
 
 @pytest.fixture(scope="module")

@@ -31,16 +31,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from ninfer.artifact import open_artifact
 from ninfer.cli import serve_main
-from ninfer.engine.core import EngineCore
-from ninfer.testing.oracle_drafter import OracleDrafter
-from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.net import ROOT, free_port
 from tests.server.conftest import RunningServer, serve_config, start_server, wait_until
+from tests.server.speculative_servers import ContinuationBook, Result, chat, openai_client, oracle_core
 
 SCHEMA = json.loads((ROOT / "docs" / "request-log.schema.json").read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
@@ -52,58 +48,7 @@ NO_THINKING = {
 }
 
 
-# ---- the oracle's book and the servers ----------------------------------------------------------
-
-
-class ContinuationBook:
-    """The plain server's greedy continuation of each prompt it decoded (keyed by prompt ids),
-    read back by the oracle drafter through the request ids of the speculative server."""
-
-    def __init__(self) -> None:
-        self.prompts: dict[str, list[int]] = {}  # request id -> prompt ids (both servers)
-        self.continuations: dict[tuple[int, ...], list[int]] = {}
-        self.outputs: dict[str, list[int]] = {}  # plain request id -> committed ids
-        self.last_plain: list[int] = []
-
-    def watch_plain(self, core: EngineCore) -> None:
-        add_request, step = core.add_request, core.step
-
-        def add(request):
-            self.prompts[request.request_id] = list(request.prompt_token_ids)
-            if request.sampling.temperature == 0:
-                self.outputs[request.request_id] = []
-            return add_request(request)
-
-        def run_step():
-            outs = step()
-            for out in outs:
-                tokens = self.outputs.get(out.request_id)
-                if tokens is None:
-                    continue
-                tokens.extend(out.new_token_ids)
-                if out.finished:
-                    key = tuple(self.prompts[out.request_id])
-                    if len(tokens) > len(self.continuations.get(key, ())):
-                        self.continuations[key] = tokens
-                    self.last_plain = tokens
-            return outs
-
-        core.add_request, core.step = add, run_step
-
-    def watch_spec(self, core: EngineCore) -> None:
-        add_request = core.add_request
-
-        def add(request):
-            self.prompts[request.request_id] = list(request.prompt_token_ids)
-            return add_request(request)
-
-        core.add_request = add
-
-    def get(self, request_id: str, default=()) -> list[int]:  # OracleDrafter's lookup
-        prompt = self.prompts.get(request_id)
-        if prompt is None:
-            return list(default)
-        return prompt + self.continuations.get(tuple(prompt), [])
+# ---- the servers ------------------------------------------------------------------------------------
 
 
 class Collect:
@@ -134,11 +79,6 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def mtp_artifact(artifact_root) -> str:
-    return str(make_tiny_qwen3_5(artifact_root, mtp=True))
-
-
-@pytest.fixture(scope="module")
 def servers(mtp_artifact, tmp_path_factory) -> Iterator[Servers]:
     log_dir = tmp_path_factory.mktemp("spec-logs")
     book = ContinuationBook()
@@ -155,14 +95,7 @@ def servers(mtp_artifact, tmp_path_factory) -> Iterator[Servers]:
         for name, extra in options.items():
             config = serve_config(mtp_artifact, max_concurrency=2, default_max_tokens=16, device_state_slots=6,
                                   dtype="float32", request_log_jsonl=str(logs[name]), **extra)
-            build = None
-            if name == "oracle":
-                def build(serving, config=config):
-                    artifact = open_artifact(mtp_artifact)
-                    model = artifact.load_model(dtype=torch.float32, device="cpu")
-                    core = EngineCore(model, artifact.tokenizer, config.engine, drafter=OracleDrafter(DRAFTS, book))
-                    book.watch_spec(core)
-                    return core
+            build = oracle_core(mtp_artifact, config, book, DRAFTS) if name == "oracle" else None
             running[name] = start_server(config, build)
             running[name].serving.events.observers.append(events[name])
         book.watch_plain(running["plain"].core)
@@ -172,55 +105,11 @@ def servers(mtp_artifact, tmp_path_factory) -> Iterator[Servers]:
             server.stop()
 
 
-def openai_client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def anthropic_client(server: RunningServer) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 # ---- one exchange per protocol, reduced to what must agree --------------------------------------
-
-
-@dataclasses.dataclass
-class Result:
-    text: str
-    reasoning: str
-    finish: tuple  # the protocol's finish fields
-    usage: tuple[int, int, int]  # prompt tokens (cache included), completion tokens, cached tokens
-    timings: dict | None = None  # Chat only
-
-    def key(self) -> tuple:
-        return self.text, self.reasoning, self.finish, self.usage
-
-
-def chat(server: RunningServer, prompt: str, stream: bool = False, **kwargs) -> Result:
-    """A Chat exchange; a stream's text is its deltas joined, its usage and timings the last chunk's."""
-    client = openai_client(server)
-    messages = kwargs.pop("messages", None) or [{"role": "user", "content": prompt}]
-    request = dict(model=server.serving.model_id, messages=messages, **kwargs)
-    if not stream:
-        resp = client.chat.completions.create(**request)
-        message = resp.choices[0].message
-        usage = resp.usage
-        return Result(message.content or "", (message.model_extra or {}).get("reasoning_content") or "",
-                      (resp.choices[0].finish_reason,),
-                      (usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens),
-                      resp.model_extra["timings"])
-    chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    last = chunks[-1]
-    assert last.choices == [] and len(finishes) == 1
-    # Terminal timings only on the last JSON chunk (no timings_per_token here).
-    assert all("timings" not in (c.model_extra or {}) for c in chunks[:-1])
-    usage = last.usage
-    return Result("".join(d.content or "" for d in deltas),
-                  "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas),
-                  (finishes[0],),
-                  (usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens),
-                  last.model_extra["timings"])
 
 
 def responses(server: RunningServer, prompt: str, stream: bool = False, **kwargs) -> Result:
