@@ -98,7 +98,7 @@ def single_process(artifact: str) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize(
     "arch, tensor_parallel",
-    [("qwen3_5", 2), ("qwen3_5", 4), ("qwen3_5_moe", 2), ("qwen3_5_moe", 4), ("qwen3_next", 2), ("qwen3_next", 4),
+    [("qwen3_5", 2), ("qwen3_5_moe", 2), ("qwen3_5_moe", 4), ("qwen3_next", 2), ("qwen3_next", 4),
      ("llama", 2)],
 )  # fmt: skip
 def test_greedy_decoding_equals_one_process(artifacts, arch, tensor_parallel):

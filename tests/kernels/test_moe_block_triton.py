@@ -41,9 +41,24 @@ def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     return ((out.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 4, 6])  # 6: past MAX_TOKENS (the benchmark times it)
-@pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("tiles", [None, SMALL_TILES, SPLIT_TILES], ids=["default-tiles", "small-tiles", "split-down"])
+TILE_IDS = {None: "default-tiles", SMALL_TILES: "small-tiles", SPLIT_TILES: "split-down"}
+
+
+def _tiles_id(tiles) -> str:
+    return TILE_IDS.get(tiles, "row-tiles")
+
+
+def _covering(tile_options, kinds, many_tokens, few_tokens) -> list:
+    """(tiles, kind, tokens) cases: every tile with every kind at the larger token counts (where
+    the tiles' column and K loops, slots and splits all run), the smaller counts on the default
+    tiles: each pair of options meets, without the whole product (interpreted kernels are slow)."""
+    cases = [(tiles, kind, n) for tiles in tile_options for kind in kinds for n in many_tokens]
+    cases += [(None, kind, n) for kind in kinds for n in few_tokens]
+    return [pytest.param(*case, id=f"{_tiles_id(case[0])}-{case[1]}-{case[2]}") for case in cases]
+
+
+# 6 tokens: past MAX_TOKENS (the benchmark times it).
+@pytest.mark.parametrize("tiles, shared, num_tokens", _covering(TILE_IDS, [True, False], (4, 6), (1, 2)))
 def test_moe_block_matches_reference_fp32(num_tokens: int, shared: bool, tiles) -> None:
     x, logits, experts, shared_weights = _block(seed=num_tokens, num_tokens=num_tokens, shared=shared)
     out = fast.moe_block(x, logits, TOP_K, True, *experts, *shared_weights, tiles=tiles)
@@ -230,16 +245,14 @@ def _double(weights: tuple) -> tuple:
     )
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 4])
-@pytest.mark.parametrize(
-    ("experts", "shared"), [("nvfp4", "16-bit"), ("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", None)],
-    ids=["nvfp4-experts-16bit-shared", "nvfp4", "fp8-experts-nvfp4-shared", "nvfp4-no-shared"],
-)  # fmt: skip
-@pytest.mark.parametrize(
-    "tiles", [None, SMALL_TILES, SPLIT_TILES, NVFP4_ROW_TILES], ids=["default-tiles", "small-tiles", "split-down", "row-tiles"]
-)
-def test_nvfp4_matches_reference_fp32(num_tokens: int, experts: str, shared: str | None, tiles) -> None:
+NVFP4_MIXES = {"nvfp4-experts-16bit-shared": ("nvfp4", "16-bit"), "nvfp4": ("nvfp4", "nvfp4"),
+               "fp8-experts-nvfp4-shared": ("fp8", "nvfp4"), "nvfp4-no-shared": ("nvfp4", None)}
+
+
+@pytest.mark.parametrize("tiles, mix, num_tokens", _covering([*TILE_IDS, NVFP4_ROW_TILES], NVFP4_MIXES, (4,), (1, 2)))
+def test_nvfp4_matches_reference_fp32(num_tokens: int, mix: str, tiles) -> None:
     """NVFP4 matrices (decoded exactly) beside 16-bit and FP8 ones: fp32 sums against float64."""
+    experts, shared = NVFP4_MIXES[mix]
     x, logits, weights = _nvfp4_block(seed=num_tokens, num_tokens=num_tokens, experts=experts, shared=shared)
     out = fast.moe_block(x, logits, TOP_K, True, *weights, tiles=tiles)
     expected = ref.moe_block(x.double(), logits, TOP_K, True, *_double(weights))

@@ -113,7 +113,7 @@ def test_served_without_the_key_and_covering_every_route(tiny_qwen, served_docum
 
 
 # Bodies per endpoint and template: a quick pass in the fast suite, more in the slow one.
-@pytest.mark.parametrize("examples", [20, pytest.param(150, marks=pytest.mark.slow)], ids=["quick", "thorough"])
+@pytest.mark.parametrize("examples", [20, pytest.param(75, marks=pytest.mark.slow)], ids=["quick", "thorough"])
 @pytest.mark.parametrize("caps", [QWEN38, pytest.param(CHATML, marks=pytest.mark.slow)], ids=["qwen3.8", "chatml"])
 @pytest.mark.parametrize("vision", [False, True], ids=["text", "vision"])
 @pytest.mark.parametrize("path", REQUEST_SCHEMAS)
