@@ -224,7 +224,8 @@ def dequantize_nvfp4(weight, block_scale, row_scale, dtype: torch.dtype, *, bloc
         raise ValueError(f"block_k must divide 128 and be a multiple of 16, not {block_k}")
     *matrices, rows, packed_cols = weight.shape
     out = torch.empty((*matrices, rows, packed_cols * 2), dtype=dtype, device=weight.device)
-    _dequantize_kernel[(weight.numel() // max(1, rows * packed_cols), triton.cdiv(rows, block_n), triton.cdiv(packed_cols * 2, block_k))](
+    num_matrices = weight.numel() // max(1, rows * packed_cols)
+    _dequantize_kernel[(num_matrices, triton.cdiv(rows, block_n), triton.cdiv(packed_cols * 2, block_k))](
         weight, block_scale, row_scale, out, rows, packed_cols * 2, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return out

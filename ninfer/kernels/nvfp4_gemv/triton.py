@@ -29,9 +29,9 @@ against ~7.8 per byte that an SM may issue at full bandwidth: even one row is is
 (43% of copy bandwidth measured on 16480 x 5120), and more rows far more so.
 
 The FMA path never splits K: the 27B shapes give >= 640 programs at its default tiles; the
-tensor-core path's 32-row tiles give 160 on N = 5120, so there K is split (fp32 partials). Launch shapes come
-from shapes only (cached) and the output is torch.empty, so the launch is capture-safe for
-CUDA graphs. PDL (ninfer.kernels.pdl) where allowed: the first weight tile is loaded
+tensor-core path's 32-row tiles give 160 on N = 5120, so there K is split (fp32 partials).
+Launch shapes come from shapes only (cached) and the output is torch.empty, so the launch is
+capture-safe for CUDA graphs. PDL (ninfer.kernels.pdl) where allowed: the first weight tile is loaded
 before the wait (the weight is read-only for the launch chain), x after it.
 """
 
@@ -316,8 +316,9 @@ DOT_MIN_PROGRAMS_PER_SM = 4
 def _config(M: int, N: int, K: int, num_sms: int, dot: bool = False) -> Config:
     """Default launch shape. dot (bf16 x): the tensor-core path from DOT_MIN_ROWS rows, on
     DOT_TILE (the best or within 3% of it at 8 rows on 16480 x 5120 and 5120 x 17408), its
-    K step halved until it divides K, K split where the columns give few programs. Else the FMA path, chosen by register and
-    bytes-in-flight arithmetic for the 27B shapes (K = 5120, 6144, 17408):
+    K step halved until it divides K, K split where the columns give few programs. Else the
+    FMA path, chosen by register and bytes-in-flight arithmetic for the 27B shapes (K = 5120,
+    6144, 17408):
 
     - vec_bytes: 8 (16 codes, one scale block, an 8-byte load) up to M = 4; above, 4, as a
       thread holds 2 * vec_bytes x values per row of x (16 rows x 16 would take 256 registers).
