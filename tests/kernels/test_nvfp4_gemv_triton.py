@@ -300,9 +300,10 @@ def test_bf16_decode_asm_of_every_byte_and_scale() -> None:
 
 @pytest.mark.slow
 def test_tensor_core_kernels_build_with_the_decode_asm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tensor-core NVFP4 kernels (this GEMV's DOT path, the GEMM), recorded on CPU tensors,
-    built for sm_90 with the PTX decode on as a launch on a GPU sets it: ptxas takes the
-    instructions and each kernel holds them."""
+    """The tensor-core NVFP4 kernels (this GEMV's DOT path, whole and split over K, the GEMM),
+    recorded on CPU tensors, built for sm_90 with the PTX decode on as a launch on a GPU sets it:
+    ptxas takes the instructions and each kernel holds them; the split sum and the prefill's
+    dequantization build beside them."""
     from triton.runtime.jit import JITFunction
 
     from tests.kernels.test_pdl_launch import _ptx, compiled_kernel_module
@@ -315,19 +316,26 @@ def test_tensor_core_kernels_build_with_the_decode_asm(monkeypatch: pytest.Monke
     scales = torch.rand(256, 64, generator=gen).to(E4M3)
     row_scale = torch.rand(256, generator=gen)
     x = torch.randn(4, 1024, generator=gen).bfloat16()
-    modules["nvfp4_gemv"].gemv_nvfp4(x, codes, scales, row_scale, config=Config(64, 128, num_warps=4, use_dot=True, num_stages=2))
+    dot = Config(64, 128, num_warps=4, use_dot=True, num_stages=2)
+    modules["nvfp4_gemv"].gemv_nvfp4(x, codes, scales, row_scale, config=dot)
+    modules["nvfp4_gemv"].gemv_nvfp4(x, codes, scales, row_scale, config=dot._replace(split_k=2))
     modules["nvfp4_gemm"].nvfp4_matmul(torch.randn(64, 1024, generator=gen).bfloat16(), codes, scales, row_scale)
+    # From DEQUANTIZED_MIN_ROWS rows: the dequantization kernel (then a matmul of its unwritten output).
+    modules["nvfp4_gemm"].nvfp4_matmul(torch.randn(512, 1024, generator=gen).bfloat16(), codes, scales, row_scale)
     flags = {"_nvfp4_dot_kernel": "DECODE_BY_ASM", "_nvfp4_gemm_kernel": "DECODE_BY_ASM"}
-    built = set()
+    built = []
     for fn, args, kwargs in recorded:
         name = fn.fn.__name__
         if name not in flags:
+            assert _ptx(fn, args, kwargs), name  # the split sum and the dequantization build too
+            built.append(name)
             continue
         assert kwargs[flags[name]] is False  # CPU tensors: the interpreter's decode
         ptx = _ptx(fn, args, {**kwargs, flags[name]: True})
         assert "prmt.b32 l01, 0xC0800000, 0xC0804000, m;" in ptx and "fma.rn.bf16x2" in ptx, name
-        built.add(name)
-    assert built == set(flags)
+        built.append(f"{name}, split" if kwargs.get("SPLIT") else name)
+    assert built == ["_nvfp4_dot_kernel", "_nvfp4_dot_kernel, split", "_split_sum_kernel", "_nvfp4_gemm_kernel",
+                     "_dequantize_kernel"]
 
 
 @interpreter_only
