@@ -29,9 +29,10 @@ from ninfer.server.served_model import ServedModel
 from ninfer.testing.processes import engine_process_of
 from tests.engine.test_engine_generation import PROMPTS, _models
 from tests.engine.test_engine_generation import greedy as greedy_request
+from tests.net import start_ninfer_serve
 from tests.scripted_model import ScriptedLM
 from tests.server.conftest import serve_config, start_server, wait_until
-from tests.server.test_process_lifecycle import start, wait_gone
+from tests.server.test_process_lifecycle import wait_gone
 from tests.unit.conftest import make_byte_tokenizer
 
 CONFIG = EngineConfig(max_concurrency=2, max_context=256, log_stats_interval_ms=0)
@@ -309,8 +310,7 @@ def _chat(model: str, max_tokens: int, stream: bool = False) -> dict:
 
 @pytest.mark.slow
 def test_a_killed_engine_process_is_restarted_and_the_server_serves_again(tiny_qwen):
-    process, port = start(tiny_qwen)
-    base = f"http://127.0.0.1:{port}"
+    process, base = start_ninfer_serve(tiny_qwen)
     try:
         model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
         engine = engine_process_of(process.pid)
@@ -351,11 +351,11 @@ def test_a_killed_engine_process_is_restarted_and_the_server_serves_again(tiny_q
 
 @pytest.mark.slow
 def test_a_stop_signal_during_a_restart_stops_the_server_at_once(tiny_qwen):
-    process, port = start(tiny_qwen)
+    process, base = start_ninfer_serve(tiny_qwen)
     try:
         os.kill(engine_process_of(process.pid), signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code != 503:
+        while httpx.get(f"{base}/health", timeout=5).status_code != 503:
             assert time.monotonic() < deadline, "the engine's death was not noticed"
             time.sleep(0.05)
         replacement = None  # loading: a restart takes seconds even on a tiny model

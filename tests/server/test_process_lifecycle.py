@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from ninfer.testing.processes import engine_process_of
-from tests.net import free_port
+from tests.net import start_ninfer_serve
 
 pytestmark = [
     pytest.mark.slow,  # each case starts a server process
@@ -36,22 +36,6 @@ def running(pid: int) -> bool:
         return False
 
 
-def start(artifact: str) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    process = subprocess.Popen(["ninfer-serve", artifact, "--port", str(port)], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process, port
-        except httpx.HTTPError:
-            pass
-        assert process.poll() is None, process.stderr.read()
-        time.sleep(0.3)
-    process.kill()
-    raise AssertionError("ninfer-serve was not ready in 120 s")
-
-
 def wait_gone(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -63,7 +47,7 @@ def wait_gone(pid: int, seconds: float) -> bool:
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_stops_both_processes(tiny_qwen, stop):
-    process, _ = start(tiny_qwen)
+    process, _ = start_ninfer_serve(tiny_qwen)
     engine = engine_process_of(process.pid)
     process.send_signal(stop)
     assert process.wait(timeout=60) == 0
@@ -73,7 +57,7 @@ def test_a_stop_signal_stops_both_processes(tiny_qwen, stop):
 
 
 def test_the_engine_process_dies_with_a_killed_server(tiny_qwen):
-    process, _ = start(tiny_qwen)
+    process, _ = start_ninfer_serve(tiny_qwen)
     engine = engine_process_of(process.pid)
     process.kill()  # SIGKILL: no handler runs in the API process
     process.wait(timeout=30)
@@ -81,9 +65,8 @@ def test_the_engine_process_dies_with_a_killed_server(tiny_qwen):
 
 
 def test_a_dead_engine_process_fails_requests_instead_of_hanging_and_the_server_still_stops(tiny_qwen):
-    process, port = start(tiny_qwen)
+    process, base = start_ninfer_serve(tiny_qwen)
     os.kill(engine_process_of(process.pid), signal.SIGKILL)
-    base = f"http://127.0.0.1:{port}"
     model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     deadline = time.monotonic() + 30

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from ninfer.testing.processes import engine_process_of, spawned_children
-from tests.net import free_port
+from tests.net import free_port, start_ninfer_serve
 from tests.server.conftest import serve_config, start_server
 from tests.server.test_engine_restart import stopped
 from tests.server.test_process_lifecycle import wait_gone
@@ -35,20 +35,7 @@ SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "request-log
 
 
 def serve(artifact: str, *options: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    process = subprocess.Popen(["ninfer-serve", artifact, "--port", str(port), *options], stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return process, base
-        except httpx.HTTPError:
-            pass
-        assert process.poll() is None, process.stderr.read()
-        time.sleep(0.3)
-    process.kill()
-    raise AssertionError("ninfer-serve was not ready in 180 s")
+    return start_ninfer_serve(artifact, *options, ready_within_s=180)  # two ranks load the model
 
 
 def greedy_answers(base_url: str, model: str) -> list[tuple[str | None, dict | None, int]]:
