@@ -123,6 +123,9 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
     if on_cpu:
         torch.set_num_threads(cpu_threads())
     else:
+        # A fresh engine process starts CUDA here: the memory statistics below need its allocator,
+        # and Triton launches on the current device (a tensor-parallel rank's own).
+        torch.cuda.set_device(device)
         persist_compile_caches(str(cache_dir()))
         # A restart loads the compiled kernels and autotuning choices from here instead of redoing them.
         say("compiled GPU kernels cached in %s ($NINFER_CACHE_DIR names another folder)", os.environ["TRITON_CACHE_DIR"])
