@@ -4,11 +4,13 @@ Layout and exact semantics: nvfp4_gemv/ref.py. Hopper has no FP4 tensor cores. T
 - below DEQUANTIZED_MIN_ROWS rows (the kernel below), each program dequantizes its weight
   tiles in registers and feeds them to bf16 (or fp16) tl.dot; no dequantized copy of the
   weight is written. Its K loop decodes every weight element once per BLOCK_M rows, which
-  bounds it under the dense rate (measured 0.28-0.41x bf16 cuBLAS on an H100).
+  bounds it under the dense rate (measured 0.26-0.41x bf16 cuBLAS on an H100).
 - from DEQUANTIZED_MIN_ROWS rows, dequantize_nvfp4 writes the weight in x's dtype (each value
   the reference's fp32 one, rounded once: block scale x row scale do not fit 16 bits) and
   cuBLAS multiplies: ~4.6 bytes moved per weight (codes and scales read, the copy written and
-  read back) against 2 * M FLOP, a few percent of the product at prefill sizes.
+  read back) against 2 * M FLOP. The copy costs a fixed ~1.7 ms per 27B gate|up matrix
+  (~260 GB/s, far under the copy bandwidth), so the route pays from ~1.3K (down) to ~2.5K
+  (gate|up) rows; at 8,192 rows it runs at 0.67-0.70x bf16 against the kernel's 0.40x.
 
 Exactness: an e2m1 value has at most 2 significant bits (0.5 ... 6) and an e4m3 scale at
 most 4 (subnormals fewer), so value * block scale has at most 6 and lies in [2^-10, 2688]
@@ -63,8 +65,9 @@ from ninfer.kernels.nvfp4_gemv.triton import _decode, _weight_tile, ptx_decode
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.sm_count import device_sms
 
-# From this many rows of x the product runs on cuBLAS over a dequantized copy of the weight.
-DEQUANTIZED_MIN_ROWS = 512
+# From this many rows of x the product runs on cuBLAS over a dequantized copy of the weight:
+# where the two routes cross for the 27B's gate|up and down together (H100, docs/kernels.md).
+DEQUANTIZED_MIN_ROWS = 2048
 
 
 

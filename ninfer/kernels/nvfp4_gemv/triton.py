@@ -309,7 +309,9 @@ def _nvfp4_dot_kernel(
 # 16480 x 5120 at 8 rows 43.9 us against the FMA path's 219; one row 46.6 against 36.8.
 DOT_MIN_ROWS = 2
 DOT_TILE = Config(block_n=32, block_k=128, num_warps=2, use_dot=True, num_stages=4)
-DOT_MIN_PROGRAMS_PER_SM = 4
+# K is split until the grid holds about this many programs per SM (H100, 8 rows: 5120 x 17408
+# best at 8 splits, 1,280 programs; 16480 x 5120 at 2, 1,030 programs; docs/kernels.md).
+DOT_TARGET_PROGRAMS_PER_SM = 10
 
 
 @functools.cache
@@ -337,10 +339,10 @@ def _config(M: int, N: int, K: int, num_sms: int, dot: bool = False) -> Config:
         while K % block_k:
             block_k //= 2  # K is a multiple of 16
         programs = triton.cdiv(N, DOT_TILE.block_n)
-        # Under DOT_MIN_PROGRAMS_PER_SM programs per SM (N = 5120 on 132 SMs: 160), split K
-        # into fp32 partials, keeping >= 4 steps per split.
+        # Few column tiles (N = 5120 on 132 SMs: 160) leave SMs idle: split K into fp32
+        # partials while the grid stays within the target, keeping >= 4 steps per split.
         split_k = 1
-        while programs * split_k < DOT_MIN_PROGRAMS_PER_SM * num_sms and K // (2 * split_k * block_k) >= 4:
+        while 2 * programs * split_k <= DOT_TARGET_PROGRAMS_PER_SM * num_sms and K // (2 * split_k * block_k) >= 4:
             split_k *= 2
         return DOT_TILE._replace(block_k=block_k, split_k=split_k)
     vec_bytes = 8 if M <= 4 else 4
