@@ -5,7 +5,8 @@ included): bf16 on cuBLAS; FP8 per output channel (tokens quantized per row, tor
 Qwen's block-scaled FP8 (tokens quantized per 128 columns, kernels/fp8_gemm) with its default
 tile and the others of its table; NVFP4 (kernels/nvfp4_gemm) as the module runs it (from
 DEQUANTIZED_MIN_ROWS rows a dequantized bf16 copy, then cuBLAS) and its in-register kernel
-at the default tile and a few around it. Each variant
+at the default tile and a few around it; first the NVFP4 dequantization alone (its GB/s against
+the copy bandwidth, the default tile and others). Each variant
 is first checked against the fp32 product of its own dequantized weight (a failing one is
 reported and skipped), then timed: CUDA-event median of graph-replayed calls after warm-up.
 Rates are in TFLOP/s next to the bf16 8192^3 matmul rate measured in the same run.
@@ -106,6 +107,42 @@ def bench_case(name: str, rows: int, replays: int) -> list[dict]:
     return results
 
 
+DEQUANTIZE_TILES = ((32, 256), (16, 256), (64, 128), (32, 512), (8, 1024))  # (block_n, block_k)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / median_seconds(lambda: dst.copy_(src), replays=10)
+
+
+def bench_dequantize(name: str, replays: int, bandwidth: float) -> list[dict]:
+    """The NVFP4 weight's dequantized bf16 copy alone (what the prefill route adds to cuBLAS):
+    the default tile and a few others, against the copy bandwidth for its bytes moved."""
+    n, k = SHAPES[name]
+    torch.manual_seed(0)
+    nvfp4 = Nvfp4Linear.from_linear(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+    operands = (nvfp4.weight, nvfp4.block_scale, nvfp4.row_scale)
+    expected = nvfp4.dequantized(torch.bfloat16)
+    moved = n * k // 2 + n * k // 16 + n * 4 + n * k * 2  # codes, block and row scales read; the copy written
+    results = []
+    for block_n, block_k in ((None, None), *DEQUANTIZE_TILES):
+        tile = {} if block_n is None else {"block_n": block_n, "block_k": block_k}
+        variant = "dequantize, default tile" if not tile else f"dequantize {block_n} x {block_k}"
+        fn = lambda tile=tile: nvfp4_gemm.dequantize_nvfp4(*operands, torch.bfloat16, **tile)  # noqa: E731
+        if not torch.equal(fn(), expected):
+            print(f"{name:18s} {variant:34s} WRONG", flush=True)
+            continue
+        seconds = median_seconds(fn, replays=replays)
+        row = {"shape": name, "format": "nvfp4", "variant": variant, "us": seconds * 1e6,
+               "bytes_per_s": moved / seconds, "bandwidth_fraction": moved / seconds / bandwidth}  # fmt: skip
+        results.append(row)
+        print(f"{name:18s} {variant:34s} {seconds * 1e6:9.1f} us {moved / seconds / 1e9:6.0f} GB/s "
+              f"({row['bandwidth_fraction']:.0%} of copy)", flush=True)  # fmt: skip
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="write every row here (JSON)")
@@ -117,6 +154,9 @@ def main() -> None:
     rows = [int(m) for m in args.rows.split(",")] if args.rows else list(ROWS)
     rate = matmul_rate()
     print(f"{torch.cuda.get_device_name()}: bf16 8192^3 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    dequantized = [row for name in shapes for row in bench_dequantize(name, args.replays, bandwidth)]
     results = [row for name in shapes for m in rows for row in bench_case(name, m, args.replays)]
     for name in shapes:
         for m in rows:
@@ -132,6 +172,7 @@ def main() -> None:
             print(f"{name:18s} M={m:<5d} bf16 {bf16['tflops']:.0f} TFLOP/s · {shown}")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "bf16_matmul_flops": rate,
+                                              "copy_bandwidth": bandwidth, "dequantize": dequantized,
                                               "rows": results}, indent=1))  # fmt: skip
 
 

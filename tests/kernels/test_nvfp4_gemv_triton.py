@@ -321,7 +321,8 @@ def test_tensor_core_kernels_build_with_the_decode_asm(monkeypatch: pytest.Monke
     modules["nvfp4_gemv"].gemv_nvfp4(x, codes, scales, row_scale, config=dot._replace(split_k=2))
     modules["nvfp4_gemm"].nvfp4_matmul(torch.randn(64, 1024, generator=gen).bfloat16(), codes, scales, row_scale)
     # From DEQUANTIZED_MIN_ROWS rows: the dequantization kernel (then a matmul of its unwritten output).
-    modules["nvfp4_gemm"].nvfp4_matmul(torch.randn(512, 1024, generator=gen).bfloat16(), codes, scales, row_scale)
+    many_rows = modules["nvfp4_gemm"].DEQUANTIZED_MIN_ROWS
+    modules["nvfp4_gemm"].nvfp4_matmul(torch.randn(many_rows, 1024, generator=gen).bfloat16(), codes, scales, row_scale)
     flags = {"_nvfp4_dot_kernel": "DECODE_BY_ASM", "_nvfp4_gemm_kernel": "DECODE_BY_ASM"}
     built = []
     for fn, args, kwargs in recorded:

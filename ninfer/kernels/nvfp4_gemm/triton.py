@@ -8,9 +8,9 @@ Layout and exact semantics: nvfp4_gemv/ref.py. Hopper has no FP4 tensor cores. T
 - from DEQUANTIZED_MIN_ROWS rows, dequantize_nvfp4 writes the weight in x's dtype (each value
   the reference's fp32 one, rounded once: block scale x row scale do not fit 16 bits) and
   cuBLAS multiplies: ~4.6 bytes moved per weight (codes and scales read, the copy written and
-  read back) against 2 * M FLOP. The copy costs a fixed ~1.7 ms per 27B gate|up matrix
-  (~260 GB/s, far under the copy bandwidth), so the route pays from ~1.3K (down) to ~2.5K
-  (gate|up) rows; at 8,192 rows it runs at 0.67-0.70x bf16 against the kernel's 0.40x.
+  read back) against 2 * M FLOP. Measured with an earlier dequantization kernel (~260 GB/s,
+  a fixed ~1.7 ms per 27B gate|up matrix) the route paid from ~1.3K (down) to ~2.5K (gate|up)
+  rows; at 8,192 rows 0.67-0.70x bf16 against the in-register kernel's 0.40x.
 
 Exactness: an e2m1 value has at most 2 significant bits (0.5 ... 6) and an e4m3 scale at
 most 4 (subnormals fewer), so value * block scale has at most 6 and lies in [2^-10, 2688]
@@ -199,37 +199,57 @@ def _dequantize_kernel(
     N,
     K,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+    VALUE: tl.constexpr,
 ):
-    """Program (matrix, row tile, column tile): each value times (block scale times row scale),
-    the scales' product rounded first in fp32 as nvfp4_gemv/ref.py's dequantization does."""
+    """Program (matrix, row tile, byte tile): each code byte becomes one word of the output
+    (out_ptr: its words, 32-bit for 16-bit values, 64-bit for fp32) holding its two values, the
+    low nibble's at the lower address, so the load and the store are plain tiles along the
+    rows. Each value times (block scale times row scale), the scales' product rounded first in
+    fp32 as nvfp4_gemv/ref.py's dequantization does. VALUE: 0 bf16, 1 fp16, 2 fp32."""
     matrix = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = tl.program_id(2) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    byte = tl.program_id(2) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
     rows = matrix * N + n.to(tl.int64)
-    mask = (n < N)[:, None] & (g * 16 < K)[None, :]
-    byte = g[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    packed = tl.load(w_ptr + rows[:, None, None] * (K // 2) + byte, mask=mask[:, :, None], other=0)
-    block_scale = tl.load(block_scale_ptr + rows[:, None] * (K // 16) + g[None, :], mask=mask, other=0.0)
+    mask = (n < N)[:, None] & (byte < K // 2)[None, :]
+    offsets = rows[:, None] * (K // 2) + byte[None, :]
+    packed = tl.load(w_ptr + offsets, mask=mask, other=0)
+    # 8 bytes (16 codes) a block scale: the 8 loads of one hit the same address.
+    block_scale = tl.load(block_scale_ptr + rows[:, None] * (K // 16) + (byte // 8)[None, :], mask=mask, other=0.0)
     scale = block_scale.to(tl.float32) * tl.load(row_scale_ptr + rows, mask=n < N, other=0.0)[:, None]
     low, high = _decode(packed)  # values times 2^-14, exact
-    values = tl.join(low * 16384.0 * scale[:, :, None], high * 16384.0 * scale[:, :, None])  # [N, G, 8, 2]
-    cols = g[None, :, None, None] * 16 + tl.arange(0, 8)[None, None, :, None] * 2 + tl.arange(0, 2)[None, None, None, :]
-    out_mask = (n < N)[:, None, None, None] & (cols < K)
-    tl.store(out_ptr + rows[:, None, None, None] * K + cols, values.to(out_ptr.dtype.element_ty), mask=out_mask)
+    low = low * 16384.0 * scale
+    high = high * 16384.0 * scale
+    if VALUE == 2:
+        word = low.to(tl.uint32, bitcast=True).to(tl.int64) | (high.to(tl.uint32, bitcast=True).to(tl.int64) << 32)
+    else:
+        value = tl.bfloat16 if VALUE == 0 else tl.float16
+        low_bits = low.to(value).to(tl.uint16, bitcast=True).to(tl.int32)
+        word = low_bits | (high.to(value).to(tl.uint16, bitcast=True).to(tl.int32) << 16)
+    tl.store(out_ptr + offsets, word, mask=mask)
 
 
-def dequantize_nvfp4(weight, block_scale, row_scale, dtype: torch.dtype, *, block_n: int = 64, block_k: int = 128):
+# The output word of one code byte (two values) by value dtype, and the kernel's VALUE code.
+_WORDS = {torch.bfloat16: (torch.int32, 0), torch.float16: (torch.int32, 1), torch.float32: (torch.int64, 2)}
+
+
+def dequantize_nvfp4(weight, block_scale, row_scale, dtype: torch.dtype, *, block_n: int = 32, block_k: int = 256):
     """The weight [N, K/2] (or E such matrices [E, N, K/2], contiguous, scales with contiguous
-    rows) dequantized to dtype: nvfp4_gemv/ref.py's fp32 values, each rounded once. Runs on the
+    rows) dequantized to dtype (bf16, fp16 or fp32): nvfp4_gemv/ref.py's fp32 values, each
+    rounded once. block_k: values a program writes per row (a power of two >= 2). Runs on the
     device with no host sync (capturable)."""
-    if 128 % block_k or block_k % 16:
-        raise ValueError(f"block_k must divide 128 and be a multiple of 16, not {block_k}")
+    if block_k < 2 or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two >= 2, not {block_k}")
+    if dtype not in _WORDS:
+        raise ValueError(f"dequantize_nvfp4 writes bf16, fp16 or fp32, not {dtype}")
+    word, value = _WORDS[dtype]
     *matrices, rows, packed_cols = weight.shape
     out = torch.empty((*matrices, rows, packed_cols * 2), dtype=dtype, device=weight.device)
     num_matrices = weight.numel() // max(1, rows * packed_cols)
-    _dequantize_kernel[(num_matrices, triton.cdiv(rows, block_n), triton.cdiv(packed_cols * 2, block_k))](
-        weight, block_scale, row_scale, out, rows, packed_cols * 2, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    grid = (num_matrices, triton.cdiv(rows, block_n), triton.cdiv(packed_cols, block_k // 2))
+    _dequantize_kernel[grid](
+        weight, block_scale, row_scale, out.view(word), rows, packed_cols * 2,
+        BLOCK_N=block_n, BLOCK_BYTES=block_k // 2, VALUE=value, num_warps=4,
     )  # fmt: skip
     return out
 
