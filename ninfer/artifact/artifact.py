@@ -85,7 +85,7 @@ class Artifact:
         A .ninfer container loads as it was packed (its FP8 layers stay FP8; keep_fp8 is moot), and
         quantize quantizes the layers it holds unquantized, likewise as they arrive.
         shard: load one tensor-parallel rank's part (parallel/shard_plan.py); checkpoints only
-        (engine/startup_checks.py refuses a container or quantized weights with it)."""
+        (engine/startup_checks.py refuses a container with it)."""
         import torch
 
         from ninfer.models.loader import load_model

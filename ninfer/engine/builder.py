@@ -105,7 +105,7 @@ def open_checked(spec: EngineSpec, rank: int = 0):
 
     artifact = open_artifact(spec.artifact_path)
     check_kv_dtype(artifact.config, engine)
-    check_tensor_parallel(artifact, engine, spec.quantize)
+    check_tensor_parallel(artifact, engine)
     companion = check_speculative(artifact, engine)  # a DFlash / DFlash2 drafter, still unread
     if artifact.config.mtp_num_hidden_layers and engine.spec != "mtp":
         # The MTP head's weights and KV layer are loaded only when speculation uses them.

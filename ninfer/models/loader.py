@@ -29,7 +29,7 @@ from ninfer.models.quant.fp8 import FP8, SCALE_BLOCK, Fp8Linear, quantize_fp8_
 from ninfer.models.quant.fp8_experts import PROJECTIONS, Fp8Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear, quantize_nvfp4_
 from ninfer.models.quant.nvfp4_experts import Nvfp4Experts
-from ninfer.models.quant.stored_write import StoresCheckpointWrites
+from ninfer.models.quant.stored_write import StoredWrite, StoresCheckpointWrites
 from ninfer.models.registry import CheckpointRule, checkpoint_rule, model_class
 from ninfer.models.weight_load_error import WeightLoadError
 
@@ -48,6 +48,7 @@ def build_model(
     fp8_weights: dict[str, tuple[int, ...]] | None = None,
     nvfp4_weights: dict[str, tuple[int, ...]] | None = None,
     quantize: str | None = None,
+    shard: ShardPlan | None = None,
 ) -> CausalLM:
     """An uninitialised model with storage allocated on `device` (no weights read).
 
@@ -59,17 +60,19 @@ def build_model(
     quantize: "fp8" | "nvfp4": then the modules quantize_fp8_ / quantize_nvfp4_ would convert
     (of those left) are built quantized and unfilled too, and load_weights quantizes each bf16
     weight into them as it arrives, so no quantized layer's bf16 weights are ever all held.
+    shard: build one tensor-parallel rank's model (from shard.local_config; `config` is the whole
+    model's, in whose terms the stored weights are named and shaped).
     """
     cls = model_class(config)
     with torch.device("meta"):
-        model = cls(config).to(dtype)
+        model = cls(shard.local_config if shard is not None else config).to(dtype)
     placeholders = [(Fp8Linear, fp8_weights or {}), (Nvfp4Linear, nvfp4_weights or {})]
     for module_type, stored in placeholders:
-        for module_name in sorted(fp8_linear_names(model, config, stored)):
+        for module_name in sorted(fp8_linear_names(model, config, stored, shard)):
             _replace(model, module_name, module_type.placeholder)
-    for module_name, rows_per_block in sorted(fp8_expert_layouts(model, config, fp8_weights or {}).items()):
+    for module_name, rows_per_block in sorted(fp8_expert_layouts(model, config, fp8_weights or {}, shard).items()):
         _replace(model, module_name, lambda experts: Fp8Experts.placeholder(experts, rows_per_block))
-    for module_name in sorted(expert_names(model, config, nvfp4_weights or {})):
+    for module_name in sorted(expert_names(model, config, nvfp4_weights or {}, shard)):
         _replace(model, module_name, Nvfp4Experts.placeholder)
     if quantize is not None:
         if quantize not in QUANTIZE_AT_LOAD:
@@ -96,32 +99,39 @@ def materialize(model: CausalLM, device: torch.device | str) -> CausalLM:
     return model
 
 
-def fp8_linear_names(model: nn.Module, config: ModelConfig, fp8_weights: dict[str, tuple[int, ...]]) -> set[str]:
+def fp8_linear_names(
+    model: nn.Module, config: ModelConfig, fp8_weights: dict[str, tuple[int, ...]], shard: ShardPlan | None = None
+) -> set[str]:
     """The Linear layers (packed or not) that stored quantized weights write into."""
     modules = dict(model.named_modules())
     names: set[str] = set()
-    for param_name, _ in _stored_writes(model, config, fp8_weights):
+    for param_name, _ in _stored_writes(model, config, fp8_weights, shard):
         module_name = param_name.removesuffix(".weight")
         if param_name.endswith(".weight") and isinstance(modules.get(module_name), nn.Linear):
             names.add(module_name)
     return names
 
 
-def expert_names(model: nn.Module, config: ModelConfig, stored: dict[str, tuple[int, ...]]) -> set[str]:
+def expert_names(
+    model: nn.Module, config: ModelConfig, stored: dict[str, tuple[int, ...]], shard: ShardPlan | None = None
+) -> set[str]:
     """The fused experts that stored quantized weights write into."""
     modules = dict(model.named_modules())
-    names = {param_name.rpartition(".") for param_name, _ in _stored_writes(model, config, stored)}
+    names = {param_name.rpartition(".") for param_name, _ in _stored_writes(model, config, stored, shard)}
     return {module_name for module_name, _, projection in names
             if projection in PROJECTIONS and isinstance(modules.get(module_name), Experts)}  # fmt: skip
 
 
-def fp8_expert_layouts(model: nn.Module, config: ModelConfig, fp8_weights: dict[str, tuple[int, ...]]) -> dict[str, int]:
+def fp8_expert_layouts(
+    model: nn.Module, config: ModelConfig, fp8_weights: dict[str, tuple[int, ...]], shard: ShardPlan | None = None
+) -> dict[str, int]:
     """Fused experts that stored FP8 weights write into -> weight rows per scale row: 128 (the
     checkpoint's 128 x 128 blocks, as stored) unless a stored part's rows start inside a block
-    (per-expert gate and up with I not a multiple of 128), then 1 (row blocks)."""
+    (per-expert gate and up with I not a multiple of 128, or a rank's share of them), then 1
+    (row blocks)."""
     modules = dict(model.named_modules())
     layouts: dict[str, int] = {}
-    for param_name, index in _stored_writes(model, config, fp8_weights):
+    for param_name, index in _stored_writes(model, config, fp8_weights, shard):
         module_name, _, projection = param_name.rpartition(".")
         if projection in PROJECTIONS and isinstance(modules.get(module_name), Experts):
             aligned = _first_row(index) % SCALE_BLOCK == 0 and layouts.get(module_name, SCALE_BLOCK) == SCALE_BLOCK
@@ -129,13 +139,21 @@ def fp8_expert_layouts(model: nn.Module, config: ModelConfig, fp8_weights: dict[
     return layouts
 
 
-def _stored_writes(model: nn.Module, config: ModelConfig, stored: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, object]]:
-    """(parameter name, index) of each write the stored weights make, packed parts as their packed parameter."""
+def _stored_writes(
+    model: nn.Module, config: ModelConfig, stored: dict[str, tuple[int, ...]], shard: ShardPlan | None
+) -> Iterator[tuple[str, object]]:
+    """(parameter name, index) of each write the stored weights make in `model`, packed parts as
+    their packed parameter's rows; with `shard`, the rank's own writes in its own terms."""
     rule = checkpoint_rule(config)
-    packed = packed_parts(model)
+    packed = shard.full_packed_parts if shard is not None else packed_parts(model)
     for stored_name, shape in stored.items():
-        for param_name, index, _ in rule(stored_name, torch.empty(shape, dtype=FP8, device="meta"), config):
-            yield packed.get(param_name, (param_name, None))[0], index
+        for param_name, index, value in rule(stored_name, torch.empty(shape, dtype=FP8, device="meta"), config):
+            if param_name in packed:
+                packed_name, part_rows = packed[param_name]
+                param_name, index = packed_name, rows_within(part_rows, index)
+            write = StoredWrite(stored_name, param_name, index, value)
+            for local in shard.localize(write) if shard is not None else (write,):
+                yield local.param_name, local.index
 
 
 def _first_row(index) -> int:
@@ -253,8 +271,7 @@ def load_model(
     quantize: "fp8" | "nvfp4", quantized as the weights arrive (build_model).
     shard: build and fill one tensor-parallel rank's part of the model (`config` is the full one)."""
     dtype = dtype or getattr(torch, config.torch_dtype, torch.bfloat16)
-    built = shard.local_config if shard is not None else config
-    model = build_model(built, dtype, device, fp8_weights, nvfp4_weights, quantize)
+    model = build_model(config, dtype, device, fp8_weights, nvfp4_weights, quantize, shard)
     load_weights(model, tensors, total=total, progress=progress, source=source, dtype=dtype, shard=shard)
     model.eval()
     return model

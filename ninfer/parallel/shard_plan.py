@@ -205,12 +205,11 @@ class ShardPlan:
     # ---- checkpoint writes ----------------------------------------------------------------------
     def localize(self, write: StoredWrite) -> list[StoredWrite]:
         """The writes of this rank's parts that the full-coordinate `write` makes (none where it
-        holds none of it); their indexes are into the rank's own parameter."""
+        holds none of it); their indexes are into the rank's own parameter. A quantized write's
+        scales go with its values (StoredWrite.narrowed)."""
         shard = self.shards.get(write.param_name)
         if shard is None:
             return [write]
-        if write.fp8_row_scales is not None or write.nvfp4_scales is not None:
-            raise WeightLoadError(f"{write.what}: quantized weights are not split over tensor-parallel ranks")
         if isinstance(shard, LeaderOnly):
             return [write if self.rank == 0 else dataclasses.replace(write, value=torch.zeros_like(write.value))]
         box = _box(write.index, self.full_shapes[write.param_name])
@@ -224,8 +223,10 @@ class ShardPlan:
             if low < high:
                 local = list(box)
                 local[shard.dim] = (offset + low - span_start, offset + high - span_start, kept)
-                value = write.value.narrow(value_dim, low - start, high - low) if kept else write.value
-                writes.append(dataclasses.replace(write, index=_index(local), value=value))
+                part = write.narrowed(value_dim, low - start, high - low) if kept else write
+                local_shape = list(self.full_shapes[write.param_name])
+                local_shape[shard.dim] = shard.size
+                writes.append(dataclasses.replace(part, index=_index(local, local_shape)))
             offset += span_stop - span_start
         return writes
 
@@ -251,5 +252,12 @@ def _box(index: object, shape: tuple[int, ...]) -> list[tuple[int, int, bool]]:
     return box
 
 
-def _index(box: list[tuple[int, int, bool]]) -> tuple:
-    return tuple(slice(start, stop) if keep else start for start, stop, keep in box)
+def _index(box: list[tuple[int, int, bool]], shape: list[int]) -> object:
+    """The box as an index into a parameter of `shape`, without the trailing dimensions it takes
+    whole: a quantized module's scales have fewer dimensions than its weight, or other sizes."""
+    parts = [slice(start, stop) if keep else start for start, stop, keep in box]
+    while parts and isinstance(parts[-1], slice) and (parts[-1].start, parts[-1].stop) == (0, shape[len(parts) - 1]):
+        parts.pop()
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else tuple(parts)

@@ -1,6 +1,7 @@
 """--tensor-parallel's validation: values other than 1, 2, 4, 8; models whose heads or intermediate
-sizes the ranks do not divide; more ranks than devices; parts not split over ranks yet. Each is
-one error naming --tensor-parallel, before any rank starts."""
+sizes the ranks do not divide; more ranks than devices; parts not split over ranks yet (a DFlash
+drafter, the vision tower, containers). Each is one error naming --tensor-parallel, before any
+rank starts; the MTP head and quantized checkpoints pass."""
 
 from __future__ import annotations
 
@@ -39,33 +40,39 @@ def test_the_command_line_names_the_option(capsys):
 
 
 @pytest.mark.parametrize(
-    "engine, quantize, changes, message",
+    "engine, changes, message",
     [
-        ({"spec": "mtp", "draft_tokens": 2}, None, {},
-         "--tensor-parallel 2 cannot be combined with --spec: speculative decoding is not split over ranks yet"),
-        ({"vision": True}, None, {},
+        ({"spec": "dflash", "draft_tokens": 2}, {},
+         "--tensor-parallel 2 cannot be combined with --spec dflash: its drafter is not split over ranks yet"),
+        ({"spec": "dflash2", "draft_tokens": 2}, {},
+         "--tensor-parallel 2 cannot be combined with --spec dflash2: its drafter is not split over ranks yet"),
+        ({"vision": True}, {},
          "--tensor-parallel 2 cannot be combined with --vision: the vision tower is not split over ranks yet"),
-        ({}, "fp8", {}, "--tensor-parallel 2 cannot be combined with --quantize: quantized layers are not split over ranks yet"),
-        ({}, None, {"fp8_weights": {"w": (128, 64)}},
-         "--tensor-parallel 2: /models/tiny stores FP8 weights, which are not split over ranks yet"),
-        ({}, None, {"nvfp4_weights": {"w": (128, 64)}},
-         "--tensor-parallel 2: /models/tiny stores NVFP4 weights, which are not split over ranks yet"),
-        ({}, None, {"runtime_loader": object()},
+        ({}, {"runtime_loader": object()},
          "--tensor-parallel 2: /models/tiny is a .ninfer container, which is not split over ranks yet; "
          "serve its source checkpoint"),
-        ({"tensor_parallel": 8}, None, {},
+        ({"tensor_parallel": 8}, {},
          "--tensor-parallel 8: /models/tiny does not split over 8 ranks: its attention heads (4) cannot be divided among 8 ranks"),
     ],
 )  # fmt: skip
-def test_what_the_ranks_cannot_run_is_refused(engine, quantize, changes, message):
+def test_what_the_ranks_cannot_run_is_refused(engine, changes, message):
     config = EngineConfig(**{"tensor_parallel": 2, **engine})
     with pytest.raises(ConfigValueError) as refused:
-        check_tensor_parallel(artifact(**changes), config, quantize)
+        check_tensor_parallel(artifact(**changes), config)
     assert str(refused.value) == message
 
 
+@pytest.mark.parametrize(
+    "engine, changes",
+    [({"spec": "mtp", "draft_tokens": 2}, {}), ({}, {"fp8_weights": {"w": (128, 64)}}),
+     ({}, {"nvfp4_weights": {"w": (128, 64)}})],
+)  # fmt: skip
+def test_mtp_and_quantized_checkpoints_split(engine, changes):
+    check_tensor_parallel(artifact(**changes), EngineConfig(**{"tensor_parallel": 2, **engine}))
+
+
 def test_one_rank_checks_nothing():
-    check_tensor_parallel(artifact(fp8_weights={"w": (1, 1)}), EngineConfig(spec="mtp", draft_tokens=1), "fp8")
+    check_tensor_parallel(artifact(runtime_loader=object()), EngineConfig(vision=True))
 
 
 def test_more_ranks_than_devices_is_refused(monkeypatch):

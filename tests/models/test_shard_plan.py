@@ -1,16 +1,27 @@
 """The tensor-parallel shard plan: each rank's parameters, loaded from the checkpoint through the
 plan, are exactly its part of the whole model's, and the parts put back together are the whole
-model (every family, 2 and 4 ranks; KV heads shared by ranks when there are fewer than ranks)."""
+model (every family, 2 and 4 ranks; KV heads shared by ranks when there are fewer than ranks).
+Quantized checkpoints (Qwen's block FP8 with FP8 experts, ModelOpt's NVFP4) kept in their format:
+each rank's quantized layers dequantize to its part of the whole model's."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from ninfer.artifact import open_artifact
+from ninfer.kernels.moe.ref import dequantize_experts
 from ninfer.models.config import ModelConfig
+from ninfer.models.quant.fp8 import Fp8Linear
+from ninfer.models.quant.fp8_experts import PROJECTIONS, Fp8Experts
+from ninfer.models.quant.nvfp4 import Nvfp4Linear
+from ninfer.models.quant.nvfp4_experts import Nvfp4Experts
 from ninfer.parallel.shard_plan import LeaderOnly, ShardPlan, Split, local_config, tensor_parallel_problem
+from ninfer.testing.tiny_quantized import modelopt_nvfp4_copy, qwen_fp8_copy
 from tests.engine.test_tensor_parallel import ARCHITECTURES, write_artifact
+from tests.models.fp8_experts_checkpoint import fp8_moe_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +43,73 @@ def test_each_rank_loads_its_part_and_the_parts_make_the_whole(artifacts, arch, 
         for plan, rank in zip(plans, ranks):
             assert torch.equal(rank[name], plan.shard(name, full)), f"{name} on rank {plan.rank}"
         assert torch.equal(ShardPlan.unshard(plans, name, [rank[name] for rank in ranks]), full), name
+
+
+QUANTIZED_LAYERS = (Fp8Linear, Nvfp4Linear, Fp8Experts, Nvfp4Experts)
+
+
+def dense_weights(model) -> dict[str, torch.Tensor]:
+    """Every parameter in fp32, quantized layers' weights dequantized, by the unquantized model's names."""
+    dense = {name: p.detach().float() for name, p in model.named_parameters()}
+    for module_name, module in model.named_modules():
+        if isinstance(module, (Fp8Linear, Nvfp4Linear)):
+            dense[f"{module_name}.weight"] = module.dequantized(torch.float32)
+        elif isinstance(module, (Fp8Experts, Nvfp4Experts)):
+            for projection in PROJECTIONS:
+                weight, scale = getattr(module, projection), module.scale_of(projection)
+                dense[f"{module_name}.{projection}"] = dequantize_experts(weight, scale, torch.float32)
+    return dense
+
+
+def quantized_layouts(model) -> dict[str, str]:
+    return {name: type(module).__name__ for name, module in model.named_modules() if isinstance(module, QUANTIZED_LAYERS)}
+
+
+@pytest.fixture(scope="module")
+def quantized_checkpoints(artifacts, tmp_path_factory) -> dict[str, str]:
+    """FP8 and NVFP4 copies of the families' checkpoints, and FP8 MoE checkpoints with FP8 fused
+    experts whose intermediate size is inside one 128-row block (32), a rank's share of it
+    aligned with the blocks (256 over 2 ranks) and not (128 over 2 ranks)."""
+    root = tmp_path_factory.mktemp("quantized")
+    copies = {f"{arch}-fp8": qwen_fp8_copy(Path(artifacts[arch]), root / f"{arch}-fp8") for arch in ("qwen3_next", "llama")}
+    copies.update({f"{arch}-nvfp4": modelopt_nvfp4_copy(Path(artifacts[arch]), root / f"{arch}-nvfp4")
+                   for arch in ("qwen3_5", "qwen3_5_moe")})  # fmt: skip
+    copies.update({f"moe-fp8-i{inter}": fp8_moe_checkpoint(root, inter) for inter in (32, 128, 256)})
+    return {name: str(path) for name, path in copies.items()}
+
+
+@pytest.mark.parametrize(
+    "checkpoint, size",
+    [("qwen3_next-fp8", 2), ("qwen3_next-fp8", 4), ("llama-fp8", 2), ("qwen3_5-nvfp4", 4), ("qwen3_5_moe-nvfp4", 2),
+     ("moe-fp8-i32", 2), ("moe-fp8-i128", 2), ("moe-fp8-i256", 2)],
+)  # fmt: skip
+def test_quantized_weights_split_as_stored(quantized_checkpoints, checkpoint, size):
+    artifact = open_artifact(quantized_checkpoints[checkpoint])
+    keep = {"keep_fp8": True} if "fp8" in checkpoint else {"keep_nvfp4": True}
+    whole_model = artifact.load_model(dtype=torch.float32, progress=False, **keep)
+    whole = dense_weights(whole_model)
+    layouts = quantized_layouts(whole_model)
+    assert layouts
+    for rank in range(size):
+        plan = ShardPlan(artifact.config, rank, size)
+        model = artifact.load_model(dtype=torch.float32, progress=False, shard=plan, **keep)
+        assert quantized_layouts(model) == layouts  # every layer kept in its stored format
+        dense = dense_weights(model)
+        assert dense.keys() == whole.keys()
+        for name, full in whole.items():
+            assert torch.equal(dense[name], plan.shard(name, full)), f"{name} on rank {rank}"
+
+
+def test_a_ranks_share_of_fp8_experts_takes_the_block_layout_its_rows_allow(quantized_checkpoints):
+    """Gate and up of 256 rows over 2 ranks: 128 each, still in 128-row blocks; 128 over 2: 64
+    each, which start inside a block, so the rank keeps a scale row per weight row."""
+    for inter, rows_per_block in ((256, 128), (128, 1)):
+        artifact = open_artifact(quantized_checkpoints[f"moe-fp8-i{inter}"])
+        whole = artifact.load_model(dtype=torch.float32, progress=False, keep_fp8=True)
+        rank = artifact.load_model(dtype=torch.float32, progress=False, keep_fp8=True, shard=ShardPlan(artifact.config, 1, 2))
+        experts = "model.layers.0.mlp.experts"
+        assert whole.get_submodule(experts).rows_per_block("gate_up_proj") == 128
+        assert rank.get_submodule(experts).rows_per_block("gate_up_proj") == rows_per_block
 
 
 def test_the_split_matrices_of_a_hybrid_layer(artifacts):

@@ -9,13 +9,14 @@ itself (`StoresCheckpointWrites`) and either keeps the stored format or quantize
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from ninfer.kernels.gemv.ref import SCALE_BLOCK
 from ninfer.kernels.nvfp4_gemv import dequantize_nvfp4
+from ninfer.kernels.nvfp4_gemv.ref import BLOCK as NVFP4_BLOCK
 from ninfer.models.weight_load_error import WeightLoadError
 
 
@@ -44,17 +45,50 @@ class StoredWrite:
 
     def dense(self, expected: Sequence[int]) -> torch.Tensor:
         """The value dequantized exactly (as stored when unquantized), checked against `expected`."""
+        return self.checked(self.dequantized(), expected)
+
+    def dequantized(self) -> torch.Tensor:
+        """The value dequantized exactly (as stored when unquantized)."""
         value = self.value
         if self.fp8_row_scales is not None:
             columns = self.fp8_row_scales.repeat_interleave(SCALE_BLOCK, dim=-1)[..., : value.shape[-1]]
-            value = value.float() * columns
-        elif self.nvfp4_scales is not None:
+            return value.float() * columns
+        if self.nvfp4_scales is not None:
             block_scale, row_scale = self.nvfp4_scales
             flat_codes = value.reshape(-1, value.shape[-1])
-            value = dequantize_nvfp4(
+            return dequantize_nvfp4(
                 flat_codes, block_scale.reshape(flat_codes.shape[0], -1), row_scale.reshape(-1)
             ).reshape(*value.shape[:-1], value.shape[-1] * 2)
-        return self.checked(value, expected)
+        return value
+
+    def narrowed(self, dim: int, start: int, length: int) -> StoredWrite:
+        """The write of `length` elements from `start` along the value's dimension `dim`, counted in
+        unquantized elements, with their scales (the index is the caller's to set). A quantized
+        write keeps its stored bits where its scale blocks allow: any cut across rows, a cut across
+        columns on a block boundary or inside one block. Any other column cut is dequantized
+        exactly, and the module it fills quantizes it into its own blocks."""
+        quantized = self.fp8_row_scales is not None or self.nvfp4_scales is not None
+        if not quantized:
+            return replace(self, value=self.value.narrow(dim, start, length))
+        if dim < self.value.dim() - 1:  # rows: every scale tensor has the value's row dimensions
+            fp8, nvfp4 = self.fp8_row_scales, self.nvfp4_scales
+            return replace(
+                self,
+                value=self.value.narrow(dim, start, length),
+                fp8_row_scales=None if fp8 is None else fp8.narrow(dim, start, length),
+                nvfp4_scales=None if nvfp4 is None else tuple(s.narrow(dim, start, length) for s in nvfp4),
+            )
+        if self.fp8_row_scales is not None:
+            first_block, end_block = start // SCALE_BLOCK, -(-(start + length) // SCALE_BLOCK)
+            if start % SCALE_BLOCK == 0 or end_block - first_block == 1:
+                scales = self.fp8_row_scales[..., first_block:end_block]
+                return replace(self, value=self.value.narrow(dim, start, length), fp8_row_scales=scales)
+        elif start % NVFP4_BLOCK == 0 and length % NVFP4_BLOCK == 0:
+            block_scale, row_scale = self.nvfp4_scales
+            groups = block_scale.narrow(dim, start // NVFP4_BLOCK, length // NVFP4_BLOCK)
+            return replace(self, value=self.value.narrow(dim, start // 2, length // 2), nvfp4_scales=(groups, row_scale))
+        dense = self.dequantized().narrow(dim, start, length)
+        return replace(self, value=dense, fp8_row_scales=None, nvfp4_scales=None)
 
     def copy_into(self, tensor: torch.Tensor) -> None:
         """The value as stored into its place in `tensor`."""
