@@ -33,6 +33,7 @@ from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
 from ninfer.testing.oracle_drafter import TableOracleDrafter
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
+from ninfer.testing.tiny_dflash import make_tiny_dflash
 from ninfer.testing.tiny_quantized import modelopt_nvfp4_copy, qwen_fp8_copy
 from tests.engine.test_engine_generation import COMMON, GDN_INIT, HYBRID, MOE, PROMPTS, greedy, run_engine
 from tests.models.helpers import randomize_
@@ -171,6 +172,27 @@ def test_mtp_speculation_equals_one_process(tmp_path):
             assert counters.rounds > 0 and counters.accepted_tokens == counters.drafted_tokens > 0, counters
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_dflash_speculation_equals_one_process(tmp_path, kind):
+    """A DFlash / DFlash2 drafter runs whole on every rank (each follower loads its own) and reads
+    the target's residual streams, whole after each block's all-reduce: its drafts over 2 ranks
+    are one process's, and the output is plain decoding's."""
+    artifact = make_tiny_qwen3_5(tmp_path, dtype="float32")
+    make_tiny_dflash(artifact, kind)
+    requests = [greedy("a", PROMPTS[0], 12), greedy("b", PROMPTS[1], 12)]
+    plain = {r.request_id: run_engine(build(str(artifact), 1), {0: [r]})[r.request_id][0] for r in requests}
+    drafts = []
+    for size in (1, 2):
+        core = build(str(artifact), size, spec=kind, draft_tokens=2)
+        try:
+            drafts.append(record_drafts(core))
+            got = run_engine(core, {0: requests[:1], 2: requests[1:]})
+        finally:
+            core.close()
+        assert {rid: tokens for rid, (tokens, _) in got.items()} == plain
+    assert drafts[0] == drafts[1] and drafts[0]
 
 
 def record_drafts(core: EngineCore) -> list[list[int]]:
