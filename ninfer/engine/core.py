@@ -188,7 +188,9 @@ class EngineCore:
         else:
             from ninfer.parallel.leader_runner import LeaderRunner
 
-            self.runner = LeaderRunner(followers, model, **runner_arguments, draft_model=draft_model)
+            self.runner = LeaderRunner(
+                followers, model, **runner_arguments, draft_model=draft_model, vision_tower=vision_tower
+            )
         # Every rank's memory ledger, by rank, with tensor-parallel followers (the builder gathers them).
         self.rank_memory: list[dict[str, int]] | None = None
         self.runner.host_detail = self._detail

@@ -42,19 +42,24 @@ def follower_main(spec: EngineSpec, rank: int, device: str, rendezvous: str, log
     started = time.perf_counter()
     group = RankGroup.join(rank, spec.engine.tensor_parallel, rendezvous, device)
     error = None
-    model = draft_model = None
+    model = draft_model = vision_tower = None
     try:
         engine, artifact, companion = open_checked(spec, rank)
         plan = ShardPlan(artifact.config, rank, engine.tensor_parallel)
         model, dtype = load_trunk(spec, engine, artifact, started, plan, announce=False)
         reduce_partial_sums(model, group)
-        if companion is not None:  # a DFlash drafter runs whole on every rank, as on rank 0
+        # A DFlash drafter and the vision tower run whole on every rank, as on rank 0.
+        if companion is not None:
             draft_model = companion.load_model(dtype=dtype, device=engine.device)
+        if engine.vision:
+            from ninfer.models.vision_loader import load_vision_tower
+
+            vision_tower = load_vision_tower(artifact, device=engine.device, dtype=dtype)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which reports the start-up failure
         log.debug("rank %d failed to start", rank, exc_info=True)
         error = picklable_error(exc)
     if not any(failure is not None for failure in group.gather(error)):
-        Follower(group, model, draft_model).serve()
+        Follower(group, model, draft_model, vision_tower).serve()
     group.close()
     # Rank 0 waits for its followers to leave (before a restart starts new ones): left to the
     # collector, the interpreter's last passes over torch's objects take seconds on a small CPU.
@@ -62,10 +67,11 @@ def follower_main(spec: EngineSpec, rank: int, device: str, rendezvous: str, log
 
 
 class Follower:
-    def __init__(self, group: RankGroup, model, draft_model=None):
+    def __init__(self, group: RankGroup, model, draft_model=None, vision_tower=None):
         self.group = group
         self.model = model
         self.draft_model = draft_model
+        self.vision_tower = vision_tower
         self.runner: ModelRunner | None = None
         self._unread: collections.deque[PendingStep] = collections.deque()  # launched, oldest first
         self._deferred: DeferredSampling | None = None
@@ -88,7 +94,10 @@ class Follower:
                 self._deferred = None
             elif isinstance(command, CreateRunner):
                 self._drop_runner()
-                self.runner = ModelRunner(self.model, **command.arguments, draft_model=self.draft_model, ranks=self.group)
+                self.runner = ModelRunner(
+                    self.model, **command.arguments, draft_model=self.draft_model, vision_tower=self.vision_tower,
+                    ranks=self.group,
+                )
             elif isinstance(command, AgreeKvTokens):
                 self._agree_kv_tokens(command)
             elif isinstance(command, ReportMemory):

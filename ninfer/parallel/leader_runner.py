@@ -19,12 +19,13 @@ from ninfer.parallel.followers import Followers
 
 
 class LeaderRunner(ModelRunner):
-    def __init__(self, followers: Followers, model: CausalLM, *, draft_model=None, **arguments):
-        """arguments: ModelRunner's, plain values only (they are sent to the followers). draft_model:
-        a DFlash / DFlash2 drafter, whole on every rank (each follower loads its own copy)."""
+    def __init__(self, followers: Followers, model: CausalLM, *, draft_model=None, vision_tower=None, **arguments):
+        """arguments: ModelRunner's, plain values only (they are sent to the followers). draft_model
+        (a DFlash / DFlash2 drafter) and vision_tower run whole on every rank: each follower loads
+        its own copy and encodes the media its step plan carries, as this rank does."""
         # The followers build theirs at the same time: capturing graphs runs the model's collectives.
         followers.send(CreateRunner(arguments))
-        super().__init__(model, **arguments, draft_model=draft_model, ranks=followers.group)
+        super().__init__(model, **arguments, draft_model=draft_model, vision_tower=vision_tower, ranks=followers.group)
         self.followers = followers
 
     def launch(self, step: SchedulerStep) -> PendingStep | DeferredSampling:

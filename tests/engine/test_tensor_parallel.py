@@ -195,6 +195,26 @@ def test_dflash_speculation_equals_one_process(tmp_path, kind):
     assert drafts[0] == drafts[1] and drafts[0]
 
 
+def test_image_requests_equal_one_process(tmp_path):
+    """--vision over 2 ranks: every rank encodes the step plan's media with its own whole tower;
+    an image prompt, then a second turn reusing its prefix through the image, as one process."""
+    from tests.engine.test_speculative_media import REPLY, image_prompt, request
+
+    artifact = str(make_tiny_qwen3_5(tmp_path, vision=True, dtype="float32"))
+    ids, media = image_prompt()
+    outputs = []
+    for size in (1, 2):
+        core = build(artifact, size, vision=True)
+        try:
+            first, _ = run_engine(core, {0: [request("turn1", ids, media)]})["turn1"]
+            second, final = run_engine(core, {0: [request("turn2", ids + first + REPLY, media)]})["turn2"]
+        finally:
+            core.close()
+        assert final.cached_tokens > 0  # the second turn resumed past the image on every rank
+        outputs.append((first, second))
+    assert outputs[1] == outputs[0] and all(outputs[0])
+
+
 def record_drafts(core: EngineCore) -> list[list[int]]:
     """The drafts rank 0's drafter proposes, a list per call, as the engine runs."""
     drafter, calls = core.runner.speculator.drafter, []

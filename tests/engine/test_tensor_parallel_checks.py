@@ -1,7 +1,7 @@
 """--tensor-parallel's validation: values other than 1, 2, 4, 8; models whose heads or intermediate
-sizes the ranks do not divide; more ranks than devices; parts not split over ranks yet (the
-vision tower, containers). Each is one error naming --tensor-parallel, before any rank starts;
-speculative decoding and quantized checkpoints pass."""
+sizes the ranks do not divide; more ranks than devices; a .ninfer container (not split over
+ranks yet). Each is one error naming --tensor-parallel, before any rank starts; speculative
+decoding, the vision tower and quantized checkpoints pass."""
 
 from __future__ import annotations
 
@@ -42,8 +42,6 @@ def test_the_command_line_names_the_option(capsys):
 @pytest.mark.parametrize(
     "engine, changes, message",
     [
-        ({"vision": True}, {},
-         "--tensor-parallel 2 cannot be combined with --vision: the vision tower is not split over ranks yet"),
         ({}, {"runtime_loader": object()},
          "--tensor-parallel 2: /models/tiny is a .ninfer container, which is not split over ranks yet; "
          "serve its source checkpoint"),
@@ -61,9 +59,9 @@ def test_what_the_ranks_cannot_run_is_refused(engine, changes, message):
 @pytest.mark.parametrize(
     "engine, changes",
     [({"spec": "mtp", "draft_tokens": 2}, {}), ({"spec": "dflash", "draft_tokens": 2}, {}),
-     ({}, {"fp8_weights": {"w": (128, 64)}}), ({}, {"nvfp4_weights": {"w": (128, 64)}})],
+     ({"vision": True}, {}), ({}, {"fp8_weights": {"w": (128, 64)}}), ({}, {"nvfp4_weights": {"w": (128, 64)}})],
 )  # fmt: skip
-def test_speculation_and_quantized_checkpoints_split(engine, changes):
+def test_speculation_vision_and_quantized_checkpoints_split(engine, changes):
     check_tensor_parallel(artifact(**changes), EngineConfig(**{"tensor_parallel": 2, **engine}))
 
 
