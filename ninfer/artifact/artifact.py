@@ -84,16 +84,13 @@ class Artifact:
         as their weights arrive, as quantize_fp8_ / quantize_nvfp4_ would quantize them loaded.
         A .ninfer container loads as it was packed (its FP8 layers stay FP8; keep_fp8 is moot), and
         quantize quantizes the layers it holds unquantized, likewise as they arrive.
-        shard: load one tensor-parallel rank's part (parallel/shard_plan.py); checkpoints only
-        (engine/startup_checks.py refuses a container with it)."""
+        shard: load one tensor-parallel rank's part (parallel/shard_plan.py)."""
         import torch
 
         from ninfer.models.loader import load_model
 
         if self.runtime_loader is not None:
-            if shard is not None:
-                raise ArtifactError(f"{self.path}: a .ninfer container is not split over tensor-parallel ranks")
-            return self.runtime_loader(self.config, dtype, device, progress, quantize)
+            return self.runtime_loader(self.config, dtype, device, progress, quantize, shard)
         if keep_fp8 is None:
             keep_fp8 = torch.device(device).type == "cuda"
         if keep_nvfp4 is None:

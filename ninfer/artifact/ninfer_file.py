@@ -257,20 +257,21 @@ def _runtime_loader(
 ) -> Callable[..., CausalLM]:
     def load(
         config: ModelConfig, dtype: torch.dtype | None, device: torch.device | str, progress: bool,
-        quantize: str | None = None,
+        quantize: str | None = None, shard=None,
     ) -> CausalLM:
         """config: the artifact's, possibly narrowed since opening (no MTP head without --spec mtp).
-        quantize: the layers the container holds unquantized, quantized as their tensors arrive."""
+        quantize: the layers the container holds unquantized, quantized as their tensors arrive.
+        shard: load one tensor-parallel rank's part (parallel/shard_plan.py)."""
         import torch
 
         from ninfer.models.runtime_layout import build_runtime_model, load_runtime_tensors, quantized_modules
 
         dtype = dtype or getattr(torch, config.torch_dtype, torch.bfloat16)
-        model = build_runtime_model(config, dtype, device, modules, source, quantize)
+        model = build_runtime_model(config, dtype, device, modules, source, quantize, shard)
         device_name = str(torch.device(device))
         reader = tensors.read(tensors.model_names(), device=device_name, progress=progress)
         quantized_at_load = quantized_modules(model).keys() - modules.keys()
-        load_runtime_tensors(model, reader, source, quantized_at_load, dtype)
+        load_runtime_tensors(model, reader, source, quantized_at_load, dtype, shard)
         return model.eval()
 
     return load

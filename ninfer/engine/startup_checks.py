@@ -5,8 +5,7 @@ thing); each raises ConfigValueError naming the option, which the engine process
 Refused and the API process prints as a command-line error (exit code 2).
 - The device: --device names a CUDA device this process can see (CPU when none is present).
 - Tensor parallelism: --tensor-parallel N must divide the model's heads and intermediate sizes
-  (parallel/shard_plan.py), have N devices from --device on, and not meet a part that is not
-  split over ranks yet (containers).
+  (parallel/shard_plan.py) and have N devices from --device on.
 - The KV formats: --kv-dtype must fit the model's attention head size.
 - Speculative residency: --spec freezes the backend for the process's life, and a combination
   the artifact cannot serve names the missing part: no MTP head; no DFlash / DFlash2 drafter
@@ -51,21 +50,15 @@ def resolve_device(index: int, num_ranks: int = 1) -> str:
 
 
 def check_tensor_parallel(artifact, engine: EngineConfig) -> None:
-    """ConfigValueError when the model or an option cannot run over --tensor-parallel's ranks: a
-    split dimension the rank count does not divide, or a part not split over ranks yet. The MTP
-    head splits like the trunk (its layer is one of the trunk's kind), a DFlash drafter and the
-    vision tower run whole on every rank; quantized weights, stored or --quantize'd, split as
+    """ConfigValueError when the model cannot run over --tensor-parallel's ranks: a split
+    dimension the rank count does not divide. Everything else splits: the MTP head like the
+    trunk (its layer is one of the trunk's kind); a DFlash drafter and the vision tower run whole
+    on every rank; quantized weights, in a checkpoint, a container or --quantize'd, split as
     stored (StoredWrite.narrowed)."""
     size = engine.tensor_parallel
-    if size == 1:
-        return
-    flag = f"--tensor-parallel {size}"
-    where = str(artifact.path)
-    if artifact.runtime_loader is not None:
-        raise ConfigValueError(f"{flag}: {where} is a .ninfer container, which is not split over ranks yet; serve its source checkpoint")
     problem = tensor_parallel_problem(artifact.config, size)
     if problem is not None:
-        raise ConfigValueError(f"{flag}: {where} does not split over {size} ranks: {problem}")
+        raise ConfigValueError(f"--tensor-parallel {size}: {artifact.path} does not split over {size} ranks: {problem}")
 
 
 def check_kv_dtype(config: ModelConfig, engine: EngineConfig) -> None:

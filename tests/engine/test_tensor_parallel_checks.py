@@ -1,7 +1,7 @@
 """--tensor-parallel's validation: values other than 1, 2, 4, 8; models whose heads or intermediate
-sizes the ranks do not divide; more ranks than devices; a .ninfer container (not split over
-ranks yet). Each is one error naming --tensor-parallel, before any rank starts; speculative
-decoding, the vision tower and quantized checkpoints pass."""
+sizes the ranks do not divide; more ranks than devices. Each is one error naming
+--tensor-parallel, before any rank starts; speculative decoding, the vision tower, quantized
+checkpoints and containers pass."""
 
 from __future__ import annotations
 
@@ -42,9 +42,6 @@ def test_the_command_line_names_the_option(capsys):
 @pytest.mark.parametrize(
     "engine, changes, message",
     [
-        ({}, {"runtime_loader": object()},
-         "--tensor-parallel 2: /models/tiny is a .ninfer container, which is not split over ranks yet; "
-         "serve its source checkpoint"),
         ({"tensor_parallel": 8}, {},
          "--tensor-parallel 8: /models/tiny does not split over 8 ranks: its attention heads (4) cannot be divided among 8 ranks"),
     ],
@@ -59,9 +56,10 @@ def test_what_the_ranks_cannot_run_is_refused(engine, changes, message):
 @pytest.mark.parametrize(
     "engine, changes",
     [({"spec": "mtp", "draft_tokens": 2}, {}), ({"spec": "dflash", "draft_tokens": 2}, {}),
-     ({"vision": True}, {}), ({}, {"fp8_weights": {"w": (128, 64)}}), ({}, {"nvfp4_weights": {"w": (128, 64)}})],
+     ({"vision": True}, {}), ({}, {"fp8_weights": {"w": (128, 64)}}), ({}, {"nvfp4_weights": {"w": (128, 64)}}),
+     ({}, {"runtime_loader": object()})],
 )  # fmt: skip
-def test_speculation_vision_and_quantized_checkpoints_split(engine, changes):
+def test_speculation_vision_quantized_checkpoints_and_containers_split(engine, changes):
     check_tensor_parallel(artifact(**changes), EngineConfig(**{"tensor_parallel": 2, **engine}))
 
 

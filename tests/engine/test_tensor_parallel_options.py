@@ -1,6 +1,6 @@
 """--tensor-parallel N combined with the engine's other parts, through the real engine over gloo
-(rank 0 in this process, followers in their own): quantized checkpoints kept as stored, MTP and
-DFlash speculation, image requests. Each equals one process token for token (greedy)."""
+(rank 0 in this process, followers in their own): quantized checkpoints kept as stored, a
+`.ninfer` container, MTP and DFlash speculation, image requests. Each equals one process token for token (greedy)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from ninfer.artifact.packer import pack
 from ninfer.engine.core import EngineCore
 from ninfer.models.quant.fp8 import Fp8Linear
+from ninfer.models.quant.fp8_experts import Fp8Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
 from ninfer.testing.oracle_drafter import TableOracleDrafter
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
@@ -33,6 +35,21 @@ def test_a_quantized_checkpoint_kept_as_stored_equals_one_process(artifacts, tmp
     try:
         layer = {"fp8": Fp8Linear, "nvfp4": Nvfp4Linear}[stored]
         assert all(isinstance(core.runner.model.model.layers[0].mlp.down_proj, layer) for core in cores)
+        runs = [run_engine(core, {0: [greedy("a", PROMPTS[0], 12)], 2: [greedy("b", PROMPTS[1], 12)]}) for core in cores]
+    finally:
+        cores[1].close()
+    one, two = ({rid: tokens for rid, (tokens, _) in run.items()} for run in runs)
+    assert two == one and all(len(tokens) == 12 for tokens in one.values())
+
+
+def test_a_container_equals_one_process(artifacts, tmp_path):
+    """A `ninfer pack --weights fp8` container (per-channel FP8 layers and experts, saved whole):
+    each rank loads its part of the saved tensors, codes and scales as saved."""
+    container = str(tmp_path / "qwen3_5_moe-fp8.ninfer")
+    pack(artifacts["qwen3_5_moe"], container, weights="fp8", progress=False)
+    cores = [build(container, size) for size in (1, 2)]
+    try:
+        assert all(isinstance(core.runner.model.model.layers[0].mlp.experts, Fp8Experts) for core in cores)
         runs = [run_engine(core, {0: [greedy("a", PROMPTS[0], 12)], 2: [greedy("b", PROMPTS[1], 12)]}) for core in cores]
     finally:
         cores[1].close()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ninfer.artifact import open_artifact
+from ninfer.artifact.packer import pack
 from ninfer.kernels.moe.ref import dequantize_experts
 from ninfer.models.config import ModelConfig
 from ninfer.models.quant.fp8 import Fp8Linear
@@ -94,6 +95,41 @@ def test_quantized_weights_split_as_stored(quantized_checkpoints, checkpoint, si
         plan = ShardPlan(artifact.config, rank, size)
         model = artifact.load_model(dtype=torch.float32, progress=False, shard=plan, **keep)
         assert quantized_layouts(model) == layouts  # every layer kept in its stored format
+        dense = dense_weights(model)
+        assert dense.keys() == whole.keys()
+        for name, full in whole.items():
+            assert torch.equal(dense[name], plan.shard(name, full)), f"{name} on rank {rank}"
+
+
+@pytest.fixture(scope="module")
+def containers(artifacts, quantized_checkpoints, tmp_path_factory) -> dict[str, str]:
+    """`ninfer pack` containers: bf16 (llama, with row-parallel biases), per-channel FP8 with per-row
+    FP8 experts (qwen3_next), NVFP4 layers and experts (qwen3_5_moe), and an FP8 checkpoint's
+    block FP8 kept as stored with 128-row expert blocks that a rank's 64 rows do not start."""
+    root = tmp_path_factory.mktemp("containers")
+    sources = {"llama-bf16": (artifacts["llama"], "bf16"), "qwen3_next-fp8": (artifacts["qwen3_next"], "fp8"),
+               "qwen3_5_moe-nvfp4": (artifacts["qwen3_5_moe"], "nvfp4"),
+               "moe-fp8-i128": (quantized_checkpoints["moe-fp8-i128"], "fp8")}  # fmt: skip
+    made = {}
+    for name, (source, weights) in sources.items():
+        made[name] = str(root / f"{name}.ninfer")
+        pack(source, made[name], weights=weights, progress=False)
+    return made
+
+
+@pytest.mark.parametrize(
+    "container, size", [("llama-bf16", 2), ("qwen3_next-fp8", 4), ("qwen3_5_moe-nvfp4", 2), ("moe-fp8-i128", 2)]
+)
+def test_a_container_splits_as_saved(containers, container, size):
+    artifact = open_artifact(containers[container])
+    whole_model = artifact.load_model(dtype=torch.float32, progress=False)
+    whole = dense_weights(whole_model)
+    layouts = quantized_layouts(whole_model)
+    assert bool(layouts) == ("bf16" not in container)
+    for rank in range(size):
+        plan = ShardPlan(artifact.config, rank, size)
+        model = artifact.load_model(dtype=torch.float32, progress=False, shard=plan)
+        assert quantized_layouts(model) == layouts
         dense = dense_weights(model)
         assert dense.keys() == whole.keys()
         for name, full in whole.items():

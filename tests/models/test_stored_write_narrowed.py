@@ -58,3 +58,18 @@ def test_an_unquantized_write_is_a_plain_slice():
     value = torch.arange(24.0).reshape(4, 6)
     cut = StoredWrite("w", "w", None, value).narrowed(1, 2, 3)
     assert torch.equal(cut.value, value[:, 2:5]) and cut.fp8_row_scales is None and cut.nvfp4_scales is None
+
+
+def test_a_per_channel_weight_keeps_its_bits_across_blocks():
+    """One scale per row, repeated per 128-column block (how a per-channel FP8 weight travels as a
+    write): any column cut keeps the codes, and the per-row scale comes back out of it."""
+    weight = torch.randn(64, 448, generator=torch.Generator().manual_seed(5))
+    scale = weight.abs().amax(dim=1) / 448
+    codes = (weight / scale[:, None]).to(torch.float8_e4m3fn)
+    write = StoredWrite("w", "w", None, codes, fp8_row_scales=scale[:, None].expand(64, 4))
+    cut = write.narrowed(1, 96, 200)  # across blocks 0, 1 and 2, on no boundary
+    assert cut.fp8_row_scales is not None and cut.fp8_row_scales.shape == (64, 2)
+    assert torch.equal(cut.value.view(torch.uint8), codes[:, 96:296].view(torch.uint8))
+    assert torch.equal(cut.dequantized(), write.dequantized()[:, 96:296])
+    assert torch.equal(cut.one_scale_per_row(), scale)
+    assert fp8_write(64, 448).one_scale_per_row() is None  # 128 x 128 blocks of their own scales

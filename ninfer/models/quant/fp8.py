@@ -105,10 +105,15 @@ class Fp8Linear(nn.Module):
 
     def load_stored(self, attribute: str, write: StoredWrite, dtype: torch.dtype | None = None) -> None:
         """A checkpoint's write into the weight: FP8 values with their block scales as stored
-        (row blocks), anything else dequantized and quantized into this module's layout."""
+        (row blocks), or with one scale per row into per-channel scales; anything else
+        dequantized and quantized into this module's layout."""
+        row_scale = None if self.block_scaled else write.one_scale_per_row()
         if write.fp8_row_scales is not None and self.block_scaled:
             write.copy_into(self.weight)
             write.target(self.weight_scale).copy_(write.fp8_row_scales)
+        elif row_scale is not None:
+            write.copy_into(self.weight)
+            write.target(self.weight_scale).copy_(row_scale)
         else:
             self.quantize_into(write.index, write.dense(write.target(self.weight).shape), dtype)
 

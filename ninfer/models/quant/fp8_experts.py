@@ -95,12 +95,17 @@ class Fp8Experts(nn.Module):
 
     def load_stored(self, projection: str, write: StoredWrite, dtype: torch.dtype | None = None) -> None:
         """A checkpoint's write into a projection (all experts, one, or an expert's rows): FP8
-        values with their block scales as stored where the projection has block scales, anything
-        else dequantized and quantized into its layout."""
+        values with their block scales as stored where the projection has block scales, with one
+        scale per row where it has per-row scales; anything else dequantized and quantized into
+        its layout."""
         rows_per_block = self.rows_per_block(projection)
         weight = write.target(getattr(self, projection))
+        row_scale = write.one_scale_per_row() if rows_per_block is None else None
         if write.fp8_row_scales is not None and rows_per_block is not None:
             self._write_blocks(projection, write, write.checked(write.value, weight.shape), write.fp8_row_scales)
+        elif row_scale is not None:  # per output row, as stored
+            weight.copy_(write.checked(write.value, weight.shape))
+            write.target(self.scale_of(projection)).copy_(row_scale)
         elif rows_per_block == SCALE_BLOCK:
             # 128 x 128 blocks span rows, so this one is quantized whole (an expert of a mixed checkpoint).
             value = write.dense(weight.shape)

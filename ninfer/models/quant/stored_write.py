@@ -61,12 +61,21 @@ class StoredWrite:
             ).reshape(*value.shape[:-1], value.shape[-1] * 2)
         return value
 
+    def one_scale_per_row(self) -> torch.Tensor | None:
+        """FP8 block scales that hold one value across each row (a per-channel weight written with
+        its scale repeated per block): that value per row; else None."""
+        scales = self.fp8_row_scales
+        if scales is None or not bool((scales == scales[..., :1]).all()):
+            return None
+        return scales[..., 0]
+
     def narrowed(self, dim: int, start: int, length: int) -> StoredWrite:
         """The write of `length` elements from `start` along the value's dimension `dim`, counted in
         unquantized elements, with their scales (the index is the caller's to set). A quantized
         write keeps its stored bits where its scale blocks allow: any cut across rows, a cut across
-        columns on a block boundary or inside one block. Any other column cut is dequantized
-        exactly, and the module it fills quantizes it into its own blocks."""
+        columns on a block boundary, inside one block, or across blocks of one scale per row. Any
+        other column cut is dequantized exactly, and the module it fills quantizes it into its
+        own blocks."""
         quantized = self.fp8_row_scales is not None or self.nvfp4_scales is not None
         if not quantized:
             return replace(self, value=self.value.narrow(dim, start, length))
@@ -80,9 +89,14 @@ class StoredWrite:
             )
         if self.fp8_row_scales is not None:
             first_block, end_block = start // SCALE_BLOCK, -(-(start + length) // SCALE_BLOCK)
+            scales = self.fp8_row_scales[..., first_block:end_block]
+            kept = None
             if start % SCALE_BLOCK == 0 or end_block - first_block == 1:
-                scales = self.fp8_row_scales[..., first_block:end_block]
-                return replace(self, value=self.value.narrow(dim, start, length), fp8_row_scales=scales)
+                kept = scales  # the cut's own 128-column blocks are these blocks (or inside the one)
+            elif bool((scales == scales[..., :1]).all()):  # one scale per row (a per-channel weight)
+                kept = scales[..., :1].expand(*scales.shape[:-1], -(-length // SCALE_BLOCK))
+            if kept is not None:
+                return replace(self, value=self.value.narrow(dim, start, length), fp8_row_scales=kept)
         elif start % NVFP4_BLOCK == 0 and length % NVFP4_BLOCK == 0:
             block_scale, row_scale = self.nvfp4_scales
             groups = block_scale.narrow(dim, start // NVFP4_BLOCK, length // NVFP4_BLOCK)
