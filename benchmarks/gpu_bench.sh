@@ -5,7 +5,7 @@
 #
 #   27b | 35b-a3b | all  which model to benchmark (default: all, 27b first)
 #   OUT_DIR              where everything is written (default: bench-results, ignored by git)
-#   --tests              afterwards, also run the GPU tests: python3 -m pytest -q -m gpu -n 0 tests/gpu
+#   --tests              afterwards, also run the GPU tests: python3 -m pytest -q -m gpu -n 0 tests (tests/gpu and the GPU cases of tests/kernels, tests/engine)
 #   -- FLAGS             appended to each `ninfer bench` command; a later flag wins, e.g.
 #                        `-- --peer none` skips HF transformers, `-- --prefill ""` skips prefill
 #
@@ -129,9 +129,9 @@ done
 
 # --- GPU tests ----------------------------------------------------------------------------
 if [ "$RUN_TESTS" -eq 1 ]; then
-    echo "== $(date -u '+%H:%M:%S') python3 -m pytest -q -m gpu -n 0 tests/gpu"
+    echo "== $(date -u '+%H:%M:%S') python3 -m pytest -q -m gpu -n 0 tests"
     SECONDS=0
-    python3 -m pytest -q -m gpu -n 0 --durations=10 tests/gpu > "$OUT_DIR/tests.log" 2>&1
+    python3 -m pytest -q -m gpu -n 0 --durations=10 tests > "$OUT_DIR/tests.log" 2>&1
     RC[tests]=$?
     echo "== exit ${RC[tests]} after ${SECONDS} s"
     [ "${RC[tests]}" -eq 0 ] || STATUS=1
