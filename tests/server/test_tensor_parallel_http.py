@@ -1,6 +1,7 @@
 """ninfer-serve --tensor-parallel 2 as a process, through the official openai SDK: it answers as one
-rank does, a killed follower rank takes it to 503 and through the same restart as a dead engine
-process, and a model the ranks cannot split stops start-up with one line naming the option."""
+rank does (speculating with the MTP head too), a killed follower rank takes it to 503 and through
+the same restart as a dead engine process, and a model the ranks cannot split stops start-up with
+one line naming the option."""
 
 from __future__ import annotations
 
@@ -93,6 +94,27 @@ def test_two_ranks_answer_as_one_and_a_killed_follower_restarts_the_engine(tiny_
     log = process.stderr.read()
     assert f"ERROR {reason}; restarting (attempt 1 of 3)" in log
     assert "INFO engine restarted in " in log and "tensor parallel: 2 ranks" in log
+
+
+def test_two_ranks_speculating_answer_as_one_plain_process(mtp_artifact):
+    """`--tensor-parallel 2 --spec mtp` (fp32: no near-tie decides a greedy token): every draft
+    verified over both ranks, and the answers plain decoding's in one process."""
+    single = start_server(serve_config(mtp_artifact, dtype="float32", max_context=8192, prefill_chunk=8192))
+    try:
+        expected = greedy_answers(single.base_url, single.serving.model_id)
+    finally:
+        single.stop()
+    process, base = serve(mtp_artifact, "--tensor-parallel", "2", "--dtype", "float32", "--spec", "mtp",
+                          "--draft-tokens", "2", "--no-adaptive-drafts")  # fmt: skip
+    try:
+        model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+        assert greedy_answers(base, model) == expected
+        body = {"model": model, "messages": QUESTION, "max_tokens": 16, "temperature": 0}
+        timings = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["timings"]
+        assert timings["draft_n"] > 0  # rounds verified drafts (llama.cpp's counters)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
 
 
 def test_a_model_the_ranks_cannot_split_stops_start_up_with_one_line(tiny_qwen):
