@@ -264,7 +264,7 @@ def _saved_write(
 ) -> StoredWrite:
     """A quantized module's saved weight (whole-model shape) as the checkpoint write the shard plan
     cuts: FP8 scales as a row of 128-column block scales per weight row, NVFP4 as saved."""
-    what = f"{source}: tensor {module_name}.{attribute!s}"
+    what = f"{source}: tensor {module_name}.{attribute}"
     value = parts[attribute]
     if isinstance(module, (Nvfp4Linear, Nvfp4Experts)):
         suffix = "" if attribute == "weight" else f"{attribute}_"
