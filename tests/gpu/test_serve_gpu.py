@@ -18,7 +18,7 @@ MESSAGES = [{"role": "user", "content": "Count from one to five."}]
 
 def test_ninfer_serve_starts_on_the_gpu_and_answers(tmp_path):
     artifact = str(make_tiny_qwen3_5(tmp_path, mtp=True))
-    process, base = start_ninfer_serve(artifact, "--spec", "mtp", ready_within_s=300)
+    process, base = start_ninfer_serve(artifact, "--spec", "mtp", "--draft-tokens", "2", "--model-id", "tiny", ready_within_s=300)
     try:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
         reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
