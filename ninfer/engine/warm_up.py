@@ -156,7 +156,7 @@ def run_warm_up(core) -> WarmUpReport:
     constrained = EngineRequest("warm-constrained", _prompt(9, 500, vocab_size), SAMPLED, max_new_tokens=3,
                                 constraint=WARM_UP_GRAMMAR, top_logprobs=2)
     num_steps += _run(core, [(0, [constrained])])
-    core.scheduler.cache.clear()
+    core.scheduler.cache.reset()
     core.reset_stats()
     after = core.pool_accounting()
     if after != baseline:

@@ -46,6 +46,10 @@ def test_warm_up_covers_the_worst_step_mixed_steps_and_decode_then_restores_the_
     assert any(c.sampling.temperature > 0 and c.sampling.presence_penalty == 0 for c in rows)  # sampled
     assert any(c.sampling.presence_penalty > 0 and len(c.token_ids) == 1 for c in rows)  # penalized decode
     assert core.pool_accounting() == baseline and len(core.scheduler.cache) == 0
+    # Nor does the cache planner's forecast remember the synthetic conversations: their pace
+    # (a turn every admission) would set what real conversations are assumed to take.
+    forecast = core.scheduler.cache.forecast
+    assert forecast.tick == 0 and len(forecast) == 0 and forecast.typical_interval() == 1.0
     assert core.scheduler.stats.prefill_tokens == 0  # the throughput record starts after it
     core.runner.launch = launch
     short = EngineRequest("a", PROMPTS[2], SamplingParams(temperature=0.0), max_new_tokens=8)

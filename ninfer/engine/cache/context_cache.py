@@ -257,5 +257,13 @@ class ContextCache:
         return gains
 
     def clear(self) -> None:
+        """Drop every checkpoint; the forecast keeps the conversations' pace (after a failed step
+        they are still the server's traffic)."""
         for ck in list(self.checkpoints.values()):
             self.remove(ck)
+
+    def reset(self) -> None:
+        """As before any request: no checkpoint and no forecast (the warm-up's synthetic
+        conversations, a turn every admission, would set the pace assumed for real ones)."""
+        self.clear()
+        self.forecast = ContinuationForecast()

@@ -58,6 +58,10 @@ class ContinuationForecast:
         self._ghosts: OrderedDict[str, list[_Ghost]] = OrderedDict()
         self._typical: float | None = None  # typical_interval(), until the next turn
 
+    def __len__(self) -> int:
+        """Conversations and shared prefixes it tracks."""
+        return len(self._turns)
+
     def note_turn(self, continuation: str) -> None:
         """A request of this conversation was admitted."""
         self.tick += 1
