@@ -222,6 +222,17 @@ def test_dequantize_gives_the_reference_values_rounded_once(dtype: torch.dtype) 
 
 
 @interpreter_only
+@pytest.mark.usefixtures("bf16_round_to_nearest_even")
+@pytest.mark.parametrize("k", [48, 2080])
+def test_the_default_dequantize_tile_covers_short_and_ragged_rows(k: int) -> None:
+    # The default tile (DEQUANTIZE_BLOCK_N rows x up to DEQUANTIZE_BLOCK_K values): shortened to
+    # K's power of two on short rows, masked past K on rows longer than one tile.
+    packed, block_scale, row_scale = random_weights(N, k, seed=13)
+    out = fast.dequantize_nvfp4(packed, block_scale, row_scale, torch.bfloat16)
+    assert torch.equal(out, nvfp4_ref.dequantize_nvfp4(packed, block_scale, row_scale).bfloat16())
+
+
+@interpreter_only
 @pytest.mark.usefixtures("bf16_dot", "bf16_round_to_nearest_even")
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_many_rows_multiply_a_dequantized_copy(with_bias: bool, monkeypatch) -> None:

@@ -8,9 +8,10 @@ Layout and exact semantics: nvfp4_gemv/ref.py. Hopper has no FP4 tensor cores. T
 - from DEQUANTIZED_MIN_ROWS rows, dequantize_nvfp4 writes the weight in x's dtype (each value
   the reference's fp32 one, rounded once: block scale x row scale do not fit 16 bits) and
   cuBLAS multiplies: ~4.6 bytes moved per weight (codes and scales read, the copy written and
-  read back) against 2 * M FLOP. Measured with an earlier dequantization kernel (~260 GB/s,
-  a fixed ~1.7 ms per 27B gate|up matrix) the route paid from ~1.3K (down) to ~2.5K (gate|up)
-  rows; at 8,192 rows 0.67-0.70x bf16 against the in-register kernel's 0.40x.
+  read back) against 2 * M FLOP. The copy runs at the copy bandwidth (H100: 183 us for the
+  27B's gate|up, 98 us for its down, 8 x 1024 tiles), so the route wins from 512 rows (gate|up
+  0.42 ms against the in-register kernel's 0.67 ms; down 0.23 against 0.72) and reaches
+  0.88-0.93x bf16 at 8,192 rows against the in-register kernel's 0.40x (docs/kernels.md).
 
 Exactness: an e2m1 value has at most 2 significant bits (0.5 ... 6) and an e4m3 scale at
 most 4 (subnormals fewer), so value * block scale has at most 6 and lies in [2^-10, 2688]
@@ -65,9 +66,13 @@ from ninfer.kernels.nvfp4_gemv.triton import _decode, _weight_tile, ptx_decode
 from ninfer.kernels.pdl import pdl_enabled, pdl_sync
 from ninfer.kernels.sm_count import device_sms
 
-# From this many rows of x the product runs on cuBLAS over a dequantized copy of the weight:
-# where the two routes cross for the 27B's gate|up and down together (H100, docs/kernels.md).
-DEQUANTIZED_MIN_ROWS = 2048
+# From this many rows of x the product runs on cuBLAS over a dequantized copy of the weight: at
+# 512 rows the copy and cuBLAS already take 0.32-0.63x the in-register kernel's time (H100,
+# docs/kernels.md); below, the copy's fixed cost outweighs the kernel's decode.
+DEQUANTIZED_MIN_ROWS = 512
+# dequantize_nvfp4's tile (weight rows, values per row): the fastest measured, at the copy
+# bandwidth on both 27B shapes (16 x 256: 81-88%; 32 x 256: 62-69%).
+DEQUANTIZE_BLOCK_N, DEQUANTIZE_BLOCK_K = 8, 1024
 
 
 
@@ -233,11 +238,16 @@ def _dequantize_kernel(
 _WORDS = {torch.bfloat16: (torch.int32, 0), torch.float16: (torch.int32, 1), torch.float32: (torch.int64, 2)}
 
 
-def dequantize_nvfp4(weight, block_scale, row_scale, dtype: torch.dtype, *, block_n: int = 32, block_k: int = 256):
+def dequantize_nvfp4(
+    weight, block_scale, row_scale, dtype: torch.dtype, *, block_n: int = DEQUANTIZE_BLOCK_N, block_k: int | None = None
+):
     """The weight [N, K/2] (or E such matrices [E, N, K/2], contiguous, scales with contiguous
     rows) dequantized to dtype (bf16, fp16 or fp32): nvfp4_gemv/ref.py's fp32 values, each
-    rounded once. block_k: values a program writes per row (a power of two >= 2). Runs on the
-    device with no host sync (capturable)."""
+    rounded once. block_k: values a program writes per row (a power of two >= 2; by default
+    DEQUANTIZE_BLOCK_K, or K rounded up to a power of two where shorter). Runs on the device
+    with no host sync (capturable)."""
+    if block_k is None:
+        block_k = min(DEQUANTIZE_BLOCK_K, max(2, triton.next_power_of_2(weight.shape[-1] * 2)))
     if block_k < 2 or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two >= 2, not {block_k}")
     if dtype not in _WORDS:
