@@ -552,12 +552,12 @@ def _varlen_metadata(lengths: tuple[int, ...], device: torch.device) -> tuple[to
 
 @functools.cache
 def _fla_chunk():
-    """fla's chunked forward, or None when flash-linear-attention is not installed.
+    """fla's chunked forward, or None when fla-core (flash-linear-attention's kernels) is not installed.
 
     Its public function wraps the forward in an autograd Function, input guards and
     dispatch decorators: ~1.5 ms of host time per call, 45 ms over the 30 GDN layers of a
     prefill step, which the host must spend ahead of the GPU. The steps below are what its
-    forward runs for inference (fla 0.6, pinned < 0.7 in pyproject.toml), with the chunk
+    forward runs for inference (fla-core 0.6, pinned < 0.7 in pyproject.toml), with the chunk
     offsets passed in: fla would derive them from cu_seqlens and cache them by the tensor's
     identity, which a captured graph's static offsets would turn stale.
     """
