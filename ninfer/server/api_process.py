@@ -5,6 +5,11 @@ neither torch nor the engine: the engine process is started by name, opens the w
 the start-up checks that need the model (device, KV formats, speculative backend). A start it
 refuses ends this process with the check's message, exactly as a bad option does.
 
+A start that takes longer than GRAMMAR_PRELOAD_AFTER_S (a GPU model's load, graph capture and
+warm-up) is used to import the grammar library on a worker thread, so the first structured
+request does not wait for it (it brings torch and transformers: seconds); a quicker start never
+imports it before a request needs it.
+
 Shutdown: SIGTERM or SIGINT stops accepting, lets in-flight requests finish for up to
 SHUTDOWN_GRACE_S, then stops the engine process and exits 0; a second SIGINT cuts the wait.
 """
@@ -26,6 +31,7 @@ import uvicorn
 from ninfer.artifact import ArtifactError, open_artifact
 from ninfer.artifact.default_model import open_default_model
 from ninfer.config import EngineSpec, ServeConfig
+from ninfer.frontend.grammar_library import grammar_library
 from ninfer.log import setup_logging
 from ninfer.server.engine_client import EngineClient, InProcessEngineClient, ProcessEngineClient, call_by_name
 from ninfer.server.http_app import create_app
@@ -44,6 +50,8 @@ SHUTDOWN_GRACE_S = 30  # how long a stop signal lets in-flight requests finish
 KEEP_ALIVE_S = 30  # an idle kept-alive connection is closed after this long
 # What builds the engine core from an EngineSpec, imported by name where the engine runs.
 BUILD_ENGINE_CORE = "ninfer.engine.builder:build_engine_core"
+# An engine start still under way after this long hides the grammar library's import.
+GRAMMAR_PRELOAD_AFTER_S = 10.0
 
 
 class ListenError(RuntimeError):
@@ -159,9 +167,29 @@ def uvicorn_config(app, **overrides) -> uvicorn.Config:
     return uvicorn.Config(app, **{**settings, **overrides})
 
 
-async def _run(serving: ServedModel, config: ServeConfig, started: float, sock: socket.socket) -> None:
+async def start_engine(serving: ServedModel) -> None:
+    """Start the engine; while a long start runs, import the grammar library (module docstring)."""
+    preload = asyncio.create_task(_import_grammar_library_after(GRAMMAR_PRELOAD_AFTER_S))
     try:
         await serving.engine.start()
+    finally:
+        preload.cancel()  # an import already running on its thread finishes there
+
+
+async def _import_grammar_library_after(delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    began = time.perf_counter()
+    try:
+        await asyncio.to_thread(grammar_library)
+    except Exception as error:  # noqa: BLE001 - the first structured request reports it, not the start
+        log.debug("grammar library not imported during the engine's start: %s", error)
+        return
+    log.debug("grammar library imported during the engine's start (%.1fs)", time.perf_counter() - began)
+
+
+async def _run(serving: ServedModel, config: ServeConfig, started: float, sock: socket.socket) -> None:
+    try:
+        await start_engine(serving)
     except BaseException:
         serving.close()
         raise
