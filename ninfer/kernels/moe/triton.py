@@ -757,17 +757,20 @@ def _dequantize_experts_kernel(
 
 
 @fast_version(ref.dequantize_experts)
-def dequantize_experts(weight, scale, dtype, *, block_n: int = 64, block_k: int = 128):
+def dequantize_experts(weight, scale, dtype, *, block_n: int | None = None, block_k: int | None = None):
     """Same contract as ref.dequantize_experts (the same bits: one fp32 product per weight).
-    block_k divides 128."""
+    FP8: block_k divides 128 (default 64 x 128 tiles). NVFP4: nvfp4_gemm's dequantization and
+    its default tile (the fastest on the 27B's dense shapes; not measured on experts' shapes)."""
     num_experts, rows, cols = weight.shape
-    if 128 % block_k or block_k % 16:
-        raise ValueError(f"block_k must divide 128 and be a multiple of 16, not {block_k}")
     if isinstance(scale, tuple):
         scales = _nvfp4_scales(weight, *scale)
         if not weight.is_contiguous() or not scale[0].is_contiguous() or not scale[1].is_contiguous():
             raise ValueError("dequantize_experts takes contiguous NVFP4 codes and scales")
-        return dequantize_nvfp4(weight, scales.ptr, scales.row_ptr, dtype, block_n=block_n, block_k=block_k)
+        tile = {"block_n": block_n} if block_n is not None else {}
+        return dequantize_nvfp4(weight, scales.ptr, scales.row_ptr, dtype, block_k=block_k, **tile)
+    block_n, block_k = block_n or 64, block_k or 128
+    if 128 % block_k or block_k % 16:
+        raise ValueError(f"block_k must divide 128 and be a multiple of 16, not {block_k}")
     if weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous():
         raise ValueError("dequantize_experts takes contiguous float8_e4m3fn experts")
     scales = _scales(weight, scale)
