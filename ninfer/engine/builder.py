@@ -80,7 +80,14 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     """With --tensor-parallel N this is rank 0: it spawns ranks 1..N-1 (parallel/follower.py), which
     load their shards beside it and then repeat its runner's calls until it stops them."""
     started = time.perf_counter()
+    from ninfer.engine import process
+
+    if process.main_entered_at is not None:
+        # The engine process's own start: torch and the engine's modules (seconds on a GPU host).
+        log.info("engine process: torch and the engine imported in %.1fs", _IMPORTED_AT - process.main_entered_at)
     engine, artifact, companion = open_checked(spec)
+    log.info("start-up checks passed in %.1fs (the artifact opened, its tensors' names and shapes read)",
+             time.perf_counter() - started)
     if engine.tensor_parallel == 1:
         return _build(spec, engine, artifact, companion, started)
     from ninfer.parallel.followers import Followers
@@ -125,7 +132,9 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
     else:
         # A fresh engine process starts CUDA here: the memory statistics below need its allocator,
         # and Triton launches on the current device (a tensor-parallel rank's own).
+        cuda_began = time.perf_counter()
         torch.cuda.set_device(device)
+        say("CUDA started on %s in %.1fs", device, time.perf_counter() - cuda_began)
         persist_compile_caches(str(cache_dir()))
         # A restart loads the compiled kernels and autotuning choices from here instead of redoing them.
         say("compiled GPU kernels cached in %s ($NINFER_CACHE_DIR names another folder)", os.environ["TRITON_CACHE_DIR"])
@@ -470,3 +479,6 @@ def _probe_inputs(model, draft_model, device: torch.device) -> tuple[str, ...]:
         f"torch={torch.__version__};cuda={torch.version.cuda};triton={triton.__version__}",
         repr(sorted(settings.items())),
     )
+
+
+_IMPORTED_AT = time.perf_counter()  # this module's imports done (torch and the engine's modules)

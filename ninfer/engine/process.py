@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 from ninfer.artifact.artifact import ArtifactError
@@ -22,11 +23,16 @@ from ninfer.contract.messages import Failed, FromEngine, Ready, Refused, ToEngin
 
 log = logging.getLogger("ninfer.engine")
 
+# perf_counter when this process's main began: the builder reports how long its imports took.
+main_entered_at: float | None = None
+
 
 def engine_process_main(
     build_core: Callable[[], object], inbox_addr: str, outbox_addr: str, log_level: str = "info"
 ) -> None:
     """Entry point of the engine process: build the core, then serve the loop over ZMQ."""
+    global main_entered_at
+    main_entered_at = time.perf_counter()
     import zmq
 
     from ninfer.engine.loop import EngineLoop

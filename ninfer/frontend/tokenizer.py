@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,28 @@ import tokenizers
 from ninfer.frontend.tokenizer_clock import encode_timed
 
 LONG_TEXT_CHARS = 1 << 16  # from here on, encode without holding the GIL
+# Parsed tokenizer.json files kept by content: parsing Qwen's 248K-token vocabulary takes seconds,
+# and a process that opens one model several times (the API side and an in-process engine, a
+# test session's artifacts) parses each file once. Backends are only read after parsing, so
+# they are shared.
+_PARSED_KEPT = 4
+_parsed: OrderedDict[bytes, tokenizers.Tokenizer] = OrderedDict()
+_parsed_lock = threading.Lock()
+
+
+def _parsed_backend(tokenizer_json: Path) -> tokenizers.Tokenizer:
+    text = Path(tokenizer_json).read_bytes()
+    key = hashlib.blake2b(text, digest_size=16).digest()
+    with _parsed_lock:
+        if key in _parsed:
+            _parsed.move_to_end(key)
+            return _parsed[key]
+    backend = tokenizers.Tokenizer.from_str(text.decode("utf-8"))
+    with _parsed_lock:
+        _parsed[key] = backend
+        while len(_parsed) > _PARSED_KEPT:
+            _parsed.popitem(last=False)
+    return backend
 
 
 def _token_content(value: Any) -> str | None:
@@ -58,7 +83,7 @@ class Tokenizer:
 
     @classmethod
     def from_files(cls, tokenizer_json: Path, tokenizer_config: dict[str, Any] | None = None) -> Tokenizer:
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+        backend = _parsed_backend(tokenizer_json)
         cfg = tokenizer_config or {}
         return cls(
             backend,
