@@ -80,12 +80,13 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     """With --tensor-parallel N this is rank 0: it spawns ranks 1..N-1 (parallel/follower.py), which
     load their shards beside it and then repeat its runner's calls until it stops them."""
     started = time.perf_counter()
+    engine, artifact, companion = open_checked(spec)
+    # Only now: a refused start prints its one error line and nothing else.
     from ninfer.engine import process
 
     if process.main_entered_at is not None:
         # The engine process's own start: torch and the engine's modules (seconds on a GPU host).
         log.info("engine process: torch and the engine imported in %.1fs", _IMPORTED_AT - process.main_entered_at)
-    engine, artifact, companion = open_checked(spec)
     log.info("start-up checks passed in %.1fs (the artifact opened, its tensors' names and shapes read)",
              time.perf_counter() - started)
     if engine.tensor_parallel == 1:
