@@ -56,16 +56,23 @@ class Artifact:
     runtime_loader: Callable[..., CausalLM] | None = field(default=None, repr=False)
     # A container's optional part ("vision/", "dflash/", ...): its tensors, prefix removed.
     read_part: Callable[[str], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
+    # read_weights takes device=: it reads a CUDA load's tensors straight onto the device.
+    reads_to_device: bool = field(default=False, repr=False)
     manifest: dict[str, Any] = field(default_factory=dict, repr=False)  # a container's manifest.json
     resources: dict[str, str] = field(default_factory=dict, repr=False)  # a container's named resources
 
-    def weights(self, keep_fp8: bool = False, keep_nvfp4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(
+        self, keep_fp8: bool = False, keep_nvfp4: bool = False, device: torch.device | str | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Lazily read (name, tensor) pairs in HF checkpoint naming (block-scaled FP8 weights
         dequantized to bf16, or with keep_fp8 as stored, each after its `_scale_inv` scales;
-        NVFP4 weights likewise with keep_nvfp4, after `_scale` and `_scale_2`)."""
-        if keep_nvfp4:
-            return self.read_weights(keep_fp8, keep_nvfp4=True)
-        return self.read_weights(keep_fp8) if keep_fp8 else self.read_weights()
+        NVFP4 weights likewise with keep_nvfp4, after `_scale` and `_scale_2`).
+        device: a CUDA device the tensors may arrive on already (where the artifact reads to
+        devices); otherwise they come on the CPU."""
+        options = {"keep_nvfp4": True} if keep_nvfp4 else {}
+        if device is not None and self.reads_to_device and str(device).startswith("cuda"):
+            options["device"] = device
+        return self.read_weights(keep_fp8, **options) if keep_fp8 or options else self.read_weights()
 
     def load_model(
         self,
@@ -99,7 +106,7 @@ class Artifact:
         nvfp4_weights = self.nvfp4_weights if keep_nvfp4 else {}
         return load_model(
             self.config,
-            self.weights(keep_fp8=bool(fp8_weights), keep_nvfp4=bool(nvfp4_weights)),
+            self.weights(keep_fp8=bool(fp8_weights), keep_nvfp4=bool(nvfp4_weights), device=device),
             dtype=dtype,
             device=device,
             total=self.num_tensors + len(fp8_weights) + 2 * len(nvfp4_weights),

@@ -6,6 +6,7 @@ imports this module.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ninfer.artifact.artifact import ArtifactError, read_json
+from ninfer.artifact.pinned_reader import PinnedReader, reader_threads, tensor_extents
 from ninfer.kernels.nvfp4_gemv import dequantize_nvfp4
 from ninfer.models.checkpoint_scales import NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX
 
@@ -121,44 +123,80 @@ class SafetensorsWeights:
         return {name: self.shapes[name] for name in self.names if name + _SCALE_SUFFIX in stored}
 
     def read(
-        self, keep_fp8: bool = False, only: Callable[[str], bool] | None = None, keep_nvfp4: bool = False
+        self,
+        keep_fp8: bool = False,
+        only: Callable[[str], bool] | None = None,
+        keep_nvfp4: bool = False,
+        device: torch.device | str | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """keep_fp8: yield each fp8_weights entry as stored, right after its `_scale_inv` scales;
         otherwise block-scaled weights come dequantized exactly to bf16. keep_nvfp4: likewise
         each NVFP4 weight after its `_scale` and `_scale_2`; otherwise dequantized (fp32 products,
         rounded once to bf16).
-        only: read just the tensors whose names it accepts (e.g. the vision tower's)."""
+        only: read just the tensors whose names it accepts (e.g. the vision tower's).
+        device: yield every tensor on this device, read ahead by threads (through pinned memory
+        to a CUDA device: pinned_reader.py); None: tensors memory-mapped on the CPU."""
         file_of = {name: file for file, names in self.names_by_file.items() for name in names}
         kept = self.fp8_weights if keep_fp8 else {}
         nvfp4 = self.nvfp4_weights
         wanted = set(self.names)
-        for file, names in self.names_by_file.items():
-            names = [name for name in names if name in wanted and (only is None or only(name))]
-            if not names:
+        order = [
+            (file, name)
+            for file, names in self.names_by_file.items()
+            for name in names
+            if name in wanted and (only is None or only(name))
+        ]
+        device = None if device is None else torch.device(device)
+        companion = self._companion_reader(device)
+        stored = self._mapped(order) if device is None else self._staged(order, device)
+        for name, tensor in stored:
+            if name in nvfp4:
+                yield from self._read_nvfp4(name, tensor, file_of, keep_nvfp4, companion)
                 continue
+            scale_name = name + _SCALE_SUFFIX
+            if self.fp8_block is not None and scale_name in file_of:
+                scale = companion(file_of[scale_name], scale_name)
+                if name in kept:
+                    yield scale_name, scale
+                else:
+                    tensor = dequantize_block_fp8(tensor, scale, self.fp8_block)
+            yield name, tensor
+
+    @staticmethod
+    def _mapped(order: list[tuple[Path, str]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors memory-mapped, one file open at a time."""
+        for file, entries in itertools.groupby(order, key=lambda entry: entry[0]):
             with safe_open(file, framework="pt", device="cpu") as handle:
-                for name in names:
-                    tensor = handle.get_tensor(name)
-                    if name in nvfp4:
-                        yield from self._read_nvfp4(name, tensor, file_of, keep_nvfp4)
-                        continue
-                    scale_name = name + _SCALE_SUFFIX
-                    if self.fp8_block is not None and scale_name in file_of:
-                        with safe_open(file_of[scale_name], framework="pt", device="cpu") as scales:
-                            scale = scales.get_tensor(scale_name)
-                        if name in kept:
-                            yield scale_name, scale
-                        else:
-                            tensor = dequantize_block_fp8(tensor, scale, self.fp8_block)
-                    yield name, tensor
+                for _, name in entries:
+                    yield name, handle.get_tensor(name)
+
+    @staticmethod
+    def _staged(order: list[tuple[Path, str]], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors on `device`, read ahead by threads through pinned memory."""
+        extents = {}
+        for file in dict.fromkeys(file for file, _ in order):
+            extents.update({(file, extent.name): extent for extent in tensor_extents(file)})
+        with PinnedReader(device, threads=reader_threads()) as reader:
+            for extent, raw in reader.read(extents[key] for key in order):
+                yield extent.name, extent.view(raw)
+
+    @staticmethod
+    def _companion_reader(device: torch.device | None) -> Callable[[Path, str], torch.Tensor]:
+        """Reads one small companion tensor (scales) on the weights' device."""
+
+        def read(file: Path, name: str) -> torch.Tensor:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                tensor = handle.get_tensor(name)
+            return tensor if device is None else tensor.to(device)
+
+        return read
 
     def _read_nvfp4(
-        self, name: str, codes: torch.Tensor, file_of: dict[str, Path], keep: bool
+        self, name: str, codes: torch.Tensor, file_of: dict[str, Path], keep: bool, companion: Callable
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        scales = {}
-        for suffix in (NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX):
-            with safe_open(file_of[name + suffix], framework="pt", device="cpu") as handle:
-                scales[suffix] = handle.get_tensor(name + suffix)
+        scales = {
+            suffix: companion(file_of[name + suffix], name + suffix) for suffix in (NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX)
+        }
         if keep:
             for suffix, scale in scales.items():
                 yield name + suffix, scale

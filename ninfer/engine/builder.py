@@ -174,6 +174,8 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
             torch.cuda.max_memory_allocated(device) / (1 << 30),
             model_bytes(model) / (1 << 30),
         )
+        # The tensors read onto the device on their way to the weights: free for the KV sizing to see.
+        torch.cuda.empty_cache()
     if cpu_half_weights(spec.dtype, dtype, device):
         say("Linear weights stored in float16 for decode: %d layers", store_half_weights_(model))
     return model, dtype
