@@ -127,15 +127,16 @@ class SafetensorsWeights:
         keep_fp8: bool = False,
         only: Callable[[str], bool] | None = None,
         keep_nvfp4: bool = False,
-        device: torch.device | str | None = None,
+        read_ahead: bool = False,
+        pinned: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """keep_fp8: yield each fp8_weights entry as stored, right after its `_scale_inv` scales;
         otherwise block-scaled weights come dequantized exactly to bf16. keep_nvfp4: likewise
         each NVFP4 weight after its `_scale` and `_scale_2`; otherwise dequantized (fp32 products,
         rounded once to bf16).
         only: read just the tensors whose names it accepts (e.g. the vision tower's).
-        device: yield every tensor on this device, read ahead by threads (through pinned memory
-        to a CUDA device: pinned_reader.py); None: tensors memory-mapped on the CPU."""
+        read_ahead: tensors read by threads into memory ahead of the consumer (pinned_reader.py),
+        pinned memory with `pinned` (a GPU load); otherwise memory-mapped."""
         file_of = {name: file for file, names in self.names_by_file.items() for name in names}
         kept = self.fp8_weights if keep_fp8 else {}
         nvfp4 = self.nvfp4_weights
@@ -146,16 +147,14 @@ class SafetensorsWeights:
             for name in names
             if name in wanted and (only is None or only(name))
         ]
-        device = None if device is None else torch.device(device)
-        companion = self._companion_reader(device)
-        stored = self._mapped(order) if device is None else self._staged(order, device)
+        stored = self._read_ahead(order, pinned) if read_ahead else self._mapped(order)
         for name, tensor in stored:
             if name in nvfp4:
-                yield from self._read_nvfp4(name, tensor, file_of, keep_nvfp4, companion)
+                yield from self._read_nvfp4(name, tensor, file_of, keep_nvfp4)
                 continue
             scale_name = name + _SCALE_SUFFIX
             if self.fp8_block is not None and scale_name in file_of:
-                scale = companion(file_of[scale_name], scale_name)
+                scale = _read_one(file_of[scale_name], scale_name)
                 if name in kept:
                     yield scale_name, scale
                 else:
@@ -171,32 +170,19 @@ class SafetensorsWeights:
                     yield name, handle.get_tensor(name)
 
     @staticmethod
-    def _staged(order: list[tuple[Path, str]], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors on `device`, read ahead by threads through pinned memory."""
+    def _read_ahead(order: list[tuple[Path, str]], pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors read by threads ahead of the consumer."""
         extents = {}
         for file in dict.fromkeys(file for file, _ in order):
             extents.update({(file, extent.name): extent for extent in tensor_extents(file)})
-        with PinnedReader(device, threads=reader_threads()) as reader:
+        with PinnedReader(pinned, threads=reader_threads()) as reader:
             for extent, raw in reader.read(extents[key] for key in order):
                 yield extent.name, extent.view(raw)
 
-    @staticmethod
-    def _companion_reader(device: torch.device | None) -> Callable[[Path, str], torch.Tensor]:
-        """Reads one small companion tensor (scales) on the weights' device."""
-
-        def read(file: Path, name: str) -> torch.Tensor:
-            with safe_open(file, framework="pt", device="cpu") as handle:
-                tensor = handle.get_tensor(name)
-            return tensor if device is None else tensor.to(device)
-
-        return read
-
     def _read_nvfp4(
-        self, name: str, codes: torch.Tensor, file_of: dict[str, Path], keep: bool, companion: Callable
+        self, name: str, codes: torch.Tensor, file_of: dict[str, Path], keep: bool
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        scales = {
-            suffix: companion(file_of[name + suffix], name + suffix) for suffix in (NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX)
-        }
+        scales = {suffix: _read_one(file_of[name + suffix], name + suffix) for suffix in (NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX)}
         if keep:
             for suffix, scale in scales.items():
                 yield name + suffix, scale
@@ -207,3 +193,9 @@ class SafetensorsWeights:
         row_scale = scales[NVFP4_GLOBAL_SUFFIX].float().reshape(-1)[:1].expand(rows)
         dense = dequantize_nvfp4(flat, scales[NVFP4_BLOCK_SUFFIX].reshape(rows, -1), row_scale)
         yield name, dense.reshape(*codes.shape[:-1], codes.shape[-1] * 2).to(torch.bfloat16)
+
+
+def _read_one(file: Path, name: str) -> torch.Tensor:
+    """One small companion tensor (scales), memory-mapped."""
+    with safe_open(file, framework="pt", device="cpu") as handle:
+        return handle.get_tensor(name)
