@@ -102,11 +102,13 @@ class EngineCore:
         draft_model: DflashDraftModel | None = None,
         vision_tower: torch.nn.Module | None = None,
         followers: Followers | None = None,
+        step_graphs_while_idle: bool = False,
     ):
         """drafter: a stand-in for the speculative backend's drafter (tests); draft_model: the
         DFlash / DFlash2 drafter of --spec dflash|dflash2; vision_tower: with --vision.
         followers: the other tensor-parallel ranks (this is rank 0 and `model` its shard): they
-        repeat every runner call on theirs."""
+        repeat every runner call on theirs. step_graphs_while_idle: capture the step graphs in
+        the loop's idle turns (background_step) instead of now (not with followers)."""
         self.config = config
         self.followers = followers
         self.tokenizer = tokenizer
@@ -183,7 +185,8 @@ class EngineCore:
         )
         if followers is None:
             self.runner = ModelRunner(
-                model, **runner_arguments, drafter=drafter, draft_model=draft_model, vision_tower=vision_tower
+                model, **runner_arguments, drafter=drafter, draft_model=draft_model, vision_tower=vision_tower,
+                step_graphs_while_idle=step_graphs_while_idle,
             )
         else:
             from ninfer.parallel.leader_runner import LeaderRunner
@@ -215,6 +218,19 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._inflight is not None
+
+    @property
+    def has_background_work(self) -> bool:
+        """Work for idle turns: step graphs left to capture."""
+        return self.failed is None and self.runner.has_graphs_to_capture
+
+    def background_step(self) -> None:
+        """One piece of idle-turn work (one step graph); only when no step is in flight."""
+        if self._inflight is not None or self.scheduler.has_work:
+            raise RuntimeError("background_step while steps run")
+        started = time.perf_counter()
+        self.runner.capture_next_graph()
+        self._work.add("control", "engine_maintenance", time.perf_counter() - started)
 
     def add_request(self, request: EngineRequest) -> list[EngineOutput]:
         if self.failed is not None:

@@ -1,7 +1,8 @@
 """EngineLoop: drives an EngineCore from an inbox of messages, publishing outputs.
 
 The same loop runs in a thread (in-process engine for tests and offline use) and as the
-main function of the engine process. It blocks on the inbox only when idle.
+main function of the engine process. It blocks on the inbox only when idle and nothing is left
+to do in idle turns (step graphs to capture).
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ class EngineLoop:
         while True:
             idle = not self.core.has_work
             # Idle, wake at the throughput boundary so the last busy interval is reported on time,
-            # and, with tensor-parallel followers, to notice one that died.
+            # and, with tensor-parallel followers, to notice one that died. Idle with background
+            # work (graphs to capture), do a piece of it unless a message is waiting.
+            background = idle and self.core.has_background_work
             timeout = _earliest(self.core.seconds_to_stats_boundary(), self.core.seconds_to_rank_check)
-            message = self.receive(timeout if idle else 0.0)
+            message = self.receive(timeout if idle and not background else 0.0)
+            if background and message is None:
+                self.core.background_step()
             if idle:
                 self.core.log_stats_if_due()
             outputs = []

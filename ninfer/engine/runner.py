@@ -53,7 +53,12 @@ from ninfer.engine.scheduler import (
 from ninfer.engine.speculative.drafter_factory import make_drafter
 from ninfer.engine.speculative.proposal_head import ProposalHead
 from ninfer.engine.speculative.speculator import Speculator
-from ninfer.engine.runner_graphs import build_step_graphs, capture_decode_graphs, step_graph_blocker
+from ninfer.engine.runner_graphs import (
+    build_step_graphs,
+    capture_decode_graphs,
+    capture_next_step_graph,
+    step_graph_blocker,
+)
 from ninfer.engine.step_graphs import StepGraphs
 from ninfer.engine.step_readback import MAX_TOP_LOGPROBS, MAX_UNREAD_STEPS, StepReadback
 from ninfer.engine.step_layout import StepLayout
@@ -96,6 +101,7 @@ class ModelRunner:
         vision_tower: torch.nn.Module | None = None,
         kv_format: str = "bf16",
         step_graph_tokens: int = 0,
+        step_graphs_while_idle: bool = False,
         ranks: RankGroup | None = None,
     ):
         """kv_format: the --kv-dtype of the model's KV (a DFlash drafter's stays plain).
@@ -108,7 +114,8 @@ class ModelRunner:
         tokens it keeps). max_batch: requests in a step at most (default: the largest graph
         batch, else the state slots). vision_tower: encodes the media of prompt steps (--vision).
         step_graph_tokens > 0: prompt and mixed steps of up to that many tokens replay CUDA graphs
-        (step_graphs.py; on the CPU, tests run their padded forward uncaptured).
+        (step_graphs.py; on the CPU, tests run their padded forward uncaptured); captured at once,
+        or with step_graphs_while_idle one by one through capture_next_graph (the engine loop's idle turns).
         ranks: the tensor-parallel group whose ranks run the same steps on their shards of `model`
         (ninfer/parallel/): each step's sampled ids are rank 0's on every rank."""
         self.model = model
@@ -173,7 +180,16 @@ class ModelRunner:
             max_requests = max_chunks + min(max_chunks, MAX_GRAPH_SNAPSHOTS)
             # The scratch state slot and KV page sit just past the pools' own.
             self.step_graphs = build_step_graphs(*caches, self.graphs, self.device, step_graph_tokens, max_chunks,
-                                                 max_requests, max_context, num_state_slots, num_pages)  # fmt: skip
+                                                 max_requests, max_context, num_state_slots, num_pages,
+                                                 while_idle=step_graphs_while_idle)  # fmt: skip
+
+    @property
+    def has_graphs_to_capture(self) -> bool:
+        return self.step_graphs is not None and self.step_graphs.captures and bool(self.step_graphs.pending)
+
+    def capture_next_graph(self) -> None:
+        """Capture one graph left to capture: only while no step is launched and unread."""
+        capture_next_step_graph(self.step_graphs)
 
     def execute(self, step: SchedulerStep) -> dict[str, int]:
         """Run a step and wait for it: request id -> sampled token id."""

@@ -39,9 +39,12 @@ def step_graph_blocker(model: CausalLM, num_draft_tokens: int) -> str | None:
 def build_step_graphs(
     model: CausalLM, kv, state_cache, slot_logits: torch.Tensor, num_valid_tokens: int, decode: DecodeGraphs | None,
     device: torch.device, max_tokens: int, max_decode_rows: int, max_requests: int, max_context: int, scratch_slot: int, scratch_page: int,
+    while_idle: bool = False,
 ) -> StepGraphs | None:  # fmt: skip
     """Step graphs over token buckets up to max_tokens, captured on CUDA into the decode graphs'
-    pool (on the CPU, tests run their padded forward uncaptured); None if capture failed."""
+    pool (on the CPU, tests run their padded forward uncaptured); None if capture failed.
+    while_idle: capture none now; the runner captures them one by one while the engine is idle
+    (capture_next_step_graph)."""
     max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
     # Layers hand over from the GEMV to a matmul at a row count: 16-bit (and NVFP4) ones above
     # 16 rows (cuBLAS, the NVFP4 GEMM), FP8 ones above the GEMV's limit (the FP8 matmul). A
@@ -54,14 +57,18 @@ def build_step_graphs(
     buckets = token_buckets(max_tokens, max_decode_rows, switches)
     graphs = StepGraphs(model, kv, state_cache, slot_logits, num_valid_tokens, buckets, max_requests, max_pages,
                         scratch_slot, scratch_page)  # fmt: skip
-    if device.type == "cuda":
+    # Into the decode graphs' pool: a replay's intermediates are free by the next replay.
+    pool = decode.pool if decode is not None else None
+    if device.type == "cuda" and while_idle:
+        graphs.begin_capture(pool)
+        log.info("CUDA graphs for prompt and mixed steps of %s tokens: captured while the engine is idle",
+                 ", ".join(map(str, buckets)))  # fmt: skip
+    elif device.type == "cuda":
         started = time.perf_counter()
         try:
-            # Into the decode graphs' pool: a replay's intermediates are free by the next replay.
-            graphs.capture(decode.pool if decode is not None else None)
+            graphs.capture(pool)
         except Exception:  # noqa: BLE001 - as for the decode graphs: such steps run eagerly instead
             log.exception("step graph capture failed; prompt and mixed steps run eagerly")
-            graphs.discard_warmup_writes()
             return None
         log.info("CUDA graphs captured for prompt and mixed steps of %s tokens in %.1f s",
                  ", ".join(map(str, buckets)), time.perf_counter() - started)  # fmt: skip
@@ -124,3 +131,17 @@ def _capture_verify_graphs(
     log.info("CUDA graphs captured for speculative rounds of %d drafts, batch sizes %s",
              speculator.num_draft_tokens, ", ".join(map(str, batch_sizes)))  # fmt: skip
     return graphs
+
+
+def capture_next_step_graph(graphs: StepGraphs) -> None:
+    """Capture one pending step graph (the engine is idle); a failure leaves the buckets not yet
+    captured eager, the captured ones keep replaying."""
+    try:
+        graphs.capture_next()
+    except Exception:  # noqa: BLE001 - as at start-up: those steps run eagerly instead
+        log.exception("step graph capture failed; prompt and mixed steps of the buckets left run eagerly")
+        graphs.pending.clear()
+        return
+    if not graphs.pending:
+        log.info("CUDA graphs captured for prompt and mixed steps of %s tokens in %.1f s, while idle",
+                 ", ".join(map(str, graphs.buckets)), graphs.capture_seconds)  # fmt: skip

@@ -2,11 +2,14 @@
 
 A step that carries prompt tokens runs the same kernels as a decode round, layer by layer, but
 eagerly it costs the host ~1,000 launches: below ~1K tokens that host work, not the GPU, sets the
-step's time. Here such steps replay a graph captured at start-up for the smallest token bucket
+step's time. Here such steps replay a graph captured for the smallest token bucket
 that holds them (powers of two from 16, plus the most decode rows a step can carry, up to the
 largest bucket, and the row counts where layers leave the GEMV for a matmul: 16 for 16-bit and
 NVFP4 layers, the GEMV's largest with FP8 weights), in two variants: with and without
-checkpoints inside the step (models/step_snapshots.py).
+checkpoints inside the step (models/step_snapshots.py). The server captures them while the engine
+is idle, one per loop turn, once it is ready (a restart is ready sooner; until a step's graph is
+captured it runs eagerly); a benchmark, a test or a tensor-parallel engine captures them all at
+start-up.
 
 A graph's shape is fixed, so a step is padded to it (models/padded_step.py): its requests fill
 the first rows of a request table of max_requests + 1 rows, the others are empty (no rows, the
@@ -29,6 +32,7 @@ kernel_choice), so a padded step sums in its eager step's order.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -140,20 +144,38 @@ class StepGraphs:
         self.second_rows = _StaticFields({"rows": tokens}, torch.bool, self.device)
         self.pages = GraphPageTable(rows, max_pages_per_request, self.device)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, checkpoints inside)
+        # On CUDA a step replays only a captured graph; on the CPU (tests) the forward runs uncaptured.
+        self.captures = self.device.type == "cuda"
+        # What is left to capture, largest first (it sizes the shared memory pool).
+        self.pending: list[tuple[int, bool]] = [(b, s) for b in reversed(self.buckets) for s in (False, True)]
+        self.capture_seconds = 0.0
+        self._pool = None
         self._num_runs = 0
 
     # ---- capture -------------------------------------------------------------------
-    @torch.inference_mode()
     def capture(self, pool=None) -> None:
-        """Capture every bucket, largest first (it sizes the shared memory pool), each from a dummy
-        step on the scratch slot and page, then clear what the warm-up runs wrote there."""
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        for bucket in reversed(self.buckets):
-            for snapshots in (False, True):
-                self._stage(StepLayout.of(self._dummy_step(bucket, snapshots)), bucket, None)
-                graph, _ = capture_graph(lambda: self._forward(bucket, snapshots), pool, self.device)
-                self.graphs[(bucket, snapshots)] = graph
-        self.discard_warmup_writes()
+        """Capture every bucket now."""
+        self.begin_capture(pool)
+        while self.pending:
+            self.capture_next()
+
+    def begin_capture(self, pool=None) -> None:
+        """Set the memory pool the graphs capture into; capture_next() then captures them one by one."""
+        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+
+    @torch.inference_mode()
+    def capture_next(self) -> None:
+        """Capture the next pending graph from a dummy step on the scratch slot and page, then clear
+        what its warm-up run wrote there. Between steps only: the graph's buffers are the steps'."""
+        bucket, snapshots = self.pending.pop(0)
+        started = time.perf_counter()
+        try:
+            self._stage(StepLayout.of(self._dummy_step(bucket, snapshots)), bucket, None)
+            graph, _ = capture_graph(lambda: self._forward(bucket, snapshots), self._pool, self.device)
+            self.graphs[(bucket, snapshots)] = graph
+        finally:
+            self.discard_warmup_writes()
+            self.capture_seconds += time.perf_counter() - started
 
     def _dummy_step(self, bucket: int, snapshots: bool) -> list[ScheduledChunk]:
         """A prompt chunk on the scratch slot and page (with a checkpoint inside it when snapshots,
@@ -169,7 +191,8 @@ class StepGraphs:
         return [ScheduledChunk("capture-decode", [0], 0, pages, self.scratch_slot, True, False, GREEDY, 0, []), prompt]
 
     def discard_warmup_writes(self) -> None:
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.kv_cache.k[:, self.scratch_page].zero_()
         self.kv_cache.v[:, self.scratch_page].zero_()
         if self.state_cache is not None:
@@ -214,11 +237,15 @@ class StepGraphs:
 
     # ---- replay --------------------------------------------------------------------
     def can_run(self, chunks: Sequence[ScheduledChunk]) -> bool:
-        """A step of text prompt chunks and decode rows that a captured bucket holds."""
-        num_parts = len(chunks) + sum(c.snapshot_slot is not None for c in chunks)
+        """A step of text prompt chunks and decode rows that a captured bucket holds (only its own
+        bucket: a larger one may cross a kernel switch, and the step would not sum as it does eagerly)."""
+        num_snapshots = sum(c.snapshot_slot is not None for c in chunks)
+        num_parts = len(chunks) + num_snapshots
+        num_tokens = sum(len(c.token_ids) for c in chunks)
         return (
             0 < num_parts < self.num_rows
-            and sum(len(c.token_ids) for c in chunks) <= self.max_tokens
+            and num_tokens <= self.max_tokens
+            and (not self.captures or (self._bucket_of(num_tokens), num_snapshots > 0) in self.graphs)
             and all(
                 c.token_ids
                 and not c.speculative
@@ -233,13 +260,16 @@ class StepGraphs:
         """Replay the step's bucket: the forward, with the logits of the rows that keep them in
         their slots. previous_ids: the previous launch's sampled ids by row (chained chunks)."""
         layout = StepLayout.of(chunks)
-        bucket = next(b for b in self.buckets if b >= layout.num_tokens)
+        bucket = self._bucket_of(layout.num_tokens)
         snapshots = bool(layout.snapshotting)
         self._stage(layout, bucket, previous_ids)
-        if self.graphs:
+        if self.captures:
             self.graphs[(bucket, snapshots)].replay()
         else:  # uncaptured (CPU): the same forward over the same buffers
             self._forward(bucket, snapshots)
+
+    def _bucket_of(self, num_tokens: int) -> int:
+        return next(b for b in self.buckets if b >= num_tokens)
 
     def _stage(self, layout: StepLayout, bucket: int, previous_ids: torch.Tensor | None) -> None:
         """Fill the static buffers for a step padded to bucket."""
