@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ninfer.artifact.pinned_reader import release_pinned
 from ninfer.assets.qwen_tokenizer import cache_dir
 from ninfer.config import EngineConfig, EngineSpec
 from ninfer.engine.cache.host_kv import HostKV
@@ -23,7 +24,8 @@ from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
 from ninfer.engine.kv_sizing_record import AutoSizing, KvSizingRecords, ProbeMeasure, probe_key
 from ninfer.engine.startup_checks import check_kv_dtype, check_speculative, check_tensor_parallel, resolve_device
-from ninfer.engine.warm_up import run_warm_up
+from ninfer.engine.warm_up import WarmUpReport, run_warm_up, warm_up_plan
+from ninfer.engine.warm_up_record import WarmUpRecords
 from ninfer.kernels.backend import persist_compile_caches
 from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.fp8_experts import Fp8Experts
@@ -174,8 +176,7 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
             torch.cuda.max_memory_allocated(device) / (1 << 30),
             model_bytes(model) / (1 << 30),
         )
-        # The tensors read onto the device on their way to the weights: free for the KV sizing to see.
-        torch.cuda.empty_cache()
+        release_pinned()  # the pinned blocks the weights were read through
     if cpu_half_weights(spec.dtype, dtype, device):
         say("Linear weights stored in float16 for decode: %d layers", store_half_weights_(model))
     return model, dtype
@@ -218,8 +219,11 @@ def _build(spec: EngineSpec, engine: EngineConfig, artifact, companion, started:
     if spec.kv_capacity_auto:
         kv_tokens, auto_sizing = _auto_kv_tokens(model, artifact.tokenizer, engine, draft_model, vision_tower, followers)
         engine = dataclasses.replace(engine, kv_capacity=kv_tokens)
+    # A served engine is ready before its step graphs are captured: they are captured while it is
+    # idle (a tensor-parallel engine captures them now, every rank in step).
     core = EngineCore(
-        model, artifact.tokenizer, engine, draft_model=draft_model, vision_tower=vision_tower, followers=followers
+        model, artifact.tokenizer, engine, draft_model=draft_model, vision_tower=vision_tower, followers=followers,
+        step_graphs_while_idle=followers is None,
     )
     kv_bytes = sum(cache.nbytes for cache in core.runner.paged_caches)
     core.memory_ledger.update(_AUTO_LEDGER if spec.kv_capacity_auto else {})
@@ -259,7 +263,7 @@ def _build(spec: EngineSpec, engine: EngineConfig, artifact, companion, started:
             engine.num_long_anchors,
         )
     if not on_cpu:
-        core.workspace_bytes = _warm_up_measuring_workspace(core)
+        core.workspace_bytes = _warm_up_measuring_workspace(core, draft_model)
         if auto_sizing is not None:
             auto_sizing.confirm(core.workspace_bytes)
     if followers is not None:
@@ -324,17 +328,35 @@ def model_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _warm_up_measuring_workspace(core: EngineCore) -> int:
-    """Compile and autotune every step shape before /health turns ready; -> the device memory
-    the warm-up's steps reserved beyond what was resident before it (the step workspace: the
-    worst step is among them; pools, weights and decode graphs exist already)."""
+def _warm_up_measuring_workspace(core: EngineCore, draft_model) -> int:
+    """Compile and autotune every step shape before /health turns ready (the short warm-up where
+    the full one already ran: warm_up_record.py); -> the device memory the warm-up's steps
+    reserved beyond what was resident before it (the step workspace: the worst step is among
+    them; pools, weights and decode graphs exist already)."""
     device = core.runner.device
     torch.cuda.synchronize(device)
     resident = torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
-    run_warm_up(core)
+    _run_warm_up_once(core, draft_model)
     torch.cuda.synchronize(device)
     return max(0, torch.cuda.max_memory_reserved(device) - resident)
+
+
+def _run_warm_up_once(core: EngineCore, draft_model, full: bool | None = None) -> WarmUpReport:
+    """The full warm-up (full=None: unless one already ran to the end under the same plan, code,
+    device, libraries and kernel cache; then the short one); a full one is recorded."""
+    model = core.runner.model
+    records = WarmUpRecords(cache_dir() / "warm-up")
+    key = probe_key(
+        "warm-up", warm_up_plan(core.config, core.tokenizer.vocab_size),
+        *_probe_inputs(model, draft_model, core.runner.device), os.environ.get("TRITON_CACHE_DIR", ""),
+    )  # fmt: skip
+    if full is None:
+        full = not records.has(key)
+    report = run_warm_up(core, full=full)
+    if full:
+        records.store(key)
+    return report
 
 
 def _num_weights(model) -> int:
@@ -457,7 +479,8 @@ def _probe(
     probe_pools = probe_config.num_kv_pages * page_bytes + probe_config.num_state_slots * slot_bytes
     graphs = max(0, torch.cuda.memory_reserved(device) - base - probe_pools)
     torch.cuda.reset_peak_memory_stats(device)
-    report = run_warm_up(probe)
+    # Always the full warm-up: the probe measures the memory of every step shape.
+    report = _run_warm_up_once(probe, draft_model, full=True)
     worst_step = max(0, torch.cuda.max_memory_reserved(device) - base - probe_pools - graphs)
     del probe
     gc.collect()

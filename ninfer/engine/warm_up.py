@@ -22,13 +22,20 @@ tens of seconds. The phases:
          request waits for none of them
 Requests are synthetic token ids; nothing they leave in the context cache survives, and every
 pool is back to where it started (checked).
+
+A start whose full warm-up already ran with the same plan, code, device and libraries
+(warm_up_record.py) finds every kernel compiled and autotuned in the kernel cache: it runs the
+short warm-up, the worst step (its workspace is measured), the mixed phase (the sampling
+paths) and the constrained one (the grammar compiler's per-process tables), and leaves the
+ladder and the tails, whose eager steps are most of a restart's warm-up, to load their kernels
+from the cache at first use.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ninfer.contract.constraint import OutputConstraint
 from ninfer.contract.request import CaptureHint, EngineRequest
@@ -122,20 +129,38 @@ def tail_requests(config, tail: int, vocab_size: int) -> tuple[EngineRequest, En
     return resumed_requests(f"warm-tail-{tail}", _prompt(length, 400 + tail, vocab_size), length - tail, GREEDY, [])
 
 
-def run_warm_up(core) -> WarmUpReport:
-    """Run every phase to the end on `core` (an idle EngineCore); restores its pools."""
+def warm_up_plan(config, vocab_size: int) -> str:
+    """What the full warm-up runs, as text: the engine settings that choose kernels (the KV pool's
+    size only through the step shapes) and every phase's step shapes."""
+    decoding, joining = mixed_step_requests(config, vocab_size)
+    shapes = {
+        "worst": [len(r.prompt_token_ids) for r in worst_step_requests(config, vocab_size)],
+        "ladder": prompt_ladder(config),
+        "tails": TAIL_LENGTHS if config.prefix_reuse else (),
+        "mixed": (len(decoding), len(joining.prompt_token_ids)),
+    }
+    settings = replace(config, kv_capacity=None, host_state_slots=None, host_kv_mib=None, log_stats_interval_ms=0)
+    return f"{settings!r} {shapes!r}"
+
+
+def run_warm_up(core, full: bool = True) -> WarmUpReport:
+    """Run every phase to the end on `core` (an idle EngineCore), or with full=False the short
+    warm-up (module docstring); restores its pools."""
     config = core.config
     vocab_size = core.tokenizer.vocab_size
     baseline = core.pool_accounting()
     started = time.perf_counter()
     worst = worst_step_requests(config, vocab_size)
     worst_tokens = sum(len(r.prompt_token_ids) for r in worst)
-    log.info(
-        "warming up: compiling and autotuning kernels for %d-token steps, mixed steps and decode batches up to %d",
-        worst_tokens, config.max_concurrency,
-    )
+    if full:
+        log.info(
+            "warming up: compiling and autotuning kernels for %d-token steps, mixed steps and decode batches up to %d",
+            worst_tokens, config.max_concurrency,
+        )
+    else:
+        log.info("warming up (short: this configuration's kernels are in the kernel cache from an earlier start)")
     num_steps = _run(core, [(0, worst)])
-    for i, length in enumerate(prompt_ladder(config)):
+    for i, length in enumerate(prompt_ladder(config) if full else ()):
         prompt, sampling = _prompt(length, 300 + length, vocab_size), ROTATION[i % len(ROTATION)]
         name = f"warm-prompt-{length}"
         if not config.prefix_reuse:
@@ -145,7 +170,7 @@ def run_warm_up(core) -> WarmUpReport:
         hints = [CaptureHint(2 * length // 3, ReusePath.PRIVATE_TURN_CLOSURE)]
         for request in resumed_requests(name, prompt, length // 3, sampling, hints):
             num_steps += _run(core, [(0, [request])])
-    for tail in TAIL_LENGTHS if config.prefix_reuse else ():
+    for tail in TAIL_LENGTHS if config.prefix_reuse and full else ():
         for request in tail_requests(config, tail, vocab_size):  # alone: its own query block
             num_steps += _run(core, [(0, [request])])
     decoding, joining = mixed_step_requests(config, vocab_size)

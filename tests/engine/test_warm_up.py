@@ -1,6 +1,9 @@
-"""Warm-up runs every step shape of a configuration and leaves the engine as it found it."""
+"""Warm-up runs every step shape of a configuration and leaves the engine as it found it; a start
+whose full warm-up already ran runs the short one."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -9,7 +12,8 @@ from ninfer.contract.request import EngineRequest
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
 from ninfer.engine.scheduler import StepKind
-from ninfer.engine.warm_up import TAIL_LENGTHS, run_warm_up, worst_step_requests
+from ninfer.engine.warm_up import TAIL_LENGTHS, run_warm_up, warm_up_plan, worst_step_requests
+from ninfer.engine.warm_up_record import WarmUpRecords
 from tests.engine.test_engine_core import alone, run_to_end, tokens_of
 from tests.engine.test_engine_generation import PROMPTS, _models
 from tests.unit.conftest import make_byte_tokenizer
@@ -76,3 +80,64 @@ def test_worst_step_requests_respect_every_limit(prefill_chunk, max_context, kv_
     requests = worst_step_requests(config, vocab_size=257)
     assert [len(r.prompt_token_ids) for r in requests] == lengths
     assert len({tuple(r.prompt_token_ids[:4]) for r in requests}) == len(requests)  # nothing shared
+
+
+def test_the_short_warm_up_runs_the_worst_mixed_and_constrained_phases_only(model):
+    config = EngineConfig(max_concurrency=3, prefill_chunk=40, mixed_prefill_chunk=8, max_context=30,
+                          kv_capacity=256, log_stats_interval_ms=0)
+    core = EngineCore(model, make_byte_tokenizer(), config)
+    baseline = core.pool_accounting()
+    names = []
+    add = core.add_request
+    core.add_request = lambda request: names.append(request.request_id) or add(request)
+    report = run_warm_up(core, full=False)
+    assert report.worst_step_tokens == 40
+    assert all(name.startswith(("warm-worst", "warm-decode", "warm-joining", "warm-constrained")) for name in names)
+    assert {"warm-worst-0", "warm-joining", "warm-constrained"} <= set(names)
+    names.clear()
+    full = run_warm_up(core)
+    assert any(name.startswith("warm-prompt") for name in names) and any(name.startswith("warm-tail") for name in names)
+    assert full.num_steps > report.num_steps
+    assert core.pool_accounting() == baseline
+
+
+def test_the_plan_names_what_chooses_the_warm_ups_steps():
+    config = EngineConfig(max_concurrency=4, prefill_chunk=512, max_context=4096, kv_capacity=100_000)
+    plan = warm_up_plan(config, vocab_size=257)
+    # The pool's size counts only through the step shapes it limits; logging not at all.
+    assert warm_up_plan(dataclasses.replace(config, kv_capacity=200_000, log_stats_interval_ms=7), 257) == plan
+    assert warm_up_plan(dataclasses.replace(config, kv_capacity=300), 257) != plan  # the worst step shrinks
+    for change in ({"prefill_chunk": 1024}, {"max_concurrency": 5}, {"kv_dtype": "fp8"}, {"prefix_reuse": False}):
+        assert warm_up_plan(dataclasses.replace(config, **change), 257) != plan, change
+
+
+def test_a_full_warm_up_is_recorded_and_the_next_start_runs_the_short_one(model, tmp_path, monkeypatch):
+    from ninfer.engine import builder
+
+    monkeypatch.setattr(builder, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(builder, "_probe_inputs", lambda model, draft_model, device: ("device", "libraries"))
+    config = EngineConfig(max_concurrency=2, prefill_chunk=40, mixed_prefill_chunk=8, max_context=30,
+                          kv_capacity=256, log_stats_interval_ms=0)
+    fulls = []
+    monkeypatch.setattr(builder, "run_warm_up", lambda core, full: fulls.append(full) or run_warm_up(core, full))
+
+    def start(config):
+        return builder._run_warm_up_once(EngineCore(model, make_byte_tokenizer(), config), None)
+
+    start(config)
+    start(config)
+    start(dataclasses.replace(config, max_concurrency=3))  # another plan: a full one again
+    assert fulls == [True, False, True]
+    monkeypatch.setattr(builder, "_probe_inputs", lambda model, draft_model, device: ("device", "newer libraries"))
+    start(config)
+    assert fulls[-1] is True
+
+
+def test_records_are_kept_by_key_and_an_unwritable_folder_only_warns(tmp_path, caplog):
+    records = WarmUpRecords(tmp_path / "warm-up")
+    assert not records.has("a" * 64)
+    records.store("a" * 64)
+    assert records.has("a" * 64) and not records.has("a" * 32 + "b" * 32)
+    (tmp_path / "file").write_text("")
+    WarmUpRecords(tmp_path / "file" / "warm-up").store("c" * 64)
+    assert "warm-up record not kept" in caplog.text
