@@ -91,6 +91,7 @@ def capture_decode_graphs(
     max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
     graphs = DecodeGraphs(model, kv, state_cache, slot_logits, num_valid_tokens, batch_sizes, max_pages, sampler,
                           speculator=speculator)  # fmt: skip
+    started = time.perf_counter()
     try:
         graphs.capture()
     except Exception:  # noqa: BLE001 - an op that is not capture-safe must not stop the server
@@ -100,7 +101,8 @@ def capture_decode_graphs(
             for slot in range(graphs.max_batch):
                 speculator.reset_slot(slot)  # the drafter's context pass wrote their hidden
         return None, None
-    log.info("CUDA graphs captured for decode batch sizes %s", ", ".join(map(str, batch_sizes)))
+    log.info("CUDA graphs captured for decode batch sizes %s in %.1f s", ", ".join(map(str, batch_sizes)),
+             time.perf_counter() - started)  # fmt: skip
     verify = _capture_verify_graphs(model, kv, state_cache, graphs, speculator, batch_sizes, max_context) if speculator else None
     return graphs, verify
 

@@ -1,4 +1,4 @@
-"""The API process's main: bind the port, open the artifact, start the engine, serve with uvicorn.
+"""The API process's main: bind the port, start the engine, open the artifact, serve with uvicorn.
 
 The API process reads the artifact's metadata only (tokenizer, template, config) and imports
 neither torch nor the engine: the engine process is started by name, opens the weights and runs
@@ -29,7 +29,7 @@ import time
 import uvicorn
 
 from ninfer.artifact import ArtifactError, open_artifact
-from ninfer.artifact.default_model import open_default_model
+from ninfer.artifact.default_model import default_model_path, open_default_model
 from ninfer.config import EngineSpec, ServeConfig
 from ninfer.frontend.grammar_library import grammar_library
 from ninfer.log import setup_logging
@@ -95,14 +95,13 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> ServedModel:
     """Open the artifact's metadata on the API side (tokenizer and template, no weights) and the engine
     client; the engine opens the weights and checks what needs the model when it starts."""
-    if config.artifact is None:
-        artifact = open_default_model(weights=False)
-        artifact_path = str(artifact.path)
-    else:
-        artifact_path = config.artifact
-        artifact = open_artifact(artifact_path, weights=False)
-    if config.engine.vision and not artifact.hf_config.get("vision_config"):
-        raise ArtifactError(f"--vision: {artifact_path} has no vision tower (its config has no vision_config)")
+    client, artifact_path = engine_client(config, kv_capacity_auto)
+    return served_model(config, artifact_path, client)
+
+
+def engine_client(config: ServeConfig, kv_capacity_auto: bool = False) -> tuple[EngineClient, str]:
+    """-> (the engine client, not started; the artifact's path): nothing of the artifact is read."""
+    artifact_path = str(default_model_path()) if config.artifact is None else config.artifact
     spec = EngineSpec(
         artifact_path=artifact_path,
         engine=config.engine,
@@ -112,11 +111,16 @@ def build_serving(config: ServeConfig, kv_capacity_auto: bool = False) -> Served
         device_index=config.device_index,
     )
     build = functools.partial(call_by_name, BUILD_ENGINE_CORE, spec)
-    client: EngineClient
     if config.engine_process:
-        client = ProcessEngineClient(config.engine, build, log_level=config.log_level)
-    else:
-        client = InProcessEngineClient(config.engine, build)
+        return ProcessEngineClient(config.engine, build, log_level=config.log_level), artifact_path
+    return InProcessEngineClient(config.engine, build), artifact_path
+
+
+def served_model(config: ServeConfig, artifact_path: str, client: EngineClient) -> ServedModel:
+    """The artifact's metadata opened (tokenizer and template, no weights) around `client`."""
+    artifact = open_default_model(weights=False) if config.artifact is None else open_artifact(artifact_path, weights=False)
+    if config.engine.vision and not artifact.hf_config.get("vision_config"):
+        raise ArtifactError(f"--vision: {artifact_path} has no vision tower (its config has no vision_config)")
     observers = []
     if config.request_log_jsonl is not None:
         # Before the model loads: a bad path fails start-up at once.
@@ -137,14 +141,9 @@ def serve(config: ServeConfig, kv_capacity_auto: bool = False) -> None:
     except OSError as error:
         raise ListenError(f"cannot listen on {config.host}:{config.port}: {error.strerror or error}") from error
     try:
-        _serve_on(sock, config, kv_capacity_auto, started)
+        asyncio.run(_run(config, kv_capacity_auto, started, sock))
     finally:
         sock.close()
-
-
-def _serve_on(sock: socket.socket, config: ServeConfig, kv_capacity_auto: bool, started: float) -> None:
-    serving = build_serving(config, kv_capacity_auto)
-    asyncio.run(_run(serving, config, started, sock))
 
 
 def _log_served_model(serving: ServedModel) -> None:
@@ -167,11 +166,11 @@ def uvicorn_config(app, **overrides) -> uvicorn.Config:
     return uvicorn.Config(app, **{**settings, **overrides})
 
 
-async def start_engine(serving: ServedModel) -> None:
+async def start_engine(client: EngineClient) -> None:
     """Start the engine; while a long start runs, import the grammar library (module docstring)."""
     preload = asyncio.create_task(_import_grammar_library_after(GRAMMAR_PRELOAD_AFTER_S))
     try:
-        await serving.engine.start()
+        await client.start()
     finally:
         preload.cancel()  # an import already running on its thread finishes there
 
@@ -187,9 +186,21 @@ async def _import_grammar_library_after(delay_s: float) -> None:
     log.debug("grammar library imported during the engine's start (%.1fs)", time.perf_counter() - began)
 
 
-async def _run(serving: ServedModel, config: ServeConfig, started: float, sock: socket.socket) -> None:
+async def _run(config: ServeConfig, kv_capacity_auto: bool, started: float, sock: socket.socket) -> None:
+    client, artifact_path = engine_client(config, kv_capacity_auto)
+    # The engine process starts first (its imports and load take seconds); the artifact's
+    # metadata opens here meanwhile. A bad artifact or option found here stops the engine, quietly.
+    starting = asyncio.create_task(start_engine(client))
     try:
-        await start_engine(serving)
+        serving = await asyncio.to_thread(served_model, config, artifact_path, client)
+    except BaseException:
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        await client.shutdown()
+        raise
+    try:
+        await starting
     except BaseException:
         serving.close()
         raise

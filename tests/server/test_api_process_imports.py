@@ -22,9 +22,9 @@ def forbidden():
     return sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.split(".")[:2] == ["ninfer", "engine"])
 """
 
-# ninfer-serve's own path (serve_main: options, port, artifact metadata, engine client) up to where
-# the engine process would be spawned; then the uvicorn app, as the API process builds it once the
-# engine is ready.
+# ninfer-serve's own path (serve_main: options, port, engine client, artifact metadata beside the
+# engine's start) up to where the engine process would be spawned; then the uvicorn app, as the
+# API process builds it once the engine is ready.
 SERVE_UNTIL_SPAWN = FORBIDDEN + """
 import asyncio, json
 
@@ -38,11 +38,11 @@ class EngineSpawn(Exception):
 
 
 served = []
-build_serving = api_process.build_serving
+served_model = api_process.served_model
 
 
-def recording_build_serving(*args, **kwargs):
-    served.append(build_serving(*args, **kwargs))
+def recording_served_model(*args, **kwargs):
+    served.append(served_model(*args, **kwargs))
     return served[-1]
 
 
@@ -50,7 +50,7 @@ async def stop_at_spawn(self):
     raise EngineSpawn(json.dumps(forbidden()))
 
 
-api_process.build_serving = recording_build_serving
+api_process.served_model = recording_served_model
 ProcessEngineClient._start_engine = stop_at_spawn
 
 from ninfer.cli import serve_main

@@ -20,17 +20,12 @@ class _Engine:
         await asyncio.sleep(self.start_s)
 
 
-class _Serving:
-    def __init__(self, start_s: float):
-        self.engine = _Engine(start_s)
-
-
 @pytest.mark.parametrize(("start_s", "imported"), [(1.0, True), (0.02, False)])
 def test_a_long_engine_start_imports_the_grammar_library(monkeypatch, start_s: float, imported: bool) -> None:
     monkeypatch.setattr(api_process, "GRAMMAR_PRELOAD_AFTER_S", 0.2)
     grammar_library.cache_clear()
     try:
-        asyncio.run(api_process.start_engine(_Serving(start_s)))
+        asyncio.run(api_process.start_engine(_Engine(start_s)))
         assert (grammar_library.cache_info().currsize == 1) is imported
     finally:
         grammar_library()  # as other tests found it
@@ -41,13 +36,11 @@ def test_a_failed_engine_start_stops_the_preload(monkeypatch) -> None:
         async def start(self) -> None:
             raise RuntimeError("the engine refused to start")
 
-    serving = _Serving(0.0)
-    serving.engine = FailingEngine()
     monkeypatch.setattr(api_process, "GRAMMAR_PRELOAD_AFTER_S", 0.0)
     grammar_library.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="refused"):
-            asyncio.run(api_process.start_engine(serving))
+            asyncio.run(api_process.start_engine(FailingEngine()))
         assert grammar_library.cache_info().currsize == 0
     finally:
         grammar_library()
