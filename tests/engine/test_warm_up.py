@@ -19,21 +19,23 @@ from tests.engine.test_engine_generation import PROMPTS, _models
 from tests.unit.conftest import make_byte_tokenizer
 
 
+# max_context 30 < the 40-token budget: two requests' prompts fill the first step.
+SMALL = EngineConfig(max_concurrency=3, prefill_chunk=40, mixed_prefill_chunk=8, max_context=30, kv_capacity=256,
+                     log_stats_interval_ms=0)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3_5"])
 def model(request, tmp_path_factory):
     return _models(request.param, str(tmp_path_factory.mktemp("warm-up-models")))[1]
 
 
 def test_warm_up_covers_the_worst_step_mixed_steps_and_decode_then_restores_the_pools(model):
-    config = EngineConfig(max_concurrency=3, prefill_chunk=40, mixed_prefill_chunk=8, max_context=30,
-                          kv_capacity=256, log_stats_interval_ms=0)
-    core = EngineCore(model, make_byte_tokenizer(), config)
+    core = EngineCore(model, make_byte_tokenizer(), SMALL)
     baseline = core.pool_accounting()
     steps = []
     launch = core.runner.launch
     core.runner.launch = lambda step: steps.append(step) or launch(step)
     report = run_warm_up(core)
-    # max_context 30 < the 40-token budget: two requests' prompts fill the first step.
     assert steps[0].kind is StepKind.PREFILL and steps[0].num_tokens == 40 == report.worst_step_tokens
     assert len(steps[0].chunks) == 2
     mixed = [s for s in steps if s.kind is StepKind.MIXED]
@@ -83,9 +85,7 @@ def test_worst_step_requests_respect_every_limit(prefill_chunk, max_context, kv_
 
 
 def test_the_short_warm_up_runs_the_worst_mixed_and_constrained_phases_only(model):
-    config = EngineConfig(max_concurrency=3, prefill_chunk=40, mixed_prefill_chunk=8, max_context=30,
-                          kv_capacity=256, log_stats_interval_ms=0)
-    core = EngineCore(model, make_byte_tokenizer(), config)
+    core = EngineCore(model, make_byte_tokenizer(), SMALL)
     baseline = core.pool_accounting()
     names = []
     add = core.add_request
