@@ -1,7 +1,7 @@
 """Step graphs on the GPU: a prompt or mixed step replayed from its bucket's CUDA graph computes what
 the eager step computes (logits, KV, states within bf16 rounding: the matrix products run at the
 bucket's row count), with and without a checkpoint inside the step, and an engine with step
-graphs generates the eager engine's greedy tokens (fp32)."""
+graphs, captured at once or in idle turns, generates the eager engine's greedy tokens (fp32)."""
 
 from __future__ import annotations
 
@@ -128,3 +128,39 @@ def test_an_engine_with_step_graphs_generates_the_eager_engines_greedy_tokens(ar
             assert core.failed is None
         results.append(outputs)
     assert results[0] == results[1]
+
+
+def test_graphs_captured_in_idle_turns_generate_the_eager_engines_greedy_tokens(tmp_root):
+    """A served engine's step graphs: none at first (prompt steps run eagerly), then captured one
+    per idle turn between requests, each replayed once captured; greedy tokens equal the eager
+    engine's throughout (fp32, as above)."""
+    model = _model("qwen3_5", tmp_root, torch.float32, "cuda")
+    tokenizer = make_byte_tokenizer()
+    config = EngineConfig(max_concurrency=3, prefill_chunk=96, mixed_prefill_chunk=48, max_context=256,
+                          log_stats_interval_ms=0)
+    idle = EngineCore(model, tokenizer, config, step_graphs_while_idle=True)
+    eager = EngineCore(model, tokenizer, dataclasses.replace(config, cuda_graphs=False))
+    graphs = idle.runner.step_graphs
+    assert graphs is not None and not graphs.graphs and idle.has_background_work
+    text = lambda s: [ord(c) for c in s]  # noqa: E731
+
+    def generate(core, round_index: int) -> dict[str, list[int]]:
+        requests = [EngineRequest(f"{round_index}-long", text(f"Round {round_index}: the quick brown fox. " * 4),
+                                  GREEDY, max_new_tokens=12),
+                    EngineRequest(f"{round_index}-short", text(f"Hi {round_index}"), GREEDY, max_new_tokens=8)]
+        for request in requests:
+            assert core.add_request(request) == []
+        outputs: dict[str, list[int]] = {}
+        while core.has_work:
+            for o in core.step():
+                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            assert core.failed is None
+        return outputs
+
+    for round_index in range(4):
+        assert generate(idle, round_index) == generate(eager, round_index), f"round {round_index}"
+        for _ in range(len(graphs.buckets) // 2 + 1):  # about half the graphs per idle spell
+            if idle.has_background_work:
+                idle.background_step()
+    assert not graphs.pending and len(graphs.graphs) == 2 * len(graphs.buckets)
+    assert generate(idle, 4) == generate(eager, 4)
