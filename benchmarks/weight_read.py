@@ -4,8 +4,9 @@ What a start-up's "model loaded in" is made of, without the model: every tensor 
 checkpoint (up to --gib) copied into one device buffer, by each path:
   mmap-copy     safetensors' mmap'd tensor copied to the device (what the loader did: the
                 driver stages pageable memory and the copy page-faults through the mapping)
-  pread-pinned  N threads read each tensor with pread into pinned memory ahead of the copy, which
-                then runs at the bus's rate (what a GPU load does: artifact/pinned_reader.py)
+  pread-pinned  N threads read the file with pread into a ring of pinned chunks, each chunk copied
+                to the device asynchronously while the next ones are read (what a GPU load does:
+                artifact/pinned_reader.py)
 Reads the page cache when the checkpoint is on tmpfs (/dev/shm) or was read before: run it after
 a load has read the files once to time the copy, not the disk.
 
@@ -55,9 +56,9 @@ def pread_pinned(files: list[Path], limit: int, out: torch.Tensor, threads: int)
         extents.append(extent)
         total += extent.nbytes
     done = 0
-    with PinnedReader(True, threads=threads) as reader:
-        for extent, host_bytes in reader.read(extents):
-            out[done : done + extent.nbytes].copy_(host_bytes)
+    with PinnedReader(out.device, threads=threads) as reader:
+        for extent, device_bytes in reader.read(extents):
+            out[done : done + extent.nbytes].copy_(device_bytes)
             done += extent.nbytes
     return done
 

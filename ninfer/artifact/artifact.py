@@ -56,9 +56,8 @@ class Artifact:
     runtime_loader: Callable[..., CausalLM] | None = field(default=None, repr=False)
     # A container's optional part ("vision/", "dflash/", ...): its tensors, prefix removed.
     read_part: Callable[[str], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
-    # read_weights takes read_ahead= and pinned= (SafetensorsWeights.read): a GPU load's tensors
-    # are read by threads into pinned memory.
-    reads_ahead: bool = field(default=False, repr=False)
+    # read_weights takes device=: a GPU load's tensors are read straight onto the device.
+    reads_to_device: bool = field(default=False, repr=False)
     manifest: dict[str, Any] = field(default_factory=dict, repr=False)  # a container's manifest.json
     resources: dict[str, str] = field(default_factory=dict, repr=False)  # a container's named resources
 
@@ -68,11 +67,11 @@ class Artifact:
         """Lazily read (name, tensor) pairs in HF checkpoint naming (block-scaled FP8 weights
         dequantized to bf16, or with keep_fp8 as stored, each after its `_scale_inv` scales;
         NVFP4 weights likewise with keep_nvfp4, after `_scale` and `_scale_2`).
-        device: where the weights go; for a CUDA device an artifact that can reads its tensors
-        ahead into pinned memory (reads_ahead), which copies to the device at the bus's rate."""
+        device: a CUDA device the tensors may arrive on already (where the artifact reads onto
+        devices: reads_to_device); otherwise they come on the CPU."""
         options = {"keep_nvfp4": True} if keep_nvfp4 else {}
-        if device is not None and self.reads_ahead and str(device).startswith("cuda"):
-            options.update(read_ahead=True, pinned=True)
+        if device is not None and self.reads_to_device and str(device).startswith("cuda"):
+            options["device"] = device
         return self.read_weights(keep_fp8, **options) if keep_fp8 or options else self.read_weights()
 
     def load_model(
@@ -107,7 +106,10 @@ class Artifact:
         nvfp4_weights = self.nvfp4_weights if keep_nvfp4 else {}
         return load_model(
             self.config,
-            self.weights(keep_fp8=bool(fp8_weights), keep_nvfp4=bool(nvfp4_weights), device=device),
+            # Quantizing at load keeps the unquantized tensors off the device: its load peak is
+            # the quantized model plus one chunk of rows (models/quant/row_chunks.py).
+            self.weights(keep_fp8=bool(fp8_weights), keep_nvfp4=bool(nvfp4_weights),
+                         device=device if quantize is None else None),
             dtype=dtype,
             device=device,
             total=self.num_tensors + len(fp8_weights) + 2 * len(nvfp4_weights),

@@ -156,7 +156,7 @@ def open_hf_directory(directory: Path, weights: bool = True) -> Artifact:
         generation_defaults=_generation_defaults(directory, config),
         num_tensors=0 if stored is None else len(stored.names),
         read_weights=without_weights(directory) if stored is None else stored.read,
-        reads_ahead=stored is not None,
+        reads_to_device=stored is not None,
         fp8_weights={} if stored is None else stored.fp8_weights,
         nvfp4_weights={} if stored is None else stored.nvfp4_weights,
     )

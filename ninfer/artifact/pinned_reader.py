@@ -1,10 +1,12 @@
-"""PinnedReader: a checkpoint's tensors read ahead by threads into pinned host memory.
+"""PinnedReader: a checkpoint's tensors read by threads through pinned chunks onto the GPU.
 
-Copying safetensors' memory-mapped tensors to a GPU is bounded by the host (4.7 GB/s measured,
+Copying safetensors' memory-mapped tensors to a GPU is bounded by the host (5-7 GB/s measured,
 benchmarks/weight_read.py): the driver stages pageable memory through its own buffer, and the
 copy faults the mapping in one page at a time. Here reader threads pread each tensor's bytes
-into pinned memory (the kernel copies from the page cache; pread releases the GIL) ahead of
-the loader, whose copies to the device then run at the bus's rate.
+(the kernel copies from the page cache; pread releases the GIL) into a ring of pinned chunks,
+allocated once, and each chunk is copied to the device asynchronously while the next ones are
+read. Pinned memory is not allocated per tensor: page-locking runs at ~3.6 GB/s, slower than
+the mapped copy it would replace. The device holds one tensor on its way to the weights.
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-PIECE_BYTES = 32 << 20  # one pread: large enough that its fixed cost does not show
-AHEAD_BYTES = 2 << 30  # read this far past the tensor the consumer holds
+CHUNK_BYTES = 32 << 20  # one pread and one copy: large enough that neither's fixed cost shows
 _HEADER_LENGTH_BYTES = 8  # a safetensors file starts with its JSON header's length, little-endian u64
 
 # safetensors' dtype names -> torch dtypes (those a checkpoint holds)
@@ -71,20 +72,27 @@ def tensor_extents(file: Path) -> list[TensorExtent]:
     return sorted(extents, key=lambda extent: extent.offset)
 
 
+@dataclass
+class _Piece:
+    extent_index: int
+    start: int  # within the extent
+    length: int
+    chunk: int
+    read: Future | None = None
+
+
 class PinnedReader:
-    """Reads whole tensors into pinned host memory (plain memory for a CPU load), ahead of the
-    consumer (use as a context manager).
+    """Reads extents onto a device through a ring of chunks, pinned for a CUDA device (use as a
+    context manager). On the CPU (tests) the same pipeline copies synchronously."""
 
-    Each tensor is read by the threads in PIECE_BYTES pieces; tensors are read in order, up to
-    `ahead_bytes` past the one the consumer holds. A tensor is the consumer's once yielded (it
-    may keep it); its copy to the device is the loader's (fast from pinned memory), so the device
-    holds nothing but the weights as they are written, as with memory-mapped tensors. The host
-    allocator keeps freed pinned blocks for the next tensors of their size (see release_pinned)."""
-
-    def __init__(self, pinned: bool, threads: int = 8, ahead_bytes: int = AHEAD_BYTES, piece_bytes: int = PIECE_BYTES):
-        self.pinned = pinned
-        self.ahead_bytes = ahead_bytes
-        self.piece_bytes = piece_bytes
+    def __init__(self, device: torch.device, threads: int = 8, chunk_bytes: int = CHUNK_BYTES):
+        self.device = torch.device(device)
+        self.threads = threads
+        self.chunk_bytes = chunk_bytes
+        pinned = self.device.type == "cuda"
+        # Twice the readers: each reader has a chunk to fill while the previous ones copy.
+        self.chunks = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2 * threads)]
+        self.copied = [None] * len(self.chunks)  # the event after each chunk's last copy
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="weight-read")
         self.files: dict[Path, int] = {}
 
@@ -101,49 +109,64 @@ class PinnedReader:
         self.files.clear()
 
     def read(self, extents: Iterable[TensorExtent]) -> Iterator[tuple[TensorExtent, torch.Tensor]]:
-        """-> (extent, its bytes as a uint8 host tensor), in the given order."""
+        """-> (extent, its bytes on the device as uint8), in the given order. A CUDA tensor is
+        filled by copies on the current stream: work queued after it on that stream sees the bytes."""
+        device = self.device
+        on_cuda = device.type == "cuda"
         extents = list(extents)
         for extent in extents:
             if extent.file not in self.files:
                 self.files[extent.file] = os.open(extent.file, os.O_RDONLY)
-        queued: deque[tuple[TensorExtent, torch.Tensor, list[Future]]] = deque()
-        queued_bytes = 0
-        upcoming = iter(extents)
-        exhausted = False
-        while True:
-            # Read ahead: the next tensors while they fit the budget (always the next one).
-            while not exhausted and (not queued or queued_bytes < self.ahead_bytes):
-                extent = next(upcoming, None)
-                if extent is None:
-                    exhausted = True
-                    break
-                buffer = torch.empty(extent.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-                reads = [
-                    self.pool.submit(self._read, extent, buffer, start, min(self.piece_bytes, extent.nbytes - start))
-                    for start in range(0, extent.nbytes, self.piece_bytes)
-                ]
-                queued.append((extent, buffer, reads))
-                queued_bytes += extent.nbytes
-            if not queued:
-                return
-            extent, buffer, reads = queued.popleft()
-            for read in reads:
-                read.result()
-            queued_bytes -= extent.nbytes
-            yield extent, buffer
+        pieces = deque(
+            _Piece(index, start, min(self.chunk_bytes, extent.nbytes - start), 0)
+            for index, extent in enumerate(extents)
+            for start in range(0, max(extent.nbytes, 1), self.chunk_bytes)
+        )
+        stream = torch.cuda.current_stream(device) if on_cuda else None
+        in_flight: deque[_Piece] = deque()
+        next_chunk = 0
+        current: torch.Tensor | None = None
+        current_index = -1
 
-    def _read(self, extent: TensorExtent, buffer: torch.Tensor, start: int, length: int) -> None:
-        view = memoryview(buffer.numpy())[start : start + length]
+        def submit() -> None:
+            nonlocal next_chunk
+            piece = pieces.popleft()
+            piece.chunk = next_chunk
+            next_chunk = (next_chunk + 1) % len(self.chunks)
+            if self.copied[piece.chunk] is not None:
+                self.copied[piece.chunk].synchronize()  # its last copy has left the chunk
+            piece.read = self.pool.submit(self._read, extents[piece.extent_index], piece)
+            in_flight.append(piece)
+
+        while pieces and len(in_flight) < len(self.chunks):
+            submit()
+        while in_flight:
+            piece = in_flight.popleft()
+            if piece.extent_index != current_index:
+                if current is not None:
+                    yield extents[current_index], current
+                current_index = piece.extent_index
+                current = torch.empty(extents[current_index].nbytes, dtype=torch.uint8, device=device)
+            piece.read.result()
+            if piece.length:
+                current[piece.start : piece.start + piece.length].copy_(
+                    self.chunks[piece.chunk][: piece.length], non_blocking=on_cuda
+                )
+            if on_cuda:
+                event = torch.cuda.Event()
+                event.record(stream)
+                self.copied[piece.chunk] = event
+            if pieces:
+                submit()
+        if current is not None:
+            yield extents[current_index], current
+
+    def _read(self, extent: TensorExtent, piece: _Piece) -> None:
+        descriptor = self.files[extent.file]
+        view = memoryview(self.chunks[piece.chunk].numpy())[: piece.length]
         done = 0
-        while done < length:
-            got = os.preadv(self.files[extent.file], [view[done:]], extent.offset + start + done)
+        while done < piece.length:
+            got = os.preadv(descriptor, [view[done:]], extent.offset + piece.start + done)
             if got == 0:
                 raise OSError(f"{extent.file}: ends inside tensor {extent.name!r}")
             done += got
-
-
-def release_pinned() -> None:
-    """Return the pinned blocks a load left cached to the system (a private torch call, where it exists)."""
-    empty = getattr(torch._C, "_host_emptyCache", None)
-    if empty is not None and torch.cuda.is_available():
-        empty()

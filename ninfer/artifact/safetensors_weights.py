@@ -127,16 +127,16 @@ class SafetensorsWeights:
         keep_fp8: bool = False,
         only: Callable[[str], bool] | None = None,
         keep_nvfp4: bool = False,
-        read_ahead: bool = False,
-        pinned: bool = False,
+        device: torch.device | str | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """keep_fp8: yield each fp8_weights entry as stored, right after its `_scale_inv` scales;
         otherwise block-scaled weights come dequantized exactly to bf16. keep_nvfp4: likewise
         each NVFP4 weight after its `_scale` and `_scale_2`; otherwise dequantized (fp32 products,
         rounded once to bf16).
         only: read just the tensors whose names it accepts (e.g. the vision tower's).
-        read_ahead: tensors read by threads into memory ahead of the consumer (pinned_reader.py),
-        pinned memory with `pinned` (a GPU load); otherwise memory-mapped."""
+        device: yield every tensor on this device, read by threads through pinned chunks
+        (pinned_reader.py; companions such as scales are moved there too); None: tensors
+        memory-mapped on the CPU."""
         file_of = {name: file for file, names in self.names_by_file.items() for name in names}
         kept = self.fp8_weights if keep_fp8 else {}
         nvfp4 = self.nvfp4_weights
@@ -147,14 +147,15 @@ class SafetensorsWeights:
             for name in names
             if name in wanted and (only is None or only(name))
         ]
-        stored = self._read_ahead(order, pinned) if read_ahead else self._mapped(order)
+        device = None if device is None else torch.device(device)
+        stored = self._mapped(order) if device is None else self._read_onto(order, device)
         for name, tensor in stored:
             if name in nvfp4:
-                yield from self._read_nvfp4(name, tensor, file_of, keep_nvfp4)
+                yield from self._read_nvfp4(name, tensor, file_of, keep_nvfp4, device)
                 continue
             scale_name = name + _SCALE_SUFFIX
             if self.fp8_block is not None and scale_name in file_of:
-                scale = _read_one(file_of[scale_name], scale_name)
+                scale = _read_one(file_of[scale_name], scale_name, device)
                 if name in kept:
                     yield scale_name, scale
                 else:
@@ -170,19 +171,22 @@ class SafetensorsWeights:
                     yield name, handle.get_tensor(name)
 
     @staticmethod
-    def _read_ahead(order: list[tuple[Path, str]], pinned: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors read by threads ahead of the consumer."""
+    def _read_onto(order: list[tuple[Path, str]], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors on `device`, read by threads through pinned chunks."""
         extents = {}
         for file in dict.fromkeys(file for file, _ in order):
             extents.update({(file, extent.name): extent for extent in tensor_extents(file)})
-        with PinnedReader(pinned, threads=reader_threads()) as reader:
+        with PinnedReader(device, threads=reader_threads()) as reader:
             for extent, raw in reader.read(extents[key] for key in order):
                 yield extent.name, extent.view(raw)
 
     def _read_nvfp4(
-        self, name: str, codes: torch.Tensor, file_of: dict[str, Path], keep: bool
+        self, name: str, codes: torch.Tensor, file_of: dict[str, Path], keep: bool, device: torch.device | None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        scales = {suffix: _read_one(file_of[name + suffix], name + suffix) for suffix in (NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX)}
+        scales = {
+            suffix: _read_one(file_of[name + suffix], name + suffix, device)
+            for suffix in (NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX)
+        }
         if keep:
             for suffix, scale in scales.items():
                 yield name + suffix, scale
@@ -195,7 +199,8 @@ class SafetensorsWeights:
         yield name, dense.reshape(*codes.shape[:-1], codes.shape[-1] * 2).to(torch.bfloat16)
 
 
-def _read_one(file: Path, name: str) -> torch.Tensor:
-    """One small companion tensor (scales), memory-mapped."""
+def _read_one(file: Path, name: str, device: torch.device | None) -> torch.Tensor:
+    """One small companion tensor (scales), on `device` (None: memory-mapped)."""
     with safe_open(file, framework="pt", device="cpu") as handle:
-        return handle.get_tensor(name)
+        tensor = handle.get_tensor(name)
+    return tensor if device is None else tensor.to(device)

@@ -16,7 +16,6 @@ import time
 
 import torch
 
-from ninfer.artifact.pinned_reader import release_pinned
 from ninfer.assets.qwen_tokenizer import cache_dir
 from ninfer.config import EngineConfig, EngineSpec
 from ninfer.engine.cache.host_kv import HostKV
@@ -176,7 +175,8 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
             torch.cuda.max_memory_allocated(device) / (1 << 30),
             model_bytes(model) / (1 << 30),
         )
-        release_pinned()  # the pinned blocks the weights were read through
+        # The tensors read onto the device on their way to the weights: free for the KV sizing to see.
+        torch.cuda.empty_cache()
     if cpu_half_weights(spec.dtype, dtype, device):
         say("Linear weights stored in float16 for decode: %d layers", store_half_weights_(model))
     return model, dtype

@@ -42,12 +42,12 @@ def test_extents_follow_the_files_header(shards):
             assert offsets == sorted(offsets)
 
 
-@pytest.mark.parametrize("piece_bytes, ahead_bytes", [(7, 1), (4096, 10_000), (1 << 20, 1 << 30)])
+@pytest.mark.parametrize("chunk_bytes", [7, 4096, 1 << 20])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_reads_every_tensor_bit_for_bit_in_order(shards, piece_bytes, ahead_bytes, threads):
+def test_reads_every_tensor_bit_for_bit_in_order(shards, chunk_bytes, threads):
     extents = [extent for file in shards for extent in tensor_extents(file)]
     extents = extents[::-1]  # any order the caller asks for
-    with PinnedReader(False, threads=threads, ahead_bytes=ahead_bytes, piece_bytes=piece_bytes) as reader:
+    with PinnedReader(torch.device("cpu"), threads=threads, chunk_bytes=chunk_bytes) as reader:
         got = [(extent, extent.view(raw)) for extent, raw in reader.read(extents)]
     assert [extent.name for extent, _ in got] == [extent.name for extent in extents]
     for extent, tensor in got:
@@ -61,7 +61,7 @@ def test_a_truncated_file_is_an_error_naming_the_tensor(shards):
     extents = tensor_extents(shards[0])
     data = shards[0].read_bytes()
     shards[0].write_bytes(data[: len(data) - 100])
-    with PinnedReader(False, threads=2, piece_bytes=64) as reader:
+    with PinnedReader(torch.device("cpu"), threads=2, chunk_bytes=64) as reader:
         with pytest.raises(OSError, match="ends inside tensor"):
             list(reader.read(extents))
 
@@ -79,16 +79,33 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("stored", ["bf16", "fp8", "nvfp4"])
-def test_weights_read_ahead_onto_a_device_equal_the_mapped_ones(checkpoints, stored, keep):
-    """The read-ahead path (what a GPU load takes, here without pinning) yields the mapped path's
-    names in its order, every tensor bit for bit, scales before their weights."""
+def test_weights_read_onto_a_device_equal_the_mapped_ones(checkpoints, stored, keep):
+    """The device path (what a GPU load takes, here onto the CPU) yields the mapped path's names
+    in its order, every tensor bit for bit, scales before their weights."""
     from ninfer.artifact import open_artifact
 
     weights = open_artifact(checkpoints[stored]).read_weights.__self__
     options = {"keep_fp8": keep, "keep_nvfp4": keep}
     mapped = list(weights.read(**options))
-    staged = list(weights.read(**options, read_ahead=True))
+    staged = list(weights.read(**options, device="cpu"))
     assert [name for name, _ in staged] == [name for name, _ in mapped]
     for (name, expected), (_, got) in zip(mapped, staged):
         assert got.dtype == expected.dtype and got.shape == expected.shape, name
         assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize(("device", "quantize", "read_onto"), [
+    ("cuda:0", None, "cuda:0"),  # a GPU load reads onto its device
+    ("cuda:0", "nvfp4", None),  # quantizing at load keeps the unquantized tensors on the host
+    ("cpu", None, None),  # the CPU keeps the memory-mapped tensors
+])
+def test_a_gpu_load_reads_onto_the_device_unless_it_quantizes(checkpoints, monkeypatch, device, quantize, read_onto):
+    from ninfer.artifact import open_artifact
+    from ninfer.models import loader
+
+    artifact = open_artifact(checkpoints["bf16"])
+    asked = []
+    monkeypatch.setattr(artifact, "read_weights", lambda *args, **options: asked.append(options) or iter(()))
+    monkeypatch.setattr(loader, "load_model", lambda config, tensors, **options: None)
+    artifact.load_model(device=device, quantize=quantize, progress=False)
+    assert asked == ([{"device": read_onto}] if read_onto else [{}])
