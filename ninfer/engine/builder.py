@@ -18,6 +18,7 @@ import torch
 
 from ninfer.assets.qwen_tokenizer import cache_dir
 from ninfer.config import EngineConfig, EngineSpec
+from ninfer.engine.background_imports import start_background_imports
 from ninfer.engine.cache.host_kv import HostKV
 from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
@@ -81,6 +82,7 @@ def build_engine_core(spec: EngineSpec) -> EngineCore:
     """With --tensor-parallel N this is rank 0: it spawns ranks 1..N-1 (parallel/follower.py), which
     load their shards beside it and then repeat its runner's calls until it stops them."""
     started = time.perf_counter()
+    start_background_imports()
     engine, artifact, companion = open_checked(spec)
     # Only now: a refused start prints its one error line and nothing else.
     from ninfer.engine import process

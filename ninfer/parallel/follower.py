@@ -29,6 +29,7 @@ log = logging.getLogger("ninfer.engine")
 def follower_main(spec: EngineSpec, rank: int, device: str, rendezvous: str, log_level: str) -> None:
     """Entry point of rank `rank`'s process on `device` (spawned by rank 0: parallel/followers.py).
     It joins the ranks' groups first, so that any later failure reaches rank 0 through them."""
+    from ninfer.engine.background_imports import start_background_imports
     from ninfer.engine.builder import load_trunk, open_checked
     from ninfer.engine.process import die_with_parent
     from ninfer.log import setup_logging
@@ -40,6 +41,7 @@ def follower_main(spec: EngineSpec, rank: int, device: str, rendezvous: str, log
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(log_level)
     started = time.perf_counter()
+    start_background_imports()
     group = RankGroup.join(rank, spec.engine.tensor_parallel, rendezvous, device)
     error = None
     model = draft_model = vision_tower = None

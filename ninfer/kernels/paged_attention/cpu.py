@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ninfer.kernels.backend import fast_version
 from ninfer.kernels.paged_attention import ref
@@ -46,6 +45,9 @@ def paged_attention(
             probs = torch.softmax(scores.mul_(scale), dim=-1)
             o = torch.matmul(probs, values.transpose(0, 1)).view(1, num_heads, head_dim)
         else:
+            # Imported here: it brings torch's compiler stack (engine/background_imports.py).
+            from torch.nn.attention.bias import causal_lower_right
+
             # Queries are the last query_len positions: bottom-right causal (plain causal when they start it).
             # 4-D inputs: SDPA's CPU flash kernel takes only those (3-D ones run the math backend).
             o = F.scaled_dot_product_attention(

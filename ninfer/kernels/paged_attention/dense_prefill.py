@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ninfer.kernels.kv_quant.ref import dequantize_rows, format_of
 
@@ -86,6 +85,9 @@ def paged_attention(
     if seq_len == num_queries:
         out = F.scaled_dot_product_attention(query, gather(k_cache), gather(v_cache), is_causal=True, scale=scale)
     else:
+        # Imported here: it brings torch's compiler stack (engine/background_imports.py).
+        from torch.nn.attention.bias import causal_lower_right
+
         mask = causal_lower_right(num_queries, seq_len)
         out = F.scaled_dot_product_attention(query, gather(k_cache), gather(v_cache), attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1).contiguous()
