@@ -6,7 +6,8 @@ copy faults the mapping in one page at a time. Here reader threads pread each te
 (the kernel copies from the page cache; pread releases the GIL) into a ring of pinned chunks,
 allocated once, and each chunk is copied to the device asynchronously while the next ones are
 read. Pinned memory is not allocated per tensor: page-locking runs at ~3.6 GB/s, slower than
-the mapped copy it would replace. The device holds one tensor on its way to the weights.
+the mapped copy it would replace. The device holds up to two tensors on their way to the
+weights (the one the loader writes, the next being read).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ninfer.artifact.artifact import ArtifactError, read_json
-from ninfer.artifact.pinned_reader import PinnedReader, reader_threads, tensor_extents
+from ninfer.artifact.pinned_reader import TORCH_DTYPES, PinnedReader, reader_threads, tensor_extents
 from ninfer.kernels.nvfp4_gemv import dequantize_nvfp4
 from ninfer.models.checkpoint_scales import NVFP4_BLOCK_SUFFIX, NVFP4_GLOBAL_SUFFIX
 
@@ -172,10 +172,14 @@ class SafetensorsWeights:
 
     @staticmethod
     def _read_onto(order: list[tuple[Path, str]], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors on `device`, read by threads through pinned chunks."""
+        """The tensors on `device`, read by threads through pinned chunks (memory-mapped, for the
+        loader to copy, when a tensor's dtype is one the reader does not know)."""
         extents = {}
         for file in dict.fromkeys(file for file, _ in order):
             extents.update({(file, extent.name): extent for extent in tensor_extents(file)})
+        if any(extents[key].dtype not in TORCH_DTYPES for key in order):
+            yield from SafetensorsWeights._mapped(order)
+            return
         with PinnedReader(device, threads=reader_threads()) as reader:
             for extent, raw in reader.read(extents[key] for key in order):
                 yield extent.name, extent.view(raw)

@@ -109,3 +109,15 @@ def test_a_gpu_load_reads_onto_the_device_unless_it_quantizes(checkpoints, monke
     monkeypatch.setattr(loader, "load_model", lambda config, tensors, **options: None)
     artifact.load_model(device=device, quantize=quantize, progress=False)
     assert asked == ([{"device": read_onto}] if read_onto else [{}])
+
+
+def test_a_dtype_the_reader_does_not_know_keeps_the_mapped_path(checkpoints, monkeypatch):
+    from ninfer.artifact import open_artifact
+    from ninfer.artifact import pinned_reader
+
+    weights = open_artifact(checkpoints["bf16"]).read_weights.__self__
+    monkeypatch.setattr(pinned_reader.PinnedReader, "read", lambda *args: pytest.fail("read through the ring"))
+    monkeypatch.delitem(pinned_reader.TORCH_DTYPES, "BF16")
+    mapped = dict(weights.read())
+    got = dict(weights.read(device="cpu"))
+    assert got.keys() == mapped.keys() and all(torch.equal(got[name], mapped[name]) for name in mapped)
