@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -349,12 +350,14 @@ def _run_warm_up_once(core: EngineCore, draft_model, full: bool | None = None) -
     device, libraries and kernel cache; then the short one); a full one is recorded."""
     model = core.runner.model
     records = WarmUpRecords(cache_dir() / "warm-up")
+    kernel_cache = os.environ.get("TRITON_CACHE_DIR", "")
     key = probe_key(
         "warm-up", warm_up_plan(core.config, core.tokenizer.vocab_size),
-        *_probe_inputs(model, draft_model, core.runner.device), os.environ.get("TRITON_CACHE_DIR", ""),
+        *_probe_inputs(model, draft_model, core.runner.device), kernel_cache,
     )  # fmt: skip
     if full is None:
-        full = not records.has(key)
+        # A kernel cache emptied since (its folder removed) needs the full one again.
+        full = not (records.has(key) and Path(kernel_cache).is_dir() and any(Path(kernel_cache).iterdir()))
     report = run_warm_up(core, full=full)
     if full:
         records.store(key)

@@ -116,6 +116,10 @@ def test_a_full_warm_up_is_recorded_and_the_next_start_runs_the_short_one(model,
 
     monkeypatch.setattr(builder, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(builder, "_probe_inputs", lambda model, draft_model, device: ("device", "libraries"))
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "a-compiled-kernel").write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(kernels))
     config = EngineConfig(max_concurrency=2, prefill_chunk=40, mixed_prefill_chunk=8, max_context=30,
                           kv_capacity=256, log_stats_interval_ms=0)
     fulls = []
@@ -128,6 +132,12 @@ def test_a_full_warm_up_is_recorded_and_the_next_start_runs_the_short_one(model,
     start(config)
     start(dataclasses.replace(config, max_concurrency=3))  # another plan: a full one again
     assert fulls == [True, False, True]
+    (kernels / "a-compiled-kernel").unlink()  # the kernel cache emptied since
+    start(config)
+    assert fulls[-1] is True
+    (kernels / "a-compiled-kernel").write_text("")
+    start(config)
+    assert fulls[-1] is False
     monkeypatch.setattr(builder, "_probe_inputs", lambda model, draft_model, device: ("device", "newer libraries"))
     start(config)
     assert fulls[-1] is True
