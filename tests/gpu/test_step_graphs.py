@@ -117,17 +117,19 @@ def test_an_engine_with_step_graphs_generates_the_eager_engines_greedy_tokens(ar
         EngineRequest("turn", prompt, GREEDY, max_new_tokens=16,
                       capture_hints=[CaptureHint(len(prompt) - 5, ReusePath.PRIVATE_TURN_CLOSURE)]),
     ]
-    results = []
-    for core in (graphed, eager):
-        for request in requests:
-            assert core.add_request(request) == []
-        outputs: dict[str, list[int]] = {}
-        while core.has_work:
-            for o in core.step():
-                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-            assert core.failed is None
-        results.append(outputs)
-    assert results[0] == results[1]
+    assert _generate(graphed, requests) == _generate(eager, requests)
+
+
+def _generate(core: EngineCore, requests: list[EngineRequest]) -> dict[str, list[int]]:
+    """Every request run to its end on `core` -> its generated ids, by request id."""
+    for request in requests:
+        assert core.add_request(request) == []
+    outputs: dict[str, list[int]] = {}
+    while core.has_work:
+        for o in core.step():
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert core.failed is None
+    return outputs
 
 
 def test_graphs_captured_in_idle_turns_generate_the_eager_engines_greedy_tokens(tmp_root):
@@ -145,17 +147,11 @@ def test_graphs_captured_in_idle_turns_generate_the_eager_engines_greedy_tokens(
     text = lambda s: [ord(c) for c in s]  # noqa: E731
 
     def generate(core, round_index: int) -> dict[str, list[int]]:
-        requests = [EngineRequest(f"{round_index}-long", text(f"Round {round_index}: the quick brown fox. " * 4),
-                                  GREEDY, max_new_tokens=12),
-                    EngineRequest(f"{round_index}-short", text(f"Hi {round_index}"), GREEDY, max_new_tokens=8)]
-        for request in requests:
-            assert core.add_request(request) == []
-        outputs: dict[str, list[int]] = {}
-        while core.has_work:
-            for o in core.step():
-                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-            assert core.failed is None
-        return outputs
+        return _generate(core, [
+            EngineRequest(f"{round_index}-long", text(f"Round {round_index}: the quick brown fox. " * 4), GREEDY,
+                          max_new_tokens=12),
+            EngineRequest(f"{round_index}-short", text(f"Hi {round_index}"), GREEDY, max_new_tokens=8),
+        ])
 
     for round_index in range(4):
         assert generate(idle, round_index) == generate(eager, round_index), f"round {round_index}"
