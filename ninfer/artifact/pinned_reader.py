@@ -88,7 +88,6 @@ class PinnedReader:
 
     def __init__(self, device: torch.device, threads: int = 8, chunk_bytes: int = CHUNK_BYTES):
         self.device = torch.device(device)
-        self.threads = threads
         self.chunk_bytes = chunk_bytes
         pinned = self.device.type == "cuda"
         # Twice the readers: each reader has a chunk to fill while the previous ones copy.

@@ -118,7 +118,10 @@ def engine_client(config: ServeConfig, kv_capacity_auto: bool = False) -> tuple[
 
 def served_model(config: ServeConfig, artifact_path: str, client: EngineClient) -> ServedModel:
     """The artifact's metadata opened (tokenizer and template, no weights) around `client`."""
-    artifact = open_default_model(weights=False) if config.artifact is None else open_artifact(artifact_path, weights=False)
+    if config.artifact is None:
+        artifact = open_default_model(weights=False)  # with the model card's sampling defaults
+    else:
+        artifact = open_artifact(artifact_path, weights=False)
     if config.engine.vision and not artifact.hf_config.get("vision_config"):
         raise ArtifactError(f"--vision: {artifact_path} has no vision tower (its config has no vision_config)")
     observers = []

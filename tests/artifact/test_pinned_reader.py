@@ -74,7 +74,8 @@ def checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("staged")
     source = make_tiny_qwen3_5(root / "bf16")
-    return {"bf16": source, "fp8": qwen_fp8_copy(source, root / "fp8"), "nvfp4": modelopt_nvfp4_copy(source, root / "nvfp4")}
+    return {"bf16": source, "fp8": qwen_fp8_copy(source, root / "fp8"),
+            "nvfp4": modelopt_nvfp4_copy(source, root / "nvfp4")}
 
 
 @pytest.mark.parametrize("keep", [False, True])
