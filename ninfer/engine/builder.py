@@ -24,6 +24,7 @@ from ninfer.engine.cache.host_kv import HostKV
 from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
 from ninfer.engine.kv_sizing_record import AutoSizing, KvSizingRecords, ProbeMeasure, probe_key
+from ninfer.engine.pinned_allocator import configure_pinned_allocator
 from ninfer.engine.startup_checks import check_kv_dtype, check_speculative, check_tensor_parallel, resolve_device
 from ninfer.engine.warm_up import WarmUpReport, run_warm_up, warm_up_plan
 from ninfer.engine.warm_up_record import WarmUpRecords
@@ -139,6 +140,7 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
         # and Triton launches on the current device (a tensor-parallel rank's own).
         cuda_began = time.perf_counter()
         torch.cuda.set_device(device)
+        configure_pinned_allocator()
         say("CUDA started on %s in %.1fs", device, time.perf_counter() - cuda_began)
         persist_compile_caches(str(cache_dir()))
         # A restart loads the compiled kernels and autotuning choices from here instead of redoing them.

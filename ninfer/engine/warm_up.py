@@ -159,6 +159,8 @@ def run_warm_up(core, full: bool = True) -> WarmUpReport:
         )
     else:
         log.info("warming up (short: this configuration's kernels are in the kernel cache from an earlier start)")
+    # The grammar compiler's tables build on their thread while the steps below run.
+    core.grammars.compile(WARM_UP_GRAMMAR)
     num_steps = _run(core, [(0, worst)])
     for i, length in enumerate(prompt_ladder(config) if full else ()):
         prompt, sampling = _prompt(length, 300 + length, vocab_size), ROTATION[i % len(ROTATION)]

@@ -15,6 +15,7 @@ from ninfer.models.dflash import DflashDraftModel
 from ninfer.models.draft_config import DraftConfig
 from ninfer.models.family import WeightSlice
 from ninfer.models.loader import load_weights
+from ninfer.models.meta_build import meta_build
 
 
 def _stored_as_named(name: str, tensor: torch.Tensor, config: DraftConfig) -> Iterator[WeightSlice]:
@@ -32,7 +33,7 @@ def load_draft_model(
     source: str = "drafter checkpoint",
 ) -> DflashDraftModel:
     """WeightLoadError names what is missing, unknown or mis-shaped (device "meta": a dry run)."""
-    with torch.device("meta"):
+    with meta_build():
         model = DflashDraftModel(config).to(dtype)
     model = model.to_empty(device=device)
     model.rotary_emb.reset_buffers()

@@ -32,6 +32,7 @@ from ninfer.models.quant.nvfp4_experts import Nvfp4Experts
 from ninfer.models.quant.stored_write import StoredWrite, StoresCheckpointWrites
 from ninfer.models.registry import CheckpointRule, checkpoint_rule, model_class
 from ninfer.models.weight_load_error import WeightLoadError
+from ninfer.models.meta_build import meta_build
 
 if TYPE_CHECKING:
     from ninfer.parallel.shard_plan import ShardPlan
@@ -64,7 +65,7 @@ def build_model(
     model's, in whose terms the stored weights are named and shaped).
     """
     cls = model_class(config)
-    with torch.device("meta"):
+    with meta_build():
         model = cls(shard.local_config if shard is not None else config).to(dtype)
     placeholders = [(Fp8Linear, fp8_weights or {}), (Nvfp4Linear, nvfp4_weights or {})]
     for module_type, stored in placeholders:
@@ -90,7 +91,8 @@ def _replace(model: nn.Module, module_name: str, convert) -> None:
 def materialize(model: CausalLM, device: torch.device | str) -> CausalLM:
     """A meta-device model with (uninitialised) storage on `device`: tied weights shared again,
     computed buffers (rotary tables) rebuilt there, since they are computed, not loaded."""
-    model = model.to_empty(device=device)
+    if torch.device(device).type != "meta":  # a dry run's model stays as built (to_empty on meta costs imports)
+        model = model.to_empty(device=device)
     model.tie_weights()
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)

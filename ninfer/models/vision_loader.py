@@ -20,6 +20,7 @@ from ninfer.models.family import WeightSlice
 from ninfer.models.loader import WeightLoadError, load_weights
 from ninfer.models.vision import VisionTower
 from ninfer.models.vision_config import VisionConfig
+from ninfer.models.meta_build import meta_build
 
 VISION_PREFIXES = ("model.visual.", "visual.")
 
@@ -44,7 +45,7 @@ def _vision_rule(name: str, tensor: torch.Tensor, config: VisionConfig) -> Itera
 
 def build_vision_tower(config: VisionConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> VisionTower:
     """An uninitialised tower with storage on `device` (no weights read)."""
-    with torch.device("meta"):
+    with meta_build():
         tower = VisionTower(config).to(dtype)
     return tower.to_empty(device=device)
 

@@ -31,6 +31,7 @@ from ninfer.models.layers.moe import SparseMoE
 from ninfer.models.quant.stored_write import StoredWrite
 from ninfer.models.registry import model_class
 from ninfer.models.weight_load_error import WeightLoadError
+from ninfer.models.meta_build import meta_build
 
 Span = tuple[int, int]  # [start, stop) along the split dimension, in the full parameter
 
@@ -100,7 +101,7 @@ class ShardPlan:
         self.rank = rank
         self.size = size
         self.local_config = local_config(config, size) if size > 1 else config
-        with torch.device("meta"):
+        with meta_build():
             full = model_class(config)(config)
         self.full_shapes = {name: tuple(t.shape) for name, t in full.named_parameters()}
         # Stored part -> (packed parameter, its rows), in the full model: checkpoint writes come in these terms.

@@ -40,7 +40,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         self.mrope_section = config.mrope_section if config.mrope_interleaved else None
-        self.register_buffer("inv_freq", _inverse_frequencies(config), persistent=False)
+        if torch.empty(0).is_meta:
+            # Built on the meta device: the table is computed by reset_buffers once materialised
+            # (computing it on meta runs torch's Python references, which import its compiler).
+            inv_freq = torch.empty(config.rotary_dim // 2)
+        else:
+            inv_freq = _inverse_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def reset_buffers(self) -> None:
         """Recompute the table after the model was built on the meta device."""
