@@ -15,7 +15,7 @@ from ninfer.models.dflash import DflashDraftModel
 from ninfer.models.draft_config import DraftConfig
 from ninfer.models.family import WeightSlice
 from ninfer.models.loader import load_weights
-from ninfer.models.meta_build import meta_build
+from ninfer.models.meta_build import meta_build, with_storage
 
 
 def _stored_as_named(name: str, tensor: torch.Tensor, config: DraftConfig) -> Iterator[WeightSlice]:
@@ -35,7 +35,7 @@ def load_draft_model(
     """WeightLoadError names what is missing, unknown or mis-shaped (device "meta": a dry run)."""
     with meta_build():
         model = DflashDraftModel(config).to(dtype)
-    model = model.to_empty(device=device)
+    model = with_storage(model, device)
     model.rotary_emb.reset_buffers()
     load_weights(model, tensors, total=total, progress=progress, source=source, rule=_stored_as_named)
     return model.eval()

@@ -25,6 +25,7 @@ from ninfer.models.checkpoint_scales import CheckpointScales
 from ninfer.models.config import ModelConfig
 from ninfer.models.layers.linear import packed_parts, rows_within
 from ninfer.models.layers.moe import Experts
+from ninfer.models.meta_build import meta_build, with_storage
 from ninfer.models.quant.fp8 import FP8, SCALE_BLOCK, Fp8Linear, quantize_fp8_
 from ninfer.models.quant.fp8_experts import PROJECTIONS, Fp8Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear, quantize_nvfp4_
@@ -32,7 +33,6 @@ from ninfer.models.quant.nvfp4_experts import Nvfp4Experts
 from ninfer.models.quant.stored_write import StoredWrite, StoresCheckpointWrites
 from ninfer.models.registry import CheckpointRule, checkpoint_rule, model_class
 from ninfer.models.weight_load_error import WeightLoadError
-from ninfer.models.meta_build import meta_build
 
 if TYPE_CHECKING:
     from ninfer.parallel.shard_plan import ShardPlan
@@ -91,8 +91,7 @@ def _replace(model: nn.Module, module_name: str, convert) -> None:
 def materialize(model: CausalLM, device: torch.device | str) -> CausalLM:
     """A meta-device model with (uninitialised) storage on `device`: tied weights shared again,
     computed buffers (rotary tables) rebuilt there, since they are computed, not loaded."""
-    if torch.device(device).type != "meta":  # a dry run's model stays as built (to_empty on meta costs imports)
-        model = model.to_empty(device=device)
+    model = with_storage(model, device)
     model.tie_weights()
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)

@@ -4,16 +4,21 @@ A model is built on the meta device and then filled from its checkpoint, so the 
 initialisation is wasted work there, and not free: `normal_` on a meta tensor (nn.Embedding's)
 runs torch's Python reference under a `torch._dynamo` guard, whose first import costs seconds
 of a server's start (torch's compiler stack, all of it Python). Only meta tensors are skipped:
-a module built on a real device in the same block keeps its initialisation.
+a module built on a real device in the same block keeps its initialisation. with_storage then
+gives a built model its storage, except in a dry run, which stays on meta.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
+
+M = TypeVar("M", bound=nn.Module)
 
 # The in-place fills nn modules' reset_parameters reach (directly or through torch.nn.init).
 _INIT_FUNCTIONS = frozenset({
@@ -40,3 +45,11 @@ def meta_build() -> Iterator[None]:
     """Within: new tensors are on the meta device and left unfilled."""
     with torch.device("meta"), _SkipMetaInit():
         yield
+
+
+def with_storage(module: M, device: torch.device | str) -> M:
+    """A meta-built module with (uninitialised) storage on `device`; a dry run's (device meta)
+    stays as built: to_empty on meta runs torch's Python references too."""
+    if torch.device(device).type == "meta":
+        return module
+    return module.to_empty(device=device)

@@ -18,9 +18,9 @@ from ninfer.artifact.safetensors_weights import SafetensorsWeights
 from ninfer.models.config import ConfigError
 from ninfer.models.family import WeightSlice
 from ninfer.models.loader import WeightLoadError, load_weights
+from ninfer.models.meta_build import meta_build, with_storage
 from ninfer.models.vision import VisionTower
 from ninfer.models.vision_config import VisionConfig
-from ninfer.models.meta_build import meta_build
 
 VISION_PREFIXES = ("model.visual.", "visual.")
 
@@ -47,7 +47,7 @@ def build_vision_tower(config: VisionConfig, dtype: torch.dtype, device: torch.d
     """An uninitialised tower with storage on `device` (no weights read)."""
     with meta_build():
         tower = VisionTower(config).to(dtype)
-    return tower.to_empty(device=device)
+    return with_storage(tower, device)
 
 
 def load_vision_weights(

@@ -28,10 +28,10 @@ from ninfer.models.layers.gated_deltanet import GatedDeltaNet
 from ninfer.models.layers.linear import packed_parts
 from ninfer.models.layers.mlp import MLP
 from ninfer.models.layers.moe import SparseMoE
+from ninfer.models.meta_build import meta_build
 from ninfer.models.quant.stored_write import StoredWrite
 from ninfer.models.registry import model_class
 from ninfer.models.weight_load_error import WeightLoadError
-from ninfer.models.meta_build import meta_build
 
 Span = tuple[int, int]  # [start, stop) along the split dimension, in the full parameter
 
