@@ -161,6 +161,7 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
     keep_nvfp4 = True if spec.quantize == "nvfp4" else None
     if not on_cpu:
         torch.cuda.reset_peak_memory_stats(device)
+    load_began = time.perf_counter()
     model = artifact.load_model(
         dtype=dtype,
         device=device,
@@ -171,7 +172,11 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
         shard=shard,
     )
     num_params = _num_weights(model)
-    say("model loaded in %.1fs: %.2fB parameters", time.perf_counter() - started, num_params / 1e9)
+    load_seconds, weight_gb = time.perf_counter() - load_began, model_bytes(model) / 1e9
+    # Since the engine's start (what a restart waits for), then the weights' own read and placement.
+    say("model loaded in %.1fs: %.2fB parameters (%.1f GB of weights placed in %.1f s, %.1f GB/s)",
+        time.perf_counter() - started, num_params / 1e9, weight_gb, load_seconds,
+        weight_gb / max(load_seconds, 1e-9))  # fmt: skip
     if spec.quantize is not None:
         say("--quantize %s: %s", spec.quantize, describe_quantized(model))
     if not on_cpu:
