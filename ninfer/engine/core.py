@@ -28,7 +28,6 @@ from ninfer.engine.cache.context_cache import CacheLimits, ContextCache
 from ninfer.engine.cache.context_costs import resolve_context_costs
 from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.host_detail import HostDetail
-from ninfer.engine.host_time import HostTime
 from ninfer.engine.kv_pool import KVPool
 from ninfer.engine.deferred_sampling import DeferredSampling
 from ninfer.engine.engine_description import describe_engine
@@ -37,6 +36,7 @@ from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep, StepKind
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
+from ninfer.engine.throughput_log import ThroughputLog
 from ninfer.frontend.grammar_vocabulary import GrammarVocabulary
 from ninfer.frontend.tokenizer import Tokenizer
 from ninfer.models.causal_lm import CausalLM
@@ -139,7 +139,7 @@ class EngineCore:
             ),
         )
         device_type = next(model.parameters()).device.type
-        self._detail = HostDetail()  # this interval's slow paths, inside the phases of _work
+        detail = HostDetail()  # each throughput interval's slow paths, timed where they run
         self.context_costs = resolve_context_costs(model.config, device_type, config.context_cost_presets)
         self.grammars = CompiledGrammars(GrammarVocabulary(tokenizer, model.config.vocab_size))
         self.scheduler = Scheduler(
@@ -161,7 +161,7 @@ class EngineCore:
             costs=self.context_costs,
             state_image_bytes=state_image_bytes(model),
             kv_page_bytes=page_bytes,
-            detail=self._detail,
+            detail=detail,
             grammars=self.grammars,
             vocab_size=model.config.vocab_size,
         )
@@ -196,13 +196,14 @@ class EngineCore:
             )
         # Every rank's memory ledger, by rank, with tensor-parallel followers (the builder gathers them).
         self.rank_memory: list[dict[str, int]] | None = None
-        self.runner.host_detail = self._detail
+        self.runner.host_detail = detail
         self.failed: str | None = None
         overlap = config.decode_overlap
         self.decode_overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._inflight: PendingStep | None = None  # launched, not yet committed (sampled by step()'s end)
         self._consecutive_failures = 0
-        self._work = HostTime()  # this interval's host and device-wait seconds by phase and class
+        self.throughput = ThroughputLog(config.log_stats_interval_ms, clock, detail, self.scheduler, self.cache,
+                                        self.kv_pool, self.state_pool)  # fmt: skip
         # Device memory by use in bytes (KV pool, state slots, and with --kv-capacity auto the
         # measured worst step, graphs and headroom); the builder fills it.
         self.memory_ledger: dict[str, int] = {}
@@ -210,9 +211,6 @@ class EngineCore:
         # builder's warm-up on CUDA); None where steps allocate from the host heap as they run (CPU).
         self.workspace_bytes: int | None = None
         self.weight_format = weight_format(model)
-        self.stats_records: list[dict] = []  # throughput records not yet published
-        self._last_stats_at = clock()
-        self._host_active_s = 0.0
         self._gauges_due = False  # a step ran since the last idle gauges
 
     @property
@@ -230,20 +228,20 @@ class EngineCore:
             raise RuntimeError("background_step while steps run")
         started = time.perf_counter()
         self.runner.capture_next_graph()
-        self._work.add("control", "engine_maintenance", time.perf_counter() - started)
+        self.throughput.work.add("control", "engine_maintenance", time.perf_counter() - started)
 
     def add_request(self, request: EngineRequest) -> list[EngineOutput]:
         if self.failed is not None:
             return [self._failure_output(request.request_id, request)]
         started = time.perf_counter()
         error = self.scheduler.add(request)
-        self._work.add("control", "engine_boundary", time.perf_counter() - started)
+        self.throughput.work.add("control", "engine_boundary", time.perf_counter() - started)
         return [error] if error is not None else []
 
     def abort(self, request_id: str) -> list[EngineOutput]:
         started = time.perf_counter()
         out = self.scheduler.abort(request_id)
-        self._work.add("control", "engine_boundary", time.perf_counter() - started)
+        self.throughput.work.add("control", "engine_boundary", time.perf_counter() - started)
         return [out] if out is not None else []
 
     def step(self) -> list[EngineOutput]:
@@ -264,8 +262,8 @@ class EngineCore:
                 if step is None:
                     self._wait_for_grammars()
                     outputs = self.scheduler.take_pending_outputs()
-                    self._work.add("control", "engine_maintenance", time.perf_counter() - started)
-                    self._host_active_s += time.perf_counter() - counted_from
+                    self.throughput.work.add("control", "engine_maintenance", time.perf_counter() - started)
+                    self.throughput.active_seconds += time.perf_counter() - counted_from
                     counted_from = time.perf_counter()
                     self.log_stats_if_due()
                     return outputs
@@ -281,9 +279,9 @@ class EngineCore:
                     self._inflight = self.runner.launch(ahead)
             work_class = _work_class(current.step)
             submitted = time.perf_counter()
-            self._work.add(work_class, "program_submit", submitted - started)
+            self.throughput.work.add(work_class, "program_submit", submitted - started)
             # The interval closing here holds this step's submit; the rest belongs to the next one.
-            self._host_active_s += submitted - counted_from
+            self.throughput.active_seconds += submitted - counted_from
             counted_from = submitted
             self.log_stats_if_due(work_class)
             waited_from = time.perf_counter()
@@ -304,13 +302,13 @@ class EngineCore:
                 self._inflight = self.runner.sample_deferred(self._inflight, masks)
             committed = time.perf_counter()
             timing.charge(current.step, "engine_commit_output", committed - read)
-            self._work.add(work_class, "device_wait", read - waited_from)
-            self._work.add(work_class, "engine_commit_output", committed - read)
+            self.throughput.work.add(work_class, "device_wait", read - waited_from)
+            self.throughput.work.add(work_class, "engine_commit_output", committed - read)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
             log.exception("engine step failed")
             return self._contain(launched, exc)
         finally:
-            self._host_active_s += time.perf_counter() - counted_from
+            self.throughput.active_seconds += time.perf_counter() - counted_from
         self._consecutive_failures = 0
         return outputs
 
@@ -398,123 +396,24 @@ class EngineCore:
 
     def reset_stats(self) -> None:
         """Start the throughput record afresh (the warm-up's synthetic work is not the server's)."""
-        self.scheduler.stats.reset()
-        self.cache.counters.take(len(self.cache))
-        self.cache.counters.last_selection = None
-        self._host_active_s = 0.0
-        self._work = HostTime()
-        self._detail.take()
-        self.stats_records.clear()
-        self._last_stats_at = self.clock()
-
-    def _interval_active(self) -> bool:
-        """Tokens computed or context-cache work done since the last record: only an interval
-        with neither (fully idle) goes unreported."""
-        stats = self.scheduler.stats
-        return bool(stats.prefill_tokens or stats.decode_tokens) or self.cache.counters.has_activity
+        self.throughput.reset()
 
     def seconds_to_stats_boundary(self) -> float | None:
-        """How long until the current interval's throughput record is due; None when records are
-        off or the interval has been idle so far."""
-        interval = self.config.log_stats_interval_ms / 1000.0
-        if interval <= 0 or not self._interval_active():
-            return None
-        return max(0.0, self._last_stats_at + interval - self.clock())
+        return self.throughput.seconds_to_boundary()
 
     def log_stats_if_due(self, work_class: str = "control") -> None:
-        """Close the interval when it is due; the time spent publishing it is the next interval's
-        engine maintenance (work_class: the step it runs beside)."""
-        interval = self.config.log_stats_interval_ms / 1000.0
-        now = self.clock()
-        if interval <= 0 or now - self._last_stats_at < interval:
-            return
-        started = time.perf_counter()
-        self._close_interval(now)
-        spent = time.perf_counter() - started
-        self._work.add(work_class, "engine_maintenance", spent)
-        self._detail.add("stats_publication", spent)
-
-    def _close_interval(self, now: float) -> None:
-        elapsed = now - self._last_stats_at
-        active_interval = self._interval_active()
-        stats = self.scheduler.stats.reset()
-        active = self._host_active_s
-        self._host_active_s = 0.0
-        self._last_stats_at = now
-        work, self._work = self._work, HostTime()
-        detail = self._detail.take()
-        cache = self.cache.counters.take(len(self.cache))
-        if not active_interval:
-            return
-        # Rates over the time the engine worked: an interval that began with an idle gap would
-        # otherwise read as slow.
-        busy = max(min(active, elapsed), 1e-9)
-        running = self.scheduler.running
-        prefilling = sum(1 for s in running if s.is_prefilling)
-        avg_batch = stats.decode_rows / stats.decode_rounds if stats.decode_rounds else 0.0
-        materializing = self.scheduler.num_materializing
-        parts = []
-        if stats.prefill_tokens:
-            parts.append(f"prefill {stats.prefill_tokens / busy:,.0f} tok/s ({stats.prefill_tokens} tok)")
-        if stats.decode_tokens:
-            parts.append(f"decode {stats.decode_tokens / busy:,.1f} tok/s ({stats.decode_tokens} tok)")
-        parts.append(f"running {len(running)} (prefill {prefilling}, decode {len(running) - prefilling})")
-        if self.scheduler.waiting:
-            parts.append(f"waiting {len(self.scheduler.waiting)}")
-        if materializing:
-            parts.append(f"materializing {materializing}")
-        if self.scheduler.draining:
-            parts.append(f"terminal {len(self.scheduler.draining)}")
-        if stats.decode_rounds:
-            parts.append(f"batch {avg_batch:.1f}")
-        host = work.host_total
-        parts.append(f"host {host:.2f}s ({100 * host / elapsed:.0f}%)")
-        log.info("throughput: %s", " · ".join(parts))
-        self.stats_records.append({
-            "interval_seconds": elapsed,
-            "active_seconds": busy,
-            "prefill_tokens": stats.prefill_tokens,
-            "decode_tokens": stats.decode_tokens,
-            "decode_rounds": stats.decode_rounds,
-            "decode_row_rounds": stats.decode_rows,
-            "average_size": avg_batch if stats.decode_rounds else None,
-            "running": len(running),
-            "prefilling": prefilling,
-            "decode_ready": len(running) - prefilling,
-            "waiting": len(self.scheduler.waiting),
-            "materializing": materializing,
-            "capture_pending": self.scheduler.num_capture_pending,
-            "terminal_pending": len(self.scheduler.draining),
-            **self._resource_gauges(),
-            "host_work": {**work.to_record(stats.decode_rounds, stats.decode_rows), **detail},
-            "context_cache": cache,
-        })
+        self.throughput.close_if_due(work_class)
 
     def take_stats_records(self) -> list[dict]:
         """Throughput records since the last call (the loop publishes them to the API process)."""
-        records, self.stats_records = self.stats_records, []
-        return records
+        return self.throughput.take_records()
 
     def take_idle_gauges(self) -> dict[str, int] | None:
         """Pool occupancy once the engine has turned idle after work; None otherwise."""
         if self.has_work or not self._gauges_due:
             return None
         self._gauges_due = False
-        return self._resource_gauges()
-
-    def _resource_gauges(self) -> dict[str, int]:
-        host_kv = self.cache.host_kv_pool
-        return {
-            "kv_pages_used": self.kv_pool.num_used,
-            "kv_pages_total": self.kv_pool.num_pages,
-            "state_slots_used": self.state_pool.num_slots - self.state_pool.num_free,
-            "state_slots_total": self.state_pool.num_slots,
-            "host_state_slots_used": self.cache.host_pool.num_slots - self.cache.host_pool.num_free,
-            "host_state_slots_total": self.cache.host_pool.num_slots,
-            "host_kv_pages_used": host_kv.num_used if host_kv else 0,
-            "host_kv_pages_total": host_kv.num_pages if host_kv else 0,
-            "checkpoints": len(self.cache),
-        }
+        return self.throughput.resource_gauges()
 
     def describe(self) -> dict:
         """The engine's resolved capacities and device, for the server_start record."""

@@ -138,12 +138,17 @@ def _capture_verify_graphs(
 def capture_next_step_graph(graphs: StepGraphs) -> None:
     """Capture one pending step graph (the engine is idle); a failure leaves the buckets not yet
     captured eager, the captured ones keep replaying."""
+    bucket, snapshots = graphs.pending[0]
+    started = time.perf_counter()
     try:
         graphs.capture_next()
     except Exception:  # noqa: BLE001 - as at start-up: those steps run eagerly instead
         log.exception("step graph capture failed; prompt and mixed steps of the buckets left run eagerly")
         graphs.pending.clear()
         return
+    # A request that arrives meanwhile waits for the capture: its time bounds that wait.
+    log.debug("step graph of %d tokens%s captured in %.2f s while idle", bucket,
+              " with a checkpoint inside" if snapshots else "", time.perf_counter() - started)  # fmt: skip
     if not graphs.pending:
         log.info("CUDA graphs captured for prompt and mixed steps of %s tokens in %.1f s, while idle",
                  ", ".join(map(str, graphs.buckets)), graphs.capture_seconds)  # fmt: skip
