@@ -1,4 +1,4 @@
-"""EngineCore: one loop iteration = schedule -> run -> commit, plus throughput records.
+"""EngineCore: one loop iteration = schedule -> run -> commit; its throughput intervals: throughput_log.py.
 
 Single-threaded by design: requests and aborts are applied between steps, so the
 scheduler and pools never see concurrent mutation. Transports (client.py) drive it.
