@@ -162,6 +162,7 @@ def run_warm_up(core, full: bool = True) -> WarmUpReport:
     # The grammar compiler's tables build on their thread while the steps below run.
     core.grammars.compile(WARM_UP_GRAMMAR)
     num_steps = _run(core, [(0, worst)])
+    marks = [("worst", time.perf_counter())]  # each phase's end, for the debug line below
     for i, length in enumerate(prompt_ladder(config) if full else ()):
         prompt, sampling = _prompt(length, 300 + length, vocab_size), ROTATION[i % len(ROTATION)]
         name = f"warm-prompt-{length}"
@@ -172,17 +173,24 @@ def run_warm_up(core, full: bool = True) -> WarmUpReport:
         hints = [CaptureHint(2 * length // 3, ReusePath.PRIVATE_TURN_CLOSURE)]
         for request in resumed_requests(name, prompt, length // 3, sampling, hints):
             num_steps += _run(core, [(0, [request])])
+    marks.append(("ladder", time.perf_counter()))
     for tail in TAIL_LENGTHS if config.prefix_reuse and full else ():
         for request in tail_requests(config, tail, vocab_size):  # alone: its own query block
             num_steps += _run(core, [(0, [request])])
+    marks.append(("tails", time.perf_counter()))
     decoding, joining = mixed_step_requests(config, vocab_size)
     if len(decoding) + 1 <= config.max_concurrency:
         num_steps += _run(core, [(0, decoding), (2, [joining])])  # joins once the others decode
     else:
         num_steps += _run(core, [(0, decoding)])
+    marks.append(("mixed", time.perf_counter()))
     constrained = EngineRequest("warm-constrained", _prompt(9, 500, vocab_size), SAMPLED, max_new_tokens=3,
                                 constraint=WARM_UP_GRAMMAR, top_logprobs=2)
     num_steps += _run(core, [(0, [constrained])])
+    marks.append(("constrained", time.perf_counter()))
+    log.debug("warm-up phases: %s", ", ".join(
+        f"{name} {end - previous:.2f} s" for (name, end), previous in zip(marks, [started] + [m[1] for m in marks])
+    ))  # fmt: skip
     core.scheduler.cache.reset()
     core.reset_stats()
     after = core.pool_accounting()
