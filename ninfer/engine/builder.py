@@ -25,6 +25,7 @@ from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
 from ninfer.engine.kv_sizing_record import AutoSizing, KvSizingRecords, ProbeMeasure, probe_key
 from ninfer.engine.pinned_allocator import configure_pinned_allocator
+from ninfer.engine.start_compiles import StartCompiles
 from ninfer.engine.startup_checks import check_kv_dtype, check_speculative, check_tensor_parallel, resolve_device
 from ninfer.engine.warm_up import WarmUpReport, run_warm_up, warm_up_plan
 from ninfer.engine.warm_up_record import WarmUpRecords
@@ -126,9 +127,11 @@ def open_checked(spec: EngineSpec, rank: int = 0):
     return engine, artifact, companion
 
 
-def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float, shard=None, announce: bool = True):
+def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float, shard=None, announce: bool = True,
+               compiles: StartCompiles | None = None):
     """The model's weights on engine.device (one rank's part with `shard`), stored as the engine
-    runs them; announce: log the load's milestones at info (a follower rank logs them at debug)."""
+    runs them; announce: log the load's milestones at info (a follower rank logs them at debug);
+    compiles: rank 0's kernel manifest, begun once CUDA started and waited for after the load."""
     say = log.info if announce else log.debug
     device = engine.device
     dtype = resolve_dtype(spec.dtype, artifact.config.torch_dtype, device)
@@ -145,6 +148,8 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
         persist_compile_caches(str(cache_dir()))
         # A restart loads the compiled kernels and autotuning choices from here instead of redoing them.
         say("compiled GPU kernels cached in %s ($NINFER_CACHE_DIR names another folder)", os.environ["TRITON_CACHE_DIR"])
+        if compiles is not None:
+            compiles.begin()
     say(
         "loading %s (%s, %s) on %s%s%s",
         artifact.model_id,
@@ -179,6 +184,8 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
         weight_gb / max(load_seconds, 1e-9))  # fmt: skip
     if spec.quantize is not None:
         say("--quantize %s: %s", spec.quantize, describe_quantized(model))
+    if compiles is not None:
+        compiles.loaded()
     if not on_cpu:
         say(
             "load peak %.2f GiB of device memory for a model of %.2f GiB",
@@ -195,13 +202,35 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
 def _build(spec: EngineSpec, engine: EngineConfig, artifact, companion, started: float, followers=None) -> EngineCore:
     device = engine.device
     on_cpu = not device.startswith("cuda")
+    compiles = None if on_cpu else StartCompiles(_model_identity(spec, artifact), cache_dir())
+    try:
+        core = _build_core(spec, engine, artifact, companion, started, followers, compiles)
+    except BaseException:
+        if compiles is not None:
+            compiles.end(keep=False)
+        raise
+    if compiles is not None:
+        compiles.end(keep=True)
+    return core
+
+
+def _model_identity(spec: EngineSpec, artifact) -> str:
+    """What decides the kernels' specializations before the engine's settings (compile_manifest.py)."""
+    stored = f"fp8 {bool(artifact.fp8_weights)}, nvfp4 {bool(artifact.nvfp4_weights)}"
+    return f"{artifact.config!r} dtype {spec.dtype}, --quantize {spec.quantize}, stored {stored}"
+
+
+def _build_core(spec: EngineSpec, engine: EngineConfig, artifact, companion, started: float, followers,
+                compiles: StartCompiles | None) -> EngineCore:
+    device = engine.device
+    on_cpu = not device.startswith("cuda")
     try:
         shard = None
         if followers is not None:
             from ninfer.parallel.shard_plan import ShardPlan
 
             shard = ShardPlan(artifact.config, 0, engine.tensor_parallel)
-        model, dtype = load_trunk(spec, engine, artifact, started, shard)
+        model, dtype = load_trunk(spec, engine, artifact, started, shard, compiles=compiles)
     except BaseException as error:
         if followers is not None:
             followers.agree_started(error)  # the followers learn that rank 0 failed, and leave

@@ -1,0 +1,104 @@
+"""StartCompiles: the kernel manifest's part in one GPU engine start (kernels/compile_manifest.py).
+
+Where this machine's cache holds no manifest for the model yet and a packaged one fits, the
+manifest compiles on worker processes while the weights load; the start records what it
+compiles, and that record, merged into what earlier starts recorded, is this machine's manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+from ninfer.kernels import compile_manifest
+from ninfer.kernels.compile_manifest import (
+    KernelManifest,
+    Precompile,
+    manifest_key,
+    precompile_workers,
+    recording_compiles,
+    start_precompile,
+)
+
+log = logging.getLogger("ninfer.engine")
+
+
+class StartCompiles:
+    """The manifest's part in one GPU engine start: where this machine's cache has no manifest
+    for this model yet and a packaged one fits, compile it on worker processes while the weights
+    load; record what this start compiles, kept as this machine's manifest."""
+
+    def __init__(self, model_identity: str, cache_root: Path, packaged: Path | None = None):
+        """model_identity: what decides the kernels' specializations before the engine's own
+        settings (the model's config, dtype and weight format); packaged: default compile_manifest.PACKAGED."""
+        self.model_identity = model_identity
+        self.local_dir = cache_root / "kernel-manifests"
+        self.packaged_dir = packaged if packaged is not None else compile_manifest.PACKAGED
+        self.key: str | None = None
+        self.precompile: Precompile | None = None
+        self._recording: AbstractContextManager[list[str]] | None = None
+        self._target: dict = {}
+        self._recorded: list[str] = []
+
+    def begin(self) -> None:
+        """After CUDA started (the target is the current device's), before any kernel launches.
+        An optimisation only: whatever fails here leaves the kernels to compile at first launch."""
+        try:
+            self._begin()
+        except Exception as error:  # noqa: BLE001
+            log.warning("kernel manifest not used: %s: %s", type(error).__name__, error)
+
+    def _begin(self) -> None:
+        import triton
+        from triton.runtime.driver import driver
+
+        target = dataclasses.asdict(driver.active.get_current_target())
+        self._target = target
+        self.key = manifest_key(self.model_identity, triton.__version__, target)
+        local = self.local_dir / f"{self.key}.json"
+        packaged = KernelManifest.load(self.packaged_dir / f"{self.key}.json")
+        if not local.exists() and packaged is not None and packaged.usable_with(triton.__version__, target):
+            workers = precompile_workers()
+            self.precompile = start_precompile(packaged, workers)
+            log.info("compiling %d GPU kernels ahead on %d processes (a manifest for this model)",
+                     len(packaged.specializations), self.precompile.num_workers)  # fmt: skip
+        self._recording = recording_compiles()
+        self._recorded = self._recording.__enter__()
+
+    def loaded(self) -> None:
+        """The weights are in place: the first kernels launch next, so the compiles finish first."""
+        if self.precompile is None:
+            return
+        done, errors, seconds = self.precompile.wait()
+        log.info("%d GPU kernels compiled ahead in %.1f s%s", done, seconds,
+                 f" ({len(errors)} left to compile at first launch)" if errors else "")  # fmt: skip
+        for error in errors:
+            log.debug("not compiled ahead: %s", error)
+        self.precompile = None
+
+    def end(self, keep: bool) -> None:
+        """Stop recording; keep: the start ran to the end, so its record is this machine's manifest."""
+        if self._recording is None:
+            return
+        self._recording.__exit__(None, None, None)
+        self._recording = None
+        if self.precompile is not None:  # a start that failed during the load
+            self.precompile.pool.shutdown(cancel_futures=True)
+        if keep and self._recorded:
+            import triton
+
+            # A restart's short warm-up launches fewer kernels than a first start: the record only grows.
+            path = self.local_dir / f"{self.key}.json"
+            kept = KernelManifest.load(path)
+            if kept is not None and not kept.usable_with(triton.__version__, self._target):
+                kept = None
+            known = kept.specializations if kept is not None else []
+            seen = set(known)
+            new = [data for data in self._recorded if data not in seen]
+            if new or kept is None:
+                try:
+                    KernelManifest(triton.__version__, self._target, known + new).save(path)
+                except OSError as error:
+                    log.warning("kernel manifest not saved to %s: %s", path, error)

@@ -1,0 +1,199 @@
+"""KernelManifest: the Triton kernel specializations a start compiled, to compile ahead next time.
+
+A fresh machine's first start of the 27B spends most of its ~2 minutes compiling Triton kernels,
+one after another, as each first runs. A compile needs the kernel's source, its specialization
+and the GPU's target, not the GPU itself. So the engine records every specialization its full
+warm-up compiled (Triton's own serialization, through its post-compile hook), and a later start
+with an empty kernel cache compiles the recorded list on worker processes while the weights
+load; each launch then finds its kernel in the cache, as on a restart. The workers compile for
+the recorded target through a stand-in driver that answers Triton's device queries without CUDA,
+so they take no GPU memory. An entry this start does not launch only costs its compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("ninfer.engine")
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class KernelManifest:
+    triton_version: str
+    target: dict  # Triton's GPUTarget as a dict: backend, arch, warp_size
+    specializations: list[str] = field(default_factory=list)  # Triton's serialized specialization data
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        body = {"format": FORMAT_VERSION, "triton": self.triton_version, "target": self.target,
+                "specializations": self.specializations}  # fmt: skip
+        temporary.write_text(json.dumps(body) + "\n")
+        temporary.replace(path)  # a concurrent reader sees the old file or the new one
+
+    @staticmethod
+    def load(path: Path) -> KernelManifest | None:
+        """None when absent, unreadable, or written by another format."""
+        try:
+            body = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(body, dict) or body.get("format") != FORMAT_VERSION:
+            return None
+        return KernelManifest(body["triton"], body["target"], list(body["specializations"]))
+
+    def usable_with(self, triton_version: str, target: dict) -> bool:
+        """A specialization compiles to the same kernel only under the same Triton and target."""
+        return self.triton_version == triton_version and self.target == target
+
+
+@contextmanager
+def recording_compiles() -> Iterator[list[str]]:
+    """Within: every Triton kernel compiled (or loaded from the kernel cache) in this process is
+    appended to the yielded list once, as Triton serializes its specialization."""
+    from triton import knobs
+
+    recorded: list[str] = []
+    seen: set[str] = set()
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs):
+        data = kwargs["compile"]["specialization_data"]
+        if data not in seen:
+            seen.add(data)
+            recorded.append(data)
+        return previous(**kwargs) if previous is not None else False
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield recorded
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+
+
+class _TargetOnlyDriver:
+    """Answers what JITFunction.preload asks of the driver for `target` (no launch, no CUDA)."""
+
+    def __init__(self, target, drivers):
+        self._target = target
+        self._drivers = drivers  # Triton's DriverConfig: its default driver only where asked for
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self):
+        return self._target
+
+    def is_active(self) -> bool:
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._drivers.default, name)
+
+
+def _jit_function(name: str):
+    """The JITFunction a specialization names (module path, then attribute; autotuner and
+    heuristics wrappers unwrapped)."""
+    from triton.runtime.jit import JITFunction
+
+    module_name, _, attribute = name.rpartition(".")
+    kernel = getattr(importlib.import_module(module_name), attribute)
+    while not isinstance(kernel, JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
+@contextmanager
+def compiling_for(target: dict) -> Iterator[None]:
+    """Within: Triton compiles for `target` whatever GPU this machine has, or none (launches
+    would fail: only compiles, preloads and kernel warm-ups)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    # Not reset_active(): that creates the default driver, which a host without a GPU lacks.
+    previous = driver._active
+    driver.set_active(_TargetOnlyDriver(GPUTarget(**target), driver))
+    try:
+        yield
+    finally:
+        driver._active = previous
+
+
+def _compile_share(target: dict, specializations: list[str]) -> tuple[int, list[str]]:
+    """A worker's part: -> (how many compiled or were cached, errors)."""
+    done, errors = 0, []
+    with compiling_for(target):
+        for data in specializations:
+            name = json.loads(data)["name"]
+            try:
+                _jit_function(name).preload(data)
+                done += 1
+            except Exception as error:  # noqa: BLE001 - one entry that no longer compiles skips only itself
+                errors.append(f"{name}: {type(error).__name__}: {error}"[:300])
+    return done, errors
+
+
+@dataclass
+class Precompile:
+    """Compiles running on worker processes; the engine goes on meanwhile."""
+
+    num_specializations: int
+    num_workers: int
+    started: float
+    futures: list[Future]
+    pool: ProcessPoolExecutor
+
+    def wait(self) -> tuple[int, list[str], float]:
+        """-> (compiled or cached, errors, seconds since the start)."""
+        done, errors = 0, []
+        for future in self.futures:
+            try:
+                share_done, share_errors = future.result()
+            except Exception as error:  # noqa: BLE001 - a worker that died: its share compiles at first launch
+                share_done, share_errors = 0, [f"worker: {type(error).__name__}: {error}"]
+            done += share_done
+            errors += share_errors
+        self.pool.shutdown()
+        return done, errors, time.perf_counter() - self.started
+
+
+def start_precompile(manifest: KernelManifest, num_workers: int) -> Precompile:
+    """Compile the manifest's specializations into the kernel cache on `num_workers` processes
+    (spawned: they inherit TRITON_CACHE_DIR and the rest of the environment)."""
+    started = time.perf_counter()
+    # Round-robin shares: neighbouring entries are often one kernel's sizes, so shares balance.
+    shares = [manifest.specializations[i::num_workers] for i in range(num_workers)]
+    pool = ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"))
+    futures = [pool.submit(_compile_share, manifest.target, share) for share in shares if share]
+    return Precompile(len(manifest.specializations), len(futures), started, futures, pool)
+
+
+def precompile_workers() -> int:
+    """Half the CPUs this process may use, at least one: the engine's start keeps the rest."""
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(1, available // 2)
+
+
+PACKAGED = Path(__file__).parent / "manifests"  # manifests recorded on GPUs for the models users run
+
+
+def manifest_key(model_identity: str, triton_version: str, target: dict) -> str:
+    """A manifest's file name: the model, the Triton that compiles and the GPU it compiles for."""
+    text = json.dumps([model_identity, triton_version, target], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]

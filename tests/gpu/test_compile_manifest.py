@@ -1,0 +1,53 @@
+"""The kernel manifest on the GPU: an engine start on an empty kernel cache records what it
+compiled; a start on another empty cache that finds that record packaged compiles it ahead on
+worker processes (without CUDA), and its own launches then compile nothing new."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+_BUILD = """
+import logging, sys
+from pathlib import Path
+import ninfer.kernels.compile_manifest as manifests
+from ninfer.config import EngineConfig, EngineSpec
+from ninfer.engine.builder import build_engine_core
+artifact, packaged = sys.argv[1], sys.argv[2]
+logging.basicConfig(level=logging.INFO)
+if packaged:
+    manifests.PACKAGED = Path(packaged)
+build_engine_core(EngineSpec(artifact, EngineConfig(device="cuda", max_context=512, log_stats_interval_ms=0)))
+"""
+
+
+def _build(artifact: str, root: Path, packaged: str = "") -> tuple[set[str], str]:
+    """-> (the kernels in the start's kernel cache, by cache key; its log)."""
+    env = {**os.environ, "NINFER_CACHE_DIR": str(root), "TRITON_CACHE_DIR": str(root / "triton")}
+    done = subprocess.run([sys.executable, "-c", _BUILD, artifact, packaged], capture_output=True, text=True,
+                          timeout=900, env=env, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels = {path.parent.name for path in (root / "triton").rglob("*.cubin")}
+    return kernels, done.stderr
+
+
+def test_a_recorded_manifest_compiled_ahead_leaves_nothing_to_compile_at_launch(tmp_path):
+    artifact = str(make_tiny_qwen3_5(tmp_path / "model"))
+    first_kernels, _ = _build(artifact, tmp_path / "first")
+    (recorded,) = (tmp_path / "first" / "kernel-manifests").glob("*.json")
+    packaged = tmp_path / "packaged"
+    packaged.mkdir()
+    (packaged / recorded.name).write_text(recorded.read_text())
+
+    ahead_kernels, log = _build(artifact, tmp_path / "second", str(packaged))
+    assert "GPU kernels compiled ahead" in log and "left to compile" not in log
+    assert first_kernels and ahead_kernels == first_kernels  # under the keys the launches looked up

@@ -1,0 +1,142 @@
+"""KernelManifest on a host without a GPU: a kernel's specializations compiled for an H100's
+target are recorded, saved, and compiled again from the manifest on worker processes into an
+empty kernel cache, where a second compile finds them (Triton compiles without the GPU; its
+ptxas ships with it). Each step runs in a fresh interpreter, as an engine start would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ninfer.kernels.compile_manifest import KernelManifest
+
+pytest.importorskip("triton")
+
+H100 = {"backend": "cuda", "arch": 90, "warp_size": 32}
+
+# Two sizes of the fused residual-add RMSNorm, warmed up (compiled, not launched) for the target.
+_RECORD = """
+import json, sys, torch, triton
+from ninfer.kernels.compile_manifest import KernelManifest, compiling_for, recording_compiles
+from ninfer.kernels.rms_norm.triton import _add_rms_norm_kernel as kernel
+target = json.loads(sys.argv[1])
+x = torch.empty(8, 5120, dtype=torch.bfloat16)
+with compiling_for(target), recording_compiles() as recorded:
+    for dim, block in ((5120, 8192), (2048, 2048), (2048, 2048)):
+        kernel.warmup(x, x, x[0], x, x, 1, dim, 0, dim, 0, dim, 1e-6, ZERO_CENTERED=True, TWO_LEVEL=False,
+                      BLOCK_D=block, EARLY_RESIDUAL=False, USE_PDL=False, num_warps=8, grid=(1,))
+KernelManifest(triton.__version__, target, recorded).save(__import__("pathlib").Path(sys.argv[2]))
+"""
+
+_PRECOMPILE = """
+import sys
+from pathlib import Path
+from ninfer.kernels.compile_manifest import KernelManifest, start_precompile
+manifest = KernelManifest.load(Path(sys.argv[1]))
+done, errors, seconds = start_precompile(manifest, 2).wait()
+print(done, len(errors))
+for error in errors:
+    print(error, file=sys.stderr)
+"""
+
+
+def _run(script: str, *args: str, cache: Path) -> str:
+    env = {**__import__("os").environ, "TRITON_CACHE_DIR": str(cache)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _compiled_kernels(cache: Path) -> set[str]:
+    return {path.parent.name for path in cache.rglob("*.cubin")}
+
+
+def test_a_recorded_manifest_compiles_on_workers_into_an_empty_cache(tmp_path):
+    manifest_path = tmp_path / "manifest.json"
+    _run(_RECORD, json.dumps(H100), str(manifest_path), cache=tmp_path / "recording-cache")
+    manifest = KernelManifest.load(manifest_path)
+    assert manifest is not None and manifest.target == H100
+    # The repeated size compiles once and is recorded once.
+    assert len(manifest.specializations) == 2
+    assert {json.loads(s)["name"] for s in manifest.specializations} == {
+        "ninfer.kernels.rms_norm.triton._add_rms_norm_kernel"
+    }
+    recorded_kernels = _compiled_kernels(tmp_path / "recording-cache")
+    assert len(recorded_kernels) == 2
+
+    cache = tmp_path / "fresh-cache"
+    assert _run(_PRECOMPILE, str(manifest_path), cache=cache).split() == ["2", "0"]
+    # The same two kernels, under the same cache keys a launch-time compile looks up.
+    assert _compiled_kernels(cache) == recorded_kernels
+    assert _run(_PRECOMPILE, str(manifest_path), cache=cache).split() == ["2", "0"]
+    assert _compiled_kernels(cache) == recorded_kernels
+
+
+def test_an_entry_that_no_longer_resolves_skips_only_itself(tmp_path):
+    manifest_path = tmp_path / "manifest.json"
+    _run(_RECORD, json.dumps(H100), str(manifest_path), cache=tmp_path / "recording-cache")
+    manifest = KernelManifest.load(manifest_path)
+    gone = json.loads(manifest.specializations[0])
+    gone["name"] = "ninfer.kernels.rms_norm.triton._a_kernel_since_removed"
+    manifest.specializations.append(json.dumps(gone))
+    manifest.save(manifest_path)
+    assert _run(_PRECOMPILE, str(manifest_path), cache=tmp_path / "fresh-cache").split() == ["2", "1"]
+
+
+def test_a_manifest_is_used_only_with_its_triton_and_target(tmp_path):
+    path = tmp_path / "m.json"
+    KernelManifest("3.6.0", H100, ["{}"]).save(path)
+    manifest = KernelManifest.load(path)
+    assert manifest.usable_with("3.6.0", H100)
+    assert not manifest.usable_with("3.8.0", H100)
+    assert not manifest.usable_with("3.6.0", {**H100, "arch": 100})
+    path.write_text('{"format": 0}')
+    assert KernelManifest.load(path) is None
+    assert KernelManifest.load(tmp_path / "absent.json") is None
+
+
+_START = """
+import json, sys, torch, triton
+from pathlib import Path
+from ninfer.engine.start_compiles import StartCompiles
+from ninfer.kernels.compile_manifest import KernelManifest, compiling_for, manifest_key
+from ninfer.kernels.rms_norm.triton import _add_rms_norm_kernel as kernel
+target, packaged_manifest, root = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+packaged = root / "packaged"
+key = manifest_key("a model", triton.__version__, target)
+KernelManifest.load(packaged_manifest).save(packaged / f"{key}.json")
+x = torch.empty(8, 5120, dtype=torch.bfloat16)
+facts = []
+for start in range(2):
+    with compiling_for(target):  # stands in for the engine's GPU
+        compiles = StartCompiles("a model", root / "cache", packaged)
+        compiles.begin()
+        facts.append(compiles.precompile is not None)
+        compiles.loaded()
+        # The start's own launches (one of the packaged sizes, then one of its own).
+        for dim, block in ((5120, 8192), (1024, 1024)):
+            kernel.warmup(x, x, x[0], x, x, 1, dim, 0, dim, 0, dim, 1e-6, ZERO_CENTERED=True, TWO_LEVEL=False,
+                          BLOCK_D=block, EARLY_RESIDUAL=False, USE_PDL=False, num_warps=8, grid=(1,))
+        compiles.end(keep=True)
+    facts.append(len(KernelManifest.load(root / "cache" / "kernel-manifests" / f"{key}.json").specializations))
+print(json.dumps(facts))
+"""
+
+
+def test_a_start_compiles_a_packaged_manifest_ahead_once_and_keeps_its_own_record(tmp_path):
+    """First start: the packaged manifest (2 sizes) compiles ahead into the empty kernel cache and
+    the start's record (one of them plus a size of its own) becomes this machine's manifest;
+    second start: that manifest exists, so nothing compiles ahead, and the record stays."""
+    manifest_path = tmp_path / "manifest.json"
+    _run(_RECORD, json.dumps(H100), str(manifest_path), cache=tmp_path / "recording-cache")
+    cache = tmp_path / "kernels"
+    facts = json.loads(_run(_START, json.dumps(H100), str(manifest_path), str(tmp_path), cache=cache))
+    assert facts == [True, 2, False, 2]
+    # Ahead: the two packaged sizes; at launch: the start's own size.
+    assert len(_compiled_kernels(cache)) == 3
