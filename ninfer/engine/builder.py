@@ -25,7 +25,7 @@ from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
 from ninfer.engine.kv_sizing_record import AutoSizing, KvSizingRecords, ProbeMeasure, probe_key
 from ninfer.engine.pinned_allocator import configure_pinned_allocator
-from ninfer.engine.start_compiles import StartCompiles
+from ninfer.engine.start_compiles import StartCompiles, model_identity
 from ninfer.engine.startup_checks import check_kv_dtype, check_speculative, check_tensor_parallel, resolve_device
 from ninfer.engine.warm_up import WarmUpReport, run_warm_up, warm_up_plan
 from ninfer.engine.warm_up_record import WarmUpRecords
@@ -202,7 +202,9 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
 def _build(spec: EngineSpec, engine: EngineConfig, artifact, companion, started: float, followers=None) -> EngineCore:
     device = engine.device
     on_cpu = not device.startswith("cuda")
-    compiles = None if on_cpu else StartCompiles(_model_identity(spec, artifact), cache_dir())
+    stored = "fp8" if artifact.fp8_weights else "nvfp4" if artifact.nvfp4_weights else "plain"
+    identity = model_identity(artifact.config, spec.dtype, spec.quantize, stored)
+    compiles = None if on_cpu else StartCompiles(identity, cache_dir())
     try:
         core = _build_core(spec, engine, artifact, companion, started, followers, compiles)
     except BaseException:
@@ -212,12 +214,6 @@ def _build(spec: EngineSpec, engine: EngineConfig, artifact, companion, started:
     if compiles is not None:
         compiles.end(keep=True)
     return core
-
-
-def _model_identity(spec: EngineSpec, artifact) -> str:
-    """What decides the kernels' specializations before the engine's settings (compile_manifest.py)."""
-    stored = f"fp8 {bool(artifact.fp8_weights)}, nvfp4 {bool(artifact.nvfp4_weights)}"
-    return f"{artifact.config!r} dtype {spec.dtype}, --quantize {spec.quantize}, stored {stored}"
 
 
 def _build_core(spec: EngineSpec, engine: EngineConfig, artifact, companion, started: float, followers,

@@ -21,8 +21,25 @@ from ninfer.kernels.compile_manifest import (
     recording_compiles,
     start_precompile,
 )
+from ninfer.models.config import ModelConfig
 
 log = logging.getLogger("ninfer.engine")
+
+# ModelConfig fields that change values the kernels read, never a kernel's specialization: a
+# checkpoint's own ids, limits and rotary base share the manifest of its architecture's shapes.
+_VALUE_FIELDS = frozenset({
+    "num_hidden_layers", "layer_types", "mtp_num_hidden_layers", "rms_norm_eps", "max_position_embeddings",
+    "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+    "extra",
+})
+
+
+def model_identity(config: ModelConfig, dtype: str, quantize: str | None, stored_format: str) -> str:
+    """What picks a model's kernel specializations before the engine's own settings: its shapes
+    and layer kinds, the --dtype, --quantize and the stored weight format."""
+    shapes = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _VALUE_FIELDS}
+    shapes["layer_kinds"] = sorted(set(config.layer_types))
+    return f"{shapes!r} dtype {dtype}, --quantize {quantize}, stored {stored_format}"
 
 
 class StartCompiles:
@@ -30,10 +47,10 @@ class StartCompiles:
     for this model yet and a packaged one fits, compile it on worker processes while the weights
     load; record what this start compiles, kept as this machine's manifest."""
 
-    def __init__(self, model_identity: str, cache_root: Path, packaged: Path | None = None):
-        """model_identity: what decides the kernels' specializations before the engine's own
-        settings (the model's config, dtype and weight format); packaged: default compile_manifest.PACKAGED."""
-        self.model_identity = model_identity
+    def __init__(self, identity: str, cache_root: Path, packaged: Path | None = None):
+        """identity: model_identity(); packaged: where packaged manifests are (default
+        compile_manifest.PACKAGED)."""
+        self.identity = identity
         self.local_dir = cache_root / "kernel-manifests"
         self.packaged_dir = packaged if packaged is not None else compile_manifest.PACKAGED
         self.key: str | None = None
@@ -56,7 +73,7 @@ class StartCompiles:
 
         target = dataclasses.asdict(driver.active.get_current_target())
         self._target = target
-        self.key = manifest_key(self.model_identity, triton.__version__, target)
+        self.key = manifest_key(self.identity, triton.__version__, target)
         local = self.local_dir / f"{self.key}.json"
         packaged = KernelManifest.load(self.packaged_dir / f"{self.key}.json")
         if not local.exists() and packaged is not None and packaged.usable_with(triton.__version__, target):
