@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from ninfer.config import (
@@ -299,6 +300,43 @@ def _run_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_compile_kernels(args: argparse.Namespace) -> int:
+    """Compile recorded Triton kernels into this machine's kernel cache, without a GPU."""
+    from pathlib import Path
+
+    import triton
+
+    from ninfer.assets.qwen_tokenizer import cache_dir
+    from ninfer.kernels.backend import persist_compile_caches
+    from ninfer.kernels.compile_manifest import KernelManifest, precompile_workers, start_precompile
+
+    persist_compile_caches(str(cache_dir()))
+    manifests = []
+    for name in args.manifests:
+        manifest = KernelManifest.load(Path(name))
+        if manifest is None:
+            print(f"ninfer compile-kernels: error: {name}: not a kernel manifest", file=sys.stderr)
+            return 2
+        if manifest.triton_version != triton.__version__:
+            print(f"ninfer compile-kernels: error: {name}: recorded with Triton {manifest.triton_version}, this"
+                  f" install has {triton.__version__} (its kernels would not be the ones a start looks up)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        manifests.append((Path(name), manifest))
+    workers = args.workers or precompile_workers()
+    local = cache_dir() / "kernel-manifests"
+    for path, manifest in manifests:
+        done, errors, seconds = start_precompile(manifest, workers).wait()
+        print(f"{path}: {done} of {len(manifest.specializations)} kernels compiled for {manifest.target['backend']}"
+              f" sm_{manifest.target['arch']} in {seconds:.1f} s ({workers} processes)")  # fmt: skip
+        for error in errors:
+            print(f"  not compiled: {error}", file=sys.stderr)
+        # Kept beside the cache it filled: a start then finds this machine's record and compiles nothing ahead.
+        KernelManifest.save(manifest, local / path.name)
+    print(f"kernel cache: {os.environ['TRITON_CACHE_DIR']}")
+    return 0
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -399,6 +437,14 @@ def main(argv: list[str] | None = None) -> int:
     pack.add_argument("--log-level", default="info", choices=list(LEVELS))
     verify = sub.add_parser("verify", help="check every tensor of a .ninfer container against its stored SHA-256")
     verify.add_argument("container", help="the .ninfer file")
+    kernels = sub.add_parser(
+        "compile-kernels",
+        help="compile recorded Triton kernels into the kernel cache, no GPU needed (an image built so "
+        "starts its first server like a restart)",
+    )
+    kernels.add_argument("manifests", nargs="+", help="kernel manifests, as a GPU start records them in "
+                         "~/.cache/ninfer/kernel-manifests/ (file names kept: they name the model and GPU)")  # fmt: skip
+    kernels.add_argument("--workers", type=int, help="compile processes (default: half the CPUs)")
     report = sub.add_parser("report", help="summary tables and plots of a --request-log-jsonl file")
     report.add_argument("log", help="the JSONL file the server wrote (one or more server runs)")
     report.add_argument("--out", help="output folder for report.md and the PNG plots (default: <log stem>-report next to the log)")
@@ -413,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_pack(args)
     if args.command == "verify":
         return _run_verify(args)
+    if args.command == "compile-kernels":
+        return _run_compile_kernels(args)
     if args.command == "report":
         from ninfer.report import run_report
 

@@ -140,3 +140,34 @@ def test_a_start_compiles_a_packaged_manifest_ahead_once_and_keeps_its_own_recor
     assert facts == [True, 2, False, 2]
     # Ahead: the two packaged sizes; at launch: the start's own size.
     assert len(_compiled_kernels(cache)) == 3
+
+
+def _cli(*args: str, cache_root: Path) -> subprocess.CompletedProcess:
+    env = {**__import__("os").environ, "NINFER_CACHE_DIR": str(cache_root)}
+    env.pop("TRITON_CACHE_DIR", None)
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, "-m", "ninfer.cli", "compile-kernels", *args], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+
+
+def test_compile_kernels_fills_an_images_cache_without_a_gpu(tmp_path):
+    recorded = tmp_path / "0123abcd.json"
+    _run(_RECORD, json.dumps(H100), str(recorded), cache=tmp_path / "recording-cache")
+    root = tmp_path / "image-cache"
+    done = _cli(str(recorded), "--workers", "2", cache_root=root)
+    assert done.returncode == 0, done.stderr
+    assert "2 of 2 kernels compiled for cuda sm_90" in done.stdout
+    assert _compiled_kernels(root / "triton") == _compiled_kernels(tmp_path / "recording-cache")
+    # Kept under its name beside the cache it filled, so a start there compiles nothing ahead.
+    assert KernelManifest.load(root / "kernel-manifests" / recorded.name) == KernelManifest.load(recorded)
+
+
+def test_compile_kernels_refuses_what_it_cannot_use(tmp_path):
+    not_manifest = tmp_path / "notes.json"
+    not_manifest.write_text("{}")
+    done = _cli(str(not_manifest), cache_root=tmp_path / "cache")
+    assert done.returncode == 2 and "not a kernel manifest" in done.stderr
+    other_triton = tmp_path / "old.json"
+    KernelManifest("0.0.1", H100, []).save(other_triton)
+    done = _cli(str(other_triton), cache_root=tmp_path / "cache")
+    assert done.returncode == 2 and "recorded with Triton 0.0.1" in done.stderr
