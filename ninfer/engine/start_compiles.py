@@ -97,12 +97,13 @@ class StartCompiles:
 
     def end(self, keep: bool) -> None:
         """Stop recording; keep: the start ran to the end, so its record is this machine's manifest."""
+        if self.precompile is not None:  # a start that failed before its weights were in place
+            self.precompile.pool.shutdown(wait=False, cancel_futures=True)
+            self.precompile = None
         if self._recording is None:
             return
         self._recording.__exit__(None, None, None)
         self._recording = None
-        if self.precompile is not None:  # a start that failed during the load
-            self.precompile.pool.shutdown(cancel_futures=True)
         if keep and self._recorded:
             import triton
 
