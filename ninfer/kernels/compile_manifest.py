@@ -71,8 +71,9 @@ def recording_compiles() -> Iterator[list[str]]:
     previous = knobs.runtime.jit_post_compile_hook
 
     def hook(**kwargs):
-        data = kwargs["compile"]["specialization_data"]
-        if data not in seen:
+        # Called inside every compile: whatever this Triton passes, it must not raise.
+        data = (kwargs.get("compile") or {}).get("specialization_data")
+        if isinstance(data, str) and data not in seen:
             seen.add(data)
             recorded.append(data)
         return previous(**kwargs) if previous is not None else False
