@@ -4,8 +4,11 @@
 #
 # Usage: benchmarks/serve_bench.sh [SCENARIO ...] [--model DIR] [--out OUT_DIR]
 #
-#   startup       a server's start and first request twice: the first start on this machine
-#                 compiles every kernel, the second reads the kernel cache (load.py cold-start)
+#   startup       a server's start and first request three times: the first start on this machine
+#                 compiles every kernel, the second reads the kernel cache (load.py cold-start), the
+#                 third starts on an empty cache directory (a packaged kernel manifest for the
+#                 model, if any, compiles ahead); the first start's kernel manifest is copied to
+#                 OUT_DIR/kernel-manifests
 #   constrained   plain against JSON-schema constrained decode at 1 and 8 clients
 #   agent-loop    three interleaved agent sessions at --max-concurrency 1 (the context cache)
 #   burst         8 x 4K prompts at once, at --mixed-prefill-chunk 256, 512 and 1024
@@ -18,7 +21,7 @@
 #
 # Needs: a CUDA GPU with 80 GB and the project installed with its GPU and test extras, so that
 # `ninfer-serve` is on PATH: pip install -e ".[gpu,test]". The script sets no time limit; the
-# whole set takes about 20 minutes on an H100.
+# whole set takes about 22 minutes on an H100.
 set -uo pipefail
 
 usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -73,11 +76,17 @@ run() {  # name, command...: its output in OUT_DIR/name.log, a failure noted
 for scenario in "${SCENARIOS[@]}"; do
     case "$scenario" in
         startup)
-            for start in first second; do
-                run "startup-$start" python3 benchmarks/load.py --serve "$MODEL" --server-args "$SERVE8" \
-                    --scenario cold-start --prompt-tokens 256 --output-tokens 128 --body-extra "{$NO_THINKING}" \
-                    --ready-timeout 600 --out "$OUT_DIR/startup-$start"
-            done ;;
+            EMPTY_CACHE="$(mktemp -d)"
+            for start in first second empty-cache; do
+                CACHE_ENV=()
+                [ "$start" = empty-cache ] && CACHE_ENV=(env -u TRITON_CACHE_DIR "NINFER_CACHE_DIR=$EMPTY_CACHE")
+                run "startup-$start" "${CACHE_ENV[@]}" python3 benchmarks/load.py --serve "$MODEL" \
+                    --server-args "$SERVE8" --scenario cold-start --prompt-tokens 256 --output-tokens 128 \
+                    --body-extra "{$NO_THINKING}" --ready-timeout 600 --out "$OUT_DIR/startup-$start"
+            done
+            mkdir -p "$OUT_DIR/kernel-manifests"
+            cp "${NINFER_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ninfer}"/kernel-manifests/*.json "$OUT_DIR/kernel-manifests/" 2>/dev/null
+            rm -rf "$EMPTY_CACHE" ;;
         constrained)
             run constrained-plain python3 benchmarks/load.py --serve "$MODEL" --server-args "$SERVE8" "${DECODE[@]}" \
                 --body-extra "{$NO_THINKING}" --out "$OUT_DIR/constrained-plain"
