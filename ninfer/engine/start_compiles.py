@@ -75,7 +75,9 @@ class StartCompiles:
         self._target = target
         self.key = manifest_key(self.identity, triton.__version__, target)
         local = self.local_dir / f"{self.key}.json"
-        packaged = KernelManifest.load(self.packaged_dir / f"{self.key}.json")
+        packaged = KernelManifest.load(self.packaged_dir / f"{self.key}.json.gz") or KernelManifest.load(
+            self.packaged_dir / f"{self.key}.json"
+        )
         if not local.exists() and packaged is not None and packaged.usable_with(triton.__version__, target):
             workers = precompile_workers()
             self.precompile = start_precompile(packaged, workers)

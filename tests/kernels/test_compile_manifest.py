@@ -98,6 +98,12 @@ def test_a_manifest_is_used_only_with_its_triton_and_target(tmp_path):
     assert not manifest.usable_with("3.6.0", {**H100, "arch": 100})
     path.write_text('{"format": 0}')
     assert KernelManifest.load(path) is None
+    packed = tmp_path / "m.json.gz"
+    KernelManifest("3.6.0", H100, ["{}"] * 100).save(packed)
+    assert KernelManifest.load(packed) == KernelManifest("3.6.0", H100, ["{}"] * 100)
+    assert packed.read_bytes()[:2] == b"\x1f\x8b"  # gzip
+    packed.write_bytes(b"\x1f\x8b not gzip after all")
+    assert KernelManifest.load(packed) is None
     assert KernelManifest.load(tmp_path / "absent.json") is None
 
 
@@ -110,7 +116,7 @@ from ninfer.kernels.rms_norm.triton import _add_rms_norm_kernel as kernel
 target, packaged_manifest, root = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 packaged = root / "packaged"
 key = manifest_key("a model", triton.__version__, target)
-KernelManifest.load(packaged_manifest).save(packaged / f"{key}.json")
+KernelManifest.load(packaged_manifest).save(packaged / f"{key}.json.gz")
 x = torch.empty(8, 5120, dtype=torch.bfloat16)
 facts = []
 for start in range(2):
@@ -153,8 +159,10 @@ def _cli(*args: str, cache_root: Path) -> subprocess.CompletedProcess:
 def test_compile_kernels_fills_an_images_cache_without_a_gpu(tmp_path):
     recorded = tmp_path / "0123abcd.json"
     _run(_RECORD, json.dumps(H100), str(recorded), cache=tmp_path / "recording-cache")
+    packed = tmp_path / "packed" / "0123abcd.json.gz"  # as packaged manifests are stored
+    KernelManifest.load(recorded).save(packed)
     root = tmp_path / "image-cache"
-    done = _cli(str(recorded), "--workers", "2", cache_root=root)
+    done = _cli(str(packed), "--workers", "2", cache_root=root)
     assert done.returncode == 0, done.stderr
     assert "2 of 2 kernels compiled for cuda sm_90" in done.stdout
     assert _compiled_kernels(root / "triton") == _compiled_kernels(tmp_path / "recording-cache")
