@@ -332,7 +332,7 @@ def _run_compile_kernels(args: argparse.Namespace) -> int:
         for error in errors:
             print(f"  not compiled: {error}", file=sys.stderr)
         # Kept beside the cache it filled: a start then finds this machine's record and compiles nothing ahead.
-        KernelManifest.save(manifest, local / path.name.removesuffix(".gz"))
+        manifest.save(local / path.name.removesuffix(".gz"))
     print(f"kernel cache: {os.environ['TRITON_CACHE_DIR']}")
     return 0
 

@@ -160,11 +160,13 @@ def _compile_share(target: dict, specializations: list[str]) -> tuple[int, list[
 class Precompile:
     """Compiles running on worker processes; the engine goes on meanwhile."""
 
-    num_specializations: int
-    num_workers: int
     started: float
-    futures: list[Future]
+    futures: list[Future]  # one per worker's share
     pool: ProcessPoolExecutor
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.futures)
 
     def wait(self) -> tuple[int, list[str], float]:
         """-> (compiled or cached, errors, seconds since the start)."""
@@ -188,7 +190,7 @@ def start_precompile(manifest: KernelManifest, num_workers: int) -> Precompile:
     shares = [manifest.specializations[i::num_workers] for i in range(num_workers)]
     pool = ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"))
     futures = [pool.submit(_compile_share, manifest.target, share) for share in shares if share]
-    return Precompile(len(manifest.specializations), len(futures), started, futures, pool)
+    return Precompile(started, futures, pool)
 
 
 def precompile_workers() -> int:
