@@ -1,6 +1,6 @@
 """Decode paged attention: time per layer against the bytes of KV it must read.
 
-    python benchmarks/kernels/bench_paged_attention.py [--out results.json] [--quick]
+    python benchmarks/kernels/bench_paged_attention.py [--out results.json] [--quick] [--verify]
 
 For each shape (Qwen3.5-27B 24/4 x 256, Qwen3.5-35B-A3B 16/2 x 256, Llama-8B 32/8 x 128),
 batch (1, 8) and context (4K, 128K): one decode step of one attention layer (q = 1 per
@@ -14,6 +14,11 @@ framework without a paged kernel does) and SDPA on KV already contiguous (a dens
 lower bound for that library). Also: a sweep of the split count and block shapes of our
 kernel (each variant checked against the default's output), and one prefill chunk per
 block config (FLOP rate) next to SDPA's causal kernel.
+
+--verify: speculative verification rows instead (the 27B's shape, K + 1 = 2, 4, 8 queries per
+request at batch 1 and 8, 4K and 128K): each row count's default tile beside a sweep of
+BLOCK_N x warps x stages, timed as above against the same KV floor (the queries share each
+KV tile, so the floor does not grow with them).
 """
 
 from __future__ import annotations
@@ -51,12 +56,13 @@ L2_BYTES = 60 << 20
 class Layers:
     """L independent KV pools (one per layer) with shuffled pages, and one query per request."""
 
-    def __init__(self, shape: str, batch: int, context: int, num_layers: int, seed: int = 0):
+    def __init__(self, shape: str, batch: int, context: int, num_layers: int, seed: int = 0, queries: int = 1):
+        """queries: rows per request (a verification round's K + 1), the last `queries` positions."""
         num_heads, num_kv_heads, head_dim = SHAPES[shape]
         gen = torch.Generator(device="cuda").manual_seed(seed)
         pages = math.ceil(context / PAGE_SIZE)
         num_pages = batch * pages + 1
-        self.q = torch.randn(batch, num_heads, head_dim, generator=gen, device="cuda").to(DTYPE)
+        self.q = torch.randn(batch * queries, num_heads, head_dim, generator=gen, device="cuda").to(DTYPE)
         self.caches = []
         for _ in range(num_layers):
             k = torch.randn(num_pages, PAGE_SIZE, num_kv_heads, head_dim, generator=gen, device="cuda").to(DTYPE)
@@ -64,18 +70,18 @@ class Layers:
             self.caches.append((k, v))
         order = torch.randperm(num_pages, generator=gen, device="cuda")[: batch * pages]
         self.page_table = order.view(batch, pages).int().contiguous()
-        self.query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        self.query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * queries
         self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         self.scale = head_dim**-0.5
         self.kv_bytes_per_layer = 2 * batch * context * num_kv_heads * head_dim * DTYPE.itemsize
-        self.batch, self.context, self.shape = batch, context, shape
+        self.batch, self.context, self.shape, self.queries = batch, context, shape, queries
 
     def ours(self, **tuning):
         def run():
             for k, v in self.caches:
                 kernels.paged_attention(
                     self.q, k, v, self.page_table, self.query_start_loc, self.seq_lens, self.scale,
-                    max_query_len=1, **tuning,
+                    max_query_len=self.queries, **tuning,
                 )
 
         return run
@@ -84,7 +90,8 @@ class Layers:
         """Layer 0 once, outside any graph (the sweeps check each variant against the default)."""
         k, v = self.caches[0]
         return kernels.paged_attention(
-            self.q, k, v, self.page_table, self.query_start_loc, self.seq_lens, self.scale, max_query_len=1, **tuning
+            self.q, k, v, self.page_table, self.query_start_loc, self.seq_lens, self.scale,
+            max_query_len=self.queries, **tuning,
         )
 
     def sdpa_gathered(self):
@@ -179,6 +186,54 @@ def decode_cases(copy_bw: float, quick: bool, deadline: float) -> list[dict]:
     return rows
 
 
+VERIFY_TILES = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2)]
+
+
+def verify_cases(copy_bw: float, deadline: float) -> list[dict]:
+    """The 27B's attention over K + 1 verification rows per request: default tile and sweep."""
+    rows = []
+    shape = "qwen3.5-27b"
+    _, num_kv_heads, head_dim = SHAPES[shape]
+    for context in (131072, 4096):
+        for batch in (1, 8):
+            per_layer = 2 * batch * context * num_kv_heads * head_dim * DTYPE.itemsize
+            for queries in (2, 4, 8):
+                if time.monotonic() > deadline:
+                    return rows
+                layers = Layers(shape, batch, context, num_layers_for(per_layer), queries=queries)
+                n = len(layers.caches)
+                floor = per_layer / copy_bw
+                entry = dict(shape=shape, batch=batch, context=context, queries=queries, floor_us=floor * 1e6, layers=n)
+                entry["ours_graph_us"] = time_graph(layers.ours()) / n * 1e6
+                reference = layers.one()
+                sweep = {}
+                for bn, w, st in VERIFY_TILES:
+                    key = f"block_n={bn},warps={w},stages={st}"
+                    tuning = dict(block_n=bn, num_warps=w, num_stages=st)
+                    try:
+                        err = rel_err(layers.one(**tuning), reference)
+                        if not err < 2e-2:
+                            sweep[key] = f"WRONG: rel err {err:.3g}"
+                            continue
+                        sweep[key] = time_graph(layers.ours(**tuning), reps=15) / n * 1e6
+                    except Exception as error:  # noqa: BLE001 - e.g. out of shared memory
+                        sweep[key] = f"failed: {type(error).__name__}"
+                entry["sweep_us"] = sweep
+                timed = {k: v for k, v in sweep.items() if isinstance(v, float)}
+                best = min(timed, key=timed.get) if timed else None
+                rows.append(entry)
+                print(
+                    f"verify B={batch} ctx={context:6d} q={queries}: default {entry['ours_graph_us']:8.1f} us "
+                    f"({100 * floor * 1e6 / entry['ours_graph_us']:5.1f}% of copy bw; floor {floor * 1e6:.1f}) "
+                    f"best {best} {timed.get(best, float('nan')):.1f}",
+                    flush=True,
+                )
+                print("    sweep:", ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in sweep.items()), flush=True)
+                del layers
+                torch.cuda.empty_cache()
+    return rows
+
+
 PREFILL_CONFIGS = {  # (BLOCK_M, BLOCK_N, warps, stages): spill-free on sm_90 (cuobjdump), see docs/kernels.md
     256: [(64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2)],
     128: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
@@ -238,6 +293,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--quick", action="store_true", help="skip the split/block sweeps")
+    parser.add_argument("--verify", action="store_true", help="verification rows (K + 1 queries) and their tile sweep only")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this long")
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
@@ -247,6 +303,9 @@ def main() -> int:
     result = dict(device=props.name, sms=props.multi_processor_count, copy_bytes_per_s=copy_bw,
                   torch=torch.__version__, decode=[], prefill=None)
     try:
+        if args.verify:
+            result["verify"] = verify_cases(copy_bw, deadline)
+            return 0
         result["decode"] = decode_cases(copy_bw, args.quick, deadline)
         if time.monotonic() < deadline:
             result["prefill"] = prefill_cases()
