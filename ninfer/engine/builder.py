@@ -142,7 +142,8 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
         # A fresh engine process starts CUDA here: the memory statistics below need its allocator,
         # and Triton launches on the current device (a tensor-parallel rank's own).
         cuda_began = time.perf_counter()
-        torch.cuda.set_device(device)
+        index = torch.device(device).index  # "cuda" alone: the current device
+        torch.cuda.set_device(torch.cuda.current_device() if index is None else index)
         configure_pinned_allocator()
         say("CUDA started on %s in %.1fs", device, time.perf_counter() - cuda_began)
         persist_compile_caches(str(cache_dir()))
