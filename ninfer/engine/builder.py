@@ -212,7 +212,12 @@ def _build(spec: EngineSpec, engine: EngineConfig, artifact, companion, started:
         if compiles is not None:
             compiles.end(keep=False)
         raise
-    if compiles is not None:
+    if compiles is not None and core.has_background_work:
+        # Step graphs captured in idle turns compile kernels too: the record goes on until they
+        # are done, and what it holds now is kept should the process end before.
+        compiles.save()
+        core.after_background_work(lambda: compiles.end(keep=True))
+    elif compiles is not None:
         compiles.end(keep=True)
     return core
 

@@ -17,6 +17,7 @@ from ninfer.engine.sampler import Sampler
 from ninfer.engine.speculative.speculator import Speculator
 from ninfer.engine.step_graphs import StepGraphs, token_buckets
 from ninfer.engine.verify_graphs import VerifyGraphs
+from ninfer.kernels.compile_manifest import counting_compiles
 from ninfer.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from ninfer.kernels.gemv import UNQUANTIZED_GEMV_MAX_ROWS
 from ninfer.kernels.moe.kernel_choice import token_switches as moe_token_switches
@@ -141,14 +142,16 @@ def capture_next_step_graph(graphs: StepGraphs) -> None:
     bucket, snapshots = graphs.pending[0]
     started = time.perf_counter()
     try:
-        graphs.capture_next()
+        with counting_compiles() as compiled:
+            graphs.capture_next()
     except Exception:  # noqa: BLE001 - as at start-up: those steps run eagerly instead
         log.exception("step graph capture failed; prompt and mixed steps of the buckets left run eagerly")
         graphs.pending.clear()
         return
-    # A request that arrives meanwhile waits for the capture: its time bounds that wait.
-    log.debug("step graph of %d tokens%s captured in %.2f s while idle", bucket,
-              " with a checkpoint inside" if snapshots else "", time.perf_counter() - started)  # fmt: skip
+    # A request that arrives meanwhile waits for the capture: its time bounds that wait, and
+    # kernels compiled inside it are what a slow capture usually costs.
+    log.debug("step graph of %d tokens%s captured in %.2f s while idle (%d GPU kernels compiled or loaded)", bucket,
+              " with a checkpoint inside" if snapshots else "", time.perf_counter() - started, compiled[0])  # fmt: skip
     if not graphs.pending:
         log.info("CUDA graphs captured for prompt and mixed steps of %s tokens in %.1f s, while idle",
                  ", ".join(map(str, graphs.buckets)), graphs.capture_seconds)  # fmt: skip

@@ -97,8 +97,29 @@ class StartCompiles:
             log.debug("not compiled ahead: %s", error)
         self.precompile = None
 
+    def save(self) -> None:
+        """Merge what this start recorded so far into this machine's manifest (the record only
+        grows: a restart's short warm-up launches fewer kernels than a first start)."""
+        if not self._recorded:
+            return
+        import triton
+
+        path = self.local_dir / f"{self.key}.json"
+        kept = KernelManifest.load(path)
+        if kept is not None and not kept.usable_with(triton.__version__, self._target):
+            kept = None
+        known = kept.specializations if kept is not None else []
+        seen = set(known)
+        new = [data for data in self._recorded if data not in seen]
+        if new or kept is None:
+            try:
+                KernelManifest(triton.__version__, self._target, known + new).save(path)
+            except OSError as error:
+                log.warning("kernel manifest not saved to %s: %s", path, error)
+
     def end(self, keep: bool) -> None:
-        """Stop recording; keep: the start ran to the end, so its record is this machine's manifest."""
+        """Stop recording; keep: the start ran to the end (or its idle captures did), so its
+        record joins this machine's manifest."""
         if self.precompile is not None:  # a start that failed before its weights were in place
             self.precompile.pool.shutdown(wait=False, cancel_futures=True)
             self.precompile = None
@@ -106,19 +127,5 @@ class StartCompiles:
             return
         self._recording.__exit__(None, None, None)
         self._recording = None
-        if keep and self._recorded:
-            import triton
-
-            # A restart's short warm-up launches fewer kernels than a first start: the record only grows.
-            path = self.local_dir / f"{self.key}.json"
-            kept = KernelManifest.load(path)
-            if kept is not None and not kept.usable_with(triton.__version__, self._target):
-                kept = None
-            known = kept.specializations if kept is not None else []
-            seen = set(known)
-            new = [data for data in self._recorded if data not in seen]
-            if new or kept is None:
-                try:
-                    KernelManifest(triton.__version__, self._target, known + new).save(path)
-                except OSError as error:
-                    log.warning("kernel manifest not saved to %s: %s", path, error)
+        if keep:
+            self.save()

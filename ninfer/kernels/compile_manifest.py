@@ -91,6 +91,26 @@ def recording_compiles() -> Iterator[list[str]]:
         knobs.runtime.jit_post_compile_hook = previous
 
 
+@contextmanager
+def counting_compiles() -> Iterator[list[int]]:
+    """Within: the yielded one-element list counts the Triton kernels this process compiled or
+    loaded from the kernel cache (each specialization new to the process, once)."""
+    from triton import knobs
+
+    count = [0]
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs):
+        count[0] += 1
+        return previous(**kwargs) if previous is not None else False
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield count
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+
+
 class _TargetOnlyDriver:
     """Answers what JITFunction.preload asks of the driver for `target` (no launch, no CUDA)."""
 

@@ -113,6 +113,7 @@ def test_the_loop_captures_in_idle_turns_and_serves_a_request_first(tmp_root, st
         background_step()
 
     core.background_step = counted_background_step
+    core.after_background_work(lambda: events.append("done"))  # the builder ends its kernel record there
     script = iter([None, None, AddRequest(request)])  # two idle turns, then the request arrives
 
     def receive(timeout):
@@ -137,3 +138,5 @@ def test_the_loop_captures_in_idle_turns_and_serves_a_request_first(tmp_root, st
     assert events[:first_request].count("capture") == 2
     assert events.count("capture") == num_graphs and not graphs.pending and len(graphs.graphs) == num_graphs
     assert not core.has_background_work
+    # Once, right after the last capture.
+    assert events.count("done") == 1 and events[:events.index("done")].count("capture") == num_graphs

@@ -148,6 +148,47 @@ def test_a_start_compiles_a_packaged_manifest_ahead_once_and_keeps_its_own_recor
     assert len(_compiled_kernels(cache)) == 3
 
 
+_SAVE_THEN_END = """
+import json, sys, torch, triton
+from pathlib import Path
+from ninfer.engine.start_compiles import StartCompiles
+from ninfer.kernels.compile_manifest import KernelManifest, compiling_for, counting_compiles, manifest_key
+from ninfer.kernels.rms_norm.triton import _add_rms_norm_kernel as kernel
+target, root = json.loads(sys.argv[1]), Path(sys.argv[2])
+path = root / "kernel-manifests" / (manifest_key("a model", triton.__version__, target) + ".json")
+x = torch.empty(8, 5120, dtype=torch.bfloat16)
+
+def launch(dim, block):
+    kernel.warmup(x, x, x[0], x, x, 1, dim, 0, dim, 0, dim, 1e-6, ZERO_CENTERED=True, TWO_LEVEL=False,
+                  BLOCK_D=block, EARLY_RESIDUAL=False, USE_PDL=False, num_warps=8, grid=(1,))
+
+facts = []
+with compiling_for(target):
+    compiles = StartCompiles("a model", root)
+    compiles.begin()
+    compiles.loaded()
+    launch(5120, 8192)  # the start
+    compiles.save()  # ready: the record so far is kept
+    facts.append(len(KernelManifest.load(path).specializations))
+    with counting_compiles() as compiled:  # an idle capture: one new size, one known
+        launch(1024, 1024)
+        launch(5120, 8192)
+    facts.append(compiled[0])
+    compiles.end(keep=True)  # the idle captures are done
+    facts.append(len(KernelManifest.load(path).specializations))
+    launch(2048, 2048)  # after the record ended
+facts.append(len(KernelManifest.load(path).specializations))
+print(json.dumps(facts))
+"""
+
+
+def test_a_start_keeps_its_record_at_ready_and_adds_the_idle_captures_kernels(tmp_path):
+    """save() at ready keeps the start's record; what the idle captures compile joins it at end();
+    counting_compiles counts only kernels new to the process."""
+    facts = json.loads(_run(_SAVE_THEN_END, json.dumps(H100), str(tmp_path / "root"), cache=tmp_path / "kernels"))
+    assert facts == [1, 1, 2, 2]
+
+
 def _cli(*args: str, cache_root: Path) -> subprocess.CompletedProcess:
     env = {**__import__("os").environ, "NINFER_CACHE_DIR": str(cache_root)}
     env.pop("TRITON_CACHE_DIR", None)
