@@ -149,6 +149,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
         ((70,), (0,), 2, 1, 64, 16),  # a prefill chunk longer than one q-block (BLOCK_Q=32)
         ((40, 3), (25, 50), 24, 4, 128, 32),  # Qwen3.5-27B grouping, chunk over a cached prefix
         ((2, 1), (20, 41), 16, 2, 256, 16),  # Qwen3.5-35B-A3B grouping, head_dim 256
+        ((4, 3), (70, 33), 24, 4, 256, 16),  # 27B verification rows of K = 3: 32-row tile, 64 keys, 4 warps
+        ((8, 5), (40, 300), 24, 4, 256, 16),  # K = 7: 64-row tile, 32 keys, 4 warps
         ((30, 1), (40, 9), 6, 1, 256, 16),  # head_dim 256 prefill tiles (BLOCK_M 128: 21 tokens x 6 heads)
         ((3, 1), (10, 5), 4, 2, 80, 1),  # non-power-of-two head_dim, one token per page
         ((9,), (100,), 4, 1, 16, 64),  # page larger than BLOCK_N

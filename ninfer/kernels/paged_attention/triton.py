@@ -507,8 +507,13 @@ def _block_config(
         if head_dim > 128:
             # A [256, 64] bf16 K tile plus its V tile is 64 KB per pipeline stage. Quantized rows
             # are widened in registers: 4 warps spill there (ptxas, sm_90), 8 do not.
-            num_warps = 4 if block_m <= 16 and not quantized else 8
-            return block_q, block_m, 64 if block_m <= 16 else 32, num_warps, 2
+            if quantized:
+                return block_q, block_m, 64 if block_m <= 16 else 32, 8, 2
+            # Plain caches, best of the verification-row sweep (H100, docs/kernels.md): 4 warps up
+            # to 64 rows (8 ran 1.2-1.5x slower at 32 and 64), the key tile halved at 64 rows.
+            if block_m <= 32:
+                return block_q, block_m, 64, 4, 2
+            return block_q, block_m, 32, 4 if block_m <= 64 else 8, 2
         return block_q, block_m, 64, 4, 2
     # Prefill tiles, best of the H200 sweep (docs/kernels.md): head_dim 256 at 128 x 32 with
     # 8 warps (310 TFLOP/s vs 140 at 64 x 32), head_dim <= 128 at 64 x 64 with 4 warps.
