@@ -326,9 +326,11 @@ def _run_compile_kernels(args: argparse.Namespace) -> int:
     workers = args.workers or precompile_workers()
     local = cache_dir() / "kernel-manifests"
     for path, manifest in manifests:
-        done, errors, seconds = start_precompile(manifest, workers).wait()
+        precompile = start_precompile(manifest, workers)
+        done, errors, seconds = precompile.wait()
         print(f"{path}: {done} of {len(manifest.specializations)} kernels compiled for {manifest.target['backend']}"
-              f" sm_{manifest.target['arch']} in {seconds:.1f} s ({workers} processes)")  # fmt: skip
+              f" sm_{manifest.target['arch']} in {seconds:.1f} s ({workers} processes);"
+              f" {precompile.num_autotuned} autotuning results written")  # fmt: skip
         for error in errors:
             print(f"  not compiled: {error}", file=sys.stderr)
         # Kept beside the cache it filled: a start then finds this machine's record and compiles nothing ahead.
@@ -444,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     kernels.add_argument("manifests", nargs="+", help="kernel manifests, as a GPU start records them in "
                          "~/.cache/ninfer/kernel-manifests/ (file names kept: they name the model and GPU)")  # fmt: skip
-    kernels.add_argument("--workers", type=int, help="compile processes (default: half the CPUs)")
+    kernels.add_argument("--workers", type=int, help="compile processes (default: the CPUs but two)")
     report = sub.add_parser("report", help="summary tables and plots of a --request-log-jsonl file")
     report.add_argument("log", help="the JSONL file the server wrote (one or more server runs)")
     report.add_argument("--out", help="output folder for report.md and the PNG plots (default: <log stem>-report next to the log)")

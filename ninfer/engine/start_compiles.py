@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from ninfer.kernels import compile_manifest
 from ninfer.kernels.compile_manifest import (
     KernelManifest,
     Precompile,
+    autotune_records,
     manifest_key,
     precompile_workers,
     recording_compiles,
@@ -58,6 +60,7 @@ class StartCompiles:
         self._recording: AbstractContextManager[list[str]] | None = None
         self._target: dict = {}
         self._recorded: list[str] = []
+        self._began = 0.0  # wall-clock time recording began: autotuning results from then on are this start's
 
     def begin(self) -> None:
         """After CUDA started (the target is the current device's), before any kernel launches.
@@ -78,11 +81,13 @@ class StartCompiles:
         packaged = KernelManifest.load(self.packaged_dir / f"{self.key}.json.gz") or KernelManifest.load(
             self.packaged_dir / f"{self.key}.json"
         )
+        self._began = time.time()  # before the packaged results are written: this cache holds them too
         if not local.exists() and packaged is not None and packaged.usable_with(triton.__version__, target):
             workers = precompile_workers()
             self.precompile = start_precompile(packaged, workers)
-            log.info("compiling %d GPU kernels ahead on %d processes (a manifest for this model)",
-                     len(packaged.specializations), self.precompile.num_workers)  # fmt: skip
+            log.info("compiling %d GPU kernels ahead on %d processes (a manifest for this model, with %d"
+                     " autotuning results)", len(packaged.specializations), self.precompile.num_workers,
+                     self.precompile.num_autotuned)  # fmt: skip
         self._recording = recording_compiles()
         self._recorded = self._recording.__enter__()
 
@@ -111,9 +116,14 @@ class StartCompiles:
         known = kept.specializations if kept is not None else []
         seen = set(known)
         new = [data for data in self._recorded if data not in seen]
-        if new or kept is None:
+        # What the autotuners benchmarked during this start (a restart finds them cached: none).
+        known_tuned = kept.autotune if kept is not None else []
+        tuned_seen = {(record["key"], record["file"]) for record in known_tuned}
+        tuned = [record for record in autotune_records(Path(triton.knobs.cache.dir), self._began)
+                 if (record["key"], record["file"]) not in tuned_seen]  # fmt: skip
+        if new or tuned or kept is None:
             try:
-                KernelManifest(triton.__version__, self._target, known + new).save(path)
+                KernelManifest(triton.__version__, self._target, known + new, known_tuned + tuned).save(path)
             except OSError as error:
                 log.warning("kernel manifest not saved to %s: %s", path, error)
 

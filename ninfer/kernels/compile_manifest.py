@@ -8,6 +8,13 @@ with an empty kernel cache compiles the recorded list on worker processes while 
 load; each launch then finds its kernel in the cache, as on a restart. The workers compile for
 the recorded target through a stand-in driver that answers Triton's device queries without CUDA,
 so they take no GPU memory. An entry this start does not launch only costs its compile.
+
+Autotuned kernels (the Gated DeltaNet chunk kernels' configs, for one) also benchmark every
+config at their first launch of each tuning key; Triton keeps the timings in its cache under a
+key of the kernel's source, the target, the Triton build and the tuning key, none of them the
+machine's. The manifest carries those files too, and a start that compiles it ahead writes them
+into its cache, so the autotuners find their choice instead of benchmarking (the recording GPU's
+choice: another card of the same target may have preferred another config).
 """
 
 from __future__ import annotations
@@ -37,13 +44,15 @@ class KernelManifest:
     triton_version: str
     target: dict  # Triton's GPUTarget as a dict: backend, arch, warp_size
     specializations: list[str] = field(default_factory=list)  # Triton's serialized specialization data
+    # Autotuning results as Triton caches them: {"key": cache key, "file": name, "text": contents}.
+    autotune: list[dict] = field(default_factory=list)
 
     def save(self, path: Path) -> None:
         """JSON, gzip-compressed where the name ends in .gz (packaged manifests: ~10x smaller)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(path.name + ".tmp")
         body = {"format": FORMAT_VERSION, "triton": self.triton_version, "target": self.target,
-                "specializations": self.specializations}  # fmt: skip
+                "specializations": self.specializations, "autotune": self.autotune}  # fmt: skip
         text = (json.dumps(body) + "\n").encode()
         # mtime 0: the same manifest compresses to the same bytes.
         temporary.write_bytes(gzip.compress(text, mtime=0) if path.name.endswith(".gz") else text)
@@ -59,7 +68,8 @@ class KernelManifest:
             return None
         if not isinstance(body, dict) or body.get("format") != FORMAT_VERSION:
             return None
-        return KernelManifest(body["triton"], body["target"], list(body["specializations"]))
+        return KernelManifest(body["triton"], body["target"], list(body["specializations"]),
+                              list(body.get("autotune", [])))  # fmt: skip
 
     def usable_with(self, triton_version: str, target: dict) -> bool:
         """A specialization compiles to the same kernel only under the same Triton and target."""
@@ -162,18 +172,52 @@ def compiling_for(target: dict) -> Iterator[None]:
         driver._active = previous
 
 
-def _compile_share(target: dict, specializations: list[str]) -> tuple[int, list[str]]:
-    """A worker's part: -> (how many compiled or were cached, errors)."""
-    done, errors = 0, []
-    with compiling_for(target):
-        for data in specializations:
-            name = json.loads(data)["name"]
-            try:
-                _jit_function(name).preload(data)
-                done += 1
-            except Exception as error:  # noqa: BLE001 - one entry that no longer compiles skips only itself
-                errors.append(f"{name}: {type(error).__name__}: {error}"[:300])
-    return done, errors
+def _compile_one(target: dict, data: str) -> str | None:
+    """A worker's task: compile one specialization into the kernel cache (or find it there);
+    -> None, or what stopped it."""
+    name = json.loads(data)["name"]
+    try:
+        with compiling_for(target):
+            _jit_function(name).preload(data)
+    except Exception as error:  # noqa: BLE001 - one entry that no longer compiles skips only itself
+        return f"{name}: {type(error).__name__}: {error}"[:300]
+    return None
+
+
+def autotune_records(cache_dir: Path, since: float) -> list[dict]:
+    """The autotuning results Triton cached under cache_dir (its file cache: <key>/<kernel>.autotune.json)
+    since the wall-clock time `since`."""
+    records = []
+    for path in sorted(cache_dir.glob("*/*.autotune.json")):
+        try:
+            if path.stat().st_mtime >= since:
+                records.append({"key": path.parent.name, "file": path.name, "text": path.read_text()})
+        except (OSError, UnicodeDecodeError):
+            continue  # another process replacing it: the next save sees it
+    return records
+
+
+def restore_autotune(records: list[dict]) -> int:
+    """Write autotuning results into Triton's file cache where it has none under their key; -> how
+    many (none where Triton caches through a manager of the user's own)."""
+    from triton import knobs
+
+    if knobs.cache.manager_class is not None:
+        return 0
+    written = 0
+    for record in records:
+        directory, name = record["key"], record["file"]
+        if Path(directory).name != directory or Path(name).name != name or directory in ("", ".", ".."):
+            continue  # a plain name inside the cache, nothing else
+        path = Path(knobs.cache.dir) / directory / name
+        if path.exists():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{name}.{os.getpid()}.tmp")
+        temporary.write_text(record["text"])
+        temporary.replace(path)  # as Triton writes its cache: a reader sees the whole file or none
+        written += 1
+    return written
 
 
 @dataclass
@@ -181,42 +225,43 @@ class Precompile:
     """Compiles running on worker processes; the engine goes on meanwhile."""
 
     started: float
-    futures: list[Future]  # one per worker's share
+    futures: list[Future]  # one per specialization, in the recorded (first launch) order
     pool: ProcessPoolExecutor
-
-    @property
-    def num_workers(self) -> int:
-        return len(self.futures)
+    num_workers: int
+    num_autotuned: int  # autotuning results written into the cache before the compiles
 
     def wait(self) -> tuple[int, list[str], float]:
         """-> (compiled or cached, errors, seconds since the start)."""
         done, errors = 0, []
         for future in self.futures:
             try:
-                share_done, share_errors = future.result()
-            except Exception as error:  # noqa: BLE001 - a worker that died: its share compiles at first launch
-                share_done, share_errors = 0, [f"worker: {type(error).__name__}: {error}"]
-            done += share_done
-            errors += share_errors
+                error = future.result()
+            except Exception as failure:  # noqa: BLE001 - a worker that died: its kernels compile at first launch
+                error = f"worker: {type(failure).__name__}: {failure}"
+            if error is None:
+                done += 1
+            else:
+                errors.append(error)
         self.pool.shutdown()
         return done, errors, time.perf_counter() - self.started
 
 
 def start_precompile(manifest: KernelManifest, num_workers: int) -> Precompile:
-    """Compile the manifest's specializations into the kernel cache on `num_workers` processes
-    (spawned: they inherit TRITON_CACHE_DIR and the rest of the environment)."""
+    """Write the manifest's autotuning results into the kernel cache, then compile its
+    specializations there on `num_workers` processes (spawned: they inherit TRITON_CACHE_DIR and
+    the rest of the environment), each taking the next kernel as it finishes one."""
     started = time.perf_counter()
-    # Round-robin shares: neighbouring entries are often one kernel's sizes, so shares balance.
-    shares = [manifest.specializations[i::num_workers] for i in range(num_workers)]
+    num_autotuned = restore_autotune(manifest.autotune)
     pool = ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"))
-    futures = [pool.submit(_compile_share, manifest.target, share) for share in shares if share]
-    return Precompile(started, futures, pool)
+    futures = [pool.submit(_compile_one, manifest.target, data) for data in manifest.specializations]
+    return Precompile(started, futures, pool, num_workers, num_autotuned)
 
 
 def precompile_workers() -> int:
-    """Half the CPUs this process may use, at least one: the engine's start keeps the rest."""
+    """The CPUs this process may use but two (at least one): compiling is all that is left once
+    the weights are in place, and the load's reader threads keep the two meanwhile."""
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    return max(1, available // 2)
+    return max(1, available - 2)
 
 
 PACKAGED = Path(__file__).parent / "manifests"  # manifests recorded on GPUs for the models users run

@@ -1,6 +1,7 @@
 """The kernel manifest on the GPU: an engine start on an empty kernel cache records what it
 compiled; a start on another empty cache that finds that record packaged compiles it ahead on
-worker processes (without CUDA), and its own launches then compile nothing new."""
+worker processes (without CUDA), and its own launches then compile nothing new; the autotuners
+find the recorded choices instead of benchmarking again."""
 
 from __future__ import annotations
 
@@ -30,24 +31,27 @@ build_engine_core(EngineSpec(artifact, EngineConfig(device="cuda", max_context=5
 """
 
 
-def _build(artifact: str, root: Path, packaged: str = "") -> tuple[set[str], str]:
-    """-> (the kernels in the start's kernel cache, by cache key; its log)."""
+def _build(artifact: str, root: Path, packaged: str = "") -> tuple[set[str], dict[str, str], str]:
+    """-> (the kernels in the start's kernel cache, by cache key; its autotuning results by path; its log)."""
     env = {**os.environ, "NINFER_CACHE_DIR": str(root), "TRITON_CACHE_DIR": str(root / "triton")}
     done = subprocess.run([sys.executable, "-c", _BUILD, artifact, packaged], capture_output=True, text=True,
                           timeout=900, env=env, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = {path.parent.name for path in (root / "triton").rglob("*.cubin")}
-    return kernels, done.stderr
+    tuned = {str(path.relative_to(root)): path.read_text() for path in (root / "triton").glob("*/*.autotune.json")}
+    return kernels, tuned, done.stderr
 
 
 def test_a_recorded_manifest_compiled_ahead_leaves_nothing_to_compile_at_launch(tmp_path):
     artifact = str(make_tiny_qwen3_5(tmp_path / "model"))
-    first_kernels, _ = _build(artifact, tmp_path / "first")
+    first_kernels, first_tuned, _ = _build(artifact, tmp_path / "first")
     (recorded,) = (tmp_path / "first" / "kernel-manifests").glob("*.json")
     packaged = tmp_path / "packaged"
     packaged.mkdir()
     (packaged / recorded.name).write_text(recorded.read_text())
 
-    ahead_kernels, log = _build(artifact, tmp_path / "second", str(packaged))
+    ahead_kernels, ahead_tuned, log = _build(artifact, tmp_path / "second", str(packaged))
     assert "GPU kernels compiled ahead" in log and "left to compile" not in log
     assert first_kernels and ahead_kernels == first_kernels  # under the keys the launches looked up
+    # The same files with the same timings: found under the autotuners' keys, not benchmarked again.
+    assert first_tuned and ahead_tuned == first_tuned

@@ -116,21 +116,27 @@ from ninfer.kernels.rms_norm.triton import _add_rms_norm_kernel as kernel
 target, packaged_manifest, root = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 packaged = root / "packaged"
 key = manifest_key("a model", triton.__version__, target)
-KernelManifest.load(packaged_manifest).save(packaged / f"{key}.json.gz")
+manifest = KernelManifest.load(packaged_manifest)
+tuned = {"key": "0" * 64, "file": "_a_kernel.autotune.json", "text": '{"key": [5120], "configs_timings": []}'}
+manifest.autotune = [tuned]
+manifest.save(packaged / f"{key}.json.gz")
 x = torch.empty(8, 5120, dtype=torch.bfloat16)
 facts = []
 for start in range(2):
     with compiling_for(target):  # stands in for the engine's GPU
         compiles = StartCompiles("a model", root / "cache", packaged)
         compiles.begin()
-        facts.append(compiles.precompile is not None)
+        facts.append(compiles.precompile is not None and compiles.precompile.num_autotuned)
         compiles.loaded()
         # The start's own launches (one of the packaged sizes, then one of its own).
         for dim, block in ((5120, 8192), (1024, 1024)):
             kernel.warmup(x, x, x[0], x, x, 1, dim, 0, dim, 0, dim, 1e-6, ZERO_CENTERED=True, TWO_LEVEL=False,
                           BLOCK_D=block, EARLY_RESIDUAL=False, USE_PDL=False, num_warps=8, grid=(1,))
         compiles.end(keep=True)
-    facts.append(len(KernelManifest.load(root / "cache" / "kernel-manifests" / f"{key}.json").specializations))
+    local = KernelManifest.load(root / "cache" / "kernel-manifests" / f"{key}.json")
+    facts.append(len(local.specializations))
+    facts.append(local.autotune == [tuned])
+facts.append((Path(triton.knobs.cache.dir) / tuned["key"] / tuned["file"]).read_text() == tuned["text"])
 print(json.dumps(facts))
 """
 
@@ -138,12 +144,14 @@ print(json.dumps(facts))
 def test_a_start_compiles_a_packaged_manifest_ahead_once_and_keeps_its_own_record(tmp_path):
     """First start: the packaged manifest (2 sizes) compiles ahead into the empty kernel cache and
     the start's record (one of them plus a size of its own) becomes this machine's manifest;
-    second start: that manifest exists, so nothing compiles ahead, and the record stays."""
+    second start: that manifest exists, so nothing compiles ahead, and the record stays. The
+    packaged autotuning result is written into the kernel cache before the compiles and stays in
+    the machine's record."""
     manifest_path = tmp_path / "manifest.json"
     _run(_RECORD, json.dumps(H100), str(manifest_path), cache=tmp_path / "recording-cache")
     cache = tmp_path / "kernels"
     facts = json.loads(_run(_START, json.dumps(H100), str(manifest_path), str(tmp_path), cache=cache))
-    assert facts == [True, 2, False, 2]
+    assert facts == [1, 2, True, False, 2, True, True]
     # Ahead: the two packaged sizes; at launch: the start's own size.
     assert len(_compiled_kernels(cache)) == 3
 
@@ -187,6 +195,29 @@ def test_a_start_keeps_its_record_at_ready_and_adds_the_idle_captures_kernels(tm
     counting_compiles counts only kernels new to the process."""
     facts = json.loads(_run(_SAVE_THEN_END, json.dumps(H100), str(tmp_path / "root"), cache=tmp_path / "kernels"))
     assert facts == [1, 1, 2, 2]
+
+
+def test_autotuning_results_recorded_since_a_time_and_restored_where_absent(tmp_path, monkeypatch):
+    from ninfer.kernels.compile_manifest import autotune_records, restore_autotune
+
+    recorded_cache = tmp_path / "recorded"
+    old, new = recorded_cache / "aa" / "old.autotune.json", recorded_cache / "bb" / "new.autotune.json"
+    for path, text in ((old, "old timings"), (new, "new timings")):
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+    (recorded_cache / "bb" / "kernel.cubin").write_bytes(b"not a tuning result")
+    __import__("os").utime(old, (1000.0, 1000.0))
+    records = autotune_records(recorded_cache, since=2000.0)
+    assert records == [{"key": "bb", "file": "new.autotune.json", "text": "new timings"}]
+
+    target_cache = tmp_path / "empty"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(target_cache))
+    (target_cache / "cc").mkdir(parents=True)
+    (target_cache / "cc" / "mine.autotune.json").write_text("this machine's timings")
+    mine = {"key": "cc", "file": "mine.autotune.json", "text": "the recording machine's timings"}
+    assert restore_autotune(records + [mine]) == 1  # this machine's own result stays
+    assert (target_cache / "bb" / "new.autotune.json").read_text() == "new timings"
+    assert (target_cache / "cc" / "mine.autotune.json").read_text() == "this machine's timings"
 
 
 def _cli(*args: str, cache_root: Path) -> subprocess.CompletedProcess:
