@@ -34,6 +34,7 @@ from ninfer.engine.engine_description import describe_engine
 from ninfer.engine.pending_step import PendingStep
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep, StepKind
+from ninfer.engine.speculative.round_costs import RoundCosts
 from ninfer.engine.state_pool import StatePool
 from ninfer.engine.stop_checker import StopChecker
 from ninfer.engine.throughput_log import ThroughputLog
@@ -80,6 +81,16 @@ def kv_page_bytes(
         draft = draft_model.config
         per_token += kv_bytes_per_token(draft.num_hidden_layers, draft.num_key_value_heads, draft.head_dim, element)
     return per_token * page_size
+
+
+def _round_costs(runner: ModelRunner, num_draft_tokens: int) -> RoundCosts:
+    """The adaptive draft policy's round costs: the table, at the level this engine's verify
+    graphs timed at start-up where they did."""
+    verify = getattr(runner, "verify_graphs", None)
+    measured = verify.round_cost_ratio if verify is not None else None
+    if measured is None or not num_draft_tokens:
+        return RoundCosts()
+    return RoundCosts.calibrated(num_draft_tokens, measured)
 
 
 def state_image_bytes(model: CausalLM) -> int:
@@ -142,29 +153,6 @@ class EngineCore:
         detail = HostDetail()  # each throughput interval's slow paths, timed where they run
         self.context_costs = resolve_context_costs(model.config, device_type, config.context_cost_presets)
         self.grammars = CompiledGrammars(GrammarVocabulary(tokenizer, model.config.vocab_size))
-        self.scheduler = Scheduler(
-            SchedulerLimits(
-                config.max_concurrency,
-                config.max_context,
-                config.prefill_chunk,
-                config.prefix_reuse,
-                mixed_prefill_chunk=config.mixed_prefill_chunk,
-                spec_backend=config.spec,
-                num_draft_tokens=config.num_draft_tokens,
-                adaptive_drafts=config.adaptive_drafts,
-            ),
-            self.kv_pool,
-            self.state_pool,
-            self.cache,
-            make_stop_checker=lambda r: StopChecker(tokenizer, r.stop_token_ids, r.stop_strings),
-            clock=clock,
-            costs=self.context_costs,
-            state_image_bytes=state_image_bytes(model),
-            kv_page_bytes=page_bytes,
-            detail=detail,
-            grammars=self.grammars,
-            vocab_size=model.config.vocab_size,
-        )
         # Plain values only: a follower rank builds its runner from the same arguments.
         runner_arguments = dict(
             num_pages=config.num_kv_pages,
@@ -194,6 +182,30 @@ class EngineCore:
             self.runner = LeaderRunner(
                 followers, model, **runner_arguments, draft_model=draft_model, vision_tower=vision_tower
             )
+        self.scheduler = Scheduler(
+            SchedulerLimits(
+                config.max_concurrency,
+                config.max_context,
+                config.prefill_chunk,
+                config.prefix_reuse,
+                mixed_prefill_chunk=config.mixed_prefill_chunk,
+                spec_backend=config.spec,
+                num_draft_tokens=config.num_draft_tokens,
+                adaptive_drafts=config.adaptive_drafts,
+                round_costs=_round_costs(self.runner, config.num_draft_tokens),
+            ),
+            self.kv_pool,
+            self.state_pool,
+            self.cache,
+            make_stop_checker=lambda r: StopChecker(tokenizer, r.stop_token_ids, r.stop_strings),
+            clock=clock,
+            costs=self.context_costs,
+            state_image_bytes=state_image_bytes(model),
+            kv_page_bytes=page_bytes,
+            detail=detail,
+            grammars=self.grammars,
+            vocab_size=model.config.vocab_size,
+        )
         # Every rank's memory ledger, by rank, with tensor-parallel followers (the builder gathers them).
         self.rank_memory: list[dict[str, int]] | None = None
         self.runner.host_detail = detail

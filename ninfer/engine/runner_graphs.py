@@ -26,6 +26,8 @@ from ninfer.models.causal_lm import CausalLM
 from ninfer.models.quant.weight_format import weight_format
 
 log = logging.getLogger("ninfer.engine")
+# Replays of each round kind when the start-up times a speculative round against a plain one.
+ROUND_TIMING_WARMUP, ROUND_TIMING_REPS = 2, 10
 
 
 def step_graph_blocker(model: CausalLM, num_draft_tokens: int) -> str | None:
@@ -122,6 +124,7 @@ def _capture_verify_graphs(
     try:
         speculator.capture_commit_graphs(pool)
         graphs.capture(pool)
+        graphs.round_cost_ratio = time_round_ratio(decode, graphs, speculator)
     except Exception:  # noqa: BLE001 - as for the decode graphs: verify eagerly instead
         log.exception("verify graph capture failed; speculative rounds run eagerly")
         speculator.discard_commit_graphs()
@@ -131,9 +134,37 @@ def _capture_verify_graphs(
         decode.discard_warmup_writes()
         for slot in range(graphs.max_batch):
             speculator.reset_slot(slot)
-    log.info("CUDA graphs captured for speculative rounds of %d drafts, batch sizes %s",
-             speculator.num_draft_tokens, ", ".join(map(str, batch_sizes)))  # fmt: skip
+    log.info("CUDA graphs captured for speculative rounds of %d drafts, batch sizes %s%s",
+             speculator.num_draft_tokens, ", ".join(map(str, batch_sizes)),
+             "" if graphs.round_cost_ratio is None else
+             f"; a round of batch 1 costs {graphs.round_cost_ratio:.2f} plain rounds")  # fmt: skip
     return graphs
+
+
+def time_round_ratio(decode: DecodeGraphs, verify: VerifyGraphs, speculator: Speculator) -> float | None:
+    """A batch-1 speculative round's time over a plain decode round's: the captured graphs
+    replayed on their capture inputs (a near-empty context), the commit before the verification
+    included; None where either is not captured. Their writes land where the captures' did."""
+    commit = speculator.commit_graph(1)
+    plain = [decode.graphs.get(1), decode.sample_graphs.get((1, True))]
+    speculative = [commit, verify.forward_graphs.get(1), verify.judge_graphs.get((1, True))]
+    if any(graph is None for graph in plain + speculative):
+        return None
+
+    def seconds(graphs: list[torch.cuda.CUDAGraph]) -> float:
+        for _ in range(ROUND_TIMING_WARMUP):
+            for graph in graphs:
+                graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(ROUND_TIMING_REPS):
+            for graph in graphs:
+                graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    return seconds(speculative) / seconds(plain)
 
 
 def capture_next_step_graph(graphs: StepGraphs) -> None:

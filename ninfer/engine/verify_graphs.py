@@ -164,6 +164,8 @@ class VerifyGraphs:
         self._request_noise = torch.ones(max_batch, TOP_K_CAP, dtype=f32, device=self.device)  # unused by propose
         self.forward_graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self.judge_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph | None] = {}
+        # A batch-1 round over a plain decode round, timed once captured (runner_graphs.time_round_ratio).
+        self.round_cost_ratio: float | None = None
         self._outputs: dict[tuple, torch.Tensor] = {}
         # run_uncaptured(): the regions run directly (tests on the CPU), with the round's true
         # sequence lengths in the host copies the reference kernels loop over.

@@ -277,6 +277,16 @@ def test_verify_graph_rounds_equal_eager_rounds_bit_for_bit(root) -> None:
     assert all(len(t) > 10 for t in tokens.values())
 
 
+def test_the_engine_times_its_own_round_for_the_draft_policy(root) -> None:
+    """Once captured, a batch-1 verify round is timed against a plain decode round; the adaptive
+    policy's costs start from that ratio (the bit-for-bit test above runs after such a timing)."""
+    core = _engine(root, adaptive_drafts=True)
+    measured = core.runner.verify_graphs.round_cost_ratio
+    assert measured is not None and 1.0 < measured < 10.0
+    costs = core.scheduler.limits.round_costs
+    assert costs.measured and costs.ratio(3, 4096) == pytest.approx(max(1.0, measured))
+
+
 def test_speculative_greedy_equals_plain_decoding_in_fp32(root) -> None:
     plain = _run(_engine(root, "float32", spec=None, draft_tokens=None), _requests(sampled_share=False))
     core = _engine(root, "float32")

@@ -10,8 +10,10 @@ from ninfer.engine.speculative.draft_policy import (
     MAX_PROBE_INTERVAL,
     DraftPolicy,
     expected_tokens,
-    round_cost_ratio,
 )
+from ninfer.engine.speculative.round_costs import RoundCosts
+
+round_cost_ratio = RoundCosts().ratio
 
 CONTEXT = 4096
 
@@ -86,3 +88,20 @@ def test_the_cost_follows_the_measured_points_between_and_past_them() -> None:
     assert round_cost_ratio(15, 4096) > round_cost_ratio(7, 4096)  # DFlash windows: extended
     midway = (4096 + 131072) // 2
     assert round_cost_ratio(3, 4096) < round_cost_ratio(3, midway) < round_cost_ratio(3, 131072)
+
+
+def test_a_calibrated_table_passes_through_the_engines_own_timing() -> None:
+    """An engine that timed its batch-1 round at 1.22 plain rounds: the table keeps its growth
+    with drafts and context but starts there, and the policy weighs rounds by it."""
+    costs = RoundCosts.calibrated(3, 1.22)
+    assert costs.measured and costs.ratio(3, 4096) == pytest.approx(1.22)
+    assert costs.ratio(3, 131072) - costs.ratio(3, 4096) == pytest.approx(round_cost_ratio(3, 131072) - 1.367)
+    assert costs.ratio(1, 4096) < costs.ratio(3, 4096) < costs.ratio(5, 4096)
+    assert RoundCosts.calibrated(1, 0.7).ratio(1, 4096) == 1.0  # never cheaper than a plain round
+    # Acceptance 0.2 yields 1.248 tokens a round: with the 5% margin that pays for a round of 1.15
+    # plain rounds, not one of 1.22 nor the table's 1.367.
+    policies = [DraftPolicy(3, costs=costs) for costs in (RoundCosts.calibrated(3, 1.15),
+                                                          RoundCosts.calibrated(3, 1.22), RoundCosts())]
+    for policy in policies:
+        policy.accepted, policy.drafted = 0.2, 1.0
+    assert [policy.worth_drafting(CONTEXT) for policy in policies] == [True, False, False]

@@ -195,7 +195,7 @@ class PlanCommit:
                 self.limits.spec_backend, draft_window, accepted_per_position=[0] * draft_window
             )
             if self.limits.adaptive_drafts:
-                seq.draft_policy = DraftPolicy(draft_window)
+                seq.draft_policy = DraftPolicy(draft_window, costs=self.limits.round_costs)
         seq.timings.admitted = self.clock()
         if reused == seq.prompt_len:
             seq.timings.prompt_done = seq.timings.admitted

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ninfer.engine.speculative.round_costs import RoundCosts
 
 
 @dataclass(frozen=True)
@@ -15,3 +17,4 @@ class SchedulerLimits:
     spec_backend: str | None = None  # speculative backend (mtp, dflash, dflash2) or None
     num_draft_tokens: int = 0  # drafts a speculative round verifies per request
     adaptive_drafts: bool = False  # requests draft only while it pays (DraftPolicy)
+    round_costs: RoundCosts = field(default_factory=RoundCosts)  # what DraftPolicy weighs a round at

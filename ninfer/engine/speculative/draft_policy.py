@@ -1,9 +1,10 @@
 """DraftPolicy: whether a request's next round should verify drafts, from its own acceptance.
 
 A speculative round of K drafts costs more than a plain decode round (the verification rows,
-the drafter's K passes, the commit): `round_cost_ratio(K, context)`, measured on the H200
-(docs/performance.md "Speculative decoding") and interpolated. It yields the accepted drafts plus one token,
-(1 - a^(K+1)) / (1 - a) tokens on average when each draft is accepted with probability a. So
+the drafter's K passes, the commit): RoundCosts.ratio(K, context), a measured table whose level
+a CUDA engine times on itself at start-up (round_costs.py). It yields the accepted drafts plus
+one token, (1 - a^(K+1)) / (1 - a) tokens on average when each draft is accepted with
+probability a. So
 a request drafts while that yield beats the cost ratio, by a margin; otherwise it decodes plainly
 (the drafter still extends its context over the plain rows, so drafting can resume at any
 round), and probes again after a number of plain rounds that doubles after each failed probe.
@@ -17,38 +18,14 @@ per batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-# Verify round time / plain decode round time by drafts per round, at two contexts: the 27B at
-# batch 1 on the H200 (bf16, MTP head through the reduced proposal head, verify graphs;
-# docs/perf/2026-12-04T20-bench-27b-verify.md). The verification rows' attention is what grows
-# with the context.
-MEASURED_ROUND_COST = {
-    4096: {1: 1.134, 2: 1.297, 3: 1.367, 5: 1.478, 7: 1.549},
-    131072: {1: 1.187, 2: 1.496, 3: 1.555, 5: 1.641, 7: 1.723},
-}
+from ninfer.engine.speculative.round_costs import RoundCosts
+
 DECAY = 0.8  # weight of the previous rounds' counts at each verified round
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 1.5, 2.0  # a = 0.75 before any round, worth two drafts
 MARGIN = 1.05  # draft only when the expected yield beats the cost by 5 %
 FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 16, 256  # plain rounds before drafting is tried again
-
-
-def _interpolate(points: dict[int, float], x: float) -> float:
-    """Piecewise linear through the points, extended past the last two (and below the first: flat)."""
-    xs = sorted(points)
-    if x <= xs[0]:
-        return points[xs[0]]
-    for low, high in zip(xs, xs[1:]):
-        if x <= high:
-            return points[low] + (points[high] - points[low]) * (x - low) / (high - low)
-    low, high = xs[-2], xs[-1]
-    return points[high] + (points[high] - points[low]) * (x - high) / (high - low)
-
-
-def round_cost_ratio(num_drafts: int, context: int) -> float:
-    """A verify round of num_drafts drafts at `context` tokens, in plain decode rounds."""
-    by_context = {length: _interpolate(costs, num_drafts) for length, costs in MEASURED_ROUND_COST.items()}
-    return _interpolate(by_context, context)
 
 
 def expected_tokens(acceptance: float, num_drafts: int) -> float:
@@ -66,13 +43,14 @@ class DraftPolicy:
     plain_rounds: int = 0  # since drafting was switched off or last probed
     probe_interval: int = FIRST_PROBE_INTERVAL
     drafting: bool = True
+    costs: RoundCosts = field(default_factory=RoundCosts)
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted
 
     def worth_drafting(self, context: int) -> bool:
-        return expected_tokens(self.acceptance, self.num_drafts) > MARGIN * round_cost_ratio(self.num_drafts, context)
+        return expected_tokens(self.acceptance, self.num_drafts) > MARGIN * self.costs.ratio(self.num_drafts, context)
 
     def wants_drafts(self, rounds_ahead: int = 0) -> bool:
         """Whether the next round (or the one after rounds_ahead more plain rounds) should verify

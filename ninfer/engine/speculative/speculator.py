@@ -153,6 +153,9 @@ class Speculator:
         self.drafter.extend_context(token_ids, hidden, batch, self.slot_hidden)
         self.slot_hidden.index_copy_(0, batch.state_slots, hidden)
 
+    def commit_graph(self, num_requests: int) -> torch.cuda.CUDAGraph | None:
+        return self._commit_graphs.get(num_requests)
+
     def discard_commit_graphs(self) -> None:
         """A capture failed part-way: commit eagerly."""
         self._commit_graphs.clear()
