@@ -126,6 +126,23 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def sweep_variants(layers: Layers, variants: dict[str, dict]) -> dict[str, float | str]:
+    """Each tuning variant's time per layer in µs, once its output matches the default's (else
+    why not: a wrong result, or the launch's failure, e.g. out of shared memory)."""
+    reference = layers.one()
+    sweep: dict[str, float | str] = {}
+    for key, tuning in variants.items():
+        try:
+            err = rel_err(layers.one(**tuning), reference)
+            if not err < 2e-2:
+                sweep[key] = f"WRONG: rel err {err:.3g}"
+                continue
+            sweep[key] = time_graph(layers.ours(**tuning), reps=15) / len(layers.caches) * 1e6
+        except Exception as error:  # noqa: BLE001 - e.g. out of shared memory
+            sweep[key] = f"failed: {type(error).__name__}"
+    return sweep
+
+
 def num_layers_for(bytes_per_layer: int) -> int:
     """Enough independent pools that one pass over them is 4x the L2 (16 at most, 2 at least)."""
     return max(2, min(16, math.ceil(4 * L2_BYTES / bytes_per_layer)))
@@ -160,16 +177,7 @@ def decode_cases(copy_bw: float, quick: bool, deadline: float) -> list[dict]:
                         f"block_n={bn},warps={w},stages={st}": dict(block_n=bn, num_warps=w, num_stages=st)
                         for bn, w, st in ((64, 4, 3), (32, 4, 2))
                     })
-                    reference = layers.one()
-                    for key, tuning in variants.items():
-                        try:
-                            err = rel_err(layers.one(**tuning), reference)
-                            if not err < 2e-2:
-                                sweep[key] = f"WRONG: rel err {err:.3g}"
-                                continue
-                            sweep[key] = time_graph(layers.ours(**tuning), reps=15) / n * 1e6
-                        except Exception as error:  # noqa: BLE001 - e.g. out of shared memory
-                            sweep[key] = f"failed: {type(error).__name__}"
+                    sweep = sweep_variants(layers, variants)
                 entry["sweep_us"] = sweep
                 rows.append(entry)
                 print(
@@ -205,19 +213,10 @@ def verify_cases(copy_bw: float, deadline: float) -> list[dict]:
                 floor = per_layer / copy_bw
                 entry = dict(shape=shape, batch=batch, context=context, queries=queries, floor_us=floor * 1e6, layers=n)
                 entry["ours_graph_us"] = time_graph(layers.ours()) / n * 1e6
-                reference = layers.one()
-                sweep = {}
-                for bn, w, st in VERIFY_TILES:
-                    key = f"block_n={bn},warps={w},stages={st}"
-                    tuning = dict(block_n=bn, num_warps=w, num_stages=st)
-                    try:
-                        err = rel_err(layers.one(**tuning), reference)
-                        if not err < 2e-2:
-                            sweep[key] = f"WRONG: rel err {err:.3g}"
-                            continue
-                        sweep[key] = time_graph(layers.ours(**tuning), reps=15) / n * 1e6
-                    except Exception as error:  # noqa: BLE001 - e.g. out of shared memory
-                        sweep[key] = f"failed: {type(error).__name__}"
+                sweep = sweep_variants(layers, {
+                    f"block_n={bn},warps={w},stages={st}": dict(block_n=bn, num_warps=w, num_stages=st)
+                    for bn, w, st in VERIFY_TILES
+                })
                 entry["sweep_us"] = sweep
                 timed = {k: v for k, v in sweep.items() if isinstance(v, float)}
                 best = min(timed, key=timed.get) if timed else None

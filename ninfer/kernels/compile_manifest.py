@@ -77,48 +77,52 @@ class KernelManifest:
 
 
 @contextmanager
-def recording_compiles() -> Iterator[list[str]]:
-    """Within: every Triton kernel compiled (or loaded from the kernel cache) in this process is
-    appended to the yielded list once, as Triton serializes its specialization."""
+def _after_each_compile(callback) -> Iterator[None]:
+    """Within: callback(kwargs of Triton's post-compile hook) after every Triton kernel this process
+    compiles or loads from the kernel cache; a hook set before keeps being called."""
     from triton import knobs
 
-    recorded: list[str] = []
-    seen: set[str] = set()
     previous = knobs.runtime.jit_post_compile_hook
 
     def hook(**kwargs):
-        # Called inside every compile: whatever this Triton passes, it must not raise.
-        data = (kwargs.get("compile") or {}).get("specialization_data")
-        if isinstance(data, str) and data not in seen:
-            seen.add(data)
-            recorded.append(data)
+        callback(kwargs)  # called inside every compile: it must not raise
         return previous(**kwargs) if previous is not None else False
 
     knobs.runtime.jit_post_compile_hook = hook
     try:
-        yield recorded
+        yield
     finally:
         knobs.runtime.jit_post_compile_hook = previous
+
+
+@contextmanager
+def recording_compiles() -> Iterator[list[str]]:
+    """Within: every Triton kernel compiled (or loaded from the kernel cache) in this process is
+    appended to the yielded list once, as Triton serializes its specialization."""
+    recorded: list[str] = []
+    seen: set[str] = set()
+
+    def record(kwargs: dict) -> None:
+        data = (kwargs.get("compile") or {}).get("specialization_data")
+        if isinstance(data, str) and data not in seen:
+            seen.add(data)
+            recorded.append(data)
+
+    with _after_each_compile(record):
+        yield recorded
 
 
 @contextmanager
 def counting_compiles() -> Iterator[list[int]]:
     """Within: the yielded one-element list counts the Triton kernels this process compiled or
     loaded from the kernel cache (each specialization new to the process, once)."""
-    from triton import knobs
-
     count = [0]
-    previous = knobs.runtime.jit_post_compile_hook
 
-    def hook(**kwargs):
+    def increment(kwargs: dict) -> None:
         count[0] += 1
-        return previous(**kwargs) if previous is not None else False
 
-    knobs.runtime.jit_post_compile_hook = hook
-    try:
+    with _after_each_compile(increment):
         yield count
-    finally:
-        knobs.runtime.jit_post_compile_hook = previous
 
 
 class _TargetOnlyDriver:
