@@ -204,8 +204,11 @@ def _build(spec: EngineSpec, engine: EngineConfig, artifact, companion, started:
     device = engine.device
     on_cpu = not device.startswith("cuda")
     stored = "fp8" if artifact.fp8_weights else "nvfp4" if artifact.nvfp4_weights else "plain"
-    identity = model_identity(artifact.config, spec.dtype, spec.quantize, stored)
-    compiles = None if on_cpu else StartCompiles(identity, cache_dir())
+    compiles = None
+    if not on_cpu:
+        # The dtype the weights run in, however it was asked for (--dtype auto or bfloat16: one manifest).
+        dtype = str(resolve_dtype(spec.dtype, artifact.config.torch_dtype, device)).removeprefix("torch.")
+        compiles = StartCompiles(model_identity(artifact.config, dtype, spec.quantize, stored), cache_dir())
     try:
         core = _build_core(spec, engine, artifact, companion, started, followers, compiles)
     except BaseException:

@@ -38,7 +38,8 @@ _VALUE_FIELDS = frozenset({
 
 def model_identity(config: ModelConfig, dtype: str, quantize: str | None, stored_format: str) -> str:
     """What picks a model's kernel specializations before the engine's own settings: its shapes
-    and layer kinds, the --dtype, --quantize and the stored weight format."""
+    and layer kinds, the dtype its weights run in (--dtype resolved), --quantize and the stored
+    weight format."""
     shapes = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _VALUE_FIELDS}
     shapes["layer_kinds"] = sorted(set(config.layer_types))
     return f"{shapes!r} dtype {dtype}, --quantize {quantize}, stored {stored_format}"
