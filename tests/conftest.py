@@ -1,5 +1,6 @@
 """Suite-wide test setup."""
 
+import gc
 import importlib.abc
 import logging
 import os
@@ -48,3 +49,14 @@ def _release_finished_apps():
         cached = getattr(models, cache, None)
         if cached is not None:
             cached.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _release_cached_gpu_memory(request):
+    """A GPU test's freed tensors go back to the card, not to this process's caching allocator:
+    several test processes share one GPU (`-n`), and one process's cache of an earlier test's
+    peak would leave the others out of memory."""
+    yield
+    if request.node.get_closest_marker("gpu") is not None and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
