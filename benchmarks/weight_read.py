@@ -10,7 +10,11 @@ checkpoint (up to --gib) copied into one device buffer, by each path:
 Reads the page cache when the checkpoint is on tmpfs (/dev/shm) or was read before: run it after
 a load has read the files once to time the copy, not the disk.
 
-  python3 benchmarks/weight_read.py /dev/shm/q27 --gib 16 --threads 1,4,8
+--beside-bytecode: every path runs beside a thread executing Python bytecode, as an engine start's
+imports run beside its load, and pread-pinned also runs at Python's default GIL switch interval
+(5 ms) beside the reader's own (pinned_reader.GIL_SWITCH_SECONDS).
+
+  python3 benchmarks/weight_read.py /dev/shm/q27 --gib 16 --threads 1,4,8 [--beside-bytecode]
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from ninfer.artifact import pinned_reader
 from ninfer.artifact.pinned_reader import PinnedReader, tensor_extents
 
 
@@ -63,12 +70,48 @@ def pread_pinned(files: list[Path], limit: int, out: torch.Tensor, threads: int)
     return done
 
 
+@contextmanager
+def bytecode_thread(running: bool):
+    """Within: a thread running Python bytecode (it holds the GIL until made to switch)."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        total = 0
+        while not stop.is_set():
+            for i in range(10_000):
+                total += i * i
+
+    thread = threading.Thread(target=spin, daemon=True)
+    if running:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if running:
+            thread.join()
+
+
+def at_switch_interval(seconds: float, run):
+    def with_interval() -> int:
+        kept = pinned_reader.GIL_SWITCH_SECONDS
+        pinned_reader.GIL_SWITCH_SECONDS = seconds
+        try:
+            return run()
+        finally:
+            pinned_reader.GIL_SWITCH_SECONDS = kept
+
+    return with_interval
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", type=Path, help="a directory of safetensors files")
     parser.add_argument("--gib", type=float, default=16.0, help="read at most this much (default 16)")
     parser.add_argument("--threads", default="1,4,8", help="pread-pinned reader threads to try")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--beside-bytecode", action="store_true",
+                        help="run beside a thread executing bytecode; pread-pinned also at a 5 ms GIL switch")
     args = parser.parse_args()
     device = torch.device("cuda")
     files = files_of(args.model)
@@ -77,18 +120,22 @@ def main() -> int:
     mmap_copy(files, 1 << 30, out)  # CUDA and the page cache's first touch
     paths = [("mmap-copy", lambda: mmap_copy(files, limit, out))]
     for threads in (int(t) for t in args.threads.split(",")):
-        paths.append((f"pread-pinned x{threads}", lambda threads=threads: pread_pinned(files, limit, out, threads)))
-    print(f"{'path':<20} {'GB':>6} {'s':>7} {'GB/s':>7}")
+        read = lambda threads=threads: pread_pinned(files, limit, out, threads)  # noqa: E731
+        paths.append((f"pread-pinned x{threads}", read))
+        if args.beside_bytecode:
+            paths.append((f"pread-pinned x{threads}, 5 ms switch", at_switch_interval(0.005, read)))
+    print(f"{'path':<32} {'GB':>6} {'s':>7} {'GB/s':>7}" + ("  (beside a bytecode thread)" if args.beside_bytecode else ""))
     for name, run in paths:
         best = None
         for _ in range(args.repeats):
             torch.cuda.synchronize()
-            started = time.perf_counter()
-            moved = run()
-            torch.cuda.synchronize()
-            elapsed = time.perf_counter() - started
+            with bytecode_thread(args.beside_bytecode):
+                started = time.perf_counter()
+                moved = run()
+                torch.cuda.synchronize()
+                elapsed = time.perf_counter() - started
             best = elapsed if best is None else min(best, elapsed)
-        print(f"{name:<20} {moved / 1e9:>6.1f} {best:>7.2f} {moved / 1e9 / best:>7.2f}", flush=True)
+        print(f"{name:<32} {moved / 1e9:>6.1f} {best:>7.2f} {moved / 1e9 / best:>7.2f}", flush=True)
     return 0
 
 

@@ -57,6 +57,28 @@ def test_reads_every_tensor_bit_for_bit_in_order(shards, chunk_bytes, threads):
         assert torch.equal(tensor.view(torch.uint8), expected.view(torch.uint8)), extent.name
 
 
+def test_a_reader_shortens_the_gil_switch_while_open_and_gives_it_back(shards):
+    """The chunks' GIL hand-offs must not wait 5 ms each behind a thread importing modules."""
+    import sys
+
+    from ninfer.artifact import pinned_reader
+
+    before = sys.getswitchinterval()
+    extents = tensor_extents(shards[0])
+    with PinnedReader(torch.device("cpu"), threads=2, chunk_bytes=64) as reader:
+        assert sys.getswitchinterval() == pytest.approx(min(before, pinned_reader.GIL_SWITCH_SECONDS))
+        list(reader.read(extents))
+    assert sys.getswitchinterval() == before
+    shards_bytes = shards[0].read_bytes()
+    shards[0].write_bytes(shards_bytes[:-100])
+    try:
+        with PinnedReader(torch.device("cpu"), threads=2, chunk_bytes=64) as reader, pytest.raises(OSError):
+            list(reader.read(extents))
+    finally:
+        shards[0].write_bytes(shards_bytes)
+    assert sys.getswitchinterval() == before  # also after a failed read
+
+
 def test_a_truncated_file_is_an_error_naming_the_tensor(shards):
     extents = tensor_extents(shards[0])
     data = shards[0].read_bytes()
