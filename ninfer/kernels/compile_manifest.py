@@ -176,13 +176,27 @@ def compiling_for(target: dict) -> Iterator[None]:
         driver._active = previous
 
 
+def _portable(body: dict) -> str:
+    """A specialization without the recording machine's libdevice path (Triton's CUDA options
+    name the file it links): this machine's Triton fills in its own, and the kernel cache is keyed
+    by the file's contents, not its path, so the key stays the one a launch here looks up."""
+    options = body.get("options") or {}
+    libraries = [entry for entry in options.get("extern_libs") or () if entry[0] != "libdevice"]
+    if libraries:
+        options["extern_libs"] = libraries
+    else:
+        options.pop("extern_libs", None)
+    return json.dumps(body)
+
+
 def _compile_one(target: dict, data: str) -> str | None:
     """A worker's task: compile one specialization into the kernel cache (or find it there);
     -> None, or what stopped it."""
-    name = json.loads(data)["name"]
+    body = json.loads(data)
+    name = body["name"]
     try:
         with compiling_for(target):
-            _jit_function(name).preload(data)
+            _jit_function(name).preload(_portable(body))
     except Exception as error:  # noqa: BLE001 - one entry that no longer compiles skips only itself
         return f"{name}: {type(error).__name__}: {error}"[:300]
     return None

@@ -78,6 +78,26 @@ def test_a_recorded_manifest_compiles_on_workers_into_an_empty_cache(tmp_path):
     assert _compiled_kernels(cache) == recorded_kernels
 
 
+def test_a_manifest_recorded_where_triton_lives_elsewhere_compiles_under_this_machines_keys(tmp_path):
+    """A packaged manifest comes from another machine: its entries name that machine's libdevice
+    file. They compile here under the keys this machine's launches look up."""
+    manifest_path = tmp_path / "manifest.json"
+    _run(_RECORD, json.dumps(H100), str(manifest_path), cache=tmp_path / "recording-cache")
+    manifest = KernelManifest.load(manifest_path)
+    moved = []
+    for data in manifest.specializations:
+        body = json.loads(data)
+        libraries = dict(body["options"]["extern_libs"])
+        assert Path(libraries["libdevice"]).is_file()  # recorded with this machine's path
+        body["options"]["extern_libs"] = [["libdevice", "/elsewhere/site-packages/triton/libdevice.10.bc"]]
+        moved.append(json.dumps(body))
+    manifest.specializations = moved
+    manifest.save(manifest_path)
+    cache = tmp_path / "fresh-cache"
+    assert _run(_PRECOMPILE, str(manifest_path), cache=cache).split() == ["2", "0"]
+    assert _compiled_kernels(cache) == _compiled_kernels(tmp_path / "recording-cache")
+
+
 def test_an_entry_that_no_longer_resolves_skips_only_itself(tmp_path):
     manifest_path = tmp_path / "manifest.json"
     _run(_RECORD, json.dumps(H100), str(manifest_path), cache=tmp_path / "recording-cache")
