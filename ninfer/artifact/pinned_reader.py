@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from ninfer.host_cpus import usable_cpus
 
 CHUNK_BYTES = 32 << 20  # one pread and one copy: large enough that neither's fixed cost shows
 GIL_SWITCH_SECONDS = 0.0005  # while reading: how long a thread holding the GIL keeps it from a waiting one
@@ -46,7 +47,7 @@ TORCH_DTYPES = {
 def reader_threads() -> int:
     """Reader threads for a load: half the CPUs this process may use, 2 to 8 (past ~8 the page
     cache's copy bandwidth is the limit, and the engine's own thread needs a CPU)."""
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    available = usable_cpus()
     return max(2, min(8, available // 2))
 
 

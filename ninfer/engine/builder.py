@@ -35,6 +35,7 @@ from ninfer.models.quant.fp8_experts import Fp8Experts
 from ninfer.models.quant.nvfp4_experts import Nvfp4Experts
 from ninfer.models.quant.nvfp4 import Nvfp4Linear
 from ninfer.models.quant.half_weights import store_half_weights_
+from ninfer.host_cpus import usable_cpus
 
 log = logging.getLogger("ninfer.engine")
 
@@ -77,7 +78,7 @@ def cpu_threads() -> int:
     """
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    available = usable_cpus()
     return max(1, available // 2)
 
 

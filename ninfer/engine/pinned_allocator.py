@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import torch
+from ninfer.host_cpus import usable_cpus
 
 MAX_REGISTER_THREADS = 8
 _USER_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -27,7 +28,7 @@ def pinned_allocator_settings(available_cpus: int) -> str | None:
 
 def configure_pinned_allocator() -> None:
     """Call before the first pinned allocation of a CUDA engine process."""
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    available = usable_cpus()
     settings = pinned_allocator_settings(available)
     if settings is None:
         return

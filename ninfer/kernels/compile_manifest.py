@@ -33,6 +33,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from ninfer.host_cpus import usable_cpus
 
 log = logging.getLogger("ninfer.engine")
 
@@ -278,7 +279,7 @@ def start_precompile(manifest: KernelManifest, num_workers: int) -> Precompile:
 def precompile_workers() -> int:
     """The CPUs this process may use but two (at least one): compiling is all that is left once
     the weights are in place, and the load's reader threads keep the two meanwhile."""
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    available = usable_cpus()
     return max(1, available - 2)
 
 
