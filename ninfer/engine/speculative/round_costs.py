@@ -37,7 +37,6 @@ def _interpolate(points: Mapping[int, float], x: float) -> float:
 class RoundCosts:
     table: Mapping[int, Mapping[int, float]] = field(default_factory=lambda: MEASURED_ROUND_COST)
     shift: float = 0.0  # added to every ratio of the table (a calibration)
-    measured: bool = False  # the level was timed on this engine, not taken from the table
 
     def ratio(self, num_drafts: int, context: int) -> float:
         """A verify round of num_drafts drafts at `context` tokens, in plain decode rounds (> 1)."""
@@ -49,4 +48,4 @@ class RoundCosts:
         """The table shifted to give measured_ratio at num_drafts and its shortest context (the
         start-up timing runs at a near-empty context)."""
         shortest = min(MEASURED_ROUND_COST)
-        return cls(shift=measured_ratio - cls().ratio(num_drafts, shortest), measured=True)
+        return cls(shift=measured_ratio - cls().ratio(num_drafts, shortest))
