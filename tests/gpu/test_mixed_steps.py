@@ -13,6 +13,7 @@ import torch
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import CopySlot, ResetSlot, ScheduledChunk, SchedulerStep, StepKind
+from ninfer.kernels.moe.kernel_choice import tile_rows
 from tests.gpu.test_cuda_graphs import ARCHITECTURES, _model, needs_cuda
 
 pytestmark = [pytest.mark.gpu, needs_cuda]
@@ -55,6 +56,12 @@ def test_a_mixed_step_equals_its_rows_computed_one_by_one(arch, tmp_root):
     ]
     together, alone = runners
     mixed_ids = together.execute(SchedulerStep(StepKind.MIXED, mixed_rows))
+    config = model.config
+
+    def expert_kernel(num_tokens: int):  # the MoE picks its expert kernel by the step's (token, expert) pairs
+        return tile_rows(num_tokens * config.num_experts_per_tok, config.num_experts) if config.is_moe else None
+
+    mixed_expert_kernel = expert_kernel(sum(len(row.token_ids) for row in mixed_rows))
     alone_ids = {}
     for row in mixed_rows:
         alone_ids.update(alone.execute(SchedulerStep(StepKind.PREFILL, [row])))
@@ -67,11 +74,16 @@ def test_a_mixed_step_equals_its_rows_computed_one_by_one(arch, tmp_root):
                           alone.state_cache.recurrent[:, row.state_slot]))
         for what, got, want in pairs:
             diff = (got.float() - want.float()).abs().max().item()
-            if len(row.token_ids) > 1:  # the same kernels either way: the batch's other rows change nothing
+            same_kernels = len(row.token_ids) > 1 and expert_kernel(len(row.token_ids)) == mixed_expert_kernel
+            if same_kernels:  # the batch's other rows change nothing
                 assert diff == 0.0, f"{row.request_id} {what}: max |diff| {diff}"
-            else:  # alone, a 1-token row takes the decode kernels (fused conv GEMV, recurrent step): bf16 apart
+            else:  # alone, a 1-token row takes the decode kernels (fused conv GEMV, recurrent step), and a
+                # MoE row whose pair count picks another expert tile sums in another order: bf16 apart
                 scale = want.float().abs().max().item()
                 assert diff <= 0.05 * scale, f"{row.request_id} {what}: max |diff| {diff} (scale {scale:.3g})"
+                if what == "logits":  # the bound tells rows apart: another request's logits lie outside it
+                    other = alone.slot_logits[(row.state_slot + 1) % len(mixed_rows)]
+                    assert (other.float() - want.float()).abs().max().item() > 0.05 * scale
     assert mixed_ids.keys() == alone_ids.keys()
 
 
@@ -102,7 +114,16 @@ def test_a_checkpoint_inside_a_step_equals_one_copied_after_a_step_that_ends_the
             for name in ("recurrent", "conv"):
                 got, want = getattr(inside.state_cache, name), getattr(after.state_cache, name)
                 pairs.append((f"{what} {name} state", got[:, slot], want[:, slot]))
+    # The MoE picks its expert kernel by the step's (token, expert) pairs: where the two ways' steps
+    # pick different ones they sum in another order, held to the bound of rows on other kernels.
+    config = model.config
+    choices = {tile_rows(num_tokens * config.num_experts_per_tok, config.num_experts) if config.is_moe else None
+               for num_tokens in (1 + len(prompt), 1 + frontier, len(prompt) - frontier)}
+    bound = 0.02 if len(choices) == 1 else 0.05
     for what, got, want in pairs:
         diff = (got.float() - want.float()).abs().max().item()
         scale = want.float().abs().max().item()
-        assert diff <= 0.02 * scale, f"{what}: max |diff| {diff} (scale {scale:.3g})"
+        assert diff <= bound * scale, f"{what}: max |diff| {diff} (scale {scale:.3g})"
+    # the bound tells states apart: the request's logits lie outside it around the checkpoint's
+    far = (after.slot_logits[0].float() - after.slot_logits[snapshot_slot].float()).abs().max().item()
+    assert far > bound * after.slot_logits[snapshot_slot].float().abs().max().item()
