@@ -39,6 +39,8 @@ from ninfer.server.timings import Timings, compute_timings
 MAX_WIRE_INT = 2**63 - 1
 
 log = logging.getLogger("ninfer.server")
+# A wait for admission shorter than this goes unnamed in the done line (the scheduler's own turn).
+_NOTED_WAIT_SECONDS = 0.05
 
 
 @dataclass
@@ -270,7 +272,7 @@ class Generation:
         pct = 100.0 * self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         reason = out.finish_reason.value if out.finish_reason else "?"
         log.info(
-            "request %s done: %s · prompt %d (cache %d, %.0f%%, %s) · completion %d · ttft %.2fs · %.1f tok/s",
+            "request %s done: %s · prompt %d (cache %d, %.0f%%, %s) · completion %d · ttft %s · %.1f tok/s",
             self.request_id,
             reason,
             self.prompt_tokens,
@@ -278,13 +280,25 @@ class Generation:
             pct,
             self.reuse_path.replace("_", " "),
             self.completion_tokens,
-            timings.prompt_ms / 1000.0,
+            self._ttft_text(out, timings.prompt_ms / 1000.0),
             timings.predicted_per_second,
         )
         fallback = self.decoder.diagnostics.fallback_reason
         if fallback is not FallbackReason.NONE:
             # Only the classification: never the generated markup.
             log.warning("request %s: tool-call markup returned as text (%s)", self.request_id, fallback.value)
+
+    def _ttft_text(self, out: EngineOutput, prompt_seconds: float) -> str:
+        """From the request's start to its first token, as the request log's ttft, with the wait
+        for the engine's admission named when it took a share a reader should see (a step graph
+        captured in an idle turn, a full engine); the prompt's own time without a record."""
+        stamps = out.timings
+        if self.record is None or stamps is None or stamps.first_token is None:
+            return f"{prompt_seconds:.2f}s"
+        ttft = stamps.first_token - self.record.started
+        prepared = self.record.prepared_at if self.record.prepared_at is not None else self.record.started
+        waited = stamps.admitted - prepared if stamps.admitted is not None else 0.0
+        return f"{ttft:.2f}s (admitted after {waited:.2f}s)" if waited >= _NOTED_WAIT_SECONDS else f"{ttft:.2f}s"
 
 
 async def race_disconnect(receive, awaitable):

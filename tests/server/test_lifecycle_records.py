@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import re
+import threading
+import time
 
 import httpx
 import openai
@@ -39,3 +42,37 @@ def test_rejected_failed_and_cancelled_requests_each_leave_a_record(server, capl
     assert any("failed in generation (openai_chat): 500 engine_step_failed" in r for r in records), records
     assert any(" done: " in r for r in records), records
     assert not any("pelican" in r for r in records)
+
+
+def test_the_done_record_counts_the_wait_for_admission_in_the_ttft(server, caplog, monkeypatch):
+    """A request that arrives while the engine does idle-turn work (a step graph's capture) waits
+    for it: the done line's ttft runs from the request's start, as the request log's, and names
+    the wait (the prompt's own time alone once read as the ttft, hiding seconds a client saw)."""
+    from ninfer.engine.core import EngineCore
+
+    busy, jobs = threading.Event(), [0.5]
+
+    def background_step(self) -> None:
+        jobs.pop()
+        busy.set()
+        time.sleep(0.5)
+
+    monkeypatch.setattr(EngineCore, "has_background_work", property(lambda self: bool(jobs)))
+    monkeypatch.setattr(EngineCore, "background_step", background_step)
+    chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+    def ask() -> None:
+        chat.chat.completions.create(model=server.serving.model_id, max_tokens=2,
+                                     messages=[{"role": "user", "content": "pelican"}])
+
+    with caplog.at_level(logging.INFO, logger="ninfer.server"):
+        ask()  # an idle engine sleeps on its inbox: a request wakes it, then the idle turn starts the job
+        assert busy.wait(10)
+        started = time.monotonic()
+        ask()
+        client_seconds = time.monotonic() - started
+    done = [r.getMessage() for r in caplog.records if r.name == "ninfer.server" and " done: " in r.getMessage()]
+    match = re.search(r"ttft ([\d.]+)s \(admitted after ([\d.]+)s\)", done[-1])
+    assert match, done
+    ttft, waited = float(match.group(1)), float(match.group(2))
+    assert 0.3 <= waited <= ttft <= client_seconds + 0.01, (done[-1], client_seconds)
