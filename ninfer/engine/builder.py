@@ -217,10 +217,11 @@ def _build(spec: EngineSpec, engine: EngineConfig, artifact, companion, started:
             compiles.end(keep=False)
         raise
     if compiles is not None and core.has_background_work:
-        # Step graphs captured in idle turns compile kernels too: the record goes on until they
-        # are done, and what it holds now is kept should the process end before.
+        # Step graphs captured in idle turns compile kernels too (the final engine's first capture
+        # can meet specializations the sizing probe did not): the record goes on until they are
+        # done and is kept after each, so a process that ends before still keeps what it met.
         compiles.save()
-        core.after_background_work(lambda: compiles.end(keep=True))
+        core.after_background_steps(lambda done: compiles.end(keep=True) if done else compiles.save())
     elif compiles is not None:
         compiles.end(keep=True)
     return core

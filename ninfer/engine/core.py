@@ -214,7 +214,7 @@ class EngineCore:
         self.decode_overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._inflight: PendingStep | None = None  # launched, not yet committed (sampled by step()'s end)
         self._consecutive_failures = 0
-        self._after_background_work: Callable[[], None] | None = None
+        self._after_background_step: Callable[[bool], None] | None = None
         self.throughput = ThroughputLog(config.log_stats_interval_ms, clock, detail, self.scheduler, self.cache,
                                         self.kv_pool, self.state_pool)  # fmt: skip
         # Device memory by use in bytes (KV pool, state slots, and with --kv-capacity auto the
@@ -241,14 +241,18 @@ class EngineCore:
             raise RuntimeError("background_step while steps run")
         started = time.perf_counter()
         self.runner.capture_next_graph()
-        if not self.has_background_work and self._after_background_work is not None:
-            done, self._after_background_work = self._after_background_work, None
-            done()
+        if self._after_background_step is not None:
+            done = not self.has_background_work
+            callback = self._after_background_step
+            if done:
+                self._after_background_step = None
+            callback(done)
         self.throughput.work.add("control", "engine_maintenance", time.perf_counter() - started)
 
-    def after_background_work(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once the idle-turn work is done (the start's kernel record ends there)."""
-        self._after_background_work = callback
+    def after_background_steps(self, callback: Callable[[bool], None]) -> None:
+        """Call `callback(done)` after each piece of idle-turn work, done once none is left (the
+        start's kernel record takes in each capture's kernels, and ends with the last)."""
+        self._after_background_step = callback
 
     def add_request(self, request: EngineRequest) -> list[EngineOutput]:
         if self.failed is not None:

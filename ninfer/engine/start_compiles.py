@@ -61,6 +61,7 @@ class StartCompiles:
         self._recording: AbstractContextManager[list[str]] | None = None
         self._target: dict = {}
         self._recorded: list[str] = []
+        self._num_saved = 0  # records already merged into the machine's manifest
         self._began = 0.0  # wall-clock time recording began: autotuning results from then on are this start's
 
     def begin(self) -> None:
@@ -105,9 +106,11 @@ class StartCompiles:
 
     def save(self) -> None:
         """Merge what this start recorded so far into this machine's manifest (the record only
-        grows: a restart's short warm-up launches fewer kernels than a first start)."""
-        if not self._recorded:
+        grows: a restart's short warm-up launches fewer kernels than a first start); nothing to
+        do where nothing was recorded since the last save."""
+        if len(self._recorded) == self._num_saved:
             return
+        self._num_saved = len(self._recorded)
         import triton
 
         path = self.local_dir / f"{self.key}.json"

@@ -113,7 +113,8 @@ def test_the_loop_captures_in_idle_turns_and_serves_a_request_first(tmp_root, st
         background_step()
 
     core.background_step = counted_background_step
-    core.after_background_work(lambda: events.append("done"))  # the builder ends its kernel record there
+    # The builder keeps its kernel record after each capture and ends it after the last.
+    core.after_background_steps(lambda done: events.append("done" if done else "kept"))
     script = iter([None, None, AddRequest(request)])  # two idle turns, then the request arrives
 
     def receive(timeout):
@@ -138,5 +139,6 @@ def test_the_loop_captures_in_idle_turns_and_serves_a_request_first(tmp_root, st
     assert events[:first_request].count("capture") == 2
     assert events.count("capture") == num_graphs and not graphs.pending and len(graphs.graphs) == num_graphs
     assert not core.has_background_work
-    # Once, right after the last capture.
-    assert events.count("done") == 1 and events[:events.index("done")].count("capture") == num_graphs
+    # After every capture: kept after each but the last, done once right after the last.
+    after_captures = [events[i + 1] for i, event in enumerate(events) if event == "capture"]
+    assert after_captures == ["kept"] * (num_graphs - 1) + ["done"] and events[-1] == "done"
