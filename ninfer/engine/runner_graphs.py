@@ -185,8 +185,10 @@ def capture_next_step_graph(graphs: StepGraphs) -> None:
         return
     # A request that arrives meanwhile waits for the capture: its time bounds that wait, and
     # kernels compiled inside it are what a slow capture usually costs.
-    log.debug("step graph of %d tokens%s captured in %.2f s while idle (%d GPU kernels compiled or loaded)", bucket,
-              " with a checkpoint inside" if snapshots else "", time.perf_counter() - started, compiled[0])  # fmt: skip
+    phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in graphs.last_phases.items())
+    log.debug("step graph of %d tokens%s captured in %.2f s while idle (%s; %d GPU kernels compiled or loaded)",
+              bucket, " with a checkpoint inside" if snapshots else "", time.perf_counter() - started, phases,
+              compiled[0])  # fmt: skip
     if not graphs.pending:
         log.info("CUDA graphs captured for prompt and mixed steps of %s tokens in %.1f s, while idle",
                  ", ".join(map(str, graphs.buckets)), graphs.capture_seconds)  # fmt: skip

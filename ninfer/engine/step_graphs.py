@@ -149,6 +149,7 @@ class StepGraphs:
         # What is left to capture, largest first (it sizes the shared memory pool).
         self.pending: list[tuple[int, bool]] = [(b, s) for b in reversed(self.buckets) for s in (False, True)]
         self.capture_seconds = 0.0
+        self.last_phases: dict[str, float] = {}  # host seconds of the last capture's parts (capture_graph)
         self._pool = None
         self._num_runs = 0
 
@@ -169,12 +170,15 @@ class StepGraphs:
         what its warm-up run wrote there. Between steps only: the graph's buffers are the steps'."""
         bucket, snapshots = self.pending.pop(0)
         started = time.perf_counter()
+        self.last_phases = {}
         try:
             self._stage(StepLayout.of(self._dummy_step(bucket, snapshots)), bucket, None)
-            graph, _ = capture_graph(lambda: self._forward(bucket, snapshots), self._pool, self.device)
+            graph, _ = capture_graph(lambda: self._forward(bucket, snapshots), self._pool, self.device, self.last_phases)
             self.graphs[(bucket, snapshots)] = graph
         finally:
+            discarding = time.perf_counter()
             self.discard_warmup_writes()
+            self.last_phases["discard"] = time.perf_counter() - discarding
             self.capture_seconds += time.perf_counter() - started
 
     def _dummy_step(self, bucket: int, snapshots: bool) -> list[ScheduledChunk]:

@@ -39,7 +39,7 @@ class _ReplayedRegion:
 def stand_in_capture(monkeypatch):
     captured = []
 
-    def capture(region, pool, device):
+    def capture(region, pool, device, phases=None):
         output = region()  # the warm-up run
         captured.append(region)
         return _ReplayedRegion(region), output
