@@ -125,7 +125,7 @@ def test_the_loop_captures_in_idle_turns_and_serves_a_request_first(tmp_root, st
         return message
 
     published = []
-    EngineLoop(core, receive, published.append).run()
+    EngineLoop(core, receive, published.append, idle_grace_s=0.0).run()  # the grace: test_engine_loop.py
 
     got = [token for message in published if isinstance(message, Outputs) for o in message.outputs
            for token in o.new_token_ids]
