@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve_process.py, also when imported by path
-from serve_process import start_server, stop_server, words  # noqa: E402
+from serve_process import start_server, stop_server, wait_for_step_graphs, words  # noqa: E402
 
 DONE_RECORD = re.compile(r"request (\S+) done: .*\(cache (\d+), \d+%, ([a-z ]+)\)")
 
@@ -350,6 +350,8 @@ def run_all(args, server_args: list[str], label: str, apis: list[str]) -> dict:
         client = Client(url, model, args.max_tokens, args.request_timeout)
         if args.warmup:
             client.turn(Session("chat", -1, "warm-up", [], random.Random(0)), "Say hi.")
+        if log_path is not None:
+            wait_for_step_graphs(log_path)  # no session turn waits behind a capture
         results = {}
         for api in apis:
             print(f"[{label}] {api}: {args.sessions} sessions x {args.turns} turns", file=sys.stderr, flush=True)

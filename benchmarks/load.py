@@ -61,7 +61,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve_process.py, also when imported by path
-from serve_process import start_server, stop_server, words  # noqa: E402
+from serve_process import start_server, stop_server, wait_for_step_graphs, words  # noqa: E402
 
 SCENARIOS = ("burst", "poisson", "concurrency", "cold-start")
 # What a prompt holds besides its words, Qwen3.5 tokenizer: chat framing with the thinking opener (8),
@@ -613,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.warmup and "cold-start" not in args.scenarios:
             warm_up(args, model)
         for name in args.scenarios:
+            if log_path is not None and name != "cold-start":
+                wait_for_step_graphs(log_path)  # after cold-start: the others measure the steady state
             print(f"[{name}]", file=sys.stderr, flush=True)
             for records in asyncio.run(RUNNERS[name](args, model, sink)):
                 summary = summarize(records, name, records[0].group if name == "concurrency" else name,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -58,6 +59,26 @@ def start_server(
         time.sleep(poll_s)
     process.terminate()
     raise SystemExit(f"ninfer-serve was not ready within {ready_timeout:.0f}s; see {log_path}")
+
+
+STEP_GRAPHS_PENDING = "captured while the engine is idle"  # the engine's start announces idle captures
+STEP_GRAPHS_DONE = re.compile(r"CUDA graphs captured for prompt and mixed steps of .* in [\d.]+ s, while idle")
+
+
+def wait_for_step_graphs(log_path: Path, timeout: float = 180.0, poll_s: float = 0.5) -> float:
+    """A server ready before its prompt-step graphs exist captures them in idle turns (after a
+    short grace): wait until its log says they are all captured, so a steady-state measurement
+    does not meet a capture. -> seconds waited (0 when none were pending)."""
+    started = time.monotonic()
+    if STEP_GRAPHS_PENDING not in log_path.read_text(errors="replace"):
+        return 0.0
+    while time.monotonic() - started < timeout:
+        if STEP_GRAPHS_DONE.search(log_path.read_text(errors="replace")):
+            waited = time.monotonic() - started
+            print(f"step graphs captured ({waited:.1f} s after asking)", file=sys.stderr, flush=True)
+            return waited
+        time.sleep(poll_s)
+    raise SystemExit(f"the server's step graphs were not captured within {timeout:.0f}s; see {log_path}")
 
 
 def stop_server(process: subprocess.Popen) -> None:
