@@ -32,6 +32,7 @@ kernel_choice), so a padded step sums in its eager step's order.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 
@@ -173,7 +174,8 @@ class StepGraphs:
         self.last_phases = {}
         try:
             self._stage(StepLayout.of(self._dummy_step(bucket, snapshots)), bucket, None)
-            graph, _ = capture_graph(lambda: self._forward(bucket, snapshots), self._pool, self.device, self.last_phases)
+            region = functools.partial(self._forward, bucket, snapshots)
+            graph, _ = capture_graph(region, self._pool, self.device, self.last_phases)
             self.graphs[(bucket, snapshots)] = graph
         finally:
             discarding = time.perf_counter()

@@ -105,5 +105,6 @@ def test_work_deferred_too_long_runs_at_the_next_idle_turn():
     events, _ = _run(arrivals=arrivals, jobs=2, end=60.0)
     captures = [at for event, at in events if event == "capture"]
     assert len(captures) == 2
-    assert loop_module.MAX_DEFER_S <= captures[0] <= captures[1] < loop_module.MAX_DEFER_S + 3.0  # idle turns after 30 s
+    # Both in the idle turns right after 30 s pending, whatever the grace.
+    assert loop_module.MAX_DEFER_S <= captures[0] <= captures[1] < loop_module.MAX_DEFER_S + 3.0
     assert all(at == 1.5 * i for i, (event, at) in enumerate((e for e in events if e[0] == "request"), 1))
