@@ -1,5 +1,6 @@
-"""NVFP4 GEMV microbenchmark: the FMA path's default launch, tensor-core (DOT) launches around a
-few tile shapes and K splits, the default launch, and cuBLAS on the same matrix in bf16, at the 27B shapes and M = 1..16.
+"""NVFP4 GEMV microbenchmark: the FMA path's default launch (and with 8 weight rows per program),
+tensor-core (DOT) launches around a few tile shapes and K splits, the default launch, and cuBLAS
+on the same matrix in bf16, at the 27B shapes and M = 1..16.
 
 The weight is a stream of 0.5625 bytes per value (codes and e4m3 block scales), so each
 variant is reported as those bytes per second against the copy bandwidth measured in the same
@@ -69,7 +70,9 @@ def bench_case(name: str, m: int, bandwidth: float, replays: int) -> list[dict]:
 
     # The default decode (PTX lookup) and the fp16 bit decode beside it (PTX_DECODE off).
     dots = dot_configs()
-    variants = [("fma_default", None, True), ("fma_fp16_decode", None, False)] + [("dot", cfg, True) for cfg in dots]
+    fma = fast._config(m, n, k, device_sms(x.device))
+    variants = [("fma_default", None, True), ("fma_fp16_decode", None, False), ("fma_8_rows", fma._replace(block_n=8), True)]
+    variants += [("dot", cfg, True) for cfg in dots]
     variants += [("dot_fp16_decode", cfg, False) for cfg in dots[2:4]]
     variants += [("dot_split", fast.DOT_TILE._replace(split_k=split), True) for split in (2, 4, 8)]
     variants += [("dot_default", fast._config(m, n, k, device_sms(x.device), dot=True), True)]

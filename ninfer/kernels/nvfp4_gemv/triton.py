@@ -25,8 +25,11 @@ that multiplies each column's total at the end.
 
 Cost (sm_90 build, bf16 x): the K loop issues 13.6 / 17 / 26 / 43 / 90 instructions per
 weight byte at M = 1 / 2 / 4 / 8 / 16 (decode ~8 per byte, then about 3 per byte and row of x),
-against ~7.8 per byte that an SM may issue at full bandwidth: even one row is issue-bound
-(43% of copy bandwidth measured on 16480 x 5120), and more rows far more so.
+against ~7.8 per byte that an SM may issue at full bandwidth. At one row that is not what
+binds: a fifth fewer instructions (a table-lookup decode) changed nothing measured, while 4
+weight rows per program instead of 8 (72 registers instead of 157, more programs per SM)
+ran 13-25% faster (H100, 27B shapes: 47% of copy bandwidth on 16480 x 5120). More rows
+are issue-bound, hence the tensor-core path from 2 rows of bf16 x.
 
 The FMA path never splits K: the 27B shapes give >= 640 programs at its default tiles; the
 tensor-core path's 32-row tiles give 160 on N = 5120, so there K is split (fp32 partials).
@@ -101,8 +104,9 @@ def _decode(packed):
 # byte: a prmt gathers those of 4 codes and one lop3 (0xF8: a | (b & c)) ORs them into their high
 # bytes. A prmt pairs low and high bytes into bf16 values; fma with -0 added keeps -0 and, value
 # and scale having 2 + 4 significant bits, is exact. Tests run these instructions on every byte
-# in Python (the interpreter cannot run PTX). The FMA path keeps _decode: widened to fp32 from
-# these pairs it took 60 us where _decode took 37 (H100, 16480 x 5120, one row).
+# in Python (the interpreter cannot run PTX). The FMA path keeps _decode: these pairs widened to
+# fp32 inside the asm (a fifth fewer instructions in its loop) measured no faster (H100, one row,
+# 27B shapes): that loop is bound by its loads' latency, not by issue.
 DECODE_BF16_ASM_LINES = (
     "and.b32 m, $4, 0x77777777;",
     "shr.b32 n, m, 16;",
@@ -328,10 +332,10 @@ def _config(M: int, N: int, K: int, num_sms: int, dot: bool = False) -> Config:
       row) with 16-code vectors, 1024 with 8-code ones, where it divides K, else halved
       (down to one warp); num_warps = block_k / (2 * vec_bytes * 32). With 16-code vectors
       K = 5120 and 17408 take 1024 codes on 2 warps, 6144 takes 2048 on 4.
-    - block_n: 8 rows at M <= 2, 4 at M <= 8, 2 above: per thread 2 * vec_bytes * block_n
-      decoded weights and block_m * block_n sums; the widest tiles without spills (M = 16
-      with 4 rows spilled 112 bytes). At M = 1 a 5120 x 5120 step reads 8 x 512 bytes per
-      program, 640 programs (~5 per SM, ~20 KiB in flight per SM).
+    - block_n: 4 rows up to M = 8, 2 above: per thread 2 * vec_bytes * block_n decoded
+      weights and block_m * block_n sums (M = 16 with 4 rows spilled 112 bytes). At M = 1 and
+      2, 8 rows took 157 registers against 72 and ran 13-25% slower on every 27B shape
+      (H100, docs/kernels.md): the loop waits on its loads, and fewer programs fit an SM.
     - then fewer rows per program while the grid is under 4 programs per SM (as gemv).
     """
     if dot and M >= DOT_MIN_ROWS:
@@ -351,7 +355,7 @@ def _config(M: int, N: int, K: int, num_sms: int, dot: bool = False) -> Config:
     while K % block_k and block_k > vec * 32:
         block_k //= 2
     num_warps = block_k // (vec * 32)
-    block_n = 8 if M <= 2 else 4 if M <= 8 else 2
+    block_n = 4 if M <= 8 else 2
     while block_n > 1 and triton.cdiv(N, block_n) < 4 * num_sms:
         block_n //= 2
     return Config(block_n, block_k, vec_bytes, num_warps)
