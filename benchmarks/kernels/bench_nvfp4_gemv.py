@@ -1,6 +1,6 @@
-"""NVFP4 GEMV microbenchmark: the FMA path's default launch (and with 8 weight rows per program),
-tensor-core (DOT) launches around a few tile shapes and K splits, the default launch, and cuBLAS
-on the same matrix in bf16, at the 27B shapes and M = 1..16.
+"""NVFP4 GEMV microbenchmark: the FMA path's default launch and tiles around it, tensor-core
+(DOT) launches around a few tile shapes and K splits, the default launch, and cuBLAS on the
+same matrix in bf16, at the 27B shapes and M = 1..16.
 
 The weight is a stream of 0.5625 bytes per value (codes and e4m3 block scales), so each
 variant is reported as those bytes per second against the copy bandwidth measured in the same
@@ -46,6 +46,16 @@ def dot_configs() -> list[fast.Config]:
     return [fast.Config(n, k, num_warps=w, use_dot=True, num_stages=s) for n, k, w in tiles for s in (2, 4)]
 
 
+def fma_configs(m: int, n: int, k: int) -> list[fast.Config]:
+    """The FMA path around its default: 2, 4 and 8 weight rows per program, K steps of 1,024 codes
+    on 2 warps and 2,048 on 4 (one vector a thread and row), up to 4 rows of x."""
+    if m > 4:
+        return []
+    default = fast._config(m, n, k, device_sms(torch.device("cuda")))
+    vec = 2 * default.vec_bytes
+    return [default._replace(block_n=rows, block_k=step, num_warps=step // (vec * 32)) for rows in (2, 4, 8) for step in (1024, 2048)]
+
+
 def bench_case(name: str, m: int, bandwidth: float, replays: int) -> list[dict]:
     n, k = SHAPES[name]
     gen = torch.Generator("cuda").manual_seed(0)
@@ -70,8 +80,8 @@ def bench_case(name: str, m: int, bandwidth: float, replays: int) -> list[dict]:
 
     # The default decode (PTX lookup) and the fp16 bit decode beside it (PTX_DECODE off).
     dots = dot_configs()
-    fma = fast._config(m, n, k, device_sms(x.device))
-    variants = [("fma_default", None, True), ("fma_fp16_decode", None, False), ("fma_8_rows", fma._replace(block_n=8), True)]
+    variants = [("fma_default", None, True), ("fma_fp16_decode", None, False)]
+    variants += [("fma_tile", cfg, True) for cfg in fma_configs(m, n, k)]
     variants += [("dot", cfg, True) for cfg in dots]
     variants += [("dot_fp16_decode", cfg, False) for cfg in dots[2:4]]
     variants += [("dot_split", fast.DOT_TILE._replace(split_k=split), True) for split in (2, 4, 8)]
