@@ -1,13 +1,17 @@
-"""The engine's slow first-use imports run on a thread while the model loads, and a module that is
-not installed is skipped without failing the start."""
+"""The engine's slow first-use imports run on a thread while the model loads, a module that is
+not installed is skipped without failing the start, and packages whose inits import more than
+the engine uses are deferred (their submodules import alone; a name of theirs runs the init)."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
 
-from ninfer.engine.background_imports import MODULES, start_background_imports
+import pytest
+
+from ninfer.engine.background_imports import DEFERRED_INITS, MODULES, defer_package_init, start_background_imports
 
 # In a fresh interpreter: this test process imported everything long since.
 CHECK = """
@@ -34,6 +38,65 @@ def test_every_module_the_kernels_import_lazily_is_listed():
     source = (Path(__file__).resolve().parents[2] / "ninfer/kernels/gated_delta_rule/triton.py").read_text()
     for name in MODULES[1:]:
         assert f"from {name} import" in source, name
+    for name in DEFERRED_INITS:  # each a package between fla and a module the thread imports
+        assert any(module.startswith(f"{name}.") for module in MODULES), name
     thread = start_background_imports(MODULES)
     thread.join(120)
     assert not thread.is_alive() and "torch.nn.attention.bias" in sys.modules
+
+
+def _package(root: Path, name: str) -> None:
+    """A package whose __init__ imports a heavy submodule and exports a name of a light one; every
+    module appends its name to RUN (in <name>_record) when it runs."""
+    (root / f"{name}_record.py").write_text("RUN = []\n")
+    package = root / name
+    (package / "nested").mkdir(parents=True)
+    record = f"from {name}_record import RUN\n"
+    init = "RUN.append('init')\nfrom . import heavy\nfrom .light import VALUE as EXPORTED\n"
+    (package / "__init__.py").write_text(record + init)
+    (package / "heavy.py").write_text(record + "RUN.append('heavy')\n")
+    (package / "light.py").write_text(record + "RUN.append('light')\nVALUE = 7\n")
+    (package / "nested" / "__init__.py").write_text(record + "RUN.append('nested')\n")
+    (package / "nested" / "leaf.py").write_text(record + "RUN.append('leaf')\n")
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    name = f"deferred_pkg_{tmp_path.name.replace('-', '_')}"
+    _package(tmp_path, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    for module in [m for m in sys.modules if m == name or m.startswith((f"{name}.", f"{name}_"))]:
+        del sys.modules[module]
+
+
+def test_a_deferred_package_imports_its_submodules_without_its_init(package):
+    assert defer_package_init(package)
+    leaf = importlib.import_module(f"{package}.nested.leaf")
+    light = importlib.import_module(f"{package}.light")
+    run = importlib.import_module(f"{package}_record").RUN
+    assert run == ["nested", "leaf", "light"] and light.VALUE == 7
+    parent = sys.modules[package]
+    assert parent.light is light and parent.nested.leaf is leaf  # submodules held as imported
+    # A name the package itself defines runs its init, once; the submodules already imported stay.
+    exported = importlib.import_module(package).EXPORTED
+    assert exported == 7 and run == ["nested", "leaf", "light", "init", "heavy"]
+    from_import = __import__(package, fromlist=["heavy"]).heavy
+    assert from_import is sys.modules[f"{package}.heavy"] and run.count("init") == 1 and run.count("light") == 1
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        parent.missing  # noqa: B018
+
+
+def test_a_package_already_imported_or_absent_is_left_alone(package):
+    module = importlib.import_module(package)
+    assert not defer_package_init(package) and sys.modules[package] is module and module.EXPORTED == 7
+    assert not defer_package_init("no_such_package_here") and "no_such_package_here" not in sys.modules
+    assert not defer_package_init(f"{package}.light")  # a module, not a package: nothing deferred
+    assert f"{package}.light" in sys.modules  # (the init above imported it)
+
+
+def test_the_background_thread_defers_before_it_imports(package):
+    thread = start_background_imports((f"{package}.nested.leaf", "no_such_module_here"), (package, f"{package}.nested"))
+    thread.join(60)
+    run = importlib.import_module(f"{package}_record").RUN
+    assert not thread.is_alive() and run == ["leaf"]  # neither the package's init nor the nested one ran
