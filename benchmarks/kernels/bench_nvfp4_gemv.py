@@ -85,7 +85,10 @@ def bench_case(name: str, m: int, bandwidth: float, replays: int) -> list[dict]:
     variants += [("dot", cfg, True) for cfg in dots]
     variants += [("dot_fp16_decode", cfg, False) for cfg in dots[2:4]]
     variants += [("dot_split", fast.DOT_TILE._replace(split_k=split), True) for split in (2, 4, 8)]
-    variants += [("dot_default", fast._config(m, n, k, device_sms(x.device), dot=True), True)]
+    default_dot = fast._config(m, n, k, device_sms(x.device), dot=True)
+    variants += [("dot_default", default_dot, True)]
+    if default_dot.use_dot:  # deeper pipelines: the path waits on its loads (docs/kernels.md)
+        variants += [("dot_stages", default_dot._replace(num_stages=stages), True) for stages in (3, 6)]
     for impl, cfg, ptx in variants:
         fast.PTX_DECODE = ptx
         try:
