@@ -93,4 +93,3 @@ def _import_all(modules: tuple[str, ...], deferred: tuple[str, ...] = ()) -> Non
         except ImportError as error:
             log.debug("background import of %s skipped: %s", name, error)
     log.debug("background imports done in %.1fs", time.perf_counter() - started)
-
