@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import fail_next_launch, serve_config, start_server
+from tests.server.conftest import fail_next_launch, serve_config, start_server, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,8 @@ def test_rejected_failed_and_cancelled_requests_each_leave_a_record(server, capl
                                 "max_tokens": 200, "stream": True}) as response:
             for _ in response.iter_lines():
                 break
+        # The fault must meet the next request's step, not one of the abandoned stream's.
+        wait_until(lambda: not server.core.has_work, what="the abandoned stream ended in the engine")
         fail_next_launch(server)
         with pytest.raises(openai.InternalServerError):
             chat.chat.completions.create(model=model, messages=[{"role": "user", "content": "pelican"}])
