@@ -36,6 +36,7 @@ MODULES = (
     "fla.ops.gated_delta_rule.chunk_fwd",
     "fla.ops.utils",
 )
+THREAD_NAME = "engine-imports"
 # Packages between fla and the modules above whose __init__ imports what the engine never runs.
 DEFERRED_INITS = ("fla.ops", "fla.ops.gated_delta_rule", "fla.modules", "fla.modules.norm")
 
@@ -45,9 +46,17 @@ def start_background_imports(
 ) -> threading.Thread:
     """Import `modules` on a daemon thread, the `deferred` packages' inits put off first; -> the
     thread (joined by nobody: importers wait on it)."""
-    thread = threading.Thread(target=_import_all, args=(modules, deferred), name="engine-imports", daemon=True)
+    thread = threading.Thread(target=_import_all, args=(modules, deferred), name=THREAD_NAME, daemon=True)
     thread.start()
     return thread
+
+
+def wait_for_background_imports(timeout: float = 60.0) -> None:
+    """Before the process exits: an import still running on the thread (a server stopped just
+    after ready) would fail inside the interpreter's teardown and print its traceback."""
+    for thread in threading.enumerate():
+        if thread.name == THREAD_NAME:
+            thread.join(timeout)
 
 
 def defer_package_init(name: str) -> bool:

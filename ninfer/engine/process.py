@@ -20,6 +20,7 @@ from collections.abc import Callable
 from ninfer.artifact.artifact import ArtifactError
 from ninfer.config import ConfigValueError
 from ninfer.contract.messages import Failed, FromEngine, Ready, Refused, ToEngine, decode_to_engine, encode
+from ninfer.engine.background_imports import wait_for_background_imports
 
 log = logging.getLogger("ninfer.engine")
 
@@ -35,8 +36,6 @@ def engine_process_main(
     main_entered_at = time.perf_counter()
     import zmq
 
-    from ninfer.engine.loop import EngineLoop
-
     die_with_parent()
     # The terminal's Ctrl-C reaches the whole process group; the API process decides the shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -49,6 +48,18 @@ def engine_process_main(
     pull.connect(inbox_addr)
     push = context.socket(zmq.PUSH)
     push.connect(outbox_addr)
+    try:
+        _serve(build_core, context, push, pull)
+    finally:
+        wait_for_background_imports()
+
+
+def _serve(build_core, context, push, pull) -> None:
+    """Build the core and run the loop until told to stop; every path closes the sockets."""
+    import zmq
+
+    from ninfer.engine.loop import EngineLoop
+
     try:
         core = build_core()
     except (ConfigValueError, ArtifactError) as exc:

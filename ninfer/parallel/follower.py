@@ -29,7 +29,7 @@ log = logging.getLogger("ninfer.engine")
 def follower_main(spec: EngineSpec, rank: int, device: str, rendezvous: str, log_level: str) -> None:
     """Entry point of rank `rank`'s process on `device` (spawned by rank 0: parallel/followers.py).
     It joins the ranks' groups first, so that any later failure reaches rank 0 through them."""
-    from ninfer.engine.background_imports import start_background_imports
+    from ninfer.engine.background_imports import start_background_imports, wait_for_background_imports
     from ninfer.engine.builder import load_trunk, open_checked
     from ninfer.engine.process import die_with_parent
     from ninfer.log import setup_logging
@@ -63,6 +63,7 @@ def follower_main(spec: EngineSpec, rank: int, device: str, rendezvous: str, log
     if not any(failure is not None for failure in group.gather(error)):
         Follower(group, model, draft_model, vision_tower).serve()
     group.close()
+    wait_for_background_imports()  # an import cut off at exit would print its traceback
     # Rank 0 waits for its followers to leave (before a restart starts new ones): left to the
     # collector, the interpreter's last passes over torch's objects take seconds on a small CPU.
     gc.freeze()

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from ninfer.engine.background_imports import DEFERRED_INITS, MODULES, defer_package_init, start_background_imports
+from ninfer.engine.background_imports import (
+    DEFERRED_INITS,
+    MODULES,
+    defer_package_init,
+    start_background_imports,
+    wait_for_background_imports,
+)
 
 # In a fresh interpreter: this test process imported everything long since.
 CHECK = """
@@ -101,3 +107,15 @@ def test_the_background_thread_defers_before_it_imports(package):
     thread.join(60)
     run = importlib.import_module(f"{package}_record").RUN
     assert not thread.is_alive() and run == ["leaf"]  # neither the package's init nor the nested one ran
+
+
+def test_the_process_exit_waits_for_an_import_still_running(tmp_path, monkeypatch):
+    # An import cut off by the interpreter's teardown prints a traceback (a server stopped just
+    # after ready): the engine process waits for the thread before it exits.
+    (tmp_path / "slow_import_for_exit.py").write_text("import time\ntime.sleep(0.5)\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "slow_import_for_exit", raising=False)
+    thread = start_background_imports(("slow_import_for_exit",), ())
+    assert thread.is_alive()
+    wait_for_background_imports(30)
+    assert not thread.is_alive() and sys.modules["slow_import_for_exit"].DONE
