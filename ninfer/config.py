@@ -44,7 +44,7 @@ class EngineConfig:
     max_pending_requests: int = 16  # extra requests allowed to wait (incl. in preparation)
     pending_timeout_ms: int = 30000  # preparation + admission deadline
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens of a step with no decode rows
-    mixed_prefill_chunk: int = DEFAULT_MIXED_PREFILL_CHUNK  # prompt tokens of a step beside decode rows
+    mixed_prefill_chunk: int = DEFAULT_MIXED_PREFILL_CHUNK  # tokens of a step with decode rows, theirs included
     max_context: int = 8192  # per-sequence logical ceiling
     kv_capacity: int | None = None  # Main KV tokens; None follows max_context
     page_size: int = 16
@@ -125,12 +125,13 @@ class EngineConfig:
     @property
     def step_graph_tokens(self) -> int:
         """The largest prompt or mixed step captured in a CUDA graph (engine/step_graphs.py): a mixed
-        step's prompt budget beside max_concurrency decode rows, at least 1,024 prompt tokens and at
-        most 2,048 (larger steps keep the GPU busy while the host issues them), 0 without graphs."""
+        step's budget, at least 1,024 tokens and at most 2,048 (larger steps keep the GPU busy
+        while the host issues them), or more where max_concurrency decode rows leave a mixed step
+        only its floor of prompt tokens (SchedulerLimits.mixed_prompt_budget); 0 without graphs."""
         if not (self.cuda_graphs and self.step_graphs):
             return 0
-        prompt = min(max(self.mixed_prefill_chunk, 1024), 2048, self.prefill_chunk)
-        return prompt + self.max_concurrency
+        tokens = min(max(self.mixed_prefill_chunk, 1024), 2048, self.prefill_chunk)
+        return max(tokens, self.max_concurrency + -(-self.mixed_prefill_chunk // 2))
 
     @property
     def num_kv_pages(self) -> int:

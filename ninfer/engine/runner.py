@@ -179,7 +179,7 @@ class ModelRunner:
             max_chunks = max_batch or max(cuda_graph_batch_sizes, default=num_state_slots)
             max_requests = max_chunks + min(max_chunks, MAX_GRAPH_SNAPSHOTS)
             # The scratch state slot and KV page sit just past the pools' own.
-            self.step_graphs = build_step_graphs(*caches, self.graphs, self.device, step_graph_tokens, max_chunks,
+            self.step_graphs = build_step_graphs(*caches, self.graphs, self.device, step_graph_tokens,
                                                  max_requests, max_context, num_state_slots, num_pages,
                                                  while_idle=step_graphs_while_idle)  # fmt: skip
 

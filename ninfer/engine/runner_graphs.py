@@ -41,7 +41,7 @@ def step_graph_blocker(model: CausalLM, num_draft_tokens: int) -> str | None:
 
 def build_step_graphs(
     model: CausalLM, kv, state_cache, slot_logits: torch.Tensor, num_valid_tokens: int, decode: DecodeGraphs | None,
-    device: torch.device, max_tokens: int, max_decode_rows: int, max_requests: int, max_context: int, scratch_slot: int, scratch_page: int,
+    device: torch.device, max_tokens: int, max_requests: int, max_context: int, scratch_slot: int, scratch_page: int,
     while_idle: bool = False,
 ) -> StepGraphs | None:  # fmt: skip
     """Step graphs over token buckets up to max_tokens, captured on CUDA into the decode graphs'
@@ -57,7 +57,7 @@ def build_step_graphs(
     if model.config.is_moe:
         # The fused decode block up to its token limit, then each change of expert kernels or tiles.
         switches += (MOE_BLOCK_MAX_TOKENS,) + moe_token_switches(model.config.num_experts, model.config.num_experts_per_tok)
-    buckets = token_buckets(max_tokens, max_decode_rows, switches)
+    buckets = token_buckets(max_tokens, switches)
     graphs = StepGraphs(model, kv, state_cache, slot_logits, num_valid_tokens, buckets, max_requests, max_pages,
                         scratch_slot, scratch_page)  # fmt: skip
     # Into the decode graphs' pool: a replay's intermediates are free by the next replay.

@@ -64,14 +64,14 @@ def test_a_step_replays_only_its_own_captured_bucket(tmp_root, stand_in_capture)
     graphs = padded.step_graphs
     _as_if_on_cuda(graphs)
     runs = _count_runs(graphs)
-    assert graphs.buckets == [16, 18, 34, 64] and len(graphs.pending) == 2 * len(graphs.buckets)
+    assert graphs.buckets == [16, 32, 64] and len(graphs.pending) == 2 * len(graphs.buckets)
     small, medium = [chunk(0, tokens(1, 10), 0)], [chunk(1, tokens(2, 30), 0)]
     assert not graphs.can_run(small) and not graphs.can_run(medium)  # nothing captured yet
 
-    # Capture largest first, down to the 18-token bucket without checkpoints.
-    while graphs.pending[0] != (18, True):
+    # Capture largest first, down to the 32-token bucket without checkpoints.
+    while graphs.pending[0] != (32, True):
         graphs.capture_next()
-    assert (34, False) in graphs.graphs and (16, False) not in graphs.graphs
+    assert (32, False) in graphs.graphs and (16, False) not in graphs.graphs
     assert graphs.can_run(medium) and not graphs.can_run(small)  # 10 tokens: bucket 16, not captured
     for step in (small, medium):
         ids = [runner.execute(SchedulerStep(StepKind.PREFILL, step)) for runner in (padded, eager)]

@@ -98,20 +98,16 @@ def test_a_bucket_ends_where_the_layers_leave_the_gemv(tmp_root):
     pads to 16, so its padded step runs its eager step's products."""
     model = _model("qwen3_5", tmp_root, torch.float32, "cpu")
     padded, _ = _runners(model)
-    assert padded.step_graphs.buckets == [16, 20, 36, 68, 132, 200]
+    assert padded.step_graphs.buckets == [16, 32, 64, 128, 200]
 
 
 def test_token_buckets() -> None:
     assert token_buckets(1032) == [16, 32, 64, 128, 256, 512, 1024, 1032]
     assert token_buckets(64) == [16, 32, 64]
     assert token_buckets(10) == [10]
-    # A full batch of 8 decode rows beside a power-of-two prompt chunk fits its bucket exactly.
-    assert token_buckets(1032, 8) == [24, 40, 72, 136, 264, 520, 1032]
-    assert token_buckets(40, 8) == [24, 40]
     # A bucket where the GEMV hands over to the matmul: a padded step runs its eager kernels.
-    assert token_buckets(1032, 8, (32,)) == [24, 32, 40, 72, 136, 264, 520, 1032]
-    assert token_buckets(1032, 16, (32,)) == [32, 48, 80, 144, 272, 528, 1032]
-    assert token_buckets(24, 8, (32,)) == [24]
+    assert token_buckets(1024, (24,)) == [16, 24, 32, 64, 128, 256, 512, 1024]
+    assert token_buckets(24, (32,)) == [16, 24]
 
 
 @pytest.mark.parametrize(("num_experts", "top_k"), [(8, 2), (256, 8), (512, 10), (128, 8)])
@@ -119,7 +115,7 @@ def test_moe_buckets_hold_token_counts_that_choose_the_same_expert_kernels(num_e
     """Padded to its bucket, a step's experts run in the eager step's mode, block rows and
     grouped-GEMM choice (the tiles follow from the block rows), whatever its token count."""
     max_tokens = 8192
-    buckets = token_buckets(max_tokens, 8, token_switches(num_experts, top_k))
+    buckets = token_buckets(max_tokens, token_switches(num_experts, top_k))
 
     def choice(num_tokens: int) -> tuple:
         num_pairs = num_tokens * top_k
@@ -129,7 +125,7 @@ def test_moe_buckets_hold_token_counts_that_choose_the_same_expert_kernels(num_e
         bucket = next(b for b in buckets if b >= num_tokens)
         assert choice(bucket) == choice(num_tokens), (num_tokens, bucket)
     # Without the switches, some count would pad into another choice (the check above can fail).
-    plain = token_buckets(max_tokens, 8)
+    plain = token_buckets(max_tokens)
     assert any(choice(next(b for b in plain if b >= t)) != choice(t) for t in range(1, max_tokens + 1))
 
 

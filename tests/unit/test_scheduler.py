@@ -330,9 +330,9 @@ def test_decode_rows_ride_with_every_prompt_chunk(byte_tokenizer):
         rows = {c.request_id: c for c in step.chunks}
         assert len(rows["a"].token_ids) == 1 and rows["a"].sample  # a decodes in every step of b's prompt
         b_chunk_sizes.append(len(rows["b"].token_ids))
-    # b's whole uncached prompt, in chunks of the mixed budget
+    # b's whole uncached prompt, in chunks of the mixed budget less a's decode row
     assert sum(b_chunk_sizes) == len(PROMPT * 2) - h.final("b").cached_tokens
-    assert max(b_chunk_sizes) == 8 and len(b_chunk_sizes) == -(-sum(b_chunk_sizes) // 8)
+    assert max(b_chunk_sizes) == 7 and len(b_chunk_sizes) == -(-sum(b_chunk_sizes) // 7)
     assert h.tokens("a") == expected_continuation(PROMPT[:10], 30)
     assert h.tokens("b") == expected_continuation(PROMPT * 2, 3)
     decode_with_both = [s for s in h.steps if s.kind is StepKind.DECODE and len(s.chunks) == 2]
@@ -356,7 +356,11 @@ def test_step_budgets_and_fifo_order_of_prompt_work(byte_tokenizer):
         num_prompt_tokens = sum(len(c.token_ids) for c in prompt_rows)
         decoding = {rid for rid in prompts if computed[rid] == len(prompts[rid]) and sampled[rid] < 6}
         assert {c.request_id for c in decode_rows} == decoding, "every decoding request has a row"
-        assert num_prompt_tokens <= (12 if decode_rows else 40)
+        num_decode_tokens = sum(len(c.token_ids) for c in decode_rows)
+        if decode_rows:  # the mixed budget counts the decode rows' tokens too
+            assert num_prompt_tokens + num_decode_tokens <= 12
+        else:
+            assert num_prompt_tokens <= 40
         # FIFO: a later request gets prompt tokens only when every earlier one finishes its prompt here.
         for chunk in prompt_rows[:-1]:
             assert chunk.num_computed_tokens + len(chunk.token_ids) == len(prompts[chunk.request_id])
@@ -372,6 +376,36 @@ def test_step_budgets_and_fifo_order_of_prompt_work(byte_tokenizer):
         assert h.tokens(rid) == expected_continuation(prompt, 6)  # as if each ran alone
     h.assert_balanced()
     h.assert_empty()
+
+
+def test_a_full_mixed_step_holds_the_budget_with_its_decode_rows(byte_tokenizer):
+    """Beside decode rows the budget counts them: while a prompt has enough left, each mixed step
+    holds exactly mixed_prefill_chunk tokens (a power of two fills its step graph's bucket)."""
+    h = Harness(byte_tokenizer, prefill_chunk=64, mixed_prefill_chunk=16, max_concurrency=4, kv_tokens=2048)
+    for rid in ("a", "b", "c"):
+        h.add(req(rid, PROMPT[:12], max_new=60))
+    for _ in range(4):
+        h.step()  # a, b and c decode now
+    h.add(req("d", PROMPT * 3, max_new=2))
+    h.run()
+    mixed = [s for s in h.steps if s.kind is StepKind.MIXED]
+    sizes = [sum(len(c.token_ids) for c in s.chunks) for s in mixed]
+    prompt_sizes = [sum(len(c.token_ids) for c in s.chunks if c.request_id == "d") for s in mixed]
+    assert len(mixed) >= 3 and all(len(s.chunks) == 4 for s in mixed)
+    assert sizes[:-1] == [16] * (len(sizes) - 1) and sizes[-1] <= 16  # the last one: d's remainder
+    assert prompt_sizes[:-1] == [13] * (len(sizes) - 1)
+    assert h.tokens("d") == expected_continuation(PROMPT * 3, 2)
+    h.assert_empty()
+
+
+def test_the_mixed_prompt_budget_keeps_half_for_prompt_tokens():
+    limits = SchedulerLimits(max_concurrency=8, max_context=4096, prefill_chunk=8192, mixed_prefill_chunk=1024)
+    assert limits.mixed_prompt_budget(0) == 1024
+    assert limits.mixed_prompt_budget(8) == 1016
+    assert limits.mixed_prompt_budget(32) == 992  # 8 verification rows of 4 tokens
+    assert limits.mixed_prompt_budget(600) == 512  # never below half: prompts are not starved
+    small = SchedulerLimits(max_concurrency=8, max_context=4096, prefill_chunk=8192, mixed_prefill_chunk=1)
+    assert small.mixed_prompt_budget(8) == 1
 
 
 def test_fifo_admission_never_overcommits_kv(byte_tokenizer):
@@ -451,7 +485,7 @@ def test_overlap_runs_steady_decode_ahead(byte_tokenizer, decode_overlap):
     # until b samples; then a and b decode: a round is planned ahead from the second one on.
     kinds_and_rows = [(s.kind, [c.request_id for c in s.chunks]) for s in h.steps]
     assert [kind for kind, _ in kinds_and_rows[:5]] == [StepKind.PREFILL] * 2 + [StepKind.MIXED] * 3
-    assert [s.num_tokens for s in h.steps[:5]] == [16, 4 + 12, 1 + 8, 1 + 8, 1 + 2]
+    assert [s.num_tokens for s in h.steps[:5]] == [16, 4 + 12, 1 + 7, 1 + 7, 1 + 4]  # mixed: 8 in all
     both = kinds_and_rows.index((StepKind.DECODE, ["a", "b"]))
     assert both == 5 and all(kind is StepKind.DECODE for kind, _ in kinds_and_rows[both:])
     assert chained == [False] * (both + 1) + [True] * (len(h.steps) - both - 1) if decode_overlap else not any(chained)

@@ -11,9 +11,10 @@ queue for the next step go through one ActionQueue, and their outputs through on
 
 Policy: every step carries one row for each decode-ready request (decode is never starved)
 and prompt chunks of prefilling requests in admission order (FIFO) under a token budget:
-limits.prefill_chunk tokens when nothing decodes, limits.mixed_prefill_chunk beside decode
-rows, so a burst's prompts proceed while the running requests keep streaming at a bounded
-slowdown. One forward computes it all (a varlen batch).
+limits.prefill_chunk tokens when nothing decodes; beside decode rows, the step's tokens, theirs
+included, up to limits.mixed_prefill_chunk (limits.mixed_prompt_budget), so a burst's prompts
+proceed while the running requests keep streaming at a bounded slowdown. One forward computes
+it all (a varlen batch).
 
 Steady decode runs one round ahead: schedule_ahead(N) plans round N+1 before round N's
 tokens are known (each row computes, on the device, the token N sampled for it), so the
@@ -198,7 +199,10 @@ class Scheduler:
         self._admit()
         decode_ready = [s for s in self.running if not s.is_prefilling]
         chunks = self.speculation.decode_rows(decode_ready)
-        budget = self.limits.mixed_prefill_chunk if decode_ready else self.limits.prefill_chunk
+        if decode_ready:
+            budget = self.limits.mixed_prompt_budget(sum(len(c.token_ids) for c in chunks))
+        else:
+            budget = self.limits.prefill_chunk
         chunks += self._prompt_chunks(budget)
         if chunks:
             kind = StepKind.DECODE if len(chunks) == len(decode_ready) else (
