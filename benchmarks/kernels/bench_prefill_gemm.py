@@ -2,8 +2,9 @@
 
 Each format runs as its Linear module runs it at prefill sizes (activation quantization
 included): bf16 on cuBLAS; FP8 per output channel (tokens quantized per row, torch._scaled_mm);
-Qwen's block-scaled FP8 (tokens quantized per 128 columns, kernels/fp8_gemm) with its default
-tile and the others of its table; NVFP4 (kernels/nvfp4_gemm) as the module runs it (from
+Qwen's block-scaled FP8 (tokens quantized per 128 columns, kernels/fp8_gemm) as the module runs
+it (cuBLAS's blockwise product where torch has it, with 128 x 128 and with the loader's row-block
+scales), the Triton kernel at its default tile and the others of its table; NVFP4 (kernels/nvfp4_gemm) as the module runs it (from
 DEQUANTIZED_MIN_ROWS rows a dequantized bf16 copy, then cuBLAS) and its in-register kernel
 at the default tile and a few around it; first the NVFP4 dequantization alone (its GB/s against
 the copy bandwidth, the default tile and others). Each variant
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 from ninfer.kernels.fp8_gemm import triton as fp8_gemm  # noqa: E402
 from ninfer.kernels.nvfp4_gemm import triton as nvfp4_gemm  # noqa: E402
-from ninfer.models.quant.fp8 import Fp8Linear  # noqa: E402
+from ninfer.models.quant.fp8 import Fp8Linear, expand_block_rows  # noqa: E402
 from ninfer.models.quant.nvfp4 import Nvfp4Linear  # noqa: E402
 from timing import median_seconds  # noqa: E402  benchmarks/kernels/timing.py
 
@@ -90,6 +91,10 @@ def bench_case(name: str, rows: int, replays: int) -> list[dict]:
         blocks = Fp8Linear.from_linear_blocks(linear)
         block_weight = blocks.dequantized(torch.float32)
         record("fp8-block", "default", lambda: blocks(x), block_weight)
+        row_blocks = Fp8Linear(blocks.weight, expand_block_rows(blocks.weight_scale, n), None)
+        record("fp8-block", "default, row-block scales (loader's)", lambda: row_blocks(x), block_weight)
+        record("fp8-block", "Triton kernel, default tile",
+               lambda: fp8_gemm.fp8_linear(x, blocks.weight, blocks.weight_scale, use_cublas=False), block_weight)  # fmt: skip
         for cfg in fp8_gemm.TILES:
             record("fp8-block", str(tuple(cfg)),
                    lambda cfg=cfg: fp8_gemm.fp8_linear(x, blocks.weight, blocks.weight_scale, config=cfg), block_weight)  # fmt: skip

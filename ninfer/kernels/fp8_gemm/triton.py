@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.backend import fast_version
-from ninfer.kernels.fp8_gemm import ref
+from ninfer.kernels.fp8_gemm import cublas, ref
 from ninfer.kernels.fp8_gemm.ref import num_groups
 from ninfer.kernels.fp8_quant.ref import FP8, FP8_MAX, INV_FP8_MAX, MIN_AMAX
 from ninfer.kernels.gemv.ref import SCALE_BLOCK, scale_rows_per_block
@@ -234,7 +234,12 @@ def block_fp8_matmul(x_fp8, x_scale, weight, weight_scale, out_dtype, bias=None,
 
 
 @fast_version(ref.fp8_linear)
-def fp8_linear(x, weight, weight_scale, bias=None, *, config: Config | None = None):
-    """quantize_groups, then block_fp8_matmul (two launches)."""
+def fp8_linear(x, weight, weight_scale, bias=None, *, config: Config | None = None, use_cublas: bool = True):
+    """quantize_groups, then the product: cuBLAS's blockwise FP8 GEMM where this torch and
+    device have it (cublas.py), else block_fp8_matmul.
+    config (the Triton kernel's) or use_cublas=False: the Triton kernel (tests, benchmarks)."""
     x_fp8, x_scale = quantize_groups(x)
+    if (use_cublas and config is None and cublas.eligible(x_fp8, weight, weight_scale)
+            and cublas.supported(x_fp8.device, weight, weight_scale)):  # fmt: skip
+        return cublas.matmul(x_fp8, x_scale, weight, weight_scale, x.dtype, bias)
     return block_fp8_matmul(x_fp8, x_scale, weight, weight_scale, x.dtype, bias, config=config)
