@@ -3,8 +3,8 @@
 Each format runs as its Linear module runs it at prefill sizes (activation quantization
 included): bf16 on cuBLAS; FP8 per output channel (tokens quantized per row, torch._scaled_mm);
 Qwen's block-scaled FP8 (tokens quantized per 128 columns, kernels/fp8_gemm) as the module runs
-it (cuBLAS's blockwise product where torch has it, with 128 x 128 and with the loader's row-block
-scales), the Triton kernel at its default tile and the others of its table; NVFP4 (kernels/nvfp4_gemm) as the module runs it (from
+it, then cuBLAS's blockwise product (where torch has it) and the Triton kernel at its default tile,
+each with 128 x 128 and with the loader's row-block scales, and the Triton kernel's other tiles; NVFP4 (kernels/nvfp4_gemm) as the module runs it (from
 DEQUANTIZED_MIN_ROWS rows a dequantized bf16 copy, then cuBLAS) and its in-register kernel
 at the default tile and a few around it; first the NVFP4 dequantization alone (its GB/s against
 the copy bandwidth, the default tile and others). Each variant
@@ -91,10 +91,12 @@ def bench_case(name: str, rows: int, replays: int) -> list[dict]:
         blocks = Fp8Linear.from_linear_blocks(linear)
         block_weight = blocks.dequantized(torch.float32)
         record("fp8-block", "default", lambda: blocks(x), block_weight)
-        row_blocks = Fp8Linear(blocks.weight, expand_block_rows(blocks.weight_scale, n), None)
-        record("fp8-block", "default, row-block scales (loader's)", lambda: row_blocks(x), block_weight)
-        record("fp8-block", "Triton kernel, default tile",
-               lambda: fp8_gemm.fp8_linear(x, blocks.weight, blocks.weight_scale, use_cublas=False), block_weight)  # fmt: skip
+        row_scales = expand_block_rows(blocks.weight_scale, n)
+        for label, scale in (("128 x 128 scales", blocks.weight_scale), ("row-block scales (loader's)", row_scales)):
+            record("fp8-block", f"cuBLAS blockwise, {label}",
+                   lambda scale=scale: fp8_gemm.fp8_linear(x, blocks.weight, scale, use_cublas=True), block_weight)  # fmt: skip
+            record("fp8-block", f"Triton kernel, {label}",
+                   lambda scale=scale: fp8_gemm.fp8_linear(x, blocks.weight, scale, use_cublas=False), block_weight)  # fmt: skip
         for cfg in fp8_gemm.TILES:
             record("fp8-block", str(tuple(cfg)),
                    lambda cfg=cfg: fp8_gemm.fp8_linear(x, blocks.weight, blocks.weight_scale, config=cfg), block_weight)  # fmt: skip

@@ -159,4 +159,4 @@ class TestOnGpu:
         torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-8 * want.abs().max().item())
         triton_out = fast.fp8_linear(x, weight, weight_scale, use_cublas=False)
         torch.testing.assert_close(got.float(), triton_out.float(), rtol=2**-6, atol=2**-7 * want.abs().max().item())
-        assert torch.equal(fast.fp8_linear(x, weight, weight_scale), got)  # the default route, the same bits
+        assert torch.equal(fast.fp8_linear(x, weight, weight_scale, use_cublas=True), got)  # the module's route

@@ -233,11 +233,17 @@ def block_fp8_matmul(x_fp8, x_scale, weight, weight_scale, out_dtype, bias=None,
     return out
 
 
+# Whether fp8_linear takes cuBLAS's blockwise product by default: off until it is timed against
+# the Triton kernel on a GPU (benchmarks/kernels/bench_prefill_gemm.py prints both).
+CUBLAS_BY_DEFAULT = False
+
+
 @fast_version(ref.fp8_linear)
-def fp8_linear(x, weight, weight_scale, bias=None, *, config: Config | None = None, use_cublas: bool = True):
-    """quantize_groups, then the product: cuBLAS's blockwise FP8 GEMM where this torch and
-    device have it (cublas.py), else block_fp8_matmul.
-    config (the Triton kernel's) or use_cublas=False: the Triton kernel (tests, benchmarks)."""
+def fp8_linear(x, weight, weight_scale, bias=None, *, config: Config | None = None, use_cublas: bool | None = None):
+    """quantize_groups, then the product: with use_cublas (default CUBLAS_BY_DEFAULT), cuBLAS's
+    blockwise FP8 GEMM where this torch and device have it (cublas.py), else block_fp8_matmul.
+    config: the Triton kernel with that launch shape (tests, benchmarks)."""
+    use_cublas = CUBLAS_BY_DEFAULT if use_cublas is None else use_cublas
     x_fp8, x_scale = quantize_groups(x)
     if (use_cublas and config is None and cublas.eligible(x_fp8, weight, weight_scale)
             and cublas.supported(x_fp8.device, weight, weight_scale)):  # fmt: skip

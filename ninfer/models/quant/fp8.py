@@ -5,9 +5,8 @@ Decode streams every weight once per step, so halving weight bytes nearly double
 bandwidth roofline. Up to gemv.MAX_ROWS tokens the product is a weight-only GEMV (FP8
 bytes widened in registers, bf16 activations); larger batches (prefill) quantize
 activations per token and run on Hopper's FP8 matrix units: through torch._scaled_mm
-(row-wise scales) for per-channel weights, through kernels/fp8_gemm (per 128-column group:
-cuBLAS's blockwise product where torch has it, else block scales applied in a Triton K loop)
-for block-scaled ones. The 3-D fused MoE experts
+(row-wise scales) for per-channel weights, through kernels/fp8_gemm (per 128-column group,
+block scales applied in the K loop) for block-scaled ones. The 3-D fused MoE experts
 become Fp8Experts (fp8_experts.py). The embedding and lm_head stay in bf16 (the embedding
 reads one row per token; lm_head precision drives sampling), and so do MoE routers.
 """
