@@ -230,6 +230,20 @@ def prefill_sweep(gate_up: torch.Tensor, down: torch.Tensor, gen: torch.Generato
         lambda: moe_fast.fused_experts(x, weights, ids, *fp8, grouped_mm=False), replays=10, graph=False))
     record("FP8 dequantized + torch grouped_mm", median_seconds(
         lambda: moe_fast.fused_experts(x, weights, ids, *fp8, grouped_mm=True), replays=10, graph=False))
+    # FP8 experts with one scale per output row (--quantize fp8's layout): dequantized for the bf16
+    # grouped GEMM, and on FP8 operands through torch's scaled grouped GEMM (kernels/moe/scaled_grouped.py).
+    per_row = []
+    for w in (gate_up, down):
+        scale = (w.float().abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
+        per_row.append(((w.float() / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale))
+    fp8_rows = (per_row[0][0], per_row[1][0], per_row[0][1], per_row[1][1])
+    from ninfer.kernels.moe import scaled_grouped
+
+    print("torch's scaled grouped GEMM computes the FP8 experts right here:", scaled_grouped.supported(x.device), flush=True)
+    record("FP8 per-row scales, dequantized + grouped_mm", median_seconds(
+        lambda: moe_fast.fused_experts(x, weights, ids, *fp8_rows, grouped_mm=True, fp8_grouped=False), replays=10, graph=False))
+    record("FP8 per-row scales, scaled grouped GEMM", median_seconds(
+        lambda: moe_fast.fused_experts(x, weights, ids, *fp8_rows, grouped_mm=True, fp8_grouped=True), replays=10, graph=False))
     record("FP8 dequantization alone (both)", median_seconds(
         lambda: (moe_fast.dequantize_experts(fp8_gate_up, gate_up_scale, torch.bfloat16),
                  moe_fast.dequantize_experts(fp8_down, down_scale, torch.bfloat16)), replays=10, graph=False))

@@ -56,7 +56,7 @@ from ninfer.kernels.activation import silu_and_mul
 from ninfer.kernels.backend import fast_version
 from ninfer.kernels.gemv.ref import SCALE_BLOCK, scale_rows_per_block
 from ninfer.kernels.gemv.triton import _bits_exp, _e4m3_bits, _x_exp
-from ninfer.kernels.moe import ref
+from ninfer.kernels.moe import ref, scaled_grouped
 from ninfer.kernels.moe.kernel_choice import DECODE_MAX_PAIRS, FP8_GROUPED_MM_MIN_PAIRS, tile_rows
 from ninfer.kernels.nvfp4_gemm.triton import dequantize_nvfp4
 from ninfer.kernels.nvfp4_gemv.triton import _weight_tile
@@ -619,6 +619,25 @@ def _grouped_mm_default(x: torch.Tensor, gate_up_proj: torch.Tensor, num_pairs: 
     return num_pairs >= FP8_GROUPED_MM_MIN_PAIRS and grouped_mm_supported(x, x.new_empty((1, 1, 1)))
 
 
+# Whether FP8 experts with per-row scales take torch's FP8 x FP8 grouped GEMM at prefill sizes by
+# default (scaled_grouped.py): off until timed against the dequantized bf16 route on a GPU
+# (benchmarks/kernels/bench_moe.py --prefill-sweep prints both).
+FP8_GROUPED_BY_DEFAULT = False
+
+
+def _fp8_grouped_experts(
+    x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+    gate_up_scale: torch.Tensor, down_scale: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """_grouped_mm_experts on FP8 operands: the same order and combine, the two products and the
+    activation from scaled_grouped.products (per-token e4m3 activations, the experts' row scales)."""
+    top_k = expert_ids.shape[1]
+    sorted_tokens, rows, ends = expert_order(expert_ids, gate_up_proj.shape[0])
+    expert_out = scaled_grouped.products(x.index_select(0, sorted_tokens), ends, gate_up_proj, down_proj,
+                                         gate_up_scale, down_scale)  # fmt: skip
+    return _combine(expert_out, torch.empty_like(x), top_k, rows, weights.reshape(-1).contiguous())
+
+
 def _grouped_mm_experts(
     x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
 ) -> torch.Tensor:
@@ -788,12 +807,14 @@ def fused_experts(
     block_m: int | None = None,
     tiles: tuple[Tile, Tile] | None = None,
     grouped_mm: bool | None = None,
+    fp8_grouped: bool | None = None,
 ):
     """Same contract as ref.fused_experts. Capture-safe when T * top_k <= DECODE_MAX_PAIRS.
 
     Prefill runs on torch's grouped GEMM where it is supported (grouped_mm None: decide by
-    _grouped_mm_default; FP8 experts dequantized to x's dtype first), else on the Triton
-    grouped kernels. block_m
+    _grouped_mm_default; FP8 experts dequantized to x's dtype first, or with fp8_grouped
+    (default FP8_GROUPED_BY_DEFAULT) on FP8 operands where scaled_grouped supports them), else
+    on the Triton grouped kernels. block_m
     (Triton prefill only) and tiles override the tile choice; for the benchmark.
     """
     num_tokens, hidden = x.shape
@@ -818,6 +839,10 @@ def fused_experts(
         raise ValueError("FP8 expert scales are one tensor (NVFP4's a (block_scale, row_scale) pair for uint8 codes)")
     decode, default_block_m = tile_rows(num_pairs, num_experts)
     if not decode and (grouped_mm if grouped_mm is not None else _grouped_mm_default(x, gate_up_proj, num_pairs)):
+        use_fp8 = FP8_GROUPED_BY_DEFAULT if fp8_grouped is None else fp8_grouped
+        if (use_fp8 and fp8 and scaled_grouped.eligible(x, gate_up_proj, gate_up_scale, down_scale)
+                and scaled_grouped.supported(x.device)):  # fmt: skip
+            return _fp8_grouped_experts(x, weights, expert_ids, gate_up_proj, down_proj, gate_up_scale, down_scale)
         if quantized:
             # Every expert of the layer, dequantized once: at these sizes nearly all are chosen,
             # and the bf16 grouped GEMM outruns quantized tiles widened in the Triton kernels.

@@ -1,0 +1,124 @@
+"""FP8 x FP8 routed experts for prefill: torch's scaled grouped GEMM (CUTLASS, sm_90) over the
+pairs sorted by expert, with per-token activation scales and the experts' per-output-row weight
+scales, instead of dequantizing every expert of the layer to bf16 for the bf16 grouped GEMM.
+
+products() computes, for rows sorted by expert (expert e owns rows [ends[e-1], ends[e])):
+    gate|up = (q(x) @ W_up[e]^T) * x_scale[row] * up_scale[e, n]       (bf16)
+    act     = silu(gate) * up                                           (bf16)
+    out     = (q(act) @ W_down[e]^T) * act_scale[row] * down_scale[e, n] (bf16)
+where q quantizes each row to e4m3 with its own scale (kernels/fp8_quant: amax / 448). Against
+ref.fused_experts (dequantized fp32 weights, unquantized activations) it adds the activations'
+e4m3 rounding, as the dense FP8 layers' prefill does (Fp8Linear through torch._scaled_mm).
+
+Whether torch has it is found once per device by a small product compared with a reference,
+never inside a graph capture; where it has not, fused_experts keeps the dequantized bf16 route.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.kernels.fp8_quant import quantize_rows
+from ninfer.kernels.fp8_quant.ref import FP8
+
+log = logging.getLogger("ninfer.kernels")
+
+_SUPPORTED: dict[int, bool] = {}  # device index -> whether the probe's product came out right
+
+
+def _scaled_grouped_mm():
+    return getattr(torch, "_scaled_grouped_mm", None)
+
+
+def eligible(x: torch.Tensor, gate_up_proj: torch.Tensor, gate_up_scale, down_scale) -> bool:
+    """bf16 x on CUDA, e4m3 experts with one fp32 scale per output row ([E, N]), sizes the
+    CUTLASS kernel aligns (multiples of 16); whether it works: supported()."""
+    num_experts, two_inter, hidden = gate_up_proj.shape
+    per_row = all(
+        isinstance(scale, torch.Tensor) and scale.dim() == 2 and scale.dtype == torch.float32
+        for scale in (gate_up_scale, down_scale)
+    )
+    return (
+        x.is_cuda and x.dtype == torch.bfloat16 and gate_up_proj.dtype == FP8 and per_row
+        and hidden % 16 == 0 and two_inter % 32 == 0 and _scaled_grouped_mm() is not None
+    )  # fmt: skip
+
+
+def products(
+    x_sorted: torch.Tensor, ends: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+    gate_up_scale: torch.Tensor, down_scale: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """x_sorted [P, H] bf16 (rows sorted by expert), ends [E] int32 (one past each expert's last
+    row) -> each row's expert output [P, H] bf16 (above)."""
+    grouped = _scaled_grouped_mm()
+    x_fp8, x_scale = quantize_rows(x_sorted, 1)
+    gate_up = grouped(x_fp8, gate_up_proj.transpose(1, 2), x_scale.view(-1), gate_up_scale, offs=ends,
+                      out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    act_fp8, act_scale = quantize_rows(act, 1)
+    return grouped(act_fp8, down_proj.transpose(1, 2), act_scale.view(-1), down_scale, offs=ends,
+                   out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
+
+
+def reference_products(x_sorted, ends, gate_up_proj, down_proj, gate_up_scale, down_scale) -> torch.Tensor:
+    """products() in fp32 torch ops, with the same row quantizations and bf16 roundings."""
+    from ninfer.kernels.fp8_quant.ref import quantize_rows as quantize_rows_ref
+
+    out = torch.empty(x_sorted.shape, dtype=torch.bfloat16, device=x_sorted.device)
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        if end == start:
+            continue
+        rows = x_sorted[start:end]
+        x_fp8, x_scale = quantize_rows_ref(rows, 1)
+        w_up = gate_up_proj[expert].float() * gate_up_scale[expert, :, None]
+        gate_up = ((x_fp8.float() * x_scale) @ w_up.T).bfloat16()
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        act_fp8, act_scale = quantize_rows_ref(act, 1)
+        w_down = down_proj[expert].float() * down_scale[expert, :, None]
+        out[start:end] = ((act_fp8.float() * act_scale) @ w_down.T).bfloat16()
+        start = end
+    return out
+
+
+def supported(device: torch.device) -> bool:
+    """Whether torch's scaled grouped GEMM computes products() right on `device`: a small
+    problem against reference_products, once per device. Inside a graph capture an unprobed
+    device counts as unsupported (the probe reads back a result)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    known = _SUPPORTED.get(index)
+    if known is not None:
+        return known
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    _SUPPORTED[index] = ok = _probe(device)
+    return ok
+
+
+def _probe(device: torch.device) -> bool:
+    generator = torch.Generator(device=device).manual_seed(0)
+    num_experts, hidden, inter = 4, 256, 128
+    ends = torch.tensor([7, 7, 30, 45], dtype=torch.int32, device=device)  # uneven, one expert empty
+    x = torch.randn(45, hidden, generator=generator, device=device).bfloat16()
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=generator, device=device) * 64).clamp(-448, 448).to(FP8)
+    down = (torch.randn(num_experts, hidden, inter, generator=generator, device=device) * 64).clamp(-448, 448).to(FP8)
+    up_scale = torch.rand(num_experts, 2 * inter, generator=generator, device=device) / 512 + 1e-3
+    down_scale = torch.rand(num_experts, hidden, generator=generator, device=device) / 512 + 1e-3
+    expected = reference_products(x, ends, gate_up, down, up_scale, down_scale).float()
+    try:
+        got = products(x, ends, gate_up, down, up_scale, down_scale).float()
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
+        log.info("FP8 expert prefill keeps the dequantized bf16 route: no scaled grouped GEMM (%s)", error)
+        return False
+    # The fast accumulation and the bf16 intermediate's rounding: well within 2% of the largest output.
+    error = ((got - expected).abs().max() / expected.abs().max().clamp(min=1e-6)).item()
+    if error > 2e-2:
+        log.warning("FP8 expert prefill keeps the dequantized bf16 route: the scaled grouped GEMM is off by "
+                    "%.3g of the largest output", error)  # fmt: skip
+        return False
+    return True
