@@ -676,6 +676,37 @@ def test_capture_hint_inside_prompt_and_partial_page_copy(byte_tokenizer):
     h.assert_empty()
 
 
+def test_beside_decode_rows_a_frontier_near_the_chunk_end_ends_the_chunk(byte_tokenizer):
+    """A checkpoint inside a mixed step would cost every decoding stream the rule's second
+    pass: with few of the chunk's tokens after it, the chunk ends at the frontier and the rest
+    rides in the next step; the checkpoint is kept as well, and serves the next turn."""
+    from ninfer.engine.scheduler.chunks import MIN_TOKENS_AFTER_SNAPSHOT_BESIDE_DECODE as MIN_AFTER
+
+    h = Harness(byte_tokenizer, prefill_chunk=512, mixed_prefill_chunk=512, max_concurrency=2, kv_tokens=4096,
+                max_context=1024)
+    h.add(req("a", PROMPT[:10], max_new=40))
+    for _ in range(3):
+        h.step()  # a decodes now
+    prompt = [ord("#")] + (PROMPT * 5)[:299]  # nothing to reuse from a
+    closure = len(prompt) - 6  # a chat's turn closure, a few tokens before the prompt's end
+    h.add(req("b", prompt, max_new=2, capture_hints=[CaptureHint(closure, "private_turn_closure")]))
+    h.run()
+    b_chunks = [c for s in h.steps for c in s.chunks if c.request_id == "b" and c.num_computed_tokens < len(prompt)]
+    assert [(c.num_computed_tokens, len(c.token_ids), c.snapshot_slot) for c in b_chunks] == [
+        (0, closure, None), (closure, 6, None)]
+    assert closure in {ck.frontier for ck in h.cache.checkpoints.values()}
+    assert h.tokens("b") == expected_continuation(prompt, 2)
+    # A frontier with enough of the chunk after it is still snapshotted inside the mixed step.
+    early = MIN_AFTER + 20
+    prompt = [ord("%")] + prompt[1:]  # nothing to reuse from b
+    h.add(req("c", prompt, max_new=2, capture_hints=[CaptureHint(len(prompt) - early, "shared_stable_prefix")]))
+    h.add(req("d", PROMPT[:10], max_new=30))  # so that c's prompt runs beside a decode row
+    h.run()
+    c_chunks = [c for s in h.steps for c in s.chunks if c.request_id == "c" and c.num_computed_tokens < len(prompt)]
+    assert any(c.snapshot_slot is not None and len(c.token_ids) - c.snapshot_tokens >= MIN_AFTER for c in c_chunks)
+    h.assert_empty()
+
+
 def test_a_snapshot_slot_is_given_back_when_its_step_fails_and_kept_when_its_request_ends(byte_tokenizer):
     h = Harness(byte_tokenizer, max_concurrency=1, prefill_chunk=64)
     hint = [CaptureHint(30, "private_turn_closure")]

@@ -85,23 +85,34 @@ def chained_chunk(seq: Sequence, previous_row: int) -> ScheduledChunk:
     )
 
 
+# Beside decode rows, a checkpoint inside a chunk costs the step a second pass of the Gated
+# DeltaNet rule over its bucket (~10 ms of a 27B step on an H100, whatever the chunk holds), paid
+# by every decoding stream; ending the chunk at the frontier instead moves its remaining tokens
+# to the next step, which costs only what they leave unfilled. So there the snapshot stays inside
+# only when at least this many of the chunk's tokens come after the frontier.
+MIN_TOKENS_AFTER_SNAPSHOT_BESIDE_DECODE = 128
+
+
 class PromptChunks:
     def __init__(self, limits: SchedulerLimits, checkpoints: Checkpoints):
         """checkpoints: where a capture inside a chunk reserves its device slot."""
         self.limits = limits
         self.checkpoints = checkpoints
 
-    def chunk(self, seq: Sequence, max_tokens: int) -> ScheduledChunk:
+    def chunk(self, seq: Sequence, max_tokens: int, beside_decode: bool = False) -> ScheduledChunk:
         """At most max_tokens of seq's prompt. The first capture frontier inside is snapshotted
         within the step where it can be, so the chunk goes on past it (a chat's generation
-        prompt after its turn closure costs no step of its own); the next one ends the chunk."""
+        prompt after its turn closure costs no step of its own); the next one ends the chunk.
+        beside_decode: the step carries decode rows; a frontier with fewer than
+        MIN_TOKENS_AFTER_SNAPSHOT_BESIDE_DECODE of the chunk's tokens after it ends the chunk."""
         start = seq.num_computed_tokens
         end = min(seq.prompt_len, start + max_tokens)
         snapshot_at, snapshot_slot = 0, None
         for frontier, path in seq.capture_frontiers:
             if not start < frontier < end:
                 continue
-            if snapshot_slot is None and self._snapshots_in_step(seq):
+            worth_a_pass = not beside_decode or end - frontier >= MIN_TOKENS_AFTER_SNAPSHOT_BESIDE_DECODE
+            if snapshot_slot is None and worth_a_pass and self._snapshots_in_step(seq):
                 reserved = self.checkpoints.reserve_snapshot(seq, frontier, path)
                 if reserved is Snapshot.NOT_NEEDED:
                     continue

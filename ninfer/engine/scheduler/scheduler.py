@@ -203,7 +203,7 @@ class Scheduler:
             budget = self.limits.mixed_prompt_budget(sum(len(c.token_ids) for c in chunks))
         else:
             budget = self.limits.prefill_chunk
-        chunks += self._prompt_chunks(budget)
+        chunks += self._prompt_chunks(budget, beside_decode=bool(decode_ready))
         if chunks:
             kind = StepKind.DECODE if len(chunks) == len(decode_ready) else (
                 StepKind.MIXED if decode_ready else StepKind.PREFILL
@@ -226,14 +226,15 @@ class Scheduler:
             self.running.append(seq)
             self.outbox.add(delta_output(seq))
 
-    def _prompt_chunks(self, budget: int) -> list[ScheduledChunk]:
-        """Prompt chunks of the prefilling requests, in admission order, within `budget` tokens."""
+    def _prompt_chunks(self, budget: int, beside_decode: bool) -> list[ScheduledChunk]:
+        """Prompt chunks of the prefilling requests, in admission order, within `budget` tokens
+        (beside_decode: the step carries decode rows, PromptChunks.chunk)."""
         chunks = []
         for seq in self.running:
             if budget <= 0:
                 break
             if seq.is_prefilling:
-                chunk = self.prompt_chunks.chunk(seq, budget)
+                chunk = self.prompt_chunks.chunk(seq, budget, beside_decode)
                 budget -= len(chunk.token_ids)
                 chunks.append(chunk)
         return chunks
