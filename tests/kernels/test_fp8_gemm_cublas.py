@@ -48,8 +48,8 @@ def _emulated_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype
 def emulated(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(cublas, "_recipes", lambda: (ONE, BLOCK))
     monkeypatch.setattr(cublas.F, "scaled_mm", _emulated_scaled_mm, raising=False)
-    monkeypatch.setattr(cublas.torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(cublas, "_SUPPORTED", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(cublas.PROBE, "known", {})
 
 
 def _operands(rows: int, out_features: int, cols: int, rows_per_scale: int, seed: int):
@@ -96,11 +96,11 @@ def test_probe_decides_once_per_layout_and_never_while_capturing(emulated, monke
     device = torch.device("cpu", 0)
     _, _, weight, row_blocks = _operands(16, 256, 512, 1, seed=0)
     blocks = row_blocks[::SCALE_BLOCK].contiguous()
-    monkeypatch.setattr(cublas.torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert not cublas.supported(device, weight, row_blocks) and cublas._SUPPORTED == {}  # not decided
-    monkeypatch.setattr(cublas.torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert cublas.supported(device, weight, row_blocks) and cublas._SUPPORTED == {(0, 1): True}
-    assert cublas.supported(device, weight, blocks) and cublas._SUPPORTED[(0, SCALE_BLOCK)] is True
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not cublas.supported(device, weight, row_blocks) and cublas.PROBE.known == {}  # not decided
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert cublas.supported(device, weight, row_blocks) and cublas.PROBE.known == {(0, 1): True}
+    assert cublas.supported(device, weight, blocks) and cublas.PROBE.known[(0, SCALE_BLOCK)] is True
 
 
 def test_probe_rejects_a_missing_or_wrong_product(emulated, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,16 +110,16 @@ def test_probe_rejects_a_missing_or_wrong_product(emulated, monkeypatch: pytest.
         raise RuntimeError("blockwise scaling needs cuBLAS 12.9")
 
     monkeypatch.setattr(cublas.F, "scaled_mm", missing, raising=False)
-    assert cublas._probe(device, 1) is False
+    assert cublas.PROBE._check(lambda: cublas._probe_problem(device, 1)) is False
 
     def transposed_scales(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype):
         # the 128 x 128 scales read as [N/128, K/128]: a layout mistake
         return _emulated_scaled_mm(a, b, scale_a, recipe_a, scale_b.flip(0), recipe_b, output_dtype)
 
     monkeypatch.setattr(cublas.F, "scaled_mm", transposed_scales, raising=False)
-    assert cublas._probe(device, SCALE_BLOCK) is False
+    assert cublas.PROBE._check(lambda: cublas._probe_problem(device, SCALE_BLOCK)) is False
     monkeypatch.setattr(cublas.F, "scaled_mm", _emulated_scaled_mm, raising=False)
-    assert cublas._probe(device, SCALE_BLOCK) is True
+    assert cublas.PROBE._check(lambda: cublas._probe_problem(device, SCALE_BLOCK)) is True
 
 
 # ---- GPU ------------------------------------------------------------------------------------

@@ -31,8 +31,8 @@ def _emulated(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=
 @pytest.fixture
 def emulated(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(scaled_grouped.torch, "_scaled_grouped_mm", _emulated, raising=False)
-    monkeypatch.setattr(scaled_grouped.torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(scaled_grouped, "_SUPPORTED", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(scaled_grouped.PROBE, "known", {})
 
 
 def _experts(num_experts: int, hidden: int, inter: int, seed: int):
@@ -77,10 +77,10 @@ def test_eligible_layouts() -> None:
 
 def test_probe_decides_once_and_never_while_capturing(emulated, monkeypatch: pytest.MonkeyPatch) -> None:
     device = torch.device("cpu", 0)
-    monkeypatch.setattr(scaled_grouped.torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert not scaled_grouped.supported(device) and scaled_grouped._SUPPORTED == {}
-    monkeypatch.setattr(scaled_grouped.torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert scaled_grouped.supported(device) and scaled_grouped._SUPPORTED == {0: True}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not scaled_grouped.supported(device) and scaled_grouped.PROBE.known == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert scaled_grouped.supported(device) and scaled_grouped.PROBE.known == {(0, "per-row scales"): True}
 
 
 def test_probe_rejects_a_missing_or_wrong_product(emulated, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,14 +90,14 @@ def test_probe_rejects_a_missing_or_wrong_product(emulated, monkeypatch: pytest.
         raise RuntimeError("scaled grouped GEMM needs sm_90")
 
     monkeypatch.setattr(scaled_grouped.torch, "_scaled_grouped_mm", missing, raising=False)
-    assert scaled_grouped._probe(device) is False
+    assert scaled_grouped.PROBE._check(lambda: scaled_grouped._probe_problem(device)) is False
 
     def groups_shifted(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
         shifted = b.transpose(1, 2).roll(1, dims=0).transpose(1, 2)  # each group reads the wrong expert
         return _emulated(a, shifted, scale_a, scale_b.roll(1, dims=0), offs, out_dtype)
 
     monkeypatch.setattr(scaled_grouped.torch, "_scaled_grouped_mm", groups_shifted, raising=False)
-    assert scaled_grouped._probe(device) is False
+    assert scaled_grouped.PROBE._check(lambda: scaled_grouped._probe_problem(device)) is False
 
 
 @pytest.mark.gpu

@@ -18,21 +18,18 @@ kernel); where they have not, fp8_linear keeps the Triton kernel.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
 from ninfer.kernels.fp8_gemm import ref
 from ninfer.kernels.fp8_quant.ref import FP8
 from ninfer.kernels.gemv.ref import SCALE_BLOCK, scale_rows_per_block
-
-log = logging.getLogger("ninfer.kernels")
+from ninfer.kernels.route_probe import RouteProbe
 
 ROW_MULTIPLE = 16  # x rows padded to this: the scales' column-major leading dimension stays 16-byte aligned
 _SCALE_COLUMN_MULTIPLE = 4  # K blocks of a transposed 128 x 128 scale tensor: 16-byte aligned rows
-# (device index, weight rows per scale row) -> whether cuBLAS computed the probe's product right
-_SUPPORTED: dict[tuple[int, int], bool] = {}
+# Both sum each group in the tensor cores' own precision: they agree to a few e4m3 products' rounding.
+PROBE = RouteProbe("cuBLAS's blockwise FP8 product", "block-scaled FP8 prefill keeps the Triton kernel", 1e-2)
 
 
 def _recipes():
@@ -83,21 +80,13 @@ def matmul(x_fp8, x_scale, weight, weight_scale, out_dtype, bias=None) -> torch.
 
 
 def supported(device: torch.device, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
-    """Whether cuBLAS computes the product right for this weight's scale layout on `device`:
-    a 64 x 512 x 256 product against the reference, once per device and layout. Inside a graph
-    capture an unprobed layout counts as unsupported (the probe reads back a result)."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(),
-           scale_rows_per_block(weight, weight_scale))  # fmt: skip
-    known = _SUPPORTED.get(key)
-    if known is not None:
-        return known
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    _SUPPORTED[key] = ok = _probe(device, key[1])
-    return ok
+    """Whether cuBLAS computes the product right for this weight's scale layout on `device`: a
+    40 x 512 x 256 product against the reference, once per device and layout (PROBE)."""
+    rows_per_scale = scale_rows_per_block(weight, weight_scale)
+    return PROBE.supported(device, rows_per_scale, lambda: _probe_problem(device, rows_per_scale))
 
 
-def _probe(device: torch.device, rows_per_scale: int) -> bool:
+def _probe_problem(device: torch.device, rows_per_scale: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator(device=device).manual_seed(0)
     rows, cols, out_features = 40, 512, 256  # 40 rows: the padding path too
     x = torch.randn(rows, cols, generator=generator, device=device, dtype=torch.bfloat16)
@@ -106,15 +95,4 @@ def _probe(device: torch.device, rows_per_scale: int) -> bool:
     weight_scale = torch.rand(scale_rows, cols // SCALE_BLOCK, generator=generator, device=device) + 0.5
     x_fp8, x_scale = ref.quantize_groups(x)
     expected = ref.block_fp8_matmul(x_fp8, x_scale, weight, weight_scale, torch.float32)
-    try:
-        got = matmul(x_fp8, x_scale, weight, weight_scale, torch.float32)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
-        log.info("block-scaled FP8 prefill keeps the Triton kernel: cuBLAS's blockwise product is missing (%s)", error)
-        return False
-    # Both sum each group in the tensor cores' own precision: agree to a few e4m3 products' rounding.
-    error = ((got - expected).abs().max() / expected.abs().max().clamp(min=1e-6)).item()
-    if error > 1e-2:
-        log.warning("block-scaled FP8 prefill keeps the Triton kernel: cuBLAS's blockwise product is off "
-                    "by %.3g of the largest output", error)  # fmt: skip
-        return False
-    return True
+    return matmul(x_fp8, x_scale, weight, weight_scale, torch.float32), expected

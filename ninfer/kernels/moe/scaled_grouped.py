@@ -16,17 +16,15 @@ never inside a graph capture; where it has not, fused_experts keeps the dequanti
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
 from ninfer.kernels.fp8_quant import quantize_rows
 from ninfer.kernels.fp8_quant.ref import FP8
+from ninfer.kernels.route_probe import RouteProbe
 
-log = logging.getLogger("ninfer.kernels")
-
-_SUPPORTED: dict[int, bool] = {}  # device index -> whether the probe's product came out right
+# The fast accumulation and the bf16 intermediate's rounding: well within 2% of the largest output.
+PROBE = RouteProbe("torch's scaled grouped GEMM", "FP8 expert prefill keeps the dequantized bf16 route", 2e-2)
 
 
 def _scaled_grouped_mm():
@@ -87,20 +85,12 @@ def reference_products(x_sorted, ends, gate_up_proj, down_proj, gate_up_scale, d
 
 
 def supported(device: torch.device) -> bool:
-    """Whether torch's scaled grouped GEMM computes products() right on `device`: a small
-    problem against reference_products, once per device. Inside a graph capture an unprobed
-    device counts as unsupported (the probe reads back a result)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    known = _SUPPORTED.get(index)
-    if known is not None:
-        return known
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    _SUPPORTED[index] = ok = _probe(device)
-    return ok
+    """Whether torch's scaled grouped GEMM computes products() right on `device`: a small problem
+    against reference_products, once per device (PROBE)."""
+    return PROBE.supported(device, "per-row scales", lambda: _probe_problem(device))
 
 
-def _probe(device: torch.device) -> bool:
+def _probe_problem(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator(device=device).manual_seed(0)
     num_experts, hidden, inter = 4, 256, 128
     ends = torch.tensor([7, 7, 30, 45], dtype=torch.int32, device=device)  # uneven, one expert empty
@@ -109,16 +99,5 @@ def _probe(device: torch.device) -> bool:
     down = (torch.randn(num_experts, hidden, inter, generator=generator, device=device) * 64).clamp(-448, 448).to(FP8)
     up_scale = torch.rand(num_experts, 2 * inter, generator=generator, device=device) / 512 + 1e-3
     down_scale = torch.rand(num_experts, hidden, generator=generator, device=device) / 512 + 1e-3
-    expected = reference_products(x, ends, gate_up, down, up_scale, down_scale).float()
-    try:
-        got = products(x, ends, gate_up, down, up_scale, down_scale).float()
-    except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
-        log.info("FP8 expert prefill keeps the dequantized bf16 route: no scaled grouped GEMM (%s)", error)
-        return False
-    # The fast accumulation and the bf16 intermediate's rounding: well within 2% of the largest output.
-    error = ((got - expected).abs().max() / expected.abs().max().clamp(min=1e-6)).item()
-    if error > 2e-2:
-        log.warning("FP8 expert prefill keeps the dequantized bf16 route: the scaled grouped GEMM is off by "
-                    "%.3g of the largest output", error)  # fmt: skip
-        return False
-    return True
+    expected = reference_products(x, ends, gate_up, down, up_scale, down_scale)
+    return products(x, ends, gate_up, down, up_scale, down_scale), expected
