@@ -22,6 +22,6 @@ class SchedulerLimits:
     def mixed_prompt_budget(self, num_decode_tokens: int) -> int:
         """Prompt tokens of a step beside num_decode_tokens decode tokens: the step holds
         mixed_prefill_chunk tokens in all, so a power-of-two budget fills a step graph's bucket
-        exactly (a matmul of 1,032 rows costs ~14% more than one of 1,024), but at least half
+        exactly (the 27B's matmuls cost 13% more at 1,032 rows than at 1,024), but at least half
         of them are prompt tokens."""
         return max(self.mixed_prefill_chunk - num_decode_tokens, -(-self.mixed_prefill_chunk // 2))
