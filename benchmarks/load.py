@@ -351,6 +351,46 @@ def summarize(records: list[RequestRecord], scenario: str, group: str, asked: in
     return summary
 
 
+STEP_CLUSTER_S = 0.002  # token chunks of one server step reach the streams within this of each other
+
+
+def prompt_phase_steps(records: list[RequestRecord]) -> dict | None:
+    """The server steps the streams saw while prompts were still being computed (until the last
+    first token), from each stream's token times: gap ends within STEP_CLUSTER_S of each other
+    are one step, whose time is the largest gap it closes. -> the steps that delivered a first
+    token (they end a prompt) and the others: counts, medians and p90s (None without such steps).
+    What makes the inter-token p99 of a burst: every stream already decoding waits for each."""
+    ok = [r for r in records if r.ok and r.ttft_s is not None]
+    if len(ok) < 2:
+        return None
+    firsts = sorted(r.sent_s + r.ttft_s for r in ok)
+    ends = []
+    for r in ok:
+        at = r.sent_s + r.ttft_s
+        for gap in r.itl_s:
+            at += gap
+            if at <= firsts[-1] + STEP_CLUSTER_S:
+                ends.append((at, gap))
+    if not ends:
+        return None
+    ends.sort()
+    steps: list[list[tuple[float, float]]] = [[ends[0]]]
+    for end in ends[1:]:
+        if end[0] - steps[-1][-1][0] <= STEP_CLUSTER_S:
+            steps[-1].append(end)
+        else:
+            steps.append([end])
+    prompt_ends, others = [], []
+    for step in steps:
+        lo, hi = step[0][0] - STEP_CLUSTER_S, step[-1][0] + STEP_CLUSTER_S
+        (prompt_ends if any(lo <= f <= hi for f in firsts) else others).append(max(gap for _, gap in step))
+    return {
+        "prompt_end_steps": len(prompt_ends), "prompt_end_step_p50_s": percentile(prompt_ends, 50),
+        "other_prompt_phase_steps": len(others), "other_step_p50_s": percentile(others, 50),
+        "other_step_p90_s": percentile(others, 90),
+    }
+
+
 def cold_start_fields(summary: dict, records: list[RequestRecord], ready_s: float | None) -> None:
     first, warm = (records + [None, None])[:2]
     summary["ready_s"] = ready_s  # server process start to /health 200
@@ -496,6 +536,19 @@ def target_lines(summaries: list[dict]) -> list[str]:
     return lines
 
 
+def prompt_phase_lines(summaries: list[dict]) -> list[str]:
+    lines = []
+    for s in summaries:
+        steps = s.get("prompt_phase_steps")
+        if steps:
+            lines.append(
+                f"- {s['scenario']}: while prompts were computed, the {steps['prompt_end_steps']} steps that ended a "
+                f"prompt closed gaps of {fmt(steps['prompt_end_step_p50_s'], '.1f', 1e3)} ms (median), the other "
+                f"{steps['other_prompt_phase_steps']} {fmt(steps['other_step_p50_s'], '.1f', 1e3)} ms "
+                f"(p90 {fmt(steps['other_step_p90_s'], '.1f', 1e3)} ms)")  # fmt: skip
+    return lines
+
+
 def cold_start_lines(summaries: list[dict]) -> list[str]:
     return [f"- cold-start: ready in {fmt(s['ready_s'], '.1f')} s; first request TTFT {fmt(s['first_ttft_s'], '.3f')} s, "
             f"end-to-end {fmt(s['first_e2e_s'], '.2f')} s; warm TTFT {fmt(s['warm_ttft_s'], '.3f')} s, end-to-end "
@@ -621,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
                                     args.output_tokens)
                 if name == "cold-start":
                     cold_start_fields(summary, records, ready_s)
+                if name == "burst":
+                    summary["prompt_phase_steps"] = prompt_phase_steps(records)
                 if name == "burst" and rates is not None:
                     summary["targets"] = burst_targets(summary, records, rates, server_concurrency(log_path))
                 write(summary)
@@ -630,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_server(process)
     report = ["## Load", "", f"Model `{model}`; {args.output_tokens} output tokens asked per request.", "",
               table(summaries), ""]
-    extra = cold_start_lines(summaries) + target_lines(summaries)
+    extra = cold_start_lines(summaries) + prompt_phase_lines(summaries) + target_lines(summaries)
     if rates is not None:
         extra.append(f"- rates: {rates['file']} ({rates['shape']}, {rates['weights']})")
     short = sum(s["requests_not_at_asked_length"] for s in summaries)

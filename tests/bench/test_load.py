@@ -30,6 +30,26 @@ def test_percentile_interpolates_between_closest_ranks():
     assert percentile([1.0, 2.0, 3.0], 0) == 1.0 and percentile([1.0, 2.0, 3.0], 100) == 3.0
 
 
+def test_prompt_phase_steps_separate_the_steps_that_end_a_prompt():
+    """Three streams: a decodes from t = 1.0 at 10 ms steps, b's first token arrives with a's step
+    at 1.05 (a 30 ms step), c's with the step at 1.10 (also 30 ms); gaps after the last first
+    token are not counted."""
+    load = load_script("benchmarks/load.py", "load_benchmark")
+
+    def record(index: int, first: float, gaps: list[float]):
+        return load.RequestRecord("burst", "burst", index, index, 8, status=200, ttft_s=first, itl_s=gaps)
+
+    a = record(0, 1.0, [0.01, 0.01, 0.03, 0.01, 0.01, 0.03, 0.01, 0.01])  # steps end 1.01 1.02 1.05 1.06 1.07 1.10 ...
+    b = record(1, 1.05, [0.01, 0.01, 0.03, 0.01])  # first token at 1.05; its gaps end with a's steps
+    c = record(2, 1.10, [0.01])
+    steps = load.prompt_phase_steps([a, b, c])
+    assert steps["prompt_end_steps"] == 2 and steps["prompt_end_step_p50_s"] == pytest.approx(0.03)
+    assert steps["other_prompt_phase_steps"] == 4 and steps["other_step_p50_s"] == pytest.approx(0.01)
+    assert load.prompt_phase_steps([a]) is None  # one stream: nothing to compare
+    line = load.prompt_phase_lines([{"scenario": "burst", "prompt_phase_steps": steps}])[0]
+    assert "2 steps that ended a prompt closed gaps of 30.0 ms" in line and "other 4 10.0 ms" in line
+
+
 @pytest.mark.slow  # one server start and ~10 short requests: ~20 s on 2 cores
 def test_burst_and_concurrency_record_every_request(tmp_path_factory):
     artifact = make_tiny_qwen3_5(tmp_path_factory.getbasetemp() / "artifacts")

@@ -86,10 +86,10 @@ def chained_chunk(seq: Sequence, previous_row: int) -> ScheduledChunk:
 
 
 # Beside decode rows, a checkpoint inside a chunk costs the step a second pass of the Gated
-# DeltaNet rule over its bucket (~10 ms of a 27B step on an H100, whatever the chunk holds), paid
-# by every decoding stream; ending the chunk at the frontier instead moves its remaining tokens
-# to the next step, which costs only what they leave unfilled. So there the snapshot stays inside
-# only when at least this many of the chunk's tokens come after the frontier.
+# DeltaNet conv and rule over its bucket, which every decoding stream waits for (a 27B burst's
+# prompt-ending steps took 4-12 ms more on an H100); ending the chunk at the frontier instead
+# moves its remaining tokens to the next step, which costs only what they leave unfilled. So
+# there the snapshot stays inside only when at least this many tokens come after the frontier.
 MIN_TOKENS_AFTER_SNAPSHOT_BESIDE_DECODE = 128
 
 
