@@ -125,13 +125,12 @@ class EngineConfig:
     @property
     def step_graph_tokens(self) -> int:
         """The largest prompt or mixed step captured in a CUDA graph (engine/step_graphs.py): a mixed
-        step's budget, at least 1,024 tokens and at most 2,048 (larger steps keep the GPU busy
-        while the host issues them), or more where max_concurrency decode rows leave a mixed step
-        only its floor of prompt tokens (SchedulerLimits.mixed_prompt_budget); 0 without graphs."""
+        step's budget (its decode rows included), at least 1,024 tokens and at most 2,048 (larger
+        steps keep the GPU busy while the host issues them) and --prefill-chunk; 0 without graphs.
+        A larger step runs eagerly."""
         if not (self.cuda_graphs and self.step_graphs):
             return 0
-        tokens = min(max(self.mixed_prefill_chunk, 1024), 2048, self.prefill_chunk)
-        return max(tokens, self.max_concurrency + -(-self.mixed_prefill_chunk // 2))
+        return min(max(self.mixed_prefill_chunk, 1024), 2048, self.prefill_chunk)
 
     @property
     def num_kv_pages(self) -> int:

@@ -110,6 +110,20 @@ def test_token_buckets() -> None:
     assert token_buckets(24, (32,)) == [16, 24]
 
 
+def test_a_full_mixed_step_fills_the_served_largest_bucket() -> None:
+    from ninfer.config import EngineConfig
+    from ninfer.engine.scheduler import SchedulerLimits
+
+    config = EngineConfig(max_concurrency=8, cuda_graphs=True, step_graphs=True)  # 8192 / 1024 budgets
+    buckets = token_buckets(config.step_graph_tokens)
+    assert buckets[-1] == 1024 and all(b & (b - 1) == 0 for b in buckets)
+    limits = SchedulerLimits(8, 4096, config.prefill_chunk, mixed_prefill_chunk=config.mixed_prefill_chunk)
+    assert 8 + limits.mixed_prompt_budget(8) == 1024  # 8 decode rows and 1,016 prompt tokens: no padding
+    assert dataclasses.replace(config, mixed_prefill_chunk=512).step_graph_tokens == 1024  # 1,024-token prompt steps too
+    assert dataclasses.replace(config, mixed_prefill_chunk=4096).step_graph_tokens == 2048  # larger steps run eagerly
+    assert dataclasses.replace(config, step_graphs=False).step_graph_tokens == 0
+
+
 @pytest.mark.parametrize(("num_experts", "top_k"), [(8, 2), (256, 8), (512, 10), (128, 8)])
 def test_moe_buckets_hold_token_counts_that_choose_the_same_expert_kernels(num_experts: int, top_k: int) -> None:
     """Padded to its bucket, a step's experts run in the eager step's mode, block rows and
