@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ninfer.kernels.fp8_quant import quantize_rows
 from ninfer.kernels.fp8_quant.ref import FP8
+from ninfer.kernels.fp8_quant.ref import quantize_rows as quantize_rows_ref
 from ninfer.kernels.route_probe import RouteProbe
 
 # The fast accumulation and the bf16 intermediate's rounding: well within 2% of the largest output.
@@ -34,7 +35,7 @@ def _scaled_grouped_mm():
 def eligible(x: torch.Tensor, gate_up_proj: torch.Tensor, gate_up_scale, down_scale) -> bool:
     """bf16 x on CUDA, e4m3 experts with one fp32 scale per output row ([E, N]), sizes the
     CUTLASS kernel aligns (multiples of 16); whether it works: supported()."""
-    num_experts, two_inter, hidden = gate_up_proj.shape
+    _, two_inter, hidden = gate_up_proj.shape
     per_row = all(
         isinstance(scale, torch.Tensor) and scale.dim() == 2 and scale.dtype == torch.float32
         for scale in (gate_up_scale, down_scale)
@@ -64,8 +65,6 @@ def products(
 
 def reference_products(x_sorted, ends, gate_up_proj, down_proj, gate_up_scale, down_scale) -> torch.Tensor:
     """products() in fp32 torch ops, with the same row quantizations and bf16 roundings."""
-    from ninfer.kernels.fp8_quant.ref import quantize_rows as quantize_rows_ref
-
     out = torch.empty(x_sorted.shape, dtype=torch.bfloat16, device=x_sorted.device)
     start = 0
     for expert, end in enumerate(ends.tolist()):
