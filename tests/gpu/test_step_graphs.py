@@ -78,11 +78,11 @@ def test_replayed_prompt_and_mixed_steps_equal_eager_steps(arch, tmp_root):
     ids = [runner.execute(SchedulerStep(StepKind.MIXED, step)) for runner in (graphed, eager)]
     assert ids[0] == ids[1]
     _assert_close(graphed, eager, [1, 2, 6], "checkpoint inside the step")
-    # Buckets at max_batch 4: 16 (the GEMV's last row count), 20, 36, 68, 132 and 200; the MoE
-    # model's also end where its expert kernels change (4 to 128 tokens at top-2 of 8 experts).
+    # Buckets up to 200 tokens: powers of two from 16 (the GEMV's last row count), then 200; the
+    # MoE model's also end where its expert kernels change (4 to 128 tokens at top-2 of 8 experts).
     buckets = graphed.step_graphs.buckets
     if not model.config.is_moe:
-        assert buckets == [16, 20, 36, 68, 132, 200]
+        assert buckets == [16, 32, 64, 128, 200]
     step_tokens = [12, 45, 78, 111, 110, 141]
     assert [key for key, _ in replays] == [(next(b for b in buckets if b >= t), t == 141) for t in step_tokens]
 
