@@ -239,11 +239,13 @@ def prefill_sweep(gate_up: torch.Tensor, down: torch.Tensor, gen: torch.Generato
     fp8_rows = (per_row[0][0], per_row[1][0], per_row[0][1], per_row[1][1])
     from ninfer.kernels.moe import scaled_grouped
 
-    print("torch's scaled grouped GEMM computes the FP8 experts right here:", scaled_grouped.supported(x.device), flush=True)
+    scaled_ok = scaled_grouped.supported(x.device)
+    print("torch's scaled grouped GEMM computes the FP8 experts right here:", scaled_ok, flush=True)
     record("FP8 per-row scales, dequantized + grouped_mm", median_seconds(
         lambda: moe_fast.fused_experts(x, weights, ids, *fp8_rows, grouped_mm=True, fp8_grouped=False), replays=10, graph=False))
-    record("FP8 per-row scales, scaled grouped GEMM", median_seconds(
-        lambda: moe_fast.fused_experts(x, weights, ids, *fp8_rows, grouped_mm=True, fp8_grouped=True), replays=10, graph=False))
+    if scaled_ok:  # else fused_experts would time the dequantized route under this name
+        record("FP8 per-row scales, scaled grouped GEMM", median_seconds(
+            lambda: moe_fast.fused_experts(x, weights, ids, *fp8_rows, grouped_mm=True, fp8_grouped=True), replays=10, graph=False))
     record("FP8 dequantization alone (both)", median_seconds(
         lambda: (moe_fast.dequantize_experts(fp8_gate_up, gate_up_scale, torch.bfloat16),
                  moe_fast.dequantize_experts(fp8_down, down_scale, torch.bfloat16)), replays=10, graph=False))

@@ -100,6 +100,22 @@ def test_probe_rejects_a_missing_or_wrong_product(emulated, monkeypatch: pytest.
     assert scaled_grouped.PROBE._check(lambda: scaled_grouped._probe_problem(device)) is False
 
 
+def test_probe_accepts_an_accumulation_that_flips_the_activations_rounding(emulated, monkeypatch) -> None:
+    # A product off by 2^-9 of each output (a fast accumulation's order) passes: the probe checks
+    # each product on the same operands, so a rounding of the activation it flips is not an error.
+    device = torch.device("cpu", 0)
+
+    def noisy(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
+        exact = _emulated(a, b, scale_a, scale_b, offs, torch.float32)
+        signs = torch.where(torch.arange(exact.numel()).view(exact.shape) % 2 == 0, 1.0, -1.0)
+        return (exact * (1 + signs * 2**-9)).to(out_dtype)
+
+    monkeypatch.setattr(scaled_grouped.torch, "_scaled_grouped_mm", noisy, raising=False)
+    got, expected = scaled_grouped._probe_problem(device)
+    assert not torch.equal(got, expected)
+    assert scaled_grouped.PROBE._check(lambda: (got, expected)) is True
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("num_tokens", [4096, 8192])

@@ -24,8 +24,8 @@ from ninfer.kernels.fp8_quant.ref import FP8
 from ninfer.kernels.fp8_quant.ref import quantize_rows as quantize_rows_ref
 from ninfer.kernels.route_probe import RouteProbe
 
-# The fast accumulation and the bf16 intermediate's rounding: well within 2% of the largest output.
-PROBE = RouteProbe("torch's scaled grouped GEMM", "FP8 expert prefill keeps the dequantized bf16 route", 2e-2)
+# Each product alone, on the same operands: the fast accumulation and the bf16 output's rounding.
+PROBE = RouteProbe("torch's scaled grouped GEMM", "FP8 expert prefill keeps the dequantized bf16 route", 1e-2)
 
 
 def _scaled_grouped_mm():
@@ -52,35 +52,37 @@ def products(
 ) -> torch.Tensor:  # fmt: skip
     """x_sorted [P, H] bf16 (rows sorted by expert), ends [E] int32 (one past each expert's last
     row) -> each row's expert output [P, H] bf16 (above)."""
-    grouped = _scaled_grouped_mm()
     x_fp8, x_scale = quantize_rows(x_sorted, 1)
-    gate_up = grouped(x_fp8, gate_up_proj.transpose(1, 2), x_scale.view(-1), gate_up_scale, offs=ends,
-                      out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
+    gate_up = _grouped(x_fp8, x_scale, gate_up_proj, gate_up_scale, ends)
     gate, up = gate_up.chunk(2, dim=-1)
-    act = F.silu(gate) * up
-    act_fp8, act_scale = quantize_rows(act, 1)
-    return grouped(act_fp8, down_proj.transpose(1, 2), act_scale.view(-1), down_scale, offs=ends,
-                   out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
+    act_fp8, act_scale = quantize_rows(F.silu(gate) * up, 1)
+    return _grouped(act_fp8, act_scale, down_proj, down_scale, ends)
+
+
+def _grouped(a_fp8, a_scale, weight, weight_scale, ends) -> torch.Tensor:
+    """One product on torch's op: rows a [P, K] e4m3 (scales [P, 1]) by their expert's [N, K] -> [P, N] bf16."""
+    return _scaled_grouped_mm()(a_fp8, weight.transpose(1, 2), a_scale.view(-1), weight_scale, offs=ends,
+                                out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
+
+
+def _reference_grouped(a_fp8, a_scale, weight, weight_scale, ends) -> torch.Tensor:
+    """_grouped in fp32 torch ops, one expert at a time, rounded to bf16 once."""
+    out = torch.zeros(a_fp8.shape[0], weight.shape[1], dtype=torch.bfloat16, device=a_fp8.device)
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        w = weight[expert].float() * weight_scale[expert, :, None]
+        out[start:end] = ((a_fp8[start:end].float() * a_scale[start:end]) @ w.T).bfloat16()
+        start = end
+    return out
 
 
 def reference_products(x_sorted, ends, gate_up_proj, down_proj, gate_up_scale, down_scale) -> torch.Tensor:
     """products() in fp32 torch ops, with the same row quantizations and bf16 roundings."""
-    out = torch.empty(x_sorted.shape, dtype=torch.bfloat16, device=x_sorted.device)
-    start = 0
-    for expert, end in enumerate(ends.tolist()):
-        if end == start:
-            continue
-        rows = x_sorted[start:end]
-        x_fp8, x_scale = quantize_rows_ref(rows, 1)
-        w_up = gate_up_proj[expert].float() * gate_up_scale[expert, :, None]
-        gate_up = ((x_fp8.float() * x_scale) @ w_up.T).bfloat16()
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        act_fp8, act_scale = quantize_rows_ref(act, 1)
-        w_down = down_proj[expert].float() * down_scale[expert, :, None]
-        out[start:end] = ((act_fp8.float() * act_scale) @ w_down.T).bfloat16()
-        start = end
-    return out
+    x_fp8, x_scale = quantize_rows_ref(x_sorted, 1)
+    gate_up = _reference_grouped(x_fp8, x_scale, gate_up_proj, gate_up_scale, ends)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act_fp8, act_scale = quantize_rows_ref(F.silu(gate) * up, 1)
+    return _reference_grouped(act_fp8, act_scale, down_proj, down_scale, ends)
 
 
 def supported(device: torch.device) -> bool:
@@ -98,5 +100,15 @@ def _probe_problem(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     down = (torch.randn(num_experts, hidden, inter, generator=generator, device=device) * 64).clamp(-448, 448).to(FP8)
     up_scale = torch.rand(num_experts, 2 * inter, generator=generator, device=device) / 512 + 1e-3
     down_scale = torch.rand(num_experts, hidden, generator=generator, device=device) / 512 + 1e-3
-    expected = reference_products(x, ends, gate_up, down, up_scale, down_scale)
-    return products(x, ends, gate_up, down, up_scale, down_scale), expected
+    # Each product against the reference on the same e4m3 operands: between them, one activation's
+    # rounding flipped by the fast accumulation would move the output by an e4m3 step of its term.
+    x_fp8, x_scale = quantize_rows(x, 1)
+    first = _grouped(x_fp8, x_scale, gate_up, up_scale, ends)
+    gate, up = first.chunk(2, dim=-1)
+    act_fp8, act_scale = quantize_rows(F.silu(gate) * up, 1)
+    second = _grouped(act_fp8, act_scale, down, down_scale, ends)
+    expected = (_reference_grouped(x_fp8, x_scale, gate_up, up_scale, ends),
+                _reference_grouped(act_fp8, act_scale, down, down_scale, ends))  # fmt: skip
+    scales = [want.float().abs().max().clamp(min=1e-6) for want in expected]
+    got = torch.cat([out.float().flatten() / scale for out, scale in zip((first, second), scales)])
+    return got, torch.cat([want.float().flatten() / scale for want, scale in zip(expected, scales)])
