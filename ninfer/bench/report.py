@@ -36,6 +36,12 @@ def markdown_table(results: dict[str, Any]) -> str:
             f"| {r['shape']} | {_weights_label(r)} | {r['kind']} | {r['batch']} | {r['tokens']:,} | "
             f"{r['tokens_per_s']:,.2f} {unit} | {roof} | {frac} | {r['peak_memory_gib']:.1f} | {clock} |"
         )
+    skipped = results.get("skipped") or []  # older result files have none
+    if skipped:
+        lines += ["", "Not run (their KV does not fit beside the model on this device):", *(f"- {s}" for s in skipped)]
+    failures = results.get("failures") or []
+    if failures:
+        lines += ["", "Failed:", *(f"- {f}" for f in failures)]
     return "\n".join(lines) + "\n"
 
 

@@ -55,6 +55,7 @@ from ninfer.bench.roofline import (
 from ninfer.bench.shapes import shape_config
 from ninfer.config import EngineConfig
 from ninfer.contract.sampling import SamplingParams
+from ninfer.engine.core import kv_page_bytes, state_image_bytes
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import PENDING_TOKEN, CommitVerified, ScheduledChunk, SchedulerStep, StepKind
 from ninfer.models.loader import QUANTIZE_AT_LOAD, build_model, load_weights
@@ -138,6 +139,9 @@ def kv_element_bytes(cache, config) -> float:
 
 # Prefill timings per case: the rate moves with the SM clock, so short prompts get more repeats.
 _PREFILL_REPEATS = 5
+# Device memory a runner needs beside its KV pool and state slots: the longest prompt step's
+# activations, the CUDA graphs, the verification scratch.
+_RUNNER_RESERVE_BYTES = 6 << 30
 _LONG_PREFILL = 16384
 _LONG_PREFILL_REPEATS = 3
 
@@ -158,6 +162,8 @@ class Suite:
         self.ceilings: DeviceCeilings | None = None
         self.clocks = ClockSampler(None)
         self._plain_rounds: dict[tuple, float] = {}  # (shape, weights, kv, batch, context) -> decode round seconds
+        self.skipped: list[str] = []  # cases whose KV does not fit beside the model on this device
+        self._num_pages = 0  # the KV pool of the runner being measured
         self.kv_dtype = "bf16"  # the KV format of the runner being measured
         self.expert_bytes = 2.0  # bytes per routed-expert weight of the model being measured
 
@@ -191,6 +197,7 @@ class Suite:
                 torch.cuda.empty_cache()
         return {
             "failures": failures,
+            "skipped": self.skipped,
             "device": self.ceilings.name,
             "ceilings": asdict(self.ceilings),
             "options": asdict(self.options),
@@ -266,6 +273,7 @@ class Suite:
     def _runner(self, model, num_pages: int, max_batch: int, shape: str, weights: str, num_drafts: int = 0) -> ModelRunner:
         options = self.options
         started = time.perf_counter()
+        num_pages = self._num_pages = self._pages_that_fit(model, num_pages, max_batch, f"{shape} {weights}")
         # A verification row writes up to K+1 positions past the context (Admission.spare_tokens).
         runner = ModelRunner(model, num_pages, SERVER_DEFAULTS.page_size, num_state_slots=max_batch + 1,
                              cuda_graph_batch_sizes=options.batches if options.cuda_graphs else (),
@@ -284,8 +292,36 @@ class Suite:
                 runner.state_cache.recurrent.normal_(std=0.01)
         return runner
 
+    def _pages_that_fit(self, model, wanted: int, max_batch: int, label: str) -> int:
+        """The KV pool's pages: `wanted` (every case's), or as many as fit in the device's free
+        memory beside the state slots and the runner's reserve; the cases that need more are
+        skipped (_fits), the others still run."""
+        if self.device.type != "cuda":
+            return wanted
+        free, _ = torch.cuda.mem_get_info(self.device)
+        page_bytes = kv_page_bytes(model, SERVER_DEFAULTS.page_size, kv_dtype=self.kv_dtype)
+        states = state_image_bytes(model) * (max_batch + 1)
+        affordable = max(0, (free - states - _RUNNER_RESERVE_BYTES) // page_bytes)
+        if affordable >= wanted:
+            return wanted
+        log.warning("[%s] KV pool cut to %d of the %d pages its cases need (%.1f GiB free beside the model, "
+                    "%.1f GiB a case of the longest context at the largest batch would take): cases that need "
+                    "more are skipped", label, affordable, wanted, free / (1 << 30), wanted * page_bytes / (1 << 30))
+        return affordable
+
+    def _fits(self, label: str, pages: int) -> bool:
+        """Whether a case's pages are in the runner's pool; else it is skipped, and said so."""
+        if pages <= self._num_pages:
+            return True
+        message = f"{label}: skipped, needs {pages} KV pages, the pool that fits this device holds {self._num_pages}"
+        log.warning("%s", message)
+        self.skipped.append(message)
+        return False
+
     def _decode_case(self, shape, weights, config, runner, batch, context, weight_bytes) -> None:
         pages_per_seq = -(-(context + 1) // SERVER_DEFAULTS.page_size)
+        if not self._fits(f"{shape} {weights} decode, batch {batch}, context {context}", batch * pages_per_seq):
+            return
         chunks = [
             ScheduledChunk(
                 request_id=f"r{b}", token_ids=[1000 + b], num_computed_tokens=context,
@@ -325,6 +361,9 @@ class Suite:
         num_drafts = runner.speculator.num_draft_tokens
         width = num_drafts + 1
         pages_per_seq = -(-(context + width + 1) // SERVER_DEFAULTS.page_size)
+        if not self._fits(f"{shape} {weights} verify K={num_drafts}, batch {batch}, context {context}",
+                          batch * pages_per_seq):
+            return
         chunks = [
             ScheduledChunk(
                 request_id=f"r{b}", token_ids=[1000 + b] + [2000 + b + j for j in range(num_drafts)],
@@ -379,6 +418,8 @@ class Suite:
         tokens = torch.randint(0, min(200_000, config.vocab_size), (prompt,), generator=generator).tolist()
         chunk = self.options.prefill_chunk
         pages = list(range(-(-prompt // SERVER_DEFAULTS.page_size) + 1))
+        if not self._fits(f"{shape} {weights} prefill {prompt}", len(pages)):
+            return
 
         def prefill() -> None:
             for start in range(0, prompt, chunk):

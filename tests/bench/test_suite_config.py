@@ -81,3 +81,53 @@ def test_decode_cases_run_each_kv_format_and_nvfp4_weights(monkeypatch):
     table = markdown_table({"device": "cpu", "ceilings": dataclasses.asdict(bench.ceilings), "torch": "",
                             "results": [dataclasses.asdict(r) for r in decode]})
     assert "| tiny | nvfp4, KV int8 | decode |" in table and "| tiny | nvfp4 | decode |" in table
+
+
+def test_cases_whose_kv_does_not_fit_are_skipped_and_the_rest_run(monkeypatch):
+    """On a device with too little memory beside the model for every case's KV pool, the pool
+    takes what fits; the cases that need more are listed as skipped, the others still run."""
+    from ninfer.bench.report import markdown_table
+    from ninfer.bench.roofline import DeviceCeilings
+
+    for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args, **kwargs: 0)
+    page_size = EngineConfig().page_size
+    options = BenchOptions(shapes=["tiny"], weights=["bf16"], batches=[1, 2], contexts=[64, 512], prefill_lengths=[32],
+                           decode_rounds=2, cuda_graphs=False, decode_overlap=False)
+    bench = Suite(options, device="cpu")
+    bench.ceilings = DeviceCeilings(copy_bytes_per_s=1e12, bf16_flops_per_s=1e14, name="cpu")
+    fitting = 2 * (-(-65 // page_size)) + (-(-513 // page_size))  # batch 2 at 64 fits, and batch 1 at 512
+    wanted = []
+
+    def pages_that_fit(model, pages, max_batch, label):
+        wanted.append(pages)
+        return fitting
+
+    monkeypatch.setattr(bench, "_pages_that_fit", pages_that_fit)
+    bench._run_ours("tiny", "bf16")
+    assert wanted == [2 * (-(-512 // page_size) + 1)]
+    decode = [(r.batch, r.tokens) for r in bench.results if r.kind == "decode"]
+    assert decode == [(1, 64), (2, 64), (1, 512)]
+    assert [r.kind for r in bench.results].count("prefill") == 1
+    assert len(bench.skipped) == 1 and "decode, batch 2, context 512: skipped" in bench.skipped[0]
+    table = markdown_table({"device": "cpu", "ceilings": dataclasses.asdict(bench.ceilings), "torch": "",
+                            "results": [dataclasses.asdict(r) for r in bench.results], "skipped": bench.skipped})
+    assert "Not run" in table and "batch 2, context 512" in table
+
+
+def test_the_pool_takes_the_pages_that_fit_in_free_memory(monkeypatch):
+    from ninfer.bench.shapes import shape_config
+    from ninfer.engine.core import kv_page_bytes, state_image_bytes
+    from ninfer.models.loader import build_model
+
+    _, config = shape_config("tiny")
+    model = build_model(config, torch.bfloat16, torch.device("cpu"))
+    bench = Suite(BenchOptions(shapes=["tiny"]), device="cpu")
+    assert bench._pages_that_fit(model, 1000, 4, "tiny bf16") == 1000  # no device memory to ask about
+    bench.device = torch.device("cuda", 0)
+    page = kv_page_bytes(model, EngineConfig().page_size)
+    reserve = state_image_bytes(model) * 5 + suite._RUNNER_RESERVE_BYTES
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (reserve + 300 * page, 1 << 40))
+    assert bench._pages_that_fit(model, 1000, 4, "tiny bf16") == 300
+    assert bench._pages_that_fit(model, 200, 4, "tiny bf16") == 200
