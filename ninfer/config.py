@@ -14,12 +14,12 @@ from ninfer.contract.sampling import SamplingOverrides
 DEFAULT_HOST_STATE_SLOTS = 8
 DEFAULT_LONG_ANCHORS = 2
 DEFAULT_HOST_KV_MIB = 8192
-# Step token budgets, measured on an H200 with the 27B (docs/performance.md, "Serving under
-# load"): a prompt step runs at 11.6K tok/s from 2K tokens up but costs ~90 ms of host work at
-# any size below that, so a step beside decode rows takes 1024 prompt tokens (10K tok/s, decode
-# rows wait ~100 ms) rather than fewer for nothing, and a step with no decode rows a whole 8K.
+# Step token budgets (docs/performance.md, "Serving under load"): a step with no decode rows takes
+# a whole 8K (11.6K tok/s from 2K tokens up); beside decode rows, a step of 512 tokens replayed
+# from its graph costs ~57 ms with 8 rows on an H100 (27B, bf16): an 8 x 4K burst's inter-token
+# p99 59.6 ms against 104.6 at 1024, its makespan 4% longer.
 DEFAULT_PREFILL_CHUNK = 8192
-DEFAULT_MIXED_PREFILL_CHUNK = 1024
+DEFAULT_MIXED_PREFILL_CHUNK = 512
 def spare_kv_tokens(num_draft_tokens: int) -> int:
     """KV positions a request holds past its prompt and output: a speculative round writes the
     pending token and K draft places past the last committed token (0 without speculation)."""
