@@ -21,6 +21,7 @@ from ninfer.assets.qwen_tokenizer import cache_dir
 from ninfer.config import EngineConfig, EngineSpec
 from ninfer.engine.background_imports import start_background_imports
 from ninfer.engine.cache.host_kv import HostKV
+from ninfer.engine.compiled_grammars import CompiledGrammars
 from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
 from ninfer.engine.kv_sizing_record import AutoSizing, KvSizingRecords, ProbeMeasure, probe_key
@@ -29,6 +30,7 @@ from ninfer.engine.start_compiles import StartCompiles, model_identity
 from ninfer.engine.startup_checks import check_kv_dtype, check_speculative, check_tensor_parallel, resolve_device
 from ninfer.engine.warm_up import WarmUpReport, run_warm_up, warm_up_plan
 from ninfer.engine.warm_up_record import WarmUpRecords
+from ninfer.frontend.grammar_vocabulary import GrammarVocabulary
 from ninfer.kernels.backend import persist_compile_caches
 from ninfer.models.quant.fp8 import Fp8Linear
 from ninfer.models.quant.fp8_experts import Fp8Experts
@@ -262,14 +264,18 @@ def _build_core(spec: EngineSpec, engine: EngineConfig, artifact, companion, sta
         vision_tower = load_vision_tower(artifact, device=device, dtype=dtype)
         log.info("vision tower loaded: %.2fB parameters", sum(p.numel() for p in vision_tower.parameters()) / 1e9)
     auto_sizing = None
+    # One set for the probe's engine and the served one: the vocabulary index builds once.
+    grammars = CompiledGrammars(GrammarVocabulary(artifact.tokenizer, model.config.vocab_size))
     if spec.kv_capacity_auto:
-        kv_tokens, auto_sizing = _auto_kv_tokens(model, artifact.tokenizer, engine, draft_model, vision_tower, followers)
+        kv_tokens, auto_sizing = _auto_kv_tokens(
+            model, artifact.tokenizer, engine, draft_model, vision_tower, followers, grammars=grammars
+        )
         engine = dataclasses.replace(engine, kv_capacity=kv_tokens)
     # A served engine is ready before its step graphs are captured: they are captured while it is
     # idle (a tensor-parallel engine captures them now, every rank in step).
     core = EngineCore(
         model, artifact.tokenizer, engine, draft_model=draft_model, vision_tower=vision_tower, followers=followers,
-        step_graphs_while_idle=followers is None,
+        step_graphs_while_idle=followers is None, grammars=grammars,
     )
     kv_bytes = sum(cache.nbytes for cache in core.runner.paged_caches)
     core.memory_ledger.update(_AUTO_LEDGER if spec.kv_capacity_auto else {})
@@ -444,7 +450,8 @@ def _vision_reserve(tower, device: torch.device) -> tuple[int, int]:
 
 
 def _auto_kv_tokens(
-    model, tokenizer, engine: EngineConfig, draft_model=None, vision_tower=None, followers=None
+    model, tokenizer, engine: EngineConfig, draft_model=None, vision_tower=None, followers=None,
+    grammars: CompiledGrammars | None = None,
 ) -> tuple[int, AutoSizing | None]:
     """The KV pool that leaves room for everything else the runtime needs at its worst, measured:
     a probe engine with a small pool captures the CUDA graphs and runs the warm-up (whose
@@ -471,7 +478,7 @@ def _auto_kv_tokens(
     measure = records.load(key)
     kept = measure is not None
     if measure is None:
-        measure = _probe(model, tokenizer, probe_config, draft_model, page_bytes, slot_bytes, followers)
+        measure = _probe(model, tokenizer, probe_config, draft_model, page_bytes, slot_bytes, followers, grammars)
         records.store(key, measure)
     worst_step, graphs = measure.worst_step_bytes, measure.graph_bytes
     vision_encode, media_rows = _vision_reserve(vision_tower, device) if vision_tower is not None else (0, 0)
@@ -516,14 +523,15 @@ def kv_tokens_in(free_bytes: int, reserved_bytes: int, page_bytes: int, page_siz
 
 
 def _probe(
-    model, tokenizer, probe_config: EngineConfig, draft_model, page_bytes: int, slot_bytes: int, followers=None
+    model, tokenizer, probe_config: EngineConfig, draft_model, page_bytes: int, slot_bytes: int, followers=None,
+    grammars: CompiledGrammars | None = None,
 ) -> ProbeMeasure:
     """Build an engine with the probe's small pool and run the warm-up: the device memory its CUDA
     graphs and its worst step reserve beyond its pools."""
     device = torch.device(probe_config.device)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_reserved(device)
-    probe = EngineCore(model, tokenizer, probe_config, draft_model=draft_model, followers=followers)
+    probe = EngineCore(model, tokenizer, probe_config, draft_model=draft_model, followers=followers, grammars=grammars)
     probe_pools = probe_config.num_kv_pages * page_bytes + probe_config.num_state_slots * slot_bytes
     graphs = max(0, torch.cuda.memory_reserved(device) - base - probe_pools)
     torch.cuda.reset_peak_memory_stats(device)

@@ -114,12 +114,15 @@ class EngineCore:
         vision_tower: torch.nn.Module | None = None,
         followers: Followers | None = None,
         step_graphs_while_idle: bool = False,
+        grammars: CompiledGrammars | None = None,
     ):
         """drafter: a stand-in for the speculative backend's drafter (tests); draft_model: the
         DFlash / DFlash2 drafter of --spec dflash|dflash2; vision_tower: with --vision.
         followers: the other tensor-parallel ranks (this is rank 0 and `model` its shard): they
         repeat every runner call on theirs. step_graphs_while_idle: capture the step graphs in
-        the loop's idle turns (background_step) instead of now (not with followers)."""
+        the loop's idle turns (background_step) instead of now (not with followers). grammars:
+        the process's compiled grammars, shared with the KV-sizing probe's engine (its vocabulary
+        index and warm-up grammar then compile once a start; default: this engine's own)."""
         self.config = config
         self.followers = followers
         self.tokenizer = tokenizer
@@ -152,7 +155,9 @@ class EngineCore:
         device_type = next(model.parameters()).device.type
         detail = HostDetail()  # each throughput interval's slow paths, timed where they run
         self.context_costs = resolve_context_costs(model.config, device_type, config.context_cost_presets)
-        self.grammars = CompiledGrammars(GrammarVocabulary(tokenizer, model.config.vocab_size))
+        if grammars is None:
+            grammars = CompiledGrammars(GrammarVocabulary(tokenizer, model.config.vocab_size))
+        self.grammars = grammars
         # Plain values only: a follower rank builds its runner from the same arguments.
         runner_arguments = dict(
             num_pages=config.num_kv_pages,

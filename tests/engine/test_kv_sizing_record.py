@@ -84,8 +84,9 @@ def stub_device(monkeypatch, tmp_path):
     monkeypatch.setattr(builder, "_probe_inputs", lambda model, draft_model, device: ("device", "libraries"))
     probes = []
 
-    def probe(model, tokenizer, probe_config, draft_model, page_bytes, slot_bytes, followers=None):
+    def probe(model, tokenizer, probe_config, draft_model, page_bytes, slot_bytes, followers=None, grammars=None):
         probes.append(probe_config)
+        probe.grammars = grammars
         return MEASURE
 
     monkeypatch.setattr(builder, "_probe", probe)
@@ -101,9 +102,11 @@ def test_a_restart_sizes_the_pool_from_the_kept_record(stub_device, tmp_path) ->
     again_tokens, again = builder._auto_kv_tokens(model, None, engine)
     assert len(stub_device) == 1  # no second probe
     assert again_tokens == first_tokens > 0 and again.key == first.key
-    # Another step shape is another probe.
-    builder._auto_kv_tokens(model, None, EngineConfig(**{**vars(engine), "prefill_chunk": engine.prefill_chunk // 2}))
-    assert len(stub_device) == 2
+    # Another step shape is another probe; its engine compiles grammars in the served engine's set.
+    grammars = object()
+    builder._auto_kv_tokens(model, None, EngineConfig(**{**vars(engine), "prefill_chunk": engine.prefill_chunk // 2}),
+                            grammars=grammars)
+    assert len(stub_device) == 2 and builder._probe.grammars is grammars
     # A record the final warm-up outgrew is measured again.
     again.confirm(MEASURE.worst_step_bytes + 2 * WORKSPACE_SLACK_BYTES)
     builder._auto_kv_tokens(model, None, engine)
