@@ -1,4 +1,5 @@
-"""NVFP4 GEMV microbenchmark: the FMA path's default launch and tiles around it, tensor-core
+"""NVFP4 GEMV microbenchmark: the FMA path's default launch and tiles around it (each also with
+its loads double-buffered, `fma_tile_db`), tensor-core
 (DOT) launches around a few tile shapes and K splits, the default launch, and cuBLAS on the
 same matrix in bf16, at the 27B shapes and M = 1..16.
 
@@ -82,6 +83,8 @@ def bench_case(name: str, m: int, bandwidth: float, replays: int) -> list[dict]:
     dots = dot_configs()
     variants = [("fma_default", None, True), ("fma_fp16_decode", None, False)]
     variants += [("fma_tile", cfg, True) for cfg in fma_configs(m, n, k)]
+    # The same tiles with each step's loads issued before the step before it is computed.
+    variants += [("fma_tile_db", cfg._replace(double_buffer=True), True) for cfg in fma_configs(m, n, k)]
     variants += [("dot", cfg, True) for cfg in dots]
     variants += [("dot_fp16_decode", cfg, False) for cfg in dots[2:4]]
     variants += [("dot_split", fast.DOT_TILE._replace(split_k=split), True) for split in (2, 4, 8)]

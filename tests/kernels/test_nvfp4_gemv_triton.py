@@ -126,15 +126,17 @@ def test_ref_gemv_is_x_times_the_dequantized_weight(dtype: torch.dtype) -> None:
 
 
 @interpreter_only
+@pytest.mark.parametrize("double_buffer", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k", [32, 64, 160])
 @pytest.mark.parametrize("m", [1, 3, 16])
-def test_matches_reference(m: int, k: int, dtype: torch.dtype, with_bias: bool) -> None:
+def test_matches_reference(m: int, k: int, dtype: torch.dtype, with_bias: bool, double_buffer: bool) -> None:
+    # k = 32: one step, 64: whole steps, 160: a masked last step (each loaded a step ahead with double_buffer).
     packed, block_scale, row_scale = random_weights(N, k, seed=k + m)
     x, bias = random_activations(m, N, k, dtype, seed=m)
     bias = bias if with_bias else None
-    config = NARROW if m <= 4 else HALF_VECTORS
+    config = (NARROW if m <= 4 else HALF_VECTORS)._replace(double_buffer=double_buffer)
     _check(fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias, config=config), x, packed, block_scale, row_scale, bias)
 
 
@@ -185,6 +187,17 @@ def test_default_config(m: int, k: int, dtype: torch.dtype) -> None:
         row_scale = row_scale * 2**-10
     x, bias = random_activations(m, N, k, dtype, seed=30 + m)
     _check(fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias), x, packed, block_scale, row_scale, bias)
+
+
+@interpreter_only
+@pytest.mark.parametrize("m, k", [(1, 160), (2, 64), (5, 96)])
+def test_double_buffer_gives_the_same_bits(m: int, k: int) -> None:
+    # The same sums in the same order: only when each step's loads are issued differs.
+    packed, block_scale, row_scale = random_weights(N, k, seed=50 + k)
+    x, bias = random_activations(m, N, k, torch.bfloat16, seed=50 + m)
+    config = NARROW if m <= 4 else HALF_VECTORS
+    single = fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias, config=config)
+    assert torch.equal(fast.gemv_nvfp4(x, packed, block_scale, row_scale, bias, config=config._replace(double_buffer=True)), single)
 
 
 @interpreter_only
@@ -455,6 +468,19 @@ class TestOnGpu:
         _check_gpu(out, _exact_fp32(x, packed, block_scale, row_scale))
         # The dispatcher's choice for CUDA tensors, and the same bits on every run.
         assert torch.equal(fast.gemv_nvfp4(x, packed, block_scale, row_scale), out)
+
+    @pytest.mark.parametrize("name", list(SHAPES_27B))
+    @pytest.mark.parametrize("m", [1, 2])
+    def test_double_buffered_fma_gives_the_same_bits(self, name: str, m: int, weights) -> None:
+        # The same sums in the same order, each step's loads issued a step earlier.
+        packed, block_scale, row_scale = weights(name)
+        n, k = SHAPES_27B[name]
+        x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
+        single = fast._config(m, n, k, fast.device_sms(x.device))._replace(use_dot=False, double_buffer=False)
+        out = fast.gemv_nvfp4(x, packed, block_scale, row_scale, config=single)
+        _check_gpu(out, _exact_fp32(x, packed, block_scale, row_scale))
+        doubled = fast.gemv_nvfp4(x, packed, block_scale, row_scale, config=single._replace(double_buffer=True))
+        assert torch.equal(doubled, out)
 
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
     @pytest.mark.parametrize("m", [3, 16])

@@ -60,7 +60,9 @@ class Config(NamedTuple):
     """One launch shape. block_n: weight rows per program; block_k: codes per row and step;
     vec_bytes: bytes of a row one thread reads per step (2 * vec_bytes codes, dividing 16
     so that a vector never straddles a scale block). use_dot: the tensor-core path (bf16 x;
-    vec_bytes unused, num_stages its pipeline depth, split_k programs along K)."""
+    vec_bytes unused, num_stages its pipeline depth, split_k programs along K). double_buffer
+    (FMA): each step's weight codes, block scales and x are loaded before the step before it is
+    computed, so a thread's next loads are in flight while it computes."""
 
     block_n: int
     block_k: int
@@ -69,6 +71,7 @@ class Config(NamedTuple):
     use_dot: bool = False
     num_stages: int = 1
     split_k: int = 1
+    double_buffer: bool = False
 
 
 DOT_ROWS = 8  # x^T is the MMA's B operand: 8 columns per MMA, so x is padded to 8 rows at least
@@ -170,24 +173,35 @@ def _load_tile(w_ptrs, k0, r, K, VEC: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _load_x_and_scales(x_ptrs, s_ptrs, k0, r, K, VEC: tl.constexpr, EVEN_K: tl.constexpr):
+    """Step k0's x pieces [1, BLOCK_M, X_PIECES, R, PIECE] and block scales [BLOCK_N, 1, R]."""
+    if EVEN_K:
+        return tl.load(x_ptrs + k0), tl.load(s_ptrs + k0 // 16)
+    # K is a multiple of 16 and a vector lies inside one 16-code block: whole vectors are in or out.
+    valid = (k0 + r * VEC) < K
+    xt = tl.load(x_ptrs + k0, mask=valid[None, None, None, :, None], other=0.0)
+    return xt, tl.load(s_ptrs + k0 // 16, mask=valid[None, None, :], other=0.0)
+
+
+@triton.jit
 def _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES: tl.constexpr, EVEN_K: tl.constexpr):
     """One K step: the loaded tile times x -> [BLOCK_N, BLOCK_M, R] block-scaled vector sums."""
+    VEC: tl.constexpr = 2 * packed.shape[3]
+    xt, s = _load_x_and_scales(x_ptrs, s_ptrs, k0, r, K, VEC, EVEN_K)
+    return _step_loaded(packed, xt, s, X_PIECES)
+
+
+@triton.jit
+def _step_loaded(packed, xt, s, X_PIECES: tl.constexpr):
+    """_step with its x pieces and block scales loaded."""
     BLOCK_N: tl.constexpr = packed.shape[0]
     R: tl.constexpr = packed.shape[2]
     VEC_BYTES: tl.constexpr = packed.shape[3]
-    BLOCK_M: tl.constexpr = x_ptrs.shape[1]
+    BLOCK_M: tl.constexpr = xt.shape[1]
     PIECE: tl.constexpr = 2 * VEC_BYTES // X_PIECES  # x elements of one 16-byte load
     # A thread's vector as X_PIECES pieces, each meeting one x load: (n, 1, piece, r, byte).
     packed = tl.permute(tl.reshape(packed, [BLOCK_N, 1, R, X_PIECES, PIECE // 2]), [0, 1, 3, 2, 4])
     low, high = _decode(packed)
-    if EVEN_K:
-        xt = tl.load(x_ptrs + k0)
-        s = tl.load(s_ptrs + k0 // 16)
-    else:
-        # K is a multiple of 16 and a vector lies inside one 16-code block: whole vectors are in or out.
-        valid = (k0 + r * 2 * VEC_BYTES) < K
-        xt = tl.load(x_ptrs + k0, mask=valid[None, None, None, :, None], other=0.0)
-        s = tl.load(s_ptrs + k0 // 16, mask=valid[None, None, :], other=0.0)
     # x's even elements meet the low nibbles, odd ones the high: a split in registers.
     x_even, x_odd = tl.split(tl.reshape(xt.to(tl.float32), [1, BLOCK_M, X_PIECES, R, PIECE // 2, 2]))
     part = tl.sum(tl.sum(x_even * low + x_odd * high, axis=4), axis=2)
@@ -217,6 +231,7 @@ def _nvfp4_gemv_kernel(
     X_PIECES: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    DOUBLE_BUFFER: tl.constexpr = False,
 ):
     VEC: tl.constexpr = 2 * VEC_BYTES  # codes per vector
     PIECE: tl.constexpr = VEC // X_PIECES
@@ -241,10 +256,21 @@ def _nvfp4_gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M, R], dtype=tl.float32)
     first = _load_tile(w_ptrs, 0, r, K, VEC, EVEN_K)
     pdl_sync(USE_PDL)  # x comes from the previous kernel
-    acc += _step(first, x_ptrs, s_ptrs, 0, r, K, X_PIECES, EVEN_K)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        packed = _load_tile(w_ptrs, k0, r, K, VEC, EVEN_K)
-        acc += _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES, EVEN_K)
+    if DOUBLE_BUFFER:
+        # Step k0's loads go out before step k0 - BLOCK_K is computed: the loop carries them.
+        packed = first
+        xt, s = _load_x_and_scales(x_ptrs, s_ptrs, 0, r, K, VEC, EVEN_K)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            next_packed = _load_tile(w_ptrs, k0, r, K, VEC, EVEN_K)
+            next_xt, next_s = _load_x_and_scales(x_ptrs, s_ptrs, k0, r, K, VEC, EVEN_K)
+            acc += _step_loaded(packed, xt, s, X_PIECES)
+            packed, xt, s = next_packed, next_xt, next_s
+        acc += _step_loaded(packed, xt, s, X_PIECES)
+    else:
+        acc += _step(first, x_ptrs, s_ptrs, 0, r, K, X_PIECES, EVEN_K)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            packed = _load_tile(w_ptrs, k0, r, K, VEC, EVEN_K)
+            acc += _step(packed, x_ptrs, s_ptrs, k0, r, K, X_PIECES, EVEN_K)
     out = tl.sum(acc, axis=2) * (tl.load(row_scale_ptr + n_load) * FOLD)[:, None]
     if HAS_BIAS:
         out += tl.load(bias_ptr + n_load).to(tl.float32)[:, None]
@@ -313,6 +339,9 @@ def _nvfp4_dot_kernel(
 # 16480 x 5120 at 8 rows 43.9 us against the FMA path's 219; one row 46.6 against 36.8.
 DOT_MIN_ROWS = 2
 DOT_TILE = Config(block_n=32, block_k=128, num_warps=2, use_dot=True, num_stages=4)
+# The FMA path's loads double-buffered by default (Config.double_buffer): off until timed against
+# the single-buffered loop (benchmarks/kernels/bench_nvfp4_gemv.py prints both).
+FMA_DOUBLE_BUFFER = False
 # K is split until the grid holds about this many programs per SM (H100, 8 rows: 5120 x 17408
 # best at 8 splits, 1,280 programs; 16480 x 5120 at 2, 1,030 programs; docs/kernels.md).
 DOT_TARGET_PROGRAMS_PER_SM = 10
@@ -358,7 +387,7 @@ def _config(M: int, N: int, K: int, num_sms: int, dot: bool = False) -> Config:
     block_n = 4 if M <= 8 else 2
     while block_n > 1 and triton.cdiv(N, block_n) < 4 * num_sms:
         block_n //= 2
-    return Config(block_n, block_k, vec_bytes, num_warps)
+    return Config(block_n, block_k, vec_bytes, num_warps, double_buffer=FMA_DOUBLE_BUFFER)
 
 
 @fast_version(ref.gemv_nvfp4)
@@ -417,8 +446,9 @@ def gemv_nvfp4(x, weight, block_scale, row_scale, bias=None, *, config: Config |
         X_PIECES=max(1, 2 * cfg.vec_bytes * x.element_size() // 16),  # x read as 16-byte loads
         EVEN_K=K % cfg.block_k == 0,
         USE_PDL=use_pdl,
+        DOUBLE_BUFFER=cfg.double_buffer,
         num_warps=cfg.num_warps,
-        num_stages=1,  # the loop's loads are not pipelined by Triton: resident programs hide latency
+        num_stages=1,  # Triton pipelines none of these loads: double_buffer does it by hand
         launch_pdl=use_pdl,  # the interpreter's launcher drops launch options it does not know
     )
     return out
