@@ -258,7 +258,7 @@ def _run_write_checkpoint(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     write_random_checkpoint(args.shape, args.directory, seed=args.seed, device=device, mtp=args.mtp,
-                            weights=args.weights, vision=args.vision)
+                            weights=args.weights, vision=args.vision, constant_output=args.constant_output)
     return 0
 
 
@@ -429,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--mtp", action="store_true", help="with the MTP head (mtp.* tensors) of the real checkpoints, for --spec mtp")
     write.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "nvfp4"], help="stored format: bf16; fp8: Qwen's 128x128 block-scaled FP8; nvfp4: NVIDIA ModelOpt's NVFP4 (default bf16)")
     write.add_argument("--vision", action="store_true", help="with the VLM's vision tower (model.visual.*), for ninfer-serve --vision")
+    write.add_argument("--constant-output", action="store_true", help="output norms (the trunk's and the MTP head's) zero: greedy decoding emits token 0 every step and the MTP head drafts it, so speculative rounds accept every draft (served figures at full acceptance)")
     write.add_argument("--device", help="where to build the weights (default: cuda when present, else cpu)")
     write.add_argument("--log-level", default="info", choices=list(LEVELS))
     pack = sub.add_parser("pack", help="write an artifact (HF directory, GGUF file or .ninfer) as one .ninfer container")

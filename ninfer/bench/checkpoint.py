@@ -7,8 +7,11 @@ loads and serves it exactly as it would the published model: same shapes, same t
 names, same load path. `--weights fp8|nvfp4` stores them as the published quantized
 checkpoints do (Qwen's block-scaled FP8, ModelOpt's NVFP4), quantized from the same bf16
 weights. `--vision` adds the VLM's vision tower (`model.visual.*`, `vision_config`), so
-`ninfer-serve DIR --vision` serves images and video. Write it to tmpfs (e.g. /dev/shm) when
-disk is slow.
+`ninfer-serve DIR --vision` serves images and video. `--constant-output` stores the output
+norms (the trunk's and the MTP head's) as zero: every position's logits are zero, so greedy
+decoding emits token 0 every step and the MTP head drafts it, and speculative rounds accept
+every draft with the model's full bytes and work (served figures at full acceptance). Write it
+to tmpfs (e.g. /dev/shm) when disk is slow.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ninfer.assets.qwen_tokenizer import write_qwen3_5_tokenizer
 from ninfer.bench.random_weights import fill_random_, stored_parameters
 from ninfer.bench.shapes import shape_config, vision_shape_config
 from ninfer.models.config import ModelConfig
+from ninfer.models.layers.norm import RMSNorm
 from ninfer.models.loader import build_model
 from ninfer.models.quant.stored_formats import describe_quantization, stored_tensors
 from ninfer.models.vision_config import VisionConfig
@@ -32,18 +36,21 @@ from ninfer.models.vision_loader import build_vision_tower
 log = logging.getLogger("ninfer.bench")
 
 ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+OUTPUT_NORMS = ("model.norm.weight", "mtp.norm.weight")  # the norms before the (shared) lm_head
 SHARD_BYTES = 4 << 30  # the hub's shards are a few GB each
 
 
 def write_random_checkpoint(
     shape: str, directory: str | Path, *, seed: int = 0, device: str = "cuda", shard_bytes: int = SHARD_BYTES,
     mtp: bool = False, weights: str = "bf16", vision: bool = False, num_layers: int | None = None,
+    constant_output: bool = False,
 ) -> Path:
     """Build `shape` with random bf16 weights on `device` and write it under `directory`; mtp:
     with the published checkpoints' one-layer MTP head; weights: the stored format (bf16, fp8,
     nvfp4), each shard quantized on `device` as it is written; vision: with the VLM's vision tower
     (kept in bf16, as the published quantized checkpoints keep it); num_layers: only the first
-    layers (every tensor at the real shape, in a fraction of the bytes)."""
+    layers (every tensor at the real shape, in a fraction of the bytes); constant_output: the
+    output norms zero (module docstring)."""
     from safetensors.torch import save_file
 
     hf_config, config = shape_config(shape)
@@ -59,6 +66,8 @@ def write_random_checkpoint(
     model = build_model(config, torch.bfloat16, device)
     fill_random_(stored_parameters(model), seed)
     tensors = list(stored_parameters(model))
+    if constant_output:
+        _zero_output_norms_(model, tensors)
     if vision:
         hf_config = {**hf_config, "vision_config": vision_shape_config(shape)}
         tower = build_vision_tower(VisionConfig.from_hf(hf_config), torch.bfloat16, device)
@@ -103,3 +112,15 @@ def write_random_checkpoint(
     log.info("%s: random-weight %s checkpoint in %s (%.1f GB, %.1fs)", shape, weights, out, stored_bytes / 1e9,
              time.perf_counter() - started)
     return out
+
+
+@torch.no_grad()
+def _zero_output_norms_(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Make the norms before the lm_head output zero: weight -1 in the (1 + w) form, else 0."""
+    norms = {id(module.weight): module for module in model.modules() if isinstance(module, RMSNorm)}
+    found = [name for name, tensor in tensors if name in OUTPUT_NORMS]
+    for name, tensor in tensors:
+        if name in OUTPUT_NORMS:
+            tensor.fill_(-1.0 if norms[id(tensor)].zero_centered else 0.0)
+    if "model.norm.weight" not in found:
+        raise ValueError(f"constant output: no {OUTPUT_NORMS[0]} in this model")

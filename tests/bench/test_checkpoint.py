@@ -141,3 +141,34 @@ def test_bench_options_refuse_an_unknown_weight_format() -> None:
 
     with pytest.raises(ValueError, match="unknown --weights fp9"):
         BenchOptions(weights=["bf16", "fp9"])
+
+
+def test_a_constant_output_checkpoint_accepts_every_draft_of_its_mtp_head(tmp_path) -> None:
+    """--constant-output: the output norms zero, so every greedy token is id 0 and the real MTP
+    head drafts it; speculative rounds accept every draft (served figures at full acceptance)."""
+    from ninfer.config import EngineConfig
+    from ninfer.contract.request import EngineRequest
+    from ninfer.contract.sampling import SamplingParams
+    from ninfer.engine.core import EngineCore
+
+    directory = write_random_checkpoint("tiny", tmp_path / "constant", device="cpu", mtp=True, constant_output=True)
+    stored = _stored(directory)
+    assert torch.equal(stored["model.norm.weight"], torch.full_like(stored["model.norm.weight"], -1.0))
+    assert torch.equal(stored["mtp.norm.weight"], torch.full_like(stored["mtp.norm.weight"], -1.0))
+    assert stored["model.layers.0.input_layernorm.weight"].abs().sum() > 0  # every other norm random
+    artifact = open_artifact(str(directory))
+    model = artifact.load_model(dtype=torch.float32, device="cpu")
+    limit = 23
+    for spec in ({}, {"spec": "mtp", "draft_tokens": 3, "adaptive_drafts": False}):
+        core = EngineCore(model, artifact.tokenizer, EngineConfig(max_concurrency=2, max_context=256, **spec))
+        core.add_request(EngineRequest("r", list(range(100, 140)), SamplingParams(temperature=0.0), max_new_tokens=limit))
+        tokens, final = [], None
+        while core.has_work:
+            for out in core.step():
+                tokens += out.new_token_ids
+                final = out if out.finished else final
+        assert tokens == [0] * limit
+        if spec:
+            counters = final.speculative
+            assert counters.accepted_tokens == counters.drafted_tokens > 0
+            assert counters.rounds <= -(-(limit - 1) // 4) + 1  # 4 tokens a round at full acceptance
