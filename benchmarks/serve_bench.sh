@@ -13,6 +13,9 @@
 #   agent-loop    three interleaved agent sessions at --max-concurrency 1 (the context cache)
 #   burst         8 x 4K prompts at once, at --mixed-prefill-chunk 256, 512 and 1024
 #   nvfp4         the bf16 checkpoint served with --quantize nvfp4 (load peak, decode at 1 and 8 clients)
+#   speculative   --spec mtp (3 drafts, the reduced proposal head) at one client against plain decoding, at full
+#                 acceptance (a --constant-output checkpoint with the MTP head, written to MODEL-constant) and
+#                 at zero (the random MTP head, MODEL-mtp), bf16 and --quantize fp8
 #   (none given: all of them, in this order)
 #
 #   --model DIR   a 27B-shaped checkpoint (default /dev/shm/q27, written by
@@ -21,12 +24,12 @@
 #
 # Needs: a CUDA GPU with 80 GB and the project installed with its GPU and test extras, so that
 # `ninfer-serve` is on PATH: pip install -e ".[gpu,test]". The script sets no time limit; the
-# whole set takes about 22 minutes on an H100.
+# whole set takes about 22 minutes on an H100, and speculative about 12 more (two checkpoints, six servers).
 set -uo pipefail
 
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
 
-ALL=(startup constrained agent-loop burst nvfp4)
+ALL=(startup constrained agent-loop burst nvfp4 speculative)
 SCENARIOS=()
 MODEL=/dev/shm/q27
 OUT_DIR=""
@@ -35,7 +38,7 @@ while [ $# -gt 0 ]; do
         -h|--help) usage; exit 0 ;;
         --model) MODEL="$2"; shift ;;
         --out) OUT_DIR="$2"; shift ;;
-        startup|constrained|agent-loop|burst|nvfp4) SCENARIOS+=("$1") ;;
+        startup|constrained|agent-loop|burst|nvfp4|speculative) SCENARIOS+=("$1") ;;
         *) echo "serve_bench.sh: unknown argument $1" >&2; usage >&2; exit 2 ;;
     esac
     shift
@@ -107,6 +110,21 @@ for scenario in "${SCENARIOS[@]}"; do
             run nvfp4 python3 benchmarks/load.py --serve "$MODEL" --server-args "--quantize nvfp4 $SERVE8" \
                 --scenario concurrency --concurrency-levels 1,8 --requests-per-client 2 --prompt-tokens 1024 \
                 --output-tokens 128 --body-extra "{$NO_THINKING}" --out "$OUT_DIR/nvfp4" ;;
+        speculative)
+            [ -f "$MODEL-constant/config.json" ] || python3 -m ninfer.cli write-checkpoint "$MODEL-constant" --shape 27b --mtp --constant-output
+            [ -f "$MODEL-mtp/config.json" ] || python3 -m ninfer.cli write-checkpoint "$MODEL-mtp" --shape 27b --mtp
+            SPEC="--spec mtp --draft-tokens 3 --lm-head-draft"
+            ONE=(--scenario concurrency --concurrency-levels 1 --requests-per-client 3 --prompt-tokens 1024 --output-tokens 256)
+            for weights in bf16 fp8; do
+                QUANTIZE=""
+                [ "$weights" = fp8 ] && QUANTIZE="--quantize fp8"
+                for server in "plain:constant:" "full:constant:$SPEC" "zero:mtp:$SPEC"; do
+                    IFS=: read -r label model flags <<< "$server"
+                    run "spec-$label-$weights" python3 benchmarks/load.py --serve "$MODEL-$model" \
+                        --server-args "--max-concurrency 1 --max-context 8192 --kv-capacity auto $QUANTIZE $flags" \
+                        "${ONE[@]}" --body-extra "{$NO_THINKING}" --out "$OUT_DIR/spec-$label-$weights"
+                done
+            done ;;
     esac
 done
 
