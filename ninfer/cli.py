@@ -79,6 +79,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--draft-tokens", type=int, help="drafted tokens verified per round: MTP 1..5, DFlash/DFlash2 1..15 (required with --spec)")
     spec.add_argument("--no-adaptive-drafts", action="store_true", help="verify --draft-tokens drafts every round (default: a request decodes plainly while its acceptance does not pay for the round, and probes again later)")
     spec.add_argument("--lm-head-draft", action="store_true", help="draft through the reduced-vocabulary proposal head (the target still scores the whole vocabulary; default off)")
+    spec.add_argument("--draft-fp8", action="store_true", help="the drafter's weights in FP8 per output channel (the MTP head's or DFlash drafter's layers, the reduced proposal head): half the bytes a draft step reads; outputs stay exact, only the drafts may change (default off)")
     vision = parser.add_argument_group("vision")
     vision.add_argument("--vision", action="store_true", help="load the vision tower and accept image and video input (default off: media requests get 400 vision_disabled)")
     vision.add_argument("--media-cache-mib", type=_non_negative_int, default=1024, help="prepared media payloads kept for reuse, LRU; 0 disables retention (default 1024)")
@@ -175,6 +176,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, bool]:
         spec=args.spec,
         draft_tokens=args.draft_tokens,
         lm_head_draft=args.lm_head_draft,
+        draft_fp8=args.draft_fp8,
         adaptive_drafts=not args.no_adaptive_drafts,
         vision=args.vision,
         kv_dtype=args.kv_dtype,
@@ -371,6 +373,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             profile_dir=args.out if args.profile else None,
             verify_drafts=ints(args.verify_drafts),
             lm_head_draft=not args.no_lm_head_draft,
+            draft_fp8=args.draft_fp8,
             kv_dtypes=args.kv_dtypes.split(","),
         )
     except ValueError as error:
@@ -420,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--profile", action="store_true", help="also profile the smallest decode case and the shortest prefill per model: kernel table (profile-*.txt), critical-path increments (increments-*.txt), timeline (trace-*.json.gz)")
     bench.add_argument("--verify-drafts", default="", help="speculative verify cases: comma list of draft counts K (e.g. 1,2,3,5,7; default none)")
     bench.add_argument("--no-lm-head-draft", action="store_true", help="verify cases draft through the full lm_head instead of the reduced-vocabulary proposal head")
+    bench.add_argument("--draft-fp8", action="store_true", help="verify cases: the drafter's weights in FP8 per output channel, as ninfer-serve --draft-fp8")
     bench.add_argument("--out", default="bench-results", help="output folder for bench.json, bench.md, bench.png")
     bench.add_argument("--log-level", default="info", choices=list(LEVELS))
     write = sub.add_parser("write-checkpoint", help="write a random-weight checkpoint in the real layout (for end-to-end benchmarks)")

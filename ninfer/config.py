@@ -67,6 +67,9 @@ class EngineConfig:
     spec: str | None = None  # speculative backend: mtp | dflash | dflash2; None: plain decode
     draft_tokens: int | None = None  # drafts verified per round (required with spec)
     lm_head_draft: bool = False  # draft through the reduced-vocabulary proposal head
+    # The drafter's weights in FP8 per output channel (the MTP head's or the DFlash drafter's Linear
+    # layers, the reduced proposal head): half the bytes a draft step reads; drafts only, outputs exact.
+    draft_fp8: bool = False
     # Each request drafts only while its acceptance pays for the round (engine/speculative/draft_policy.py);
     # --no-adaptive-drafts verifies K drafts every round.
     adaptive_drafts: bool = True
@@ -85,6 +88,7 @@ class EngineConfig:
         if self.spec is None:
             check(self.draft_tokens is None, "--draft-tokens needs --spec mtp|dflash|dflash2")
             check(not self.lm_head_draft, "--lm-head-draft needs --spec mtp|dflash|dflash2")
+            check(not self.draft_fp8, "--draft-fp8 needs --spec mtp|dflash|dflash2")
         else:
             low, high = SPEC_DRAFT_RANGES[self.spec]
             check(self.draft_tokens is not None, f"--spec {self.spec} needs --draft-tokens N ({low}..{high})")

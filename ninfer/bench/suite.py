@@ -89,6 +89,7 @@ class BenchOptions:
     profile_dir: str | None = None  # profile-, increments-, trace-* for the smallest decode case and the shortest prefill
     verify_drafts: list[int] = field(default_factory=list)  # speculative verify rounds of K drafts (none: no cases)
     lm_head_draft: bool = True  # verify cases draft through the reduced-vocabulary proposal head
+    draft_fp8: bool = False  # verify cases: the drafter's weights in FP8 per row (--draft-fp8)
     kv_dtypes: list[str] = field(default_factory=lambda: ["bf16"])  # --kv-dtype formats: a runner each
 
     def __post_init__(self) -> None:
@@ -278,7 +279,8 @@ class Suite:
         runner = ModelRunner(model, num_pages, SERVER_DEFAULTS.page_size, num_state_slots=max_batch + 1,
                              cuda_graph_batch_sizes=options.batches if options.cuda_graphs else (),
                              max_context=max(options.contexts) + 1, num_draft_tokens=num_drafts,
-                             lm_head_draft=options.lm_head_draft, max_batch=max_batch, kv_format=self.kv_dtype)
+                             lm_head_draft=options.lm_head_draft, draft_fp8=options.draft_fp8 and num_drafts > 0,
+                             max_batch=max_batch, kv_format=self.kv_dtype)
         graphs = "on" if runner.graphs is not None else "off"
         if num_drafts:
             graphs += f", verify graphs {'on' if runner.verify_graphs is not None else 'off'}"
@@ -389,7 +391,8 @@ class Suite:
         ratio = per_round / plain if plain else None
         mb = model_bytes(config, weight_bytes, kv_element_bytes(runner.kv_cache, config), batch, self.expert_bytes)
         roof = decode_roofline_tokens_per_s(mb, batch, context, self.ceilings)
-        note = (f"{num_drafts} drafts, {'graphs' if graphed else 'eager'}; round {per_round * 1e3:.2f} ms"
+        note = (f"{num_drafts} drafts{', drafter FP8' if self.options.draft_fp8 else ''}, "
+                f"{'graphs' if graphed else 'eager'}; round {per_round * 1e3:.2f} ms"
                 + (f" = {ratio:.3f}x the plain round" if ratio else "")
                 + f"; all accepted {batch * width / per_round:,.1f} tok/s, none {batch / per_round:,.1f} tok/s"
                 + "; roofline: plain decode's")

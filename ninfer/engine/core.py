@@ -170,6 +170,7 @@ class EngineCore:
             num_host_kv_pages=num_host_kv_pages,
             num_draft_tokens=config.num_draft_tokens,
             lm_head_draft=config.lm_head_draft,
+            draft_fp8=config.draft_fp8,
             draft_extra_token_ids=sorted(tokenizer.backend.get_added_tokens_decoder()),
             max_batch=config.max_concurrency,
             spec_backend=config.spec or "mtp",

@@ -50,7 +50,7 @@ from ninfer.engine.scheduler import (
     SpillPages,
     SpillSlot,
 )
-from ninfer.engine.speculative.drafter_factory import make_drafter
+from ninfer.engine.speculative.drafter_factory import make_drafter, quantize_drafter_fp8_
 from ninfer.engine.speculative.proposal_head import ProposalHead
 from ninfer.engine.speculative.speculator import Speculator
 from ninfer.engine.runner_graphs import (
@@ -93,6 +93,7 @@ class ModelRunner:
         num_host_kv_pages: int = 0,
         num_draft_tokens: int = 0,
         lm_head_draft: bool = False,
+        draft_fp8: bool = False,
         draft_extra_token_ids: Sequence[int] = (),
         drafter=None,
         max_batch: int | None = None,
@@ -111,7 +112,7 @@ class ModelRunner:
         num_draft_tokens > 0: speculative decoding with spec_backend's drafter (the model's MTP
         head, or draft_model for dflash / dflash2; `drafter`: tests' stand-ins), proposals
         through the reduced-vocabulary head with lm_head_draft (draft_extra_token_ids: the added
-        tokens it keeps). max_batch: requests in a step at most (default: the largest graph
+        tokens it keeps); draft_fp8: the drafter's weights in FP8 (quantize_drafter_fp8_). max_batch: requests in a step at most (default: the largest graph
         batch, else the state slots). vision_tower: encodes the media of prompt steps (--vision).
         step_graph_tokens > 0: prompt and mixed steps of up to that many tokens replay CUDA graphs
         (step_graphs.py; on the CPU, tests run their padded forward uncaptured); captured at once,
@@ -140,7 +141,11 @@ class ModelRunner:
         self.speculator: Speculator | None = None
         if num_draft_tokens:
             if drafter is None:
-                head = ProposalHead(model.lm_head, self.num_valid_tokens, lm_head_draft, draft_extra_token_ids)
+                if draft_fp8:
+                    quantize_drafter_fp8_(model, draft_model)
+                head = ProposalHead(
+                    model.lm_head, self.num_valid_tokens, lm_head_draft, draft_extra_token_ids, fp8=draft_fp8
+                )
                 drafter = make_drafter(spec_backend, model, head, num_draft_tokens, draft_model, self.draft_kv_cache)
             max_batch = max_batch or max(cuda_graph_batch_sizes, default=num_state_slots)
             self.speculator = Speculator(

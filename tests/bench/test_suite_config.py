@@ -131,3 +131,27 @@ def test_the_pool_takes_the_pages_that_fit_in_free_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (reserve + 300 * page, 1 << 40))
     assert bench._pages_that_fit(model, 1000, 4, "tiny bf16") == 300
     assert bench._pages_that_fit(model, 200, 4, "tiny bf16") == 200
+
+
+def test_verify_cases_with_an_fp8_drafter(monkeypatch):
+    from ninfer.bench.roofline import DeviceCeilings
+
+    for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args, **kwargs: 0)
+    options = BenchOptions(shapes=["tiny"], weights=["bf16"], batches=[1], contexts=[64], prefill_lengths=[],
+                           decode_rounds=2, cuda_graphs=False, decode_overlap=False, verify_drafts=[2], draft_fp8=True)
+    bench = Suite(options, device="cpu")
+    bench.ceilings = DeviceCeilings(copy_bytes_per_s=1e12, bf16_flops_per_s=1e14, name="cpu")
+    built = []
+    original = suite.ModelRunner
+
+    def runner(model, *args, **kwargs):
+        built.append(kwargs["draft_fp8"])
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(suite, "ModelRunner", runner)
+    bench._run_ours("tiny", "bf16")
+    assert built == [False, True]  # the decode cases' runner, then the verify cases'
+    verify = [r for r in bench.results if r.kind == "verify"]
+    assert len(verify) == 1 and "drafter FP8" in verify[0].note

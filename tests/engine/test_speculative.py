@@ -257,3 +257,34 @@ def test_a_request_of_the_whole_context_fits_the_default_pool(root) -> None:
     out = run(core, {0: [EngineRequest("whole", prompt, GREEDY, max_new_tokens=96 - len(prompt))]})
     tokens, final = out["whole"]
     assert final.error is None and len(tokens) == 96 - len(prompt) and final.finish_reason is FinishReason.LENGTH
+
+
+def test_fp8_drafter_weights_change_only_the_drafts(root) -> None:
+    """--draft-fp8: the MTP head's layers and the reduced proposal head in FP8 per row; the
+    greedy output is plain decoding's (verification decides every token), and a second engine on
+    the same model finds the head already quantized."""
+    from ninfer.models.quant.fp8 import Fp8Linear
+
+    plain = run(engine(root), requests(LIMITS))
+    artifact = _artifact(root, False)[0]
+    model = artifact.load_model(dtype=torch.float32, device="cpu")  # its own copy: the head is quantized in place
+    defaults = dict(max_concurrency=3, max_context=512, prefill_chunk=32, mixed_prefill_chunk=16, adaptive_drafts=False,
+                    spec="mtp", draft_tokens=3, draft_fp8=True)
+
+    def fp8_engine(**config) -> EngineCore:
+        return EngineCore(model, artifact.tokenizer, EngineConfig(**{**defaults, **config}))
+
+    core = fp8_engine(lm_head_draft=True)
+    mtp = model.mtp
+    quantized = [m for m in mtp.modules() if isinstance(m, Fp8Linear)]
+    assert quantized and not [m for m in mtp.modules() if type(m).__name__ == "Linear"]
+    head = core.runner.speculator.drafter.head
+    assert head.fp8 is not None and head.weight is None
+    assert head.weight_bytes < head.vocab_size * head.lm_head.weight.shape[1] * head.lm_head.weight.element_size()
+    spec = run(core, requests(LIMITS))
+    for rid in LIMITS:
+        assert spec[rid][0] == plain[rid][0]
+        assert spec[rid][1].speculative.drafted_tokens > 0
+    again = fp8_engine()
+    assert [m for m in mtp.modules() if isinstance(m, Fp8Linear)] == quantized
+    assert again.runner.speculator.drafter.head.fp8 is None  # no reduced head: the target's lm_head as it is

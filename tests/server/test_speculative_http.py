@@ -537,6 +537,7 @@ def test_the_request_log_holds_consistent_speculative_counters(servers):
 @pytest.mark.parametrize("args, option, message", [
     (["--draft-tokens", "3"], "--draft-tokens", "--draft-tokens needs --spec mtp|dflash|dflash2"),
     (["--lm-head-draft"], "--lm-head-draft", "--lm-head-draft needs --spec mtp|dflash|dflash2"),
+    (["--draft-fp8"], "--draft-fp8", "--draft-fp8 needs --spec mtp|dflash|dflash2"),
     (["--spec", "mtp"], "--spec", "--spec mtp needs --draft-tokens N (1..5)"),
     (["--spec", "mtp", "--draft-tokens", "0"], "--draft-tokens", "--draft-tokens for --spec mtp must be in 1..5"),
     (["--spec", "mtp", "--draft-tokens", "6"], "--draft-tokens", "--draft-tokens for --spec mtp must be in 1..5"),

@@ -8,6 +8,7 @@ from ninfer.engine.speculative.proposal_head import ProposalHead
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.dflash import DflashDraftModel
 from ninfer.models.kv_cache import KVCache
+from ninfer.models.quant.fp8 import quantize_fp8_
 
 
 def make_drafter(
@@ -26,3 +27,12 @@ def make_drafter(
     if draft_model.config.kind != backend:
         raise ValueError(f"--spec {backend}: the drafter loaded is a {draft_model.config.kind} drafter")
     return DflashDrafter(target, draft_model, head, draft_kv_cache, num_draft_tokens)
+
+
+def quantize_drafter_fp8_(target: CausalLM, draft_model: DflashDraftModel | None = None) -> int:
+    """--draft-fp8: the drafter's Linear layers in FP8 per output channel, in place (the target's
+    MTP head, or the DFlash drafter); layers already quantized stay as they are (a second engine
+    on the same model, an FP8 target). Drafts only: verification keeps the outputs exact. -> how
+    many layers it quantized."""
+    drafter = draft_model if draft_model is not None else getattr(target, "mtp", None)
+    return 0 if drafter is None else quantize_fp8_(drafter)

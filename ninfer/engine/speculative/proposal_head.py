@@ -5,7 +5,8 @@ The target always scores the whole vocabulary; a draft only has to be likely, so
 vocabularies number their tokens in merge order, so the low ids are the frequent pieces) plus
 every added token (chat markers, thinking and tool-call tags), read as rows of the target's
 lm_head. A draft step then reads ~13% of the lm_head bytes on a 248K vocabulary. Without the
-option the proposal head is the target's lm_head itself.
+option the proposal head is the target's lm_head itself. With fp8 (--draft-fp8) the reduced
+head's rows are kept in FP8 per row, half its bytes; the full lm_head is never copied for it.
 """
 
 from __future__ import annotations
@@ -15,23 +16,30 @@ from collections.abc import Iterable
 import torch
 
 from ninfer.kernels.gemv import linear
+from ninfer.models.quant.fp8 import Fp8Linear, quantize_per_channel
 
 PROPOSAL_VOCAB = 32768
 
 
 class ProposalHead:
     def __init__(
-        self, lm_head: torch.nn.Module, num_valid_tokens: int, reduced: bool, extra_token_ids: Iterable[int] = ()
+        self, lm_head: torch.nn.Module, num_valid_tokens: int, reduced: bool, extra_token_ids: Iterable[int] = (),
+        fp8: bool = False,
     ):
         self.lm_head = lm_head
         self.num_valid_tokens = num_valid_tokens
         self.token_ids: torch.Tensor | None = None  # reduced: full-vocabulary id of each row
         self.weight: torch.Tensor | None = None
+        self.fp8: Fp8Linear | None = None  # reduced with fp8: the rows in FP8 instead of `weight`
         if reduced and num_valid_tokens > PROPOSAL_VOCAB:
             ids = sorted(set(range(PROPOSAL_VOCAB)) | {i for i in extra_token_ids if 0 <= i < num_valid_tokens})
             weight = lm_head.weight
             self.token_ids = torch.tensor(ids, dtype=torch.int64, device=weight.device)
-            self.weight = weight.index_select(0, self.token_ids).contiguous()
+            rows = weight.index_select(0, self.token_ids).contiguous()
+            if fp8 and rows.is_floating_point() and rows.element_size() > 1:
+                self.fp8 = Fp8Linear(*quantize_per_channel(rows), None, None)
+            else:
+                self.weight = rows
 
     @property
     def vocab_size(self) -> int:
@@ -39,6 +47,8 @@ class ProposalHead:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] -> fp32 logits [T, vocab_size] (rows of invalid ids at -inf)."""
+        if self.fp8 is not None:
+            return self.fp8(hidden).float()
         if self.weight is not None:
             # CPU engines may keep weights in float16 beside float32 activations.
             weight = self.weight if self.weight.dtype == hidden.dtype else self.weight.to(hidden.dtype)
@@ -54,5 +64,7 @@ class ProposalHead:
 
     @property
     def weight_bytes(self) -> int:
+        if self.fp8 is not None:
+            return sum(t.numel() * t.element_size() for t in (self.fp8.weight, self.fp8.weight_scale))
         weight = self.weight if self.weight is not None else self.lm_head.weight
         return weight.numel() * weight.element_size()
