@@ -26,6 +26,7 @@ from ninfer.engine.core import EngineCore, kv_page_bytes, state_image_bytes
 from ninfer.engine.faults import install_faults
 from ninfer.engine.kv_sizing_record import AutoSizing, KvSizingRecords, ProbeMeasure, probe_key
 from ninfer.engine.pinned_allocator import configure_pinned_allocator
+from ninfer.engine.speculative.drafter_factory import quantize_drafter_fp8_
 from ninfer.engine.start_compiles import StartCompiles, model_identity
 from ninfer.engine.startup_checks import check_kv_dtype, check_speculative, check_tensor_parallel, resolve_device
 from ninfer.engine.warm_up import WarmUpReport, run_warm_up, warm_up_plan
@@ -257,6 +258,7 @@ def _build_core(spec: EngineSpec, engine: EngineConfig, artifact, companion, sta
             engine.spec, companion.path, companion.config.num_hidden_layers, companion.config.block_size,
             sum(p.numel() for p in draft_model.parameters()) / 1e9,
         )
+    quantize_drafter_at_load(engine, model, draft_model)
     vision_tower = None
     if engine.vision:
         from ninfer.models.vision_loader import load_vision_tower
@@ -322,6 +324,17 @@ def _build_core(spec: EngineSpec, engine: EngineConfig, artifact, companion, sta
         core.rank_memory = rank_memory_ledgers(core, model)
     install_faults(core.runner)  # tests only: nothing unless NINFER_TEST_FAULTS is set
     return core
+
+
+def quantize_drafter_at_load(engine: EngineConfig, model, draft_model=None) -> None:
+    """--draft-fp8 before any engine measures its memory: the drafter's layers in FP8 now and
+    the bf16 ones freed (the runner's own call then finds nothing left to quantize)."""
+    if not engine.draft_fp8:
+        return
+    count = quantize_drafter_fp8_(model, draft_model)
+    if engine.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    log.info("--draft-fp8: %d drafter layers in FP8 per output channel", count)
 
 
 def rank_device(device: str, rank: int) -> str:

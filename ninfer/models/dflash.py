@@ -141,12 +141,13 @@ class DflashAttention(nn.Module):
         self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         # k and v apart from q: the context rows need only these.
         self.kv_proj = PackedLinear(hidden, {"k_proj": kv_rows, "v_proj": kv_rows}, bias)
+        self.kv_sizes = self.kv_proj.part_sizes  # kept here: quantization may replace the Linear
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def _keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.kv_proj(x).split(self.kv_proj.part_sizes, dim=-1)
+        k, v = self.kv_proj(x).split(self.kv_sizes, dim=-1)
         shape = (x.shape[0], self.num_kv_heads, self.head_dim)
         return k.view(shape), v.view(shape)
 

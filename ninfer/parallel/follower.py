@@ -30,7 +30,7 @@ def follower_main(spec: EngineSpec, rank: int, device: str, rendezvous: str, log
     """Entry point of rank `rank`'s process on `device` (spawned by rank 0: parallel/followers.py).
     It joins the ranks' groups first, so that any later failure reaches rank 0 through them."""
     from ninfer.engine.background_imports import start_background_imports, wait_for_background_imports
-    from ninfer.engine.builder import load_trunk, open_checked
+    from ninfer.engine.builder import load_trunk, open_checked, quantize_drafter_at_load
     from ninfer.engine.process import die_with_parent
     from ninfer.log import setup_logging
     from ninfer.parallel.partial_sums import reduce_partial_sums
@@ -53,6 +53,7 @@ def follower_main(spec: EngineSpec, rank: int, device: str, rendezvous: str, log
         # A DFlash drafter and the vision tower run whole on every rank, as on rank 0.
         if companion is not None:
             draft_model = companion.load_model(dtype=dtype, device=engine.device)
+        quantize_drafter_at_load(engine, model, draft_model)
         if engine.vision:
             from ninfer.models.vision_loader import load_vision_tower
 

@@ -79,3 +79,23 @@ def test_a_dflash2_companion_beside_the_artifact_drafts_as_the_server_builds_it(
     while core.has_work:
         outputs.extend(core.step())
     assert sum(len(o.new_token_ids) for o in outputs) == 6 and outputs[-1].speculative.rounds > 0
+
+
+def test_draft_fp8_quantizes_the_dflash_drafter_at_load(tmp_path, restore_threads, caplog) -> None:
+    from ninfer.models.quant.fp8 import Fp8Linear
+
+    path = make_tiny_qwen3_5(tmp_path)
+    make_tiny_dflash(path, "dflash2", dtype="bfloat16")
+    config = EngineConfig(max_context=128, log_stats_interval_ms=0, spec="dflash2", draft_tokens=3, lm_head_draft=True,
+                          draft_fp8=True)
+    with caplog.at_level("INFO", logger="ninfer.engine"):
+        core = build_engine_core(EngineSpec(str(path), config))
+    drafter = core.runner.speculator.drafter
+    layers = [m for m in drafter.model.modules() if isinstance(m, Fp8Linear)]
+    assert layers and f"--draft-fp8: {len(layers)} drafter layers in FP8" in caplog.text
+    assert not any(isinstance(m, Fp8Linear) for m in core.runner.model.model.modules())  # the target stays as loaded
+    core.add_request(EngineRequest("r", list(range(10, 30)), SamplingParams(temperature=0.0), max_new_tokens=6))
+    outputs = []
+    while core.has_work:
+        outputs.extend(core.step())
+    assert sum(len(o.new_token_ids) for o in outputs) == 6 and outputs[-1].speculative.rounds > 0
