@@ -277,6 +277,18 @@ def test_verify_graph_rounds_equal_eager_rounds_bit_for_bit(root) -> None:
     assert all(len(t) > 10 for t in tokens.values())
 
 
+def test_fp8_drafter_rounds_replay_like_eager(root) -> None:
+    """--draft-fp8: the MTP head's layers and the reduced proposal head in FP8, through the verify
+    graphs and eagerly, bit for bit (greedy equality with plain decoding: the CPU engine tests)."""
+    graphed = _engine(root, draft_fp8=True, lm_head_draft=True)
+    assert graphed.runner.speculator.drafter.head.fp8 is not None
+    rounds = _count_rounds(graphed)
+    eager = _engine(root, draft_fp8=True, lm_head_draft=True, cuda_graphs=False)
+    tokens = _run(graphed, _requests(), lockstep=eager)
+    assert {1, 2, 3} <= set(rounds), rounds
+    assert all(len(t) > 10 for t in tokens.values())
+
+
 def test_the_engine_times_its_own_round_for_the_draft_policy(root) -> None:
     """Once captured, a batch-1 verify round is timed against a plain decode round; the adaptive
     policy's costs start from that ratio (the bit-for-bit test above runs after such a timing)."""
