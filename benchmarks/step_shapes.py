@@ -87,8 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", metavar="B,P", help="also profile one step of B decode rows + P prompt tokens: "
                         "the top kernels and host ops, with step graphs and eager, go to OUT's directory as "
                         "step-profile-graphs.txt and step-profile-eager.txt")
+    parser.add_argument("--three-half-buckets", action="store_true",
+                        help="also step graphs of 384, 768 ... tokens (engine/step_graphs.py THREE_HALF_BUCKETS)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    if args.three_half_buckets:
+        from ninfer.engine import step_graphs
+
+        step_graphs.THREE_HALF_BUCKETS = True
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     prefills, batches, mixed = ints(args.prefill), ints(args.batches), ints(args.mixed)

@@ -52,6 +52,10 @@ from ninfer.models.state_cache import StateCache
 from ninfer.models.step_snapshots import StepSnapshots
 
 SMALLEST_BUCKET = 16
+# Buckets at three halves of each power of two from 256 up as well (384, 768, 1536): a step just
+# past a power of two pads by half instead of doubling. Off until its products are timed at
+# those row counts (benchmarks/kernels/bench_gemm_rows.py; step_shapes.py --three-half-buckets).
+THREE_HALF_BUCKETS = False
 # Pinned host mirrors per buffer: a step may be launched while the previous one's copies are
 # still queued (the runner keeps at most two steps unread).
 _NUM_STAGING = 2
@@ -60,8 +64,8 @@ GREEDY = SamplingParams(temperature=0.0, seed=0)
 
 
 def token_buckets(max_tokens: int, kernel_switches: Sequence[int] = ()) -> list[int]:
-    """Powers of two from SMALLEST_BUCKET below max_tokens, max_tokens itself, and each of
-    kernel_switches below max_tokens.
+    """Powers of two from SMALLEST_BUCKET below max_tokens (with THREE_HALF_BUCKETS also 3/2 of
+    each from 256), max_tokens itself, and each of kernel_switches below max_tokens.
 
     A full step holds the scheduler's power-of-two budget, decode rows included
     (SchedulerLimits.mixed_prompt_budget): the 27B's matmuls cost 13% more at 1,032 rows than at
@@ -73,6 +77,8 @@ def token_buckets(max_tokens: int, kernel_switches: Sequence[int] = ()) -> list[
     size = SMALLEST_BUCKET
     while size < max_tokens:
         buckets.add(size)
+        if THREE_HALF_BUCKETS and size >= 256 and size * 3 // 2 < max_tokens:
+            buckets.add(size * 3 // 2)
         size *= 2
     return sorted(buckets) + [max_tokens]
 

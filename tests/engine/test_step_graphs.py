@@ -110,6 +110,15 @@ def test_token_buckets() -> None:
     assert token_buckets(24, (32,)) == [16, 24]
 
 
+def test_three_half_buckets_from_256(monkeypatch) -> None:
+    from ninfer.engine import step_graphs
+
+    monkeypatch.setattr(step_graphs, "THREE_HALF_BUCKETS", True)
+    assert token_buckets(1024) == [16, 32, 64, 128, 256, 384, 512, 768, 1024]
+    assert token_buckets(2048, (24,)) == [16, 24, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert token_buckets(700) == [16, 32, 64, 128, 256, 384, 512, 700]
+
+
 def test_a_full_mixed_step_fills_a_served_bucket() -> None:
     from ninfer.config import EngineConfig
     from ninfer.engine.scheduler import SchedulerLimits
