@@ -384,6 +384,9 @@ class Suite:
         started = time.perf_counter()
         per_round = statistics.median(_sync_time(lambda: runner.execute(step)) for _ in range(self.options.decode_rounds))
         window = (started, time.perf_counter())
+        # Each round launched before the one before it is read, as an engine that plans the next
+        # round on the device would run them: what the host between rounds costs.
+        ahead = statistics.median(self._overlapped_rounds(runner, step, step, warmup=3, rounds=self.options.decode_rounds))
         if self.options.profile_dir and batch == min(self.options.batches) and context == min(self.options.contexts):
             label = f"{shape}-{weights}-verify{num_drafts}-b{batch}-{context}"
             self._profile(label, lambda: runner.execute(step), 5, "verify rounds")
@@ -394,6 +397,8 @@ class Suite:
         note = (f"{num_drafts} drafts{', drafter FP8' if self.options.draft_fp8 else ''}, "
                 f"{'graphs' if graphed else 'eager'}; round {per_round * 1e3:.2f} ms"
                 + (f" = {ratio:.3f}x the plain round" if ratio else "")
+                + f"; launched ahead of each read {ahead * 1e3:.2f} ms"
+                + (f" = {ahead / plain:.3f}x" if plain else "")
                 + f"; all accepted {batch * width / per_round:,.1f} tok/s, none {batch / per_round:,.1f} tok/s"
                 + "; roofline: plain decode's")
         self._record(shape, weights, "verify", batch, context, batch * width / per_round, roof, note=note,

@@ -57,6 +57,8 @@ def test_verify_cases_time_speculative_rounds_against_plain_rounds(monkeypatch):
         assert r.round_ratio is not None and r.round_ratio > 0
         # With every draft accepted a round yields batch * (K+1) tokens: the ceiling it reports.
         round_s = float(r.note.split("round ")[1].split(" ms")[0]) / 1e3
+        ahead_s = float(r.note.split("launched ahead of each read ")[1].split(" ms")[0]) / 1e3
+        assert 0 < ahead_s and " = " in r.note.split("launched ahead of each read ")[1]
         assert r.tokens_per_s == pytest.approx(r.batch * 3 / round_s, rel=1e-2)
         assert "eager" in r.note
 
