@@ -118,9 +118,8 @@ def write_random_checkpoint(
 def _zero_output_norms_(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> None:
     """Make the norms before the lm_head output zero: weight -1 in the (1 + w) form, else 0."""
     norms = {id(module.weight): module for module in model.modules() if isinstance(module, RMSNorm)}
-    found = [name for name, tensor in tensors if name in OUTPUT_NORMS]
-    for name, tensor in tensors:
-        if name in OUTPUT_NORMS:
-            tensor.fill_(-1.0 if norms[id(tensor)].zero_centered else 0.0)
-    if "model.norm.weight" not in found:
+    found = [(name, tensor) for name, tensor in tensors if name in OUTPUT_NORMS]
+    if OUTPUT_NORMS[0] not in dict(found):
         raise ValueError(f"constant output: no {OUTPUT_NORMS[0]} in this model")
+    for _, tensor in found:
+        tensor.fill_(-1.0 if norms[id(tensor)].zero_centered else 0.0)

@@ -86,8 +86,8 @@ def reference_products(x_sorted, ends, gate_up_proj, down_proj, gate_up_scale, d
 
 
 def supported(device: torch.device) -> bool:
-    """Whether torch's scaled grouped GEMM computes products() right on `device`: a small problem
-    against reference_products, once per device (PROBE)."""
+    """Whether torch's scaled grouped GEMM computes products() right on `device`: each product of a
+    small problem against _reference_grouped on the same operands, once per device (PROBE)."""
     return PROBE.supported(device, "per-row scales", lambda: _probe_problem(device))
 
 
