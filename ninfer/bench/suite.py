@@ -147,6 +147,24 @@ _LONG_PREFILL = 16384
 _LONG_PREFILL_REPEATS = 3
 
 
+def pages_that_fit(model, wanted: int, max_batch: int, kv_dtype: str, device: torch.device, label: str) -> int:
+    """A bench runner's KV pool: `wanted` pages (every case's), or as many as fit in the device's
+    free memory beside the state slots and the runner's reserve; the cases that need more are
+    skipped (Suite._fits), the others still run."""
+    if device.type != "cuda":
+        return wanted
+    free, _ = torch.cuda.mem_get_info(device)
+    page_bytes = kv_page_bytes(model, SERVER_DEFAULTS.page_size, kv_dtype=kv_dtype)
+    states = state_image_bytes(model) * (max_batch + 1)
+    affordable = max(0, (free - states - _RUNNER_RESERVE_BYTES) // page_bytes)
+    if affordable >= wanted:
+        return wanted
+    log.warning("[%s] KV pool cut to %d of the %d pages its cases need (%.1f GiB free beside the model, "
+                "%.1f GiB a case of the longest context at the largest batch would take): cases that need "
+                "more are skipped", label, affordable, wanted, free / (1 << 30), wanted * page_bytes / (1 << 30))
+    return affordable
+
+
 def _sync_time(fn) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -274,7 +292,7 @@ class Suite:
     def _runner(self, model, num_pages: int, max_batch: int, shape: str, weights: str, num_drafts: int = 0) -> ModelRunner:
         options = self.options
         started = time.perf_counter()
-        num_pages = self._num_pages = self._pages_that_fit(model, num_pages, max_batch, f"{shape} {weights}")
+        num_pages = self._num_pages = pages_that_fit(model, num_pages, max_batch, self.kv_dtype, self.device, f"{shape} {weights}")
         # A verification row writes up to K+1 positions past the context (Admission.spare_tokens).
         runner = ModelRunner(model, num_pages, SERVER_DEFAULTS.page_size, num_state_slots=max_batch + 1,
                              cuda_graph_batch_sizes=options.batches if options.cuda_graphs else (),
@@ -293,23 +311,6 @@ class Suite:
                 runner.state_cache.conv.normal_()
                 runner.state_cache.recurrent.normal_(std=0.01)
         return runner
-
-    def _pages_that_fit(self, model, wanted: int, max_batch: int, label: str) -> int:
-        """The KV pool's pages: `wanted` (every case's), or as many as fit in the device's free
-        memory beside the state slots and the runner's reserve; the cases that need more are
-        skipped (_fits), the others still run."""
-        if self.device.type != "cuda":
-            return wanted
-        free, _ = torch.cuda.mem_get_info(self.device)
-        page_bytes = kv_page_bytes(model, SERVER_DEFAULTS.page_size, kv_dtype=self.kv_dtype)
-        states = state_image_bytes(model) * (max_batch + 1)
-        affordable = max(0, (free - states - _RUNNER_RESERVE_BYTES) // page_bytes)
-        if affordable >= wanted:
-            return wanted
-        log.warning("[%s] KV pool cut to %d of the %d pages its cases need (%.1f GiB free beside the model, "
-                    "%.1f GiB a case of the longest context at the largest batch would take): cases that need "
-                    "more are skipped", label, affordable, wanted, free / (1 << 30), wanted * page_bytes / (1 << 30))
-        return affordable
 
     def _fits(self, label: str, pages: int) -> bool:
         """Whether a case's pages are in the runner's pool; else it is skipped, and said so."""

@@ -332,6 +332,9 @@ def quantize_drafter_at_load(engine: EngineConfig, model, draft_model=None) -> N
     if not engine.draft_fp8:
         return
     count = quantize_drafter_fp8_(model, draft_model)
+    if not count:
+        log.info("--draft-fp8: the drafter's layers are already quantized; nothing to do")
+        return
     if engine.device.startswith("cuda"):
         torch.cuda.empty_cache()
     log.info("--draft-fp8: %d drafter layers in FP8 per output channel", count)

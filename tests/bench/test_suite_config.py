@@ -102,11 +102,11 @@ def test_cases_whose_kv_does_not_fit_are_skipped_and_the_rest_run(monkeypatch):
     fitting = 2 * (-(-65 // page_size)) + (-(-513 // page_size))  # batch 2 at 64 fits, and batch 1 at 512
     wanted = []
 
-    def pages_that_fit(model, pages, max_batch, label):
+    def pages_that_fit(model, pages, max_batch, kv_dtype, device, label):
         wanted.append(pages)
         return fitting
 
-    monkeypatch.setattr(bench, "_pages_that_fit", pages_that_fit)
+    monkeypatch.setattr(suite, "pages_that_fit", pages_that_fit)
     bench._run_ours("tiny", "bf16")
     assert wanted == [2 * (-(-512 // page_size) + 1)]
     decode = [(r.batch, r.tokens) for r in bench.results if r.kind == "decode"]
@@ -125,14 +125,13 @@ def test_the_pool_takes_the_pages_that_fit_in_free_memory(monkeypatch):
 
     _, config = shape_config("tiny")
     model = build_model(config, torch.bfloat16, torch.device("cpu"))
-    bench = Suite(BenchOptions(shapes=["tiny"]), device="cpu")
-    assert bench._pages_that_fit(model, 1000, 4, "tiny bf16") == 1000  # no device memory to ask about
-    bench.device = torch.device("cuda", 0)
+    assert suite.pages_that_fit(model, 1000, 4, "bf16", torch.device("cpu"), "tiny") == 1000  # no device memory to ask about
+    cuda = torch.device("cuda", 0)
     page = kv_page_bytes(model, EngineConfig().page_size)
     reserve = state_image_bytes(model) * 5 + suite._RUNNER_RESERVE_BYTES
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (reserve + 300 * page, 1 << 40))
-    assert bench._pages_that_fit(model, 1000, 4, "tiny bf16") == 300
-    assert bench._pages_that_fit(model, 200, 4, "tiny bf16") == 200
+    assert suite.pages_that_fit(model, 1000, 4, "bf16", cuda, "tiny") == 300
+    assert suite.pages_that_fit(model, 200, 4, "bf16", cuda, "tiny") == 200
 
 
 def test_verify_cases_with_an_fp8_drafter(monkeypatch):
