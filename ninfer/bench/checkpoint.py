@@ -67,7 +67,7 @@ def write_random_checkpoint(
     fill_random_(stored_parameters(model), seed)
     tensors = list(stored_parameters(model))
     if constant_output:
-        _zero_output_norms_(model, tensors)
+        zero_output_norms_(model, tensors)
     if vision:
         hf_config = {**hf_config, "vision_config": vision_shape_config(shape)}
         tower = build_vision_tower(VisionConfig.from_hf(hf_config), torch.bfloat16, device)
@@ -115,7 +115,7 @@ def write_random_checkpoint(
 
 
 @torch.no_grad()
-def _zero_output_norms_(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> None:
+def zero_output_norms_(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> None:
     """Make the norms before the lm_head output zero: weight -1 in the (1 + w) form, else 0."""
     norms = {id(module.weight): module for module in model.modules() if isinstance(module, RMSNorm)}
     found = [(name, tensor) for name, tensor in tensors if name in OUTPUT_NORMS]

@@ -225,9 +225,13 @@ class Sampler:
         counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=scores.device)
         flat_index = batch.penalty_rows * vocab + batch.penalty_token_ids
         counts.index_add_(0, flat_index, torch.ones_like(flat_index, dtype=torch.float32))
-        counts = counts.view(num_rows, vocab)
-        presence = batch.row_floats[:, _PRESENCE : _PRESENCE + 1]
-        frequency = batch.row_floats[:, _FREQUENCY : _FREQUENCY + 1]
+        return Sampler.penalize_(scores, counts.view(num_rows, vocab), batch.row_floats)
+
+    @staticmethod
+    def penalize_(scores: torch.Tensor, counts: torch.Tensor, row_floats: torch.Tensor) -> torch.Tensor:
+        """In place on fp32 scores [R, V], given each row's output token counts [R, V] fp32."""
+        presence = row_floats[:, _PRESENCE : _PRESENCE + 1]
+        frequency = row_floats[:, _FREQUENCY : _FREQUENCY + 1]
         return scores.sub_(presence * (counts > 0) + frequency * counts)
 
     @staticmethod

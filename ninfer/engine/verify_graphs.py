@@ -7,9 +7,12 @@ the values differ. At start-up we capture, for every B asked for (the engine:
   * the forward: embedding -> model over the B * (K+1) rows (Gated DeltaNet scores them
     without writing the slots and leaves its inputs in the verify scratch) -> every row's
     logits and hidden state (Speculator.score);
-  * the judge-and-draft region, twice (every row greedy, or the general rejection rule):
-    acceptance, the drafter's pass over the rows and its K proposals per request, and the
-    outcome rows [B, 1 + (K+1) + K] (Speculator.accept / draft).
+  * the judge-and-draft region, twice (every row greedy without penalties, or the general
+    rule): acceptance, the drafter's pass over the rows and its K proposals per request, and
+    the outcome rows [B, 1 + (K+1) + K] (Speculator.accept / draft). The general region
+    applies presence and frequency penalties from a count table it builds on the device: the
+    penalized requests' output tokens arrive as flat indices in a fixed buffer (a prefix of it
+    copied per round, the rest masked by a count) and each row adds the drafts before it.
 The previous round's accepted rows are committed before, from the Speculator's own graphs.
 A round then costs one host->device copy of the plan (a pinned mirror of every input, in
 one buffer), a copy of any page-table row that changed and two replays; the runner reads
@@ -21,8 +24,8 @@ The captured regions obey DecodeGraphs' rules (no host reads of per-step values,
 syncs, no Python branches on tensor values): the paged attention kernel reads the lengths
 and page table on the device, its grid fixed by B and K+1 queries per request; the Gated
 DeltaNet verification path runs on B equal lengths; acceptance and the MTP drafter are
-fixed-shape tensor work (mtp_drafter.py). Rounds with presence or frequency penalties, and
-steps that mix verification rows with prompt chunks or plain rows, run eagerly.
+fixed-shape tensor work (mtp_drafter.py). Steps that mix verification rows with prompt chunks
+or plain rows, and rounds whose penalized output tokens overflow the buffer, run eagerly.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from ninfer.engine.graph_capture import capture_graph
 from ninfer.engine.graph_page_table import GraphPageTable
 from ninfer.engine.sampler import SamplingBatch
 from ninfer.engine.scheduler import ScheduledChunk
+from ninfer.engine.scheduler.chunks import has_penalties
 from ninfer.engine.speculative.spec_plan import SpecInputs, plan_step
 from ninfer.engine.speculative.speculator import Speculator
 from ninfer.models.causal_lm import CausalLM
@@ -55,6 +59,9 @@ _ALIGN = 16
 # Pinned mirrors used in turn: a round may be launched while the previous one's copy is queued.
 _NUM_STAGING = 2
 _NP_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
+# The penalty buffer's entries (int32 each): rounds whose penalized requests have generated more
+# tokens than this run eagerly (16 MiB on the device, twice that pinned).
+MAX_PENALTY_ENTRIES = 1 << 22
 
 
 class StaticInputs:
@@ -91,9 +98,11 @@ class StaticInputs:
             self._copied[self._turn].synchronize()
         return self._host_views[self._turn]
 
-    def upload(self) -> None:
-        """Copy the mirror last returned by next_mirror() into the device tensors (queued)."""
-        self._device.copy_(self._host[self._turn], non_blocking=True)
+    def upload(self, num_bytes: int | None = None) -> None:
+        """Copy the mirror last returned by next_mirror() into the device tensors (queued);
+        num_bytes: only the buffer's first bytes (what a round filled of a large field)."""
+        end = self._device.numel() if num_bytes is None else min(-(-num_bytes // _ALIGN) * _ALIGN, self._device.numel())
+        self._device[:end].copy_(self._host[self._turn][:end], non_blocking=True)
         if self._copied is not None:
             self._copied[self._turn].record()
 
@@ -153,9 +162,15 @@ class VerifyGraphs:
                 "request_floats": ((max_batch, _NUM_FLOAT_PARAMS), f32),
                 "position_greedy": ((rows,), torch.bool),
                 "request_greedy": ((max_batch,), torch.bool),
+                "num_penalty_entries": ((1,), i64),
             },
             self.device,
         )
+        # Penalized requests' output tokens as request * V + token (a token counted once per occurrence).
+        self.vocab_size = speculator.verify_logits.shape[-1]
+        self.penalty_capacity = min(max_batch * max_pages_per_request * self.page_size, MAX_PENALTY_ENTRIES)
+        self.penalties = StaticInputs({"index": ((self.penalty_capacity,), i32)}, self.device)
+        self._entry_numbers = torch.arange(self.penalty_capacity, device=self.device)
         self.pages = GraphPageTable(max_batch, max_pages_per_request, self.device)
         self.page_table = self.pages.table
         self.outcome = torch.zeros(max_batch, 1 + (k + 1) + k, dtype=torch.int64, device=self.device)
@@ -261,7 +276,27 @@ class VerifyGraphs:
             base=v["base"][:b],
             limits=v["limits"][:b],
             rope_offsets=v["rope_offsets"][:b],
+            penalty_counts=None if all_greedy else self._penalty_counts(b),
         )
+
+    def _penalty_counts(self, batch_size: int) -> torch.Tensor:
+        """Captured: each verification row's output token counts [B * (K+1), V] fp32: its request's
+        tokens so far and the drafts before the row (what the eager plan lists per row)."""
+        k, vocab = self.num_draft_tokens, self.vocab_size
+        v = self.inputs.views
+        live = self._entry_numbers < v["num_penalty_entries"]
+        # Entries past this round's count are an earlier round's: weight 0 at an index in range.
+        index = torch.where(live, self.penalties.views["index"].long(), 0)
+        table = torch.zeros(batch_size * vocab, dtype=torch.float32, device=self.device)
+        table.index_add_(0, index, live.float())
+        counts = table.view(batch_size, vocab).repeat_interleave(k + 1, dim=0)
+        place = torch.arange(k, device=self.device)
+        row = torch.arange(k + 1, device=self.device)
+        before = (place[None, None, :] < row[None, :, None]) & (place[None, None, :] < v["num_drafts"][:batch_size, None, None])
+        rows = torch.arange(batch_size * (k + 1), device=self.device).view(batch_size, k + 1, 1)
+        flat = rows * vocab + v["drafts"][:batch_size, None, :]
+        counts.view(-1).index_add_(0, flat.reshape(-1), before.reshape(-1).float())
+        return counts
 
     def _host_seq_lens(self, batch_size: int, num_new: int) -> tuple[int, ...]:
         if self._uncaptured:
@@ -318,7 +353,8 @@ class VerifyGraphs:
         """Valid inputs for the warm-up runs: token 0 at positions from 0 on page 0, greedy rows,
         slots 0..max_batch-1 (the runner zeroes what they wrote afterwards)."""
         k, views = self.num_draft_tokens, self.inputs.views
-        for name in ("token_ids", "slot_mapping", "mtp_slot_mapping", "drafts", "num_drafts", "rope_offsets"):
+        for name in ("token_ids", "slot_mapping", "mtp_slot_mapping", "drafts", "num_drafts", "rope_offsets",
+                     "num_penalty_entries"):
             views[name].zero_()
         for name in ("position_top_ks", "request_top_ks", "position_greedy", "request_greedy"):
             views[name].fill_(1)
@@ -350,19 +386,15 @@ class VerifyGraphs:
 
     # ---- replay --------------------------------------------------------------------
     def can_run(self, chunks: Sequence[ScheduledChunk]) -> bool:
-        """A round of verification rows only, of a captured size, without penalties."""
+        """A round of verification rows only, of a captured size, whose penalized requests' output
+        tokens fit the penalty buffer."""
         if len(chunks) not in self.forward_graphs:
             return False
         width = self.num_draft_tokens + 1
         return all(
-            c.speculative
-            and len(c.token_ids) == width
-            and c.previous_row is None
-            and len(c.page_ids) <= self.max_pages
-            and not c.sampling.presence_penalty
-            and not c.sampling.frequency_penalty
+            c.speculative and len(c.token_ids) == width and c.previous_row is None and len(c.page_ids) <= self.max_pages
             for c in chunks
-        )
+        ) and sum(len(c.output_token_ids) for c in chunks if has_penalties(c.sampling)) <= self.penalty_capacity
 
     def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """Replay the graphs of len(chunks) requests; -> their outcome rows on the device (a view
@@ -394,12 +426,14 @@ class VerifyGraphs:
         host["num_drafts"][:batch_size] = [c.num_draft_tokens for c in chunks]
         host["base"][:batch_size] = computed + 1
         host["limits"][:batch_size] = [len(c.page_ids) * page_size for c in chunks]
-        all_greedy = all(c.sampling.is_greedy for c in chunks)
+        penalized = [(row, c.output_token_ids) for row, c in enumerate(chunks) if has_penalties(c.sampling)]
+        host["num_penalty_entries"][0] = self._fill_penalties(penalized) if penalized else 0
+        all_greedy = not penalized and all(c.sampling.is_greedy for c in chunks)
         if all_greedy:
             # Argmax rows read no sampling parameters: the general defaults, without packing any.
             self._fill_greedy_sampling(host, batch_size, rows)
         else:
-            plan = plan_step(chunks, batch_size, k, page_size)
+            plan = plan_step(chunks, batch_size, k, page_size, penalty_lists=False)
             positions_sampling, request_sampling = plan.position_sampling, plan.request_sampling
             host["uniforms"][:batch_size] = plan.uniforms
             host["draft_noise"][:batch_size] = plan.draft_noise
@@ -419,6 +453,18 @@ class VerifyGraphs:
             self.forward_graphs[batch_size].replay()
             self.judge_graphs[(batch_size, all_greedy)].replay()
         return self.outcome[:batch_size]
+
+    def _fill_penalties(self, penalized: list[tuple[int, Sequence[int]]]) -> int:
+        """Write the penalized rows' output tokens as row * V + token and queue their copy; -> how many."""
+        index = self.penalties.next_mirror()["index"]
+        num_entries = 0
+        for row, tokens in penalized:
+            end = num_entries + len(tokens)
+            index[num_entries:end] = tokens
+            index[num_entries:end] += row * self.vocab_size
+            num_entries = end
+        self.penalties.upload(num_entries * 4)
+        return num_entries
 
     @staticmethod
     def _fill_greedy_sampling(host: dict[str, np.ndarray], batch_size: int, rows: int) -> None:

@@ -277,6 +277,24 @@ def test_verify_graph_rounds_equal_eager_rounds_bit_for_bit(root) -> None:
     assert all(len(t) > 10 for t in tokens.values())
 
 
+def test_penalized_rounds_replay_like_eager(root) -> None:
+    """Presence and frequency penalties inside the verify graphs (the counts built on the device
+    from the uploaded output tokens and the drafts) against eager rounds, bit for bit."""
+    repeat = SamplingParams(temperature=0.0, presence_penalty=-1.0, frequency_penalty=0.3)
+    sampled = SamplingParams(temperature=0.8, top_k=12, presence_penalty=1.5, seed=7)
+    arrivals = {
+        0: [EngineRequest("a", list(range(1000, 1040)), repeat, max_new_tokens=40),
+            EngineRequest("b", list(range(2000, 2025)), sampled, max_new_tokens=33)],
+        6: [EngineRequest("c", list(range(5000, 5090)), SamplingParams(temperature=0.0), max_new_tokens=27)],
+    }
+    graphed = _engine(root)
+    rounds = _count_rounds(graphed)
+    eager = _engine(root, cuda_graphs=False)
+    tokens = _run(graphed, arrivals, lockstep=eager)
+    assert {1, 2, 3} <= set(rounds), rounds
+    assert all(len(t) > 10 for t in tokens.values())
+
+
 def test_fp8_drafter_rounds_replay_like_eager(root) -> None:
     """--draft-fp8: the MTP head's layers and the reduced proposal head in FP8, through the verify
     graphs and eagerly, bit for bit (greedy equality with plain decoding: the CPU engine tests)."""

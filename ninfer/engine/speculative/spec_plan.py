@@ -55,9 +55,13 @@ class SpecPlan:
         return self.num_verify * (self.num_draft_tokens + 1)
 
 
-def plan_step(chunks: Sequence[ScheduledChunk], num_verify: int, num_draft_tokens: int, page_size: int) -> SpecPlan:
+def plan_step(
+    chunks: Sequence[ScheduledChunk], num_verify: int, num_draft_tokens: int, page_size: int,
+    penalty_lists: bool = True,
+) -> SpecPlan:
     """chunks: the step's computed chunks, its num_verify verification rows first (each the
-    pending token and K draft places, Speculation.verification_chunk)."""
+    pending token and K draft places, Speculation.verification_chunk). penalty_lists False: the
+    position rows carry no output tokens (VerifyGraphs counts them on the device)."""
     k = num_draft_tokens
     verifying = chunks[:num_verify]
     if any(len(c.token_ids) != k + 1 for c in verifying):
@@ -73,7 +77,7 @@ def plan_step(chunks: Sequence[ScheduledChunk], num_verify: int, num_draft_token
             params.append(chunk.sampling)
             # Penalties see the drafts before a position as output (only requests with penalties carry history).
             histories.append(list(chunk.output_token_ids) + drafts[i, : min(j, drafted)].tolist()
-                             if chunk.output_token_ids else [])
+                             if penalty_lists and chunk.output_token_ids else [])
             generated.append(chunk.num_generated + j)
     request_params = [c.sampling for c in verifying]
     request_generated = [c.num_generated for c in verifying]
@@ -147,6 +151,9 @@ class SpecInputs:
     base: torch.Tensor
     limits: torch.Tensor
     rope_offsets: torch.Tensor  # [B]: added to the drafter's decode positions for rotary (media)
+    # [B * (K+1), V] fp32 output token counts per verification row (VerifyGraphs builds them on the
+    # device); None: the eager path, whose position_sampling carries the token lists instead.
+    penalty_counts: torch.Tensor | None = None
 
 
 def stage_sampling(host: SamplingBatch, staging: HostStaging) -> SamplingBatch:

@@ -232,7 +232,9 @@ class Speculator:
         row j of a request scores the token after its j-th draft place)."""
         sampling = inputs.position_sampling
         scores = logits
-        if sampling.has_penalties:
+        if inputs.penalty_counts is not None:
+            scores = Sampler.penalize_(logits.clone(), inputs.penalty_counts, sampling.row_floats)
+        elif sampling.has_penalties:
             scores = Sampler.apply_penalties_(logits.clone(), sampling)
         proposal = DraftProposal(
             inputs.drafts, self.q_probs.index_select(0, inputs.slots), self.q_ids.index_select(0, inputs.slots)
