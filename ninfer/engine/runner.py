@@ -123,7 +123,7 @@ class ModelRunner:
         self.ranks = ranks
         param = next(model.parameters())
         self.device = param.device
-        if step_graph_tokens and (blocker := step_graph_blocker(model, num_draft_tokens)) is not None:
+        if step_graph_tokens and (blocker := step_graph_blocker(model, num_draft_tokens, spec_backend)) is not None:
             log.info("prompt and mixed steps run eagerly: %s", blocker)
             step_graph_tokens = 0
         # Step graphs pad with a state slot and a KV page that no request uses (beyond the pools).
@@ -186,7 +186,8 @@ class ModelRunner:
             # The scratch state slot and KV page sit just past the pools' own.
             self.step_graphs = build_step_graphs(*caches, self.graphs, self.device, step_graph_tokens,
                                                  max_requests, max_context, num_state_slots, num_pages,
-                                                 while_idle=step_graphs_while_idle)  # fmt: skip
+                                                 while_idle=step_graphs_while_idle,
+                                                 keep_hidden=self.speculator is not None)  # fmt: skip
 
     @property
     def has_graphs_to_capture(self) -> bool:
@@ -228,9 +229,14 @@ class ModelRunner:
         elif self.graphs is not None and self.graphs.can_run(step.chunks):
             ids = self.graphs.run(step.chunks, self._last_ids)
             sampled_rows = [row for row, c in enumerate(step.chunks) if c.sample]
-        elif self.step_graphs is not None and self.step_graphs.can_run(step.chunks):
+        elif self.step_graphs is not None and self.step_graphs.can_run(step.chunks) and self._drafter_follows(step):
             self._staging.next_step()
             self.step_graphs.run(step.chunks, self._last_ids)
+            if self.speculator is not None:
+                # The MTP head's pass over the step's rows, eagerly, from the replay's hidden states.
+                num_tokens = sum(len(c.token_ids) for c in step.chunks)
+                self.speculator.extend(step.chunks, self.step_graphs.hidden[:num_tokens],
+                                       self.step_graphs.token_ids[:num_tokens], self.kv_cache, self._staging)
             ids, sampled_rows = self._sample(step.chunks, self._staging)
         else:
             ids, sampled_rows, verified = self._run_eagerly(step.chunks)
@@ -258,6 +264,11 @@ class ModelRunner:
         self._last_sampled_rows = frozenset(sampled_rows)
         logprobs = self._logprobs(chunks, ids, sampled_rows)
         return self.readback.pending(dataclasses.replace(deferred.step, chunks=chunks), ids, sampled_rows, None, logprobs)
+
+    def _drafter_follows(self, step: SchedulerStep) -> bool:
+        """Whether the drafter can follow this step's replay: rows in chunk order, none of them a
+        verification row (without a drafter: always)."""
+        return self.speculator is None or all(c.snapshot_slot is None and not c.speculative for c in step.chunks)
 
     def _share_ids(self, ids: torch.Tensor | None) -> None:
         """Tensor parallel: every rank takes rank 0's sampled ids, in place, before chained rows read

@@ -30,10 +30,12 @@ log = logging.getLogger("ninfer.engine")
 ROUND_TIMING_WARMUP, ROUND_TIMING_REPS = 1, 5  # ~0.2 s of a 27B start with --spec
 
 
-def step_graph_blocker(model: CausalLM, num_draft_tokens: int) -> str | None:
-    """Why prompt and mixed steps of this configuration run eagerly, or None."""
-    if num_draft_tokens:
-        return "speculative decoding (the drafter reads every prompt step's hidden states)"
+def step_graph_blocker(model: CausalLM, num_draft_tokens: int, spec_backend: str = "mtp") -> str | None:
+    """Why prompt and mixed steps of this configuration run eagerly, or None. The MTP head reads a
+    replayed step's final hidden states (its pass runs eagerly after the replay); a DFlash drafter
+    also reads residual streams from inside the forward."""
+    if num_draft_tokens and spec_backend != "mtp":
+        return f"the {spec_backend} drafter (it reads the target's residual streams in every prompt step)"
     if next(model.parameters()).is_cuda:
         return graph_blocker(model)
     return None
@@ -42,12 +44,12 @@ def step_graph_blocker(model: CausalLM, num_draft_tokens: int) -> str | None:
 def build_step_graphs(
     model: CausalLM, kv, state_cache, slot_logits: torch.Tensor, num_valid_tokens: int, decode: DecodeGraphs | None,
     device: torch.device, max_tokens: int, max_requests: int, max_context: int, scratch_slot: int, scratch_page: int,
-    while_idle: bool = False,
+    while_idle: bool = False, keep_hidden: bool = False,
 ) -> StepGraphs | None:  # fmt: skip
     """Step graphs over token buckets up to max_tokens, captured on CUDA into the decode graphs'
     pool (on the CPU, tests run their padded forward uncaptured); None if capture failed.
     while_idle: capture none now; the runner captures them one by one while the engine is idle
-    (capture_next_step_graph)."""
+    (capture_next_step_graph). keep_hidden: for a drafter that reads the step's hidden states."""
     max_pages = min(kv.num_pages, -(-max_context // kv.page_size))
     # Layers hand over from the GEMV to a matmul at a row count: 16-bit (and NVFP4) ones above
     # 16 rows (cuBLAS, the NVFP4 GEMM), FP8 ones above the GEMV's limit (the FP8 matmul). A
@@ -59,7 +61,7 @@ def build_step_graphs(
         switches += (MOE_BLOCK_MAX_TOKENS,) + moe_token_switches(model.config.num_experts, model.config.num_experts_per_tok)
     buckets = token_buckets(max_tokens, switches)
     graphs = StepGraphs(model, kv, state_cache, slot_logits, num_valid_tokens, buckets, max_requests, max_pages,
-                        scratch_slot, scratch_page)  # fmt: skip
+                        scratch_slot, scratch_page, keep_hidden)  # fmt: skip
     # Into the decode graphs' pool: a replay's intermediates are free by the next replay.
     pool = decode.pool if decode is not None else None
     if device.type == "cuda" and while_idle:

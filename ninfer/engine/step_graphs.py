@@ -121,10 +121,12 @@ class StepGraphs:
         max_pages_per_request: int,
         scratch_slot: int,
         scratch_page: int,
+        keep_hidden: bool = False,
     ):
         """buckets: the token counts to capture; max_requests: a step's requests at most (a chunk
         with a checkpoint inside it counts twice); scratch_slot / scratch_page: a state slot and a
-        KV page no request uses, which padding reads and writes."""
+        KV page no request uses, which padding reads and writes. keep_hidden: keep each graph's
+        final hidden states for reading after a replay (`hidden`: the MTP head's pass)."""
         self.model = model
         self.kv_cache = kv_cache
         self.state_cache = state_cache
@@ -161,6 +163,9 @@ class StepGraphs:
         self.last_phases: dict[str, float] = {}  # host seconds of the last capture's parts (capture_graph)
         self._pool = None
         self._num_runs = 0
+        self.keep_hidden = keep_hidden
+        self._hidden: dict[tuple[int, bool], torch.Tensor] = {}
+        self._last_run: tuple[int, bool] | None = None
 
     # ---- capture -------------------------------------------------------------------
     def capture(self, pool=None) -> None:
@@ -243,6 +248,8 @@ class StepGraphs:
             padded=PaddedStep(bucket, passes, second_rows),
         )
         hidden = self.model(ints["tokens"][:bucket], batch)
+        if self.keep_hidden:
+            self._hidden[(bucket, snapshots)] = hidden  # held: the pool keeps it past the capture
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).float()
         if self.num_valid_tokens < logits.shape[-1]:
             logits[:, self.num_valid_tokens :] = float("-inf")
@@ -277,10 +284,22 @@ class StepGraphs:
         bucket = self._bucket_of(layout.num_tokens)
         snapshots = bool(layout.snapshotting)
         self._stage(layout, bucket, previous_ids)
+        self._last_run = (bucket, snapshots)
         if self.captures:
             self.graphs[(bucket, snapshots)].replay()
         else:  # uncaptured (CPU): the same forward over the same buffers
             self._forward(bucket, snapshots)
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """The last replayed step's final hidden states [bucket, H], its rows in chunk order (with
+        keep_hidden, and no checkpoint inside the step); valid until the next replay."""
+        return self._hidden[self._last_run]
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """The last replayed step's input tokens [max_tokens] on the device, chained rows filled in."""
+        return self.ints["tokens"]
 
     def _bucket_of(self, num_tokens: int) -> int:
         return next(b for b in self.buckets if b >= num_tokens)

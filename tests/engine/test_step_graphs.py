@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from ninfer.artifact import open_artifact
 from ninfer.config import EngineConfig
 from ninfer.contract.request import CaptureHint, EngineRequest
 from ninfer.contract.reuse_path import ReusePath
@@ -20,6 +21,7 @@ from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import ResetSlot, ScheduledChunk, SchedulerStep, StepKind, chunks
 from ninfer.engine.step_graphs import StepGraphs, token_buckets
 from ninfer.kernels.moe.kernel_choice import FP8_GROUPED_MM_MIN_PAIRS, tile_rows, token_switches
+from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.gpu.test_cuda_graphs import ARCHITECTURES, _model
 from tests.unit.conftest import make_byte_tokenizer
 
@@ -120,7 +122,6 @@ def test_three_half_buckets_from_256(monkeypatch) -> None:
 
 
 def test_a_full_mixed_step_fills_a_served_bucket() -> None:
-    from ninfer.config import EngineConfig
     from ninfer.engine.scheduler import SchedulerLimits
 
     config = EngineConfig(max_concurrency=8, cuda_graphs=True, step_graphs=True)  # 8192 / 512 budgets
@@ -236,20 +237,74 @@ def test_an_engine_with_step_graphs_generates_what_the_eager_engine_generates(ar
         5: [EngineRequest("turn", prompt, GREEDY, max_new_tokens=8,
                           capture_hints=[CaptureHint(len(prompt) - 5, ReusePath.PRIVATE_TURN_CLOSURE)])],
     }
-    outputs: dict[str, list[tuple]] = {}
+    outputs, _ = _lockstep(graph, eager, arrivals)
+    assert {rid: len(ids) for rid, ids in outputs.items()} == {"greedy": 12, "sampled": 20, "turn": 8}
+    assert runs and runs.chained and runs.snapshots
+
+
+def test_a_speculative_engine_with_step_graphs_computes_what_the_eager_engine_computes(tmp_root, monkeypatch):
+    """Under --spec mtp, prompt steps (and the plain rows beside them) run the padded forward and
+    the MTP head's pass follows from its hidden states: tokens, acceptance, the head's KV (a layer
+    of the paged cache), the slots' hidden states and the drafts' distributions equal the eager
+    engine's after every step; verification rounds run eagerly in both."""
+    artifact = open_artifact(str(make_tiny_qwen3_5(tmp_root, mtp=True, dtype="float32")))
+    model = artifact.load_model(dtype=torch.float32, device="cpu")
+    runner_class = engine_core.ModelRunner
+
+    def with_step_graphs(*args, step_graph_tokens: int = 0, **kwargs):
+        return runner_class(*args, step_graph_tokens=64, **kwargs)
+
+    config = EngineConfig(max_concurrency=3, prefill_chunk=48, mixed_prefill_chunk=24, max_context=256,
+                          spec="mtp", draft_tokens=3, adaptive_drafts=False, log_stats_interval_ms=0)
+    eager = EngineCore(model, artifact.tokenizer, config)
+    monkeypatch.setattr(engine_core, "ModelRunner", with_step_graphs)
+    graph = EngineCore(model, artifact.tokenizer, config)
+    assert eager.runner.step_graphs is None and graph.runner.step_graphs.keep_hidden
+    runs = _count_runs(graph.runner.step_graphs)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=12, seed=1234)
+    arrivals = {
+        0: [EngineRequest("greedy", list(range(1000, 1070)), GREEDY, max_new_tokens=14)],
+        2: [EngineRequest("sampled", list(range(2000, 2031)), sampled, max_new_tokens=18)],
+        6: [EngineRequest("late", list(range(3000, 3090)), GREEDY, max_new_tokens=9)],
+    }
+
+    def same_drafter_state(step: int) -> None:
+        ours, theirs = graph.runner, eager.runner
+        # Pages on dim 1 and slots on dim 0; the scratch page and slot past the pools are the padded runner's alone.
+        for name, dim, mine, reference in (("keys", 1, ours.kv_cache.k, theirs.kv_cache.k),
+                                           ("values", 1, ours.kv_cache.v, theirs.kv_cache.v),
+                                           ("slot hidden", 0, ours.speculator.slot_hidden, theirs.speculator.slot_hidden),
+                                           ("drafts' q", 0, ours.speculator.q_probs, theirs.speculator.q_probs)):
+            size = min(mine.shape[dim], reference.shape[dim])
+            torch.testing.assert_close(mine.narrow(dim, 0, size), reference.narrow(dim, 0, size), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"step {step}, {name}: {m}")
+
+    outputs, finals = _lockstep(graph, eager, arrivals, same_drafter_state)
+    assert {rid: len(ids) for rid, ids in outputs.items()} == {"greedy": 14, "sampled": 18, "late": 9}
+    assert runs, "no step replayed the padded forward"
+    assert sum(o.speculative.rounds for o in finals.values()) > 5
+
+
+def _lockstep(graph: EngineCore, eager: EngineCore, arrivals: dict[int, list[EngineRequest]],
+              after_step=None) -> tuple[dict[str, list[int]], dict]:
+    """Step both engines together until they finish, their outputs equal at every step; -> (the
+    generated ids and the last output of each request). after_step(step): more checks."""
+    outputs: dict[str, list[int]] = {}
+    finals = {}
     for step in range(300):
         for request in arrivals.get(step, []):
             assert graph.add_request(request) == eager.add_request(request) == []
         if step > max(arrivals) and not graph.has_work:
             assert not eager.has_work
-            break
+            return outputs, finals
         got, want = graph.step(), eager.step()
         assert graph.failed is None and eager.failed is None
         assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in got] == \
                [(o.request_id, o.new_token_ids, o.finish_reason) for o in want], f"step {step}"
         for o in got:
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    else:
-        raise AssertionError("engines did not finish")
-    assert {rid: len(ids) for rid, ids in outputs.items()} == {"greedy": 12, "sampled": 20, "turn": 8}
-    assert runs and runs.chained and runs.snapshots
+            if o.finish_reason is not None:
+                finals[o.request_id] = o
+        if after_step is not None:
+            after_step(step)
+    raise AssertionError("engines did not finish")

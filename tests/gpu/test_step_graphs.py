@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from ninfer.artifact import open_artifact
 from ninfer.config import EngineConfig
 from ninfer.contract.request import CaptureHint, EngineRequest
 from ninfer.contract.reuse_path import ReusePath
@@ -17,7 +18,8 @@ from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import ResetSlot, SchedulerStep, StepKind, chunks
-from tests.engine.test_step_graphs import NUM_SLOTS, PAGE_SIZE, PAGES_PER_REQUEST, chunk, tokens
+from tests.engine.test_step_graphs import NUM_SLOTS, PAGE_SIZE, PAGES_PER_REQUEST, _count_runs, chunk, tokens
+from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.gpu.test_cuda_graphs import ARCHITECTURES, _model, needs_cuda
 from tests.unit.conftest import make_byte_tokenizer
 
@@ -122,14 +124,42 @@ def test_an_engine_with_step_graphs_generates_the_eager_engines_greedy_tokens(ar
     assert _generate(graphed, requests) == _generate(eager, requests)
 
 
-def _generate(core: EngineCore, requests: list[EngineRequest]) -> dict[str, list[int]]:
-    """Every request run to its end on `core` -> its generated ids, by request id."""
+def test_a_speculative_engine_with_step_graphs_generates_the_eager_engines_tokens(tmp_root):
+    """Under --spec mtp the prompt steps replay step graphs and the MTP head's pass follows from the
+    replay's hidden states: greedy tokens and every request's acceptance equal the eager engine's
+    (fp32, as above; the CPU test compares the head's KV and drafts after every step)."""
+    artifact = open_artifact(str(make_tiny_qwen3_5(tmp_root, mtp=True, dtype="float32")))
+    model = artifact.load_model(dtype=torch.float32, device="cuda")
+    config = EngineConfig(max_concurrency=3, prefill_chunk=96, mixed_prefill_chunk=48, max_context=256,
+                          spec="mtp", draft_tokens=3, adaptive_drafts=False, log_stats_interval_ms=0)
+    graphed = EngineCore(model, artifact.tokenizer, config)
+    eager = EngineCore(model, artifact.tokenizer, dataclasses.replace(config, cuda_graphs=False))
+    assert graphed.runner.step_graphs is not None and eager.runner.step_graphs is None
+    runs = _count_runs(graphed.runner.step_graphs)
+    requests = [
+        EngineRequest("long", list(range(1000, 1150)), GREEDY, max_new_tokens=24),
+        EngineRequest("short", list(range(2000, 2012)), GREEDY, max_new_tokens=16),
+        EngineRequest("mid", list(range(3000, 3070)), GREEDY, max_new_tokens=20),
+    ]
+    finals: dict[str, dict] = {}
+    assert _generate(graphed, requests, finals.setdefault("graphed", {})) == \
+        _generate(eager, requests, finals.setdefault("eager", {}))
+    assert runs
+    assert {rid: o.speculative for rid, o in finals["graphed"].items()} == \
+        {rid: o.speculative for rid, o in finals["eager"].items()}
+
+
+def _generate(core: EngineCore, requests: list[EngineRequest], finals: dict | None = None) -> dict[str, list[int]]:
+    """Every request run to its end on `core` -> its generated ids, by request id (finals: each
+    request's last output, filled in)."""
     for request in requests:
         assert core.add_request(request) == []
     outputs: dict[str, list[int]] = {}
     while core.has_work:
         for o in core.step():
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if finals is not None and o.finish_reason is not None:
+                finals[o.request_id] = o
         assert core.failed is None
     return outputs
 

@@ -22,7 +22,7 @@ from ninfer.models.forward_batch import ForwardBatch
 @dataclass
 class DraftRound:
     num_verify: int  # verification rows (they lead the step)
-    target_batch: ForwardBatch
+    target_batch: ForwardBatch | None  # None after a replayed step graph (no verification rows)
     input_ids: torch.Tensor  # [T] the target's input tokens
     hidden: torch.Tensor  # [T, H] the target's final-normed hidden states
     slot_hidden: torch.Tensor  # [num_slots, H]: each slot's hidden at its last computed position

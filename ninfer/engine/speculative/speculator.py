@@ -36,6 +36,7 @@ from ninfer.engine.speculative.draft_round import DraftRound
 from ninfer.engine.speculative.spec_plan import SpecInputs, plan_step, stage_inputs
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.forward_batch import ForwardBatch, HostStaging
+from ninfer.models.kv_cache import KVCache
 from ninfer.models.state_cache import StateCache
 
 # Rows of the commit buffer [3, max_batch]: which slot, its first verification row, rows to keep.
@@ -202,8 +203,22 @@ class Speculator:
         """The eager step: -> [num_verify, 1 + (K+1) + K] int64 on the device: accepted count,
         tokens (accepted drafts then the target's next token), new drafts; None without
         verification rows."""
-        plan = plan_step(chunks, num_verify, self.num_draft_tokens, batch.kv_cache.page_size)
-        inputs = stage_inputs(plan, staging, batch.kv_cache, self.model.config.mrope_section is not None)
+        return self._after_forward(chunks, num_verify, hidden, batch, input_ids, staging, batch.kv_cache)
+
+    def extend(
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor, input_ids: torch.Tensor, kv_cache: KVCache,
+        staging: HostStaging,
+    ) -> None:
+        """After a step without verification rows whose forward ran elsewhere (a step graph's
+        replay): the drafter's pass over its rows, and each chunk's last hidden state into its slot."""
+        self._after_forward(chunks, 0, hidden, None, input_ids, staging, kv_cache)
+
+    def _after_forward(
+        self, chunks: list[ScheduledChunk], num_verify: int, hidden: torch.Tensor, batch: ForwardBatch | None,
+        input_ids: torch.Tensor, staging: HostStaging, kv_cache: KVCache,
+    ) -> torch.Tensor | None:
+        plan = plan_step(chunks, num_verify, self.num_draft_tokens, kv_cache.page_size)
+        inputs = stage_inputs(plan, staging, kv_cache, self.model.config.mrope_section is not None)
         staging.flush()
         num_accepted = tokens = None
         if num_verify:
@@ -242,7 +257,7 @@ class Speculator:
         return verify(scores, sampling, proposal, inputs.num_drafts, inputs.uniforms)
 
     def draft(
-        self, hidden: torch.Tensor, batch: ForwardBatch, input_ids: torch.Tensor, inputs: SpecInputs,
+        self, hidden: torch.Tensor, batch: ForwardBatch | None, input_ids: torch.Tensor, inputs: SpecInputs,
         num_verify: int, num_accepted: torch.Tensor | None, tokens: torch.Tensor | None,
         chunks: list[ScheduledChunk] | None = None,
     ) -> torch.Tensor | None:
