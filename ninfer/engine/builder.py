@@ -154,7 +154,7 @@ def load_trunk(spec: EngineSpec, engine: EngineConfig, artifact, started: float,
         # A restart loads the compiled kernels and autotuning choices from here instead of redoing them.
         say("compiled GPU kernels cached in %s ($NINFER_CACHE_DIR names another folder)", os.environ["TRITON_CACHE_DIR"])
         if compiles is not None:
-            compiles.begin()
+            compiles.begin(launches_during_load=spec.quantize is not None)
     say(
         "loading %s (%s, %s) on %s%s%s",
         artifact.model_id,

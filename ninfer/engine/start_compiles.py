@@ -3,12 +3,16 @@
 Where this machine's cache holds no manifest for the model yet and a packaged one fits, the
 manifest compiles on worker processes while the weights load; the start records what it
 compiles, and that record, merged into what earlier starts recorded, is this machine's manifest.
+With PRELOAD_ON_RESTART, a start that finds this machine's manifest brings its kernels into the
+process on a thread while the weights load (the restart's first steps otherwise look each one up
+in the kernel cache and load its module as it first launches).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -20,12 +24,17 @@ from ninfer.kernels.compile_manifest import (
     autotune_records,
     manifest_key,
     precompile_workers,
+    preload_in_process,
     recording_compiles,
     start_precompile,
 )
 from ninfer.models.config import ModelConfig
 
 log = logging.getLogger("ninfer.engine")
+
+# Off until measured against the restart's warm-up on a GPU (the thread shares the interpreter
+# with the weight load, which only places tensors while it runs: no Triton launch before loaded()).
+PRELOAD_ON_RESTART = False
 
 # ModelConfig fields that change values the kernels read, never a kernel's specialization: a
 # checkpoint's own ids, limits and rotary base share the manifest of its architecture's shapes.
@@ -63,16 +72,20 @@ class StartCompiles:
         self._recorded: list[str] = []
         self._num_saved = 0  # records already merged into the machine's manifest
         self._began = 0.0  # wall-clock time recording began: autotuning results from then on are this start's
+        self._preload: threading.Thread | None = None
+        self._preloaded: tuple[int, list[str], float] | None = None
 
-    def begin(self) -> None:
+    def begin(self, launches_during_load: bool = False) -> None:
         """After CUDA started (the target is the current device's), before any kernel launches.
-        An optimisation only: whatever fails here leaves the kernels to compile at first launch."""
+        An optimisation only: whatever fails here leaves the kernels to compile at first launch.
+        launches_during_load: the load runs Triton kernels (--quantize), so nothing preloads beside it."""
         try:
-            self._begin()
+            self._begin(launches_during_load)
         except Exception as error:  # noqa: BLE001
             log.warning("kernel manifest not used: %s: %s", type(error).__name__, error)
 
-    def _begin(self) -> None:
+    def _begin(self, launches_during_load: bool) -> None:
+        import torch
         import triton
         from triton.runtime.driver import driver
 
@@ -90,11 +103,36 @@ class StartCompiles:
             log.info("compiling %d GPU kernels ahead on %d processes (a manifest for this model, with %d"
                      " autotuning results)", len(packaged.specializations), self.precompile.num_workers,
                      self.precompile.num_autotuned)  # fmt: skip
+        elif local.exists() and PRELOAD_ON_RESTART and not launches_during_load:
+            kept = KernelManifest.load(local)
+            if kept is not None and kept.usable_with(triton.__version__, target):
+                device = torch.cuda.current_device()
+                self._preload = threading.Thread(target=self._preload_kernels, args=(kept, device),
+                                                 name="ninfer-kernel-preload", daemon=True)
+                self._preload.start()
         self._recording = recording_compiles()
         self._recorded = self._recording.__enter__()
 
+    def _preload_kernels(self, manifest: KernelManifest, device: int) -> None:
+        import torch
+
+        started = time.perf_counter()
+        torch.cuda.set_device(device)
+        loaded, errors = preload_in_process(manifest)
+        self._preloaded = (loaded, errors, time.perf_counter() - started)
+
     def loaded(self) -> None:
-        """The weights are in place: the first kernels launch next, so the compiles finish first."""
+        """The weights are in place: the first kernels launch next, so the compiles (or the
+        preload) finish first."""
+        if self._preload is not None:
+            self._preload.join()
+            self._preload = None
+            if self._preloaded is not None:
+                loaded, errors, seconds = self._preloaded
+                log.info("%d GPU kernels brought in from the kernel cache in %.1f s, beside the load%s", loaded,
+                         seconds, f" ({len(errors)} left to their launch)" if errors else "")
+                for error in errors:
+                    log.debug("not preloaded: %s", error)
         if self.precompile is None:
             return
         done, errors, seconds = self.precompile.wait()
@@ -137,6 +175,9 @@ class StartCompiles:
         if self.precompile is not None:  # a start that failed before its weights were in place
             self.precompile.pool.shutdown(wait=False, cancel_futures=True)
             self.precompile = None
+        if self._preload is not None:
+            self._preload.join()
+            self._preload = None
         if self._recording is None:
             return
         self._recording.__exit__(None, None, None)

@@ -203,6 +203,24 @@ def _compile_one(target: dict, data: str) -> str | None:
     return None
 
 
+def preload_in_process(manifest: KernelManifest) -> tuple[int, list[str]]:
+    """Bring the manifest's specializations from the kernel cache into this process's JIT caches,
+    their GPU modules loaded, on the calling thread's current device: a launch then skips the
+    cache lookup and the module load. -> (how many, what stopped the others)."""
+    loaded, errors = 0, []
+    for data in manifest.specializations:
+        body = json.loads(data)
+        try:
+            kernel = _jit_function(body["name"]).preload(_portable(body))
+            init_handles = getattr(kernel, "_init_handles", None)
+            if init_handles is not None:
+                init_handles()
+            loaded += 1
+        except Exception as error:  # noqa: BLE001 - an entry that no longer compiles loads at its launch
+            errors.append(f"{body['name']}: {type(error).__name__}: {error}"[:300])
+    return loaded, errors
+
+
 def autotune_records(cache_dir: Path, since: float) -> list[dict]:
     """The autotuning results Triton cached under cache_dir (its file cache: <key>/<kernel>.autotune.json)
     since the wall-clock time `since`."""

@@ -21,20 +21,23 @@ _BUILD = """
 import logging, sys
 from pathlib import Path
 import ninfer.kernels.compile_manifest as manifests
+import ninfer.engine.start_compiles as start_compiles
 from ninfer.config import EngineConfig, EngineSpec
 from ninfer.engine.builder import build_engine_core
-artifact, packaged = sys.argv[1], sys.argv[2]
+artifact, packaged, preload = sys.argv[1], sys.argv[2], sys.argv[3]
 logging.basicConfig(level=logging.INFO)
 if packaged:
     manifests.PACKAGED = Path(packaged)
+start_compiles.PRELOAD_ON_RESTART = preload == "preload"
 build_engine_core(EngineSpec(artifact, EngineConfig(device="cuda", max_context=512, log_stats_interval_ms=0)))
 """
 
 
-def _build(artifact: str, root: Path, packaged: str = "") -> tuple[set[str], dict[str, str], str]:
+def _build(artifact: str, root: Path, packaged: str = "", preload: bool = False) -> tuple[set[str], dict[str, str], str]:
     """-> (the kernels in the start's kernel cache, by cache key; its autotuning results by path; its log)."""
     env = {**os.environ, "NINFER_CACHE_DIR": str(root), "TRITON_CACHE_DIR": str(root / "triton")}
-    done = subprocess.run([sys.executable, "-c", _BUILD, artifact, packaged], capture_output=True, text=True,
+    argv = [sys.executable, "-c", _BUILD, artifact, packaged, "preload" if preload else ""]
+    done = subprocess.run(argv, capture_output=True, text=True,
                           timeout=900, env=env, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = {path.parent.name for path in (root / "triton").rglob("*.cubin")}
@@ -55,3 +58,14 @@ def test_a_recorded_manifest_compiled_ahead_leaves_nothing_to_compile_at_launch(
     assert first_kernels and ahead_kernels == first_kernels  # under the keys the launches looked up
     # The same files with the same timings: found under the autotuners' keys, not benchmarked again.
     assert first_tuned and ahead_tuned == first_tuned
+
+
+def test_a_restart_brings_the_recorded_kernels_in_beside_the_load(tmp_path):
+    """PRELOAD_ON_RESTART: a start that finds this machine's manifest loads its kernels into the
+    process on a thread while the weights load; every entry loads, and the start compiles nothing new."""
+    artifact = str(make_tiny_qwen3_5(tmp_path / "model"))
+    first_kernels, _, _ = _build(artifact, tmp_path / "cache")
+    restart_kernels, _, log = _build(artifact, tmp_path / "cache", preload=True)
+    assert "GPU kernels brought in from the kernel cache" in log, log[-3000:]
+    assert "left to their launch" not in log
+    assert restart_kernels == first_kernels
