@@ -3,9 +3,10 @@
 Where this machine's cache holds no manifest for the model yet and a packaged one fits, the
 manifest compiles on worker processes while the weights load; the start records what it
 compiles, and that record, merged into what earlier starts recorded, is this machine's manifest.
-With PRELOAD_ON_RESTART, a start that finds this machine's manifest brings its kernels into the
-process on a thread while the weights load (the restart's first steps otherwise look each one up
-in the kernel cache and load its module as it first launches).
+With PRELOAD_KERNELS the start also brings the manifest's kernels into the process while it
+would otherwise wait (its first steps otherwise look each one up in the kernel cache and load its
+module as it first launches): a restart on a thread beside the weight load, a fresh start as each
+compile ahead finishes, while the engine waits for the rest.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from ninfer.models.config import ModelConfig
 
 log = logging.getLogger("ninfer.engine")
 
-# Off until measured against the restart's warm-up on a GPU (the thread shares the interpreter
-# with the weight load, which only places tensors while it runs: no Triton launch before loaded()).
-PRELOAD_ON_RESTART = False
+# Off until timed on a GPU. A restart's thread shares the interpreter with the weight load, which
+# only places tensors then (--quantize launches kernels: no thread beside it).
+PRELOAD_KERNELS = False
 
 # ModelConfig fields that change values the kernels read, never a kernel's specialization: a
 # checkpoint's own ids, limits and rotary base share the manifest of its architecture's shapes.
@@ -74,6 +75,7 @@ class StartCompiles:
         self._began = 0.0  # wall-clock time recording began: autotuning results from then on are this start's
         self._preload: threading.Thread | None = None
         self._preloaded: tuple[int, list[str], float] | None = None
+        self._num_preloaded = 0
 
     def begin(self, launches_during_load: bool = False) -> None:
         """After CUDA started (the target is the current device's), before any kernel launches.
@@ -103,7 +105,7 @@ class StartCompiles:
             log.info("compiling %d GPU kernels ahead on %d processes (a manifest for this model, with %d"
                      " autotuning results)", len(packaged.specializations), self.precompile.num_workers,
                      self.precompile.num_autotuned)  # fmt: skip
-        elif local.exists() and PRELOAD_ON_RESTART and not launches_during_load:
+        elif local.exists() and PRELOAD_KERNELS and not launches_during_load:
             kept = KernelManifest.load(local)
             if kept is not None and kept.usable_with(triton.__version__, target):
                 device = torch.cuda.current_device()
@@ -118,8 +120,12 @@ class StartCompiles:
 
         started = time.perf_counter()
         torch.cuda.set_device(device)
-        loaded, errors = preload_in_process(manifest)
-        self._preloaded = (loaded, errors, time.perf_counter() - started)
+        errors = [error for data in manifest.specializations if (error := preload_in_process(data)) is not None]
+        self._preloaded = (len(manifest.specializations) - len(errors), errors, time.perf_counter() - started)
+
+    def _preload_compiled(self, data: str) -> None:
+        if preload_in_process(data) is None:
+            self._num_preloaded += 1
 
     def loaded(self) -> None:
         """The weights are in place: the first kernels launch next, so the compiles (or the
@@ -135,9 +141,10 @@ class StartCompiles:
                     log.debug("not preloaded: %s", error)
         if self.precompile is None:
             return
-        done, errors, seconds = self.precompile.wait()
-        log.info("%d GPU kernels compiled ahead in %.1f s%s", done, seconds,
-                 f" ({len(errors)} left to compile at first launch)" if errors else "")  # fmt: skip
+        done, errors, seconds = self.precompile.wait(self._preload_compiled if PRELOAD_KERNELS else None)
+        log.info("%d GPU kernels compiled ahead in %.1f s%s%s", done, seconds,
+                 f" ({len(errors)} left to compile at first launch)" if errors else "",
+                 f"; {self._num_preloaded} brought into the process as they finished" if PRELOAD_KERNELS else "")  # fmt: skip
         for error in errors:
             log.debug("not compiled ahead: %s", error)
         self.precompile = None

@@ -28,7 +28,7 @@ import multiprocessing
 import os
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -203,22 +203,19 @@ def _compile_one(target: dict, data: str) -> str | None:
     return None
 
 
-def preload_in_process(manifest: KernelManifest) -> tuple[int, list[str]]:
-    """Bring the manifest's specializations from the kernel cache into this process's JIT caches,
-    their GPU modules loaded, on the calling thread's current device: a launch then skips the
-    cache lookup and the module load. -> (how many, what stopped the others)."""
-    loaded, errors = 0, []
-    for data in manifest.specializations:
-        body = json.loads(data)
-        try:
-            kernel = _jit_function(body["name"]).preload(_portable(body))
-            init_handles = getattr(kernel, "_init_handles", None)
-            if init_handles is not None:
-                init_handles()
-            loaded += 1
-        except Exception as error:  # noqa: BLE001 - an entry that no longer compiles loads at its launch
-            errors.append(f"{body['name']}: {type(error).__name__}: {error}"[:300])
-    return loaded, errors
+def preload_in_process(data: str) -> str | None:
+    """Bring one specialization from the kernel cache into this process's JIT cache, its GPU
+    module loaded, on the calling thread's current device: its launch then skips the cache lookup
+    and the module load. -> None, or what stopped it (the kernel then loads at its launch)."""
+    body = json.loads(data)
+    try:
+        kernel = _jit_function(body["name"]).preload(_portable(body))
+        init_handles = getattr(kernel, "_init_handles", None)
+        if init_handles is not None:
+            init_handles()
+    except Exception as error:  # noqa: BLE001
+        return f"{body['name']}: {type(error).__name__}: {error}"[:300]
+    return None
 
 
 def autotune_records(cache_dir: Path, since: float) -> list[dict]:
@@ -266,17 +263,21 @@ class Precompile:
     pool: ProcessPoolExecutor
     num_workers: int
     num_autotuned: int  # autotuning results written into the cache before the compiles
+    specializations: list[str] = field(default_factory=list)  # the futures' own
 
-    def wait(self) -> tuple[int, list[str], float]:
-        """-> (compiled or cached, errors, seconds since the start)."""
+    def wait(self, on_compiled: Callable[[str], None] | None = None) -> tuple[int, list[str], float]:
+        """-> (compiled or cached, errors, seconds since the start). on_compiled(specialization):
+        called in order for each one compiled, while the later ones still compile."""
         done, errors = 0, []
-        for future in self.futures:
+        for index, future in enumerate(self.futures):
             try:
                 error = future.result()
             except Exception as failure:  # noqa: BLE001 - a worker that died: its kernels compile at first launch
                 error = f"worker: {type(failure).__name__}: {failure}"
             if error is None:
                 done += 1
+                if on_compiled is not None:
+                    on_compiled(self.specializations[index])
             else:
                 errors.append(error)
         self.pool.shutdown()
@@ -291,7 +292,7 @@ def start_precompile(manifest: KernelManifest, num_workers: int) -> Precompile:
     num_autotuned = restore_autotune(manifest.autotune)
     pool = ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"))
     futures = [pool.submit(_compile_one, manifest.target, data) for data in manifest.specializations]
-    return Precompile(started, futures, pool, num_workers, num_autotuned)
+    return Precompile(started, futures, pool, num_workers, num_autotuned, list(manifest.specializations))
 
 
 def precompile_workers() -> int:

@@ -6,6 +6,7 @@ find the recorded choices instead of benchmarking again."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ artifact, packaged, preload = sys.argv[1], sys.argv[2], sys.argv[3]
 logging.basicConfig(level=logging.INFO)
 if packaged:
     manifests.PACKAGED = Path(packaged)
-start_compiles.PRELOAD_ON_RESTART = preload == "preload"
+start_compiles.PRELOAD_KERNELS = preload == "preload"
 build_engine_core(EngineSpec(artifact, EngineConfig(device="cuda", max_context=512, log_stats_interval_ms=0)))
 """
 
@@ -45,7 +46,9 @@ def _build(artifact: str, root: Path, packaged: str = "", preload: bool = False)
     return kernels, tuned, done.stderr
 
 
-def test_a_recorded_manifest_compiled_ahead_leaves_nothing_to_compile_at_launch(tmp_path):
+@pytest.mark.parametrize("preload", [False, True], ids=["compiled", "compiled-and-preloaded"])
+def test_a_recorded_manifest_compiled_ahead_leaves_nothing_to_compile_at_launch(tmp_path, preload):
+    """preload (PRELOAD_KERNELS): each kernel also comes into the process as its compile finishes."""
     artifact = str(make_tiny_qwen3_5(tmp_path / "model"))
     first_kernels, first_tuned, _ = _build(artifact, tmp_path / "first")
     (recorded,) = (tmp_path / "first" / "kernel-manifests").glob("*.json")
@@ -53,15 +56,18 @@ def test_a_recorded_manifest_compiled_ahead_leaves_nothing_to_compile_at_launch(
     packaged.mkdir()
     (packaged / recorded.name).write_text(recorded.read_text())
 
-    ahead_kernels, ahead_tuned, log = _build(artifact, tmp_path / "second", str(packaged))
+    ahead_kernels, ahead_tuned, log = _build(artifact, tmp_path / "second", str(packaged), preload=preload)
     assert "GPU kernels compiled ahead" in log and "left to compile" not in log
+    if preload:
+        compiled = re.search(r"(\d+) GPU kernels compiled ahead .*; (\d+) brought into the process", log)
+        assert compiled is not None and compiled.group(1) == compiled.group(2), log[-3000:]
     assert first_kernels and ahead_kernels == first_kernels  # under the keys the launches looked up
     # The same files with the same timings: found under the autotuners' keys, not benchmarked again.
     assert first_tuned and ahead_tuned == first_tuned
 
 
 def test_a_restart_brings_the_recorded_kernels_in_beside_the_load(tmp_path):
-    """PRELOAD_ON_RESTART: a start that finds this machine's manifest loads its kernels into the
+    """PRELOAD_KERNELS: a start that finds this machine's manifest loads its kernels into the
     process on a thread while the weights load; every entry loads, and the start compiles nothing new."""
     artifact = str(make_tiny_qwen3_5(tmp_path / "model"))
     first_kernels, _, _ = _build(artifact, tmp_path / "cache")

@@ -37,7 +37,10 @@ import sys
 from pathlib import Path
 from ninfer.kernels.compile_manifest import KernelManifest, start_precompile
 manifest = KernelManifest.load(Path(sys.argv[1]))
-done, errors, seconds = start_precompile(manifest, 2).wait()
+finished = []  # what the engine's thread is handed as each compile finishes (PRELOAD_KERNELS)
+done, errors, seconds = start_precompile(manifest, 2).wait(finished.append)
+# Handed over in the recorded order, each compiled one once.
+assert len(finished) == done and finished == [data for data in manifest.specializations if data in finished]
 print(done, len(errors))
 for error in errors:
     print(error, file=sys.stderr)
