@@ -49,6 +49,7 @@ from ninfer.engine.graph_capture import capture_graph
 from ninfer.engine.graph_page_table import GraphPageTable
 from ninfer.engine.sampler import Sampler, SamplingBatch
 from ninfer.engine.scheduler import ScheduledChunk
+from ninfer.engine.scheduler.chunks import penalized_in_flight
 from ninfer.kernels.backend import fast_impl
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.forward_batch import ForwardBatch
@@ -342,6 +343,11 @@ class DecodeGraphs:
             token_bitmasks=[c.token_bitmask for c in chunks],
         )
         sampled_row = self.ints[_SAMPLED]
+        in_flight, previous = penalized_in_flight(list(chunks))
+        if in_flight:
+            # Still the previous round's ids: this round's sampling writes them below.
+            previous_rows = torch.tensor(previous, dtype=torch.int64).to(self.device, non_blocking=True)
+            device_batch = device_batch.counting_in_flight(in_flight, sampled_row.index_select(0, previous_rows))
         sampled_row[:batch_size].copy_(self.sampler.sample(self.logits(batch_size), device_batch))
         return sampled_row[:batch_size]
 

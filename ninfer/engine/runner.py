@@ -50,6 +50,7 @@ from ninfer.engine.scheduler import (
     SpillPages,
     SpillSlot,
 )
+from ninfer.engine.scheduler.chunks import penalized_in_flight
 from ninfer.engine.speculative.drafter_factory import make_drafter, quantize_drafter_fp8_
 from ninfer.engine.speculative.proposal_head import ProposalHead
 from ninfer.engine.speculative.speculator import Speculator
@@ -354,6 +355,10 @@ class ModelRunner:
             token_bitmasks=[c.token_bitmask for c in to_sample],
         )
         staging.flush()
+        in_flight, previous = penalized_in_flight(to_sample)
+        if in_flight:
+            previous_rows = torch.tensor(previous, dtype=torch.int64).to(self.device, non_blocking=True)
+            batch = batch.counting_in_flight(in_flight, self._last_ids.index_select(0, previous_rows))
         token_ids = self.sampler.sample(self.slot_logits.index_select(0, slots), batch)
         if rows is None:
             return token_ids, sampled_rows

@@ -327,6 +327,30 @@ def _build_llama_core(tmp_root: str) -> EngineCore:
     return EngineCore(model, make_byte_tokenizer(), EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=256))
 
 
+def test_penalised_rows_run_ahead_counting_the_token_in_flight(tmp_root):
+    """With decode overlap, penalised rows are chained like any other: the sampler counts the
+    token still in flight (the row's input) with the committed output, so greedy and seeded
+    sampled tokens equal the engine's without overlap."""
+    _, ours = _models("llama", tmp_root)
+    repeat = SamplingParams(temperature=0.0, presence_penalty=0.7, frequency_penalty=1.1)
+    sampled = SamplingParams(temperature=0.9, top_k=8, presence_penalty=1.5, frequency_penalty=0.5, seed=7)
+    results = {}
+    for overlap in (False, True):
+        config = EngineConfig(max_concurrency=2, prefill_chunk=16, max_context=256, decode_overlap=overlap)
+        core = EngineCore(ours, make_byte_tokenizer(), config)
+        chained = []
+        launch = core.runner.launch
+        core.runner.launch = lambda step, launch=launch: chained.append(  # noqa: E731
+            sum(c.previous_row is not None for c in step.chunks)) or launch(step)
+        arrivals = {0: [EngineRequest("greedy", PROMPTS[0], repeat, max_new_tokens=14)],
+                    2: [EngineRequest("sampled", PROMPTS[1], sampled, max_new_tokens=14)]}
+        results[overlap] = run_engine(core, arrivals), sum(chained)
+    (eager, none_chained), (ahead, num_chained) = results[False], results[True]
+    assert none_chained == 0 and num_chained >= 10
+    for rid in ("greedy", "sampled"):
+        assert ahead[rid][0] == eager[rid][0], rid
+
+
 def test_penalties_reach_the_sampler_through_the_engine(tmp_root):
     """Greedy with presence/frequency penalties equals a manual loop over transformers' logits."""
     hf, ours = _models("llama", tmp_root)

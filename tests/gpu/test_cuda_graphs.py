@@ -294,6 +294,46 @@ def test_constrained_rounds_launched_ahead_replay_like_eager_on_cpu(tmp_root, mo
     assert replays.get("chained") and deferred, (replays, deferred)
 
 
+def _penalised_requests() -> list[EngineRequest]:
+    """Greedy and sampled rows whose presence and frequency penalties change their tokens."""
+    text = lambda s: [ord(c) for c in s]  # noqa: E731
+    repeat = SamplingParams(temperature=0.0, presence_penalty=0.7, frequency_penalty=1.1)
+    sampled = SamplingParams(temperature=0.8, top_k=12, presence_penalty=1.5, frequency_penalty=0.4, seed=5)
+    return [EngineRequest("repeat", text("abcabcabc abc"), repeat, max_new_tokens=20),
+            EngineRequest("sampled", text("Another prompt"), sampled, max_new_tokens=16)]
+
+
+def test_penalised_rounds_launched_ahead_replay_like_sync_rounds_on_cpu(tmp_root, monkeypatch):
+    """Penalised rows chained under decode overlap, through the graph layout: the forward replays
+    ahead and the sampler counts each row's token in flight, read from the graphs' sampled row; the
+    tokens equal synchronous eager rounds'."""
+    import ninfer.models.layers.attention as attention
+
+    monkeypatch.setattr(attention, "paged_attention", device_lengths_only)
+    model = _model("llama", tmp_root, torch.float32, "cpu")
+    tokenizer = make_byte_tokenizer()
+    sync = EngineCore(model, tokenizer, _config(cuda_graphs=False, decode_overlap=False))
+    graph = EngineCore(model, tokenizer, _config())
+    runner = graph.runner
+    runner.graphs = _direct_graphs(model, runner)
+    replays = _count_replays(runner.graphs)
+    penalised_samples = _count_deferred_samples(runner.graphs)
+    assert _tokens(graph, _penalised_requests()) == _tokens(sync, _penalised_requests())
+    assert replays.get("chained", 0) >= 10 and penalised_samples, (replays, penalised_samples)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_penalised_rounds_launched_ahead_equal_sync_on_gpu(tmp_root):
+    model = _model("llama", tmp_root, torch.bfloat16, "cuda")
+    tokenizer = make_byte_tokenizer()
+    sync = EngineCore(model, tokenizer, _config(decode_overlap=False))
+    graph = EngineCore(model, tokenizer, _config())
+    replays = _count_replays(graph.runner.graphs)
+    assert _tokens(graph, _penalised_requests()) == _tokens(sync, _penalised_requests())
+    assert replays.get("chained", 0) >= 10, replays
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_constrained_rounds_launched_ahead_equal_sync_on_gpu(tmp_root):
@@ -379,8 +419,8 @@ def test_decode_overlap_equals_sync_on_gpu(arch, tmp_root):
         core = EngineCore(model, tokenizer, _config(decode_overlap=overlap))
         replays = _count_replays(core.runner.graphs)
         # Four at once, into the four lanes: the rounds' rows must not differ between the
-        # runs (a request admitted a round later would change later batches). No penalties
-        # or thinking budget: those rows keep the rounds synchronous.
+        # runs (a request admitted a round later would change later batches). No thinking
+        # budget: its rows keep the rounds synchronous (penalised rows: the test above).
         text = lambda s: [ord(c) for c in s]  # noqa: E731
         sampled = lambda seed: SamplingParams(temperature=0.8, top_p=0.9, top_k=12, seed=seed)  # noqa: E731
         requests = [

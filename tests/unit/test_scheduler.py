@@ -586,7 +586,7 @@ def test_schedule_ahead_only_in_steady_decode(byte_tokenizer, blocker):
         inflight = h.scheduler.schedule()  # c admitted: its first chunk rides with a's and b's rows
         assert inflight.kind is StepKind.MIXED and [c.request_id for c in inflight.chunks] == ["a", "b", "c"]
     ahead = h.scheduler.schedule_ahead(inflight)
-    if blocker not in ("none", "waiting_behind_full_lanes"):
+    if blocker not in ("none", "waiting_behind_full_lanes", "penalties"):
         assert ahead is None
         return
     assert [(c.request_id, c.previous_row, c.token_ids) for c in ahead.chunks] == [
@@ -596,6 +596,12 @@ def test_schedule_ahead_only_in_steady_decode(byte_tokenizer, blocker):
         assert chunk.num_computed_tokens == before.num_computed_tokens + 1
         assert chunk.num_generated == before.num_generated + 1
         assert chunk.page_ids == before.page_ids and chunk.state_slot == before.state_slot
+    # A penalised row runs ahead with its committed output; the runner counts the token in flight.
+    b = running["b"]
+    expected_history = list(b.token_ids[b.prompt_len :]) if blocker == "penalties" else []
+    assert list(ahead.chunks[1].output_token_ids) == expected_history and ahead.chunks[0].output_token_ids == []
+    if blocker == "penalties":
+        assert expected_history and len(expected_history) == inflight.chunks[1].num_generated
 
 
 def test_max_new_tokens_zero_processes_prompt_only(byte_tokenizer):

@@ -21,6 +21,13 @@ def has_penalties(sampling: SamplingParams) -> bool:
     return sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0
 
 
+def penalized_in_flight(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:
+    """The rows of `chunks` whose penalties must also count a token still in flight (chained,
+    with penalties), and the row of the previous step that sampled each one."""
+    rows = [row for row, c in enumerate(chunks) if c.previous_row is not None and has_penalties(c.sampling)]
+    return rows, [chunks[row].previous_row for row in rows]
+
+
 def media_fields(seq: Sequence, start: int, num_tokens: int) -> dict:
     """ScheduledChunk's media fields for tokens [start, start + num_tokens) of seq."""
     if not seq.has_media or not num_tokens:
@@ -77,7 +84,8 @@ def chained_chunk(seq: Sequence, previous_row: int) -> ScheduledChunk:
         sample=True,
         sampling=seq.sampling,
         num_generated=seq.num_output_tokens - seq.num_forced_tokens + 1,
-        output_token_ids=[],
+        # The committed output; the token in flight (this row's input) is counted on the device.
+        output_token_ids=seq.token_ids[seq.prompt_len :] if has_penalties(seq.sampling) else [],
         previous_row=previous_row,
         mask_follows_previous=seq.constraint is not None,
         logprobs=seq.request.top_logprobs,

@@ -42,7 +42,7 @@ from ninfer.engine.scheduler.action_queue import ActionQueue
 from ninfer.engine.scheduler.active_requests import ActiveRequests
 from ninfer.engine.scheduler.admission import Admission
 from ninfer.engine.scheduler.checkpoints import Checkpoints
-from ninfer.engine.scheduler.chunks import PromptChunks, chained_chunk, has_penalties
+from ninfer.engine.scheduler.chunks import PromptChunks, chained_chunk
 from ninfer.engine.scheduler.limits import SchedulerLimits
 from ninfer.engine.scheduler.outputs import Outbox, delta_output, final_output
 from ninfer.engine.scheduler.placement import Placement
@@ -65,16 +65,16 @@ from ninfer.engine.stop_checker import StopChecker
 
 def _runs_ahead(seq: Sequence, chunk: ScheduledChunk) -> bool:
     """Whether seq's row of the launched step can be followed by a chained row: one sampled
-    token and nothing else pending, and no penalty or thinking budget that needs the sampled
-    token to plan the next row (an output constraint's mask needs it only to sample: the row
-    is computed ahead and sampled once the token is committed)."""
+    token and nothing else pending, and no thinking budget that needs the sampled token to plan
+    the next row (an output constraint's mask needs it only to sample: the row is computed ahead
+    and sampled once the token is committed; penalties count it on the device, as the row's
+    input)."""
     return (
         seq.num_steps_in_flight == 1
         and chunk.sample
         and len(chunk.token_ids) == 1
         and seq.num_computed_tokens == chunk.num_computed_tokens
         and seq.num_pending_tokens == 1
-        and not has_penalties(seq.sampling)
         and not _budget_may_close(seq)
     )
 
@@ -246,7 +246,7 @@ class Scheduler:
         Only for steady decode, where no token inflight can sample changes the plan except
         by finishing its request. None while a request waits for a free lane, a request
         prefills or slot actions are pending; None when a row may reach its thinking budget
-        at inflight or has penalties (their token history must include that token), and when a
+        at inflight, and when a
         grammar compiled meanwhile (schedule() queues its request). A request with an output
         constraint runs ahead with its mask left to follow inflight's token
         (ScheduledChunk.mask_follows_previous, masks_after_commit). Rows that reach their

@@ -138,7 +138,9 @@ class ScheduledChunk:
     sample: bool
     sampling: SamplingParams  # seed always set (the engine draws one when the request has none)
     num_generated: int  # RNG position: model-sampled tokens so far
-    output_token_ids: list[int]  # for presence/frequency penalties (empty when the request has none)
+    # For presence/frequency penalties (empty when the request has none): the committed output;
+    # a chained row's input, still in flight, counts too (the runner adds it on the device).
+    output_token_ids: list[int]
     # Set by schedule_ahead: token_ids is [PENDING_TOKEN], and the token to compute is the one
     # the previously launched step sampled in this row.
     previous_row: int | None = None
