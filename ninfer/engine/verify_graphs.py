@@ -59,9 +59,11 @@ _ALIGN = 16
 # Pinned mirrors used in turn: a round may be launched while the previous one's copy is queued.
 _NUM_STAGING = 2
 _NP_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
-# The penalty buffer's entries (int32 each): rounds whose penalized requests have generated more
-# tokens than this run eagerly (16 MiB on the device, twice that pinned).
-MAX_PENALTY_ENTRIES = 1 << 22
+# The penalty buffer's entries per graph row (int32 each): rounds whose penalized requests have
+# generated more tokens than this times the batch run eagerly. Every general round adds all
+# entries, live or not, so the buffer stays a few hundred KiB (non-thinking outputs, the ones a
+# preset penalises, rarely pass a few thousand tokens).
+PENALTY_ENTRIES_PER_REQUEST = 16384
 
 
 class StaticInputs:
@@ -168,7 +170,7 @@ class VerifyGraphs:
         )
         # Penalized requests' output tokens as request * V + token (a token counted once per occurrence).
         self.vocab_size = speculator.verify_logits.shape[-1]
-        self.penalty_capacity = min(max_batch * max_pages_per_request * self.page_size, MAX_PENALTY_ENTRIES)
+        self.penalty_capacity = max_batch * min(max_pages_per_request * self.page_size, PENALTY_ENTRIES_PER_REQUEST)
         self.penalties = StaticInputs({"index": ((self.penalty_capacity,), i32)}, self.device)
         self._entry_numbers = torch.arange(self.penalty_capacity, device=self.device)
         self.pages = GraphPageTable(max_batch, max_pages_per_request, self.device)
@@ -285,8 +287,9 @@ class VerifyGraphs:
         k, vocab = self.num_draft_tokens, self.vocab_size
         v = self.inputs.views
         live = self._entry_numbers < v["num_penalty_entries"]
-        # Entries past this round's count are an earlier round's: weight 0 at an index in range.
-        index = torch.where(live, self.penalties.views["index"].long(), 0)
+        # Entries past this round's count are an earlier round's: weight 0, each at an address of its
+        # own in range (atomic adds to one address would queue behind each other).
+        index = torch.where(live, self.penalties.views["index"].long(), self._entry_numbers % (batch_size * vocab))
         table = torch.zeros(batch_size * vocab, dtype=torch.float32, device=self.device)
         table.index_add_(0, index, live.float())
         counts = table.view(batch_size, vocab).repeat_interleave(k + 1, dim=0)
