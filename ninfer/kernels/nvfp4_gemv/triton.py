@@ -339,8 +339,8 @@ def _nvfp4_dot_kernel(
 # 16480 x 5120 at 8 rows 43.9 us against the FMA path's 219; one row 46.6 against 36.8.
 DOT_MIN_ROWS = 2
 DOT_TILE = Config(block_n=32, block_k=128, num_warps=2, use_dot=True, num_stages=4)
-# The FMA path's loads double-buffered by default (Config.double_buffer): off until timed against
-# the single-buffered loop (benchmarks/kernels/bench_nvfp4_gemv.py prints both).
+# The FMA path's loads double-buffered by default (Config.double_buffer): off, measured slower
+# (27B NVFP4 decode at batch 1: 81.1 against 90.1 tok/s on an H100; docs/kernels.md).
 FMA_DOUBLE_BUFFER = False
 # K is split until the grid holds about this many programs per SM (H100, 8 rows: 5120 x 17408
 # best at 8 splits, 1,280 programs; 16480 x 5120 at 2, 1,030 programs; docs/kernels.md).
