@@ -15,7 +15,9 @@
 #   nvfp4         the bf16 checkpoint served with --quantize nvfp4 (load peak, decode at 1 and 8 clients)
 #   speculative   --spec mtp (3 drafts, the reduced proposal head) at one client against plain decoding, at full
 #                 acceptance (a --constant-output checkpoint with the MTP head, written to MODEL-constant) and
-#                 at zero (the random MTP head, MODEL-mtp), bf16 and --quantize fp8
+#                 at zero (the random MTP head, MODEL-mtp), bf16 and --quantize fp8; greedy requests without
+#                 penalties (the constant output repeats its token only then). The two checkpoints take
+#                 108 GB more beside MODEL: where MODEL is in /dev/shm (host memory), give a disk path
 #   (none given: all of them, in this order)
 #
 #   --model DIR   a 27B-shaped checkpoint (default /dev/shm/q27, written by
@@ -27,7 +29,7 @@
 # whole set takes about 22 minutes on an H100, and speculative about 12 more (two checkpoints, six servers).
 set -uo pipefail
 
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
 
 ALL=(startup constrained agent-loop burst nvfp4 speculative)
 SCENARIOS=()
@@ -61,9 +63,19 @@ fi
 
 SERVE8="--max-concurrency 8 --max-context 16384 --kv-capacity auto"
 NO_THINKING='"enable_thinking": false'
+GREEDY='"temperature": 0, "presence_penalty": 0'
 SCHEMA='"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "strict": true, "schema": {"type": "object", "properties": {"answer": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}}}, "required": ["answer", "notes"], "additionalProperties": false}}}'
 DECODE=(--scenario concurrency --concurrency-levels 1,8 --requests-per-client 3 --prompt-tokens 256 --output-tokens 128)
 STATUS=0
+
+room_for_checkpoint() {  # dir: whether its file system has the 54 GB a 27B-shaped checkpoint takes
+    local parent free_gb
+    parent="$(dirname "$1")"
+    free_gb=$(( $(df -Pk "$parent" | awk 'NR == 2 {print $4}') / 1024 / 1024 ))
+    [ "$free_gb" -ge 56 ] && return 0
+    echo "serve_bench.sh: $parent has $free_gb GB free; $1 needs 54 GB (a checkpoint in /dev/shm takes host memory: give --model a disk path)" >&2
+    return 1
+}
 
 run() {  # name, command...: its output in OUT_DIR/name.log, a failure noted
     local name="$1"
@@ -111,8 +123,13 @@ for scenario in "${SCENARIOS[@]}"; do
                 --scenario concurrency --concurrency-levels 1,8 --requests-per-client 2 --prompt-tokens 1024 \
                 --output-tokens 128 --body-extra "{$NO_THINKING}" --out "$OUT_DIR/nvfp4" ;;
         speculative)
-            [ -f "$MODEL-constant/config.json" ] || python3 -m ninfer.cli write-checkpoint "$MODEL-constant" --shape 27b --mtp --constant-output
-            [ -f "$MODEL-mtp/config.json" ] || python3 -m ninfer.cli write-checkpoint "$MODEL-mtp" --shape 27b --mtp
+            for variant in constant mtp; do
+                [ -f "$MODEL-$variant/config.json" ] && continue
+                room_for_checkpoint "$MODEL-$variant" || { STATUS=1; continue 2; }
+                flags="--mtp"
+                [ "$variant" = constant ] && flags="--mtp --constant-output"
+                python3 -m ninfer.cli write-checkpoint "$MODEL-$variant" --shape 27b $flags || { STATUS=1; continue 2; }
+            done
             SPEC="--spec mtp --draft-tokens 3 --lm-head-draft"
             ONE=(--scenario concurrency --concurrency-levels 1 --requests-per-client 3 --prompt-tokens 1024 --output-tokens 256)
             for weights in bf16 fp8; do
@@ -122,7 +139,7 @@ for scenario in "${SCENARIOS[@]}"; do
                     IFS=: read -r label model flags <<< "$server"
                     run "spec-$label-$weights" python3 benchmarks/load.py --serve "$MODEL-$model" \
                         --server-args "--max-concurrency 1 --max-context 8192 --kv-capacity auto $QUANTIZE $flags" \
-                        "${ONE[@]}" --body-extra "{$NO_THINKING}" --out "$OUT_DIR/spec-$label-$weights"
+                        "${ONE[@]}" --body-extra "{$NO_THINKING, $GREEDY}" --out "$OUT_DIR/spec-$label-$weights"
                 done
             done ;;
     esac
