@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from itertools import chain
-from math import prod
 
 import numpy as np
 import torch
@@ -46,6 +45,8 @@ from ninfer.engine.scheduler import ScheduledChunk
 from ninfer.engine.scheduler.chunks import has_penalties
 from ninfer.engine.speculative.spec_plan import SpecInputs, plan_step
 from ninfer.engine.speculative.speculator import Speculator
+from ninfer.engine.static_inputs import StaticInputs
+from ninfer.engine.verify_penalties import VerifyPenalties
 from ninfer.models.causal_lm import CausalLM
 from ninfer.models.forward_batch import ForwardBatch
 from ninfer.models.kv_cache import KVCache
@@ -55,63 +56,6 @@ from ninfer.models.verify_scratch import VerifyRows
 log = logging.getLogger("ninfer.engine")
 
 _NUM_FLOAT_PARAMS = 5  # SamplingBatch.row_floats columns
-_ALIGN = 16
-# Pinned mirrors used in turn: a round may be launched while the previous one's copy is queued.
-_NUM_STAGING = 2
-_NP_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
-# The penalty buffer's entries per graph row (int32 each): rounds whose penalized requests have
-# generated more tokens than this times the batch run eagerly. Every general round adds all
-# entries, live or not, so the buffer stays a few hundred KiB (non-thinking outputs, the ones a
-# preset penalises, rarely pass a few thousand tokens).
-PENALTY_ENTRIES_PER_REQUEST = 16384
-
-
-class StaticInputs:
-    """Named device tensors at fixed addresses in one buffer (what a graph captures), filled
-    from a pinned host mirror by one non-blocking copy."""
-
-    def __init__(self, fields: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device):
-        layout, total = {}, 0
-        for name, (shape, dtype) in fields.items():
-            nbytes = prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            layout[name] = (total, nbytes, shape, dtype)
-            total = -(-(total + nbytes) // _ALIGN) * _ALIGN
-        pin = device.type == "cuda"
-        self._device = torch.zeros(total, dtype=torch.uint8, device=device)
-        self._host = [torch.zeros(total, dtype=torch.uint8, pin_memory=pin) for _ in range(_NUM_STAGING)]
-        self._copied = [torch.cuda.Event() for _ in range(_NUM_STAGING)] if pin else None
-        self.views = {
-            name: self._device[start : start + nbytes].view(dtype).view(shape)
-            for name, (start, nbytes, shape, dtype) in layout.items()
-        }
-        self._host_views = [
-            {
-                name: host.numpy()[start : start + nbytes].view(_NP_DTYPES[dtype]).reshape(shape)
-                for name, (start, nbytes, shape, dtype) in layout.items()
-            }
-            for host in self._host
-        ]
-        self._turn = 0
-
-    def next_mirror(self) -> dict[str, np.ndarray]:
-        """The next pinned mirror to fill (its previous copy to the device has completed)."""
-        self._turn = (self._turn + 1) % _NUM_STAGING
-        if self._copied is not None:
-            self._copied[self._turn].synchronize()
-        return self._host_views[self._turn]
-
-    def upload(self, num_bytes: int | None = None) -> None:
-        """Copy the mirror last returned by next_mirror() into the device tensors (queued);
-        num_bytes: only the buffer's first bytes (what a round filled of a large field)."""
-        end = self._device.numel() if num_bytes is None else min(-(-num_bytes // _ALIGN) * _ALIGN, self._device.numel())
-        self._device[:end].copy_(self._host[self._turn][:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied[self._turn].record()
-
-    def copy_to_mirrors(self) -> None:
-        """Make every mirror hold the device tensors' values (start-up defaults set on the device)."""
-        for host in self._host:
-            host.copy_(self._device)
 
 
 class VerifyGraphs:
@@ -168,11 +112,8 @@ class VerifyGraphs:
             },
             self.device,
         )
-        # Penalized requests' output tokens as request * V + token (a token counted once per occurrence).
-        self.vocab_size = speculator.verify_logits.shape[-1]
-        self.penalty_capacity = max_batch * min(max_pages_per_request * self.page_size, PENALTY_ENTRIES_PER_REQUEST)
-        self.penalties = StaticInputs({"index": ((self.penalty_capacity,), i32)}, self.device)
-        self._entry_numbers = torch.arange(self.penalty_capacity, device=self.device)
+        self.penalties = VerifyPenalties(max_batch, max_pages_per_request * self.page_size,
+                                         speculator.verify_logits.shape[-1], k, self.device)
         self.pages = GraphPageTable(max_batch, max_pages_per_request, self.device)
         self.page_table = self.pages.table
         self.outcome = torch.zeros(max_batch, 1 + (k + 1) + k, dtype=torch.int64, device=self.device)
@@ -278,28 +219,9 @@ class VerifyGraphs:
             base=v["base"][:b],
             limits=v["limits"][:b],
             rope_offsets=v["rope_offsets"][:b],
-            penalty_counts=None if all_greedy else self._penalty_counts(b),
+            penalty_counts=None if all_greedy else self.penalties.counts(
+                b, v["num_penalty_entries"], v["drafts"][:b], v["num_drafts"][:b]),
         )
-
-    def _penalty_counts(self, batch_size: int) -> torch.Tensor:
-        """Captured: each verification row's output token counts [B * (K+1), V] fp32: its request's
-        tokens so far and the drafts before the row (what the eager plan lists per row)."""
-        k, vocab = self.num_draft_tokens, self.vocab_size
-        v = self.inputs.views
-        live = self._entry_numbers < v["num_penalty_entries"]
-        # Entries past this round's count are an earlier round's: weight 0, each at an address of its
-        # own in range (atomic adds to one address would queue behind each other).
-        index = torch.where(live, self.penalties.views["index"].long(), self._entry_numbers % (batch_size * vocab))
-        table = torch.zeros(batch_size * vocab, dtype=torch.float32, device=self.device)
-        table.index_add_(0, index, live.float())
-        counts = table.view(batch_size, vocab).repeat_interleave(k + 1, dim=0)
-        place = torch.arange(k, device=self.device)
-        row = torch.arange(k + 1, device=self.device)
-        before = (place[None, None, :] < row[None, :, None]) & (place[None, None, :] < v["num_drafts"][:batch_size, None, None])
-        rows = torch.arange(batch_size * (k + 1), device=self.device).view(batch_size, k + 1, 1)
-        flat = rows * vocab + v["drafts"][:batch_size, None, :]
-        counts.view(-1).index_add_(0, flat.reshape(-1), before.reshape(-1).float())
-        return counts
 
     def _host_seq_lens(self, batch_size: int, num_new: int) -> tuple[int, ...]:
         if self._uncaptured:
@@ -397,7 +319,7 @@ class VerifyGraphs:
         return all(
             c.speculative and len(c.token_ids) == width and c.previous_row is None and len(c.page_ids) <= self.max_pages
             for c in chunks
-        ) and sum(len(c.output_token_ids) for c in chunks if has_penalties(c.sampling)) <= self.penalty_capacity
+        ) and self.penalties.fits(chunks)
 
     def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """Replay the graphs of len(chunks) requests; -> their outcome rows on the device (a view
@@ -429,9 +351,9 @@ class VerifyGraphs:
         host["num_drafts"][:batch_size] = [c.num_draft_tokens for c in chunks]
         host["base"][:batch_size] = computed + 1
         host["limits"][:batch_size] = [len(c.page_ids) * page_size for c in chunks]
-        penalized = [(row, c.output_token_ids) for row, c in enumerate(chunks) if has_penalties(c.sampling)]
-        host["num_penalty_entries"][0] = self._fill_penalties(penalized) if penalized else 0
-        all_greedy = not penalized and all(c.sampling.is_greedy for c in chunks)
+        host["num_penalty_entries"][0] = self.penalties.fill(chunks)
+        # Penalised greedy rows take the general graph: its rows count the drafts before them too.
+        all_greedy = all(c.sampling.is_greedy and not has_penalties(c.sampling) for c in chunks)
         if all_greedy:
             # Argmax rows read no sampling parameters: the general defaults, without packing any.
             self._fill_greedy_sampling(host, batch_size, rows)
@@ -456,18 +378,6 @@ class VerifyGraphs:
             self.forward_graphs[batch_size].replay()
             self.judge_graphs[(batch_size, all_greedy)].replay()
         return self.outcome[:batch_size]
-
-    def _fill_penalties(self, penalized: list[tuple[int, Sequence[int]]]) -> int:
-        """Write the penalized rows' output tokens as row * V + token and queue their copy; -> how many."""
-        index = self.penalties.next_mirror()["index"]
-        num_entries = 0
-        for row, tokens in penalized:
-            end = num_entries + len(tokens)
-            index[num_entries:end] = tokens
-            index[num_entries:end] += row * self.vocab_size
-            num_entries = end
-        self.penalties.upload(num_entries * 4)
-        return num_entries
 
     @staticmethod
     def _fill_greedy_sampling(host: dict[str, np.ndarray], batch_size: int, rows: int) -> None:

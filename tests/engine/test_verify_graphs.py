@@ -5,6 +5,8 @@ them. The capture itself and replay-equals-eager are GPU tests (tests/gpu/test_v
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,10 +16,12 @@ from ninfer.config import EngineConfig
 from ninfer.contract.sampling import SamplingParams
 from ninfer.engine.core import EngineCore
 from ninfer.engine.verify_graphs import VerifyGraphs
+from ninfer.engine.verify_penalties import VerifyPenalties
 from ninfer.testing.tiny_artifacts import make_tiny_qwen3_5
 from tests.engine.test_speculative import LIMITS, engine, requests, run
 
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=10, seed=1234)
+PENALISED = SamplingParams(temperature=0.0, presence_penalty=-1.0, frequency_penalty=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -118,32 +122,31 @@ def test_penalized_rounds_past_the_penalty_buffer_run_eagerly(root) -> None:
     eager = run(engine(root, spec="mtp", draft_tokens=3), requests(LIMITS, penalized))
     core = engine(root, spec="mtp", draft_tokens=3)
     rounds = with_uncaptured_graphs(core)
-    core.runner.verify_graphs.penalty_capacity = 2  # two output tokens: every later round overflows it
+    core.runner.verify_graphs.penalties.capacity = 2  # two output tokens: every later round overflows it
     graphed = run(core, requests(LIMITS, penalized))
     assert rounds == []
     for rid in LIMITS:
         assert graphed[rid][0] == eager[rid][0]
 
 
-def test_penalty_counts_hold_this_rounds_tokens_and_drafts_before_each_row(root) -> None:
+def test_penalty_counts_hold_this_rounds_tokens_and_drafts_before_each_row() -> None:
     # A long round, then a shorter one: the second uploads a shorter prefix of the entry buffer, and
     # the first round's entries past it must count for nothing.
-    core = constant_output_engine(root)
-    with_uncaptured_graphs(core)
-    graphs = core.runner.verify_graphs
-    k, vocab, views = graphs.num_draft_tokens, graphs.vocab_size, graphs.inputs.views
+    k, vocab = 3, 20
+    penalties = VerifyPenalties(max_batch=3, max_tokens_per_request=256, vocab_size=vocab, num_draft_tokens=k,
+                                device=torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     for batch_size, history_len in ((3, 60), (2, 7)):
-        histories = [torch.randint(0, 20, (history_len,), generator=generator).tolist() for _ in range(batch_size)]
-        drafts = torch.randint(0, 20, (batch_size, k), generator=generator)
+        histories = [torch.randint(0, vocab, (history_len,), generator=generator).tolist() for _ in range(batch_size)]
+        drafts = torch.randint(0, vocab, (batch_size, k), generator=generator)
         num_drafts = torch.tensor([k, 1, 0][:batch_size])
-        views["num_penalty_entries"][0] = graphs._fill_penalties(list(enumerate(histories)))
-        views["drafts"][:batch_size] = drafts
-        views["num_drafts"][:batch_size] = num_drafts
-        counts = graphs._penalty_counts(batch_size)
+        chunks = [SimpleNamespace(sampling=PENALISED, output_token_ids=history) for history in histories]
+        num_entries = torch.tensor([penalties.fill(chunks)])
+        counts = penalties.counts(batch_size, num_entries, drafts, num_drafts)
         expected = torch.zeros(batch_size * (k + 1), vocab)
         for request, history in enumerate(histories):
             for row in range(k + 1):
                 listed = history + drafts[request, : min(row, int(num_drafts[request]))].tolist()
                 expected[request * (k + 1) + row] = torch.bincount(torch.tensor(listed), minlength=vocab).float()
         assert torch.equal(counts, expected)
+    assert not penalties.fits(chunks * 2000)  # 28,000 tokens past 3 x 256: such a round runs eagerly
