@@ -343,11 +343,8 @@ class DecodeGraphs:
             token_bitmasks=[c.token_bitmask for c in chunks],
         )
         sampled_row = self.ints[_SAMPLED]
-        in_flight, previous = penalized_in_flight(list(chunks))
-        if in_flight:
-            # Still the previous round's ids: this round's sampling writes them below.
-            previous_rows = torch.tensor(previous, dtype=torch.int64).to(self.device, non_blocking=True)
-            device_batch = device_batch.counting_in_flight(in_flight, sampled_row.index_select(0, previous_rows))
+        # The sampled row still holds the previous round's ids: this round's sampling writes it below.
+        device_batch = device_batch.counting_in_flight(*penalized_in_flight(list(chunks)), sampled_row)
         sampled_row[:batch_size].copy_(self.sampler.sample(self.logits(batch_size), device_batch))
         return sampled_row[:batch_size]
 

@@ -355,10 +355,7 @@ class ModelRunner:
             token_bitmasks=[c.token_bitmask for c in to_sample],
         )
         staging.flush()
-        in_flight, previous = penalized_in_flight(to_sample)
-        if in_flight:
-            previous_rows = torch.tensor(previous, dtype=torch.int64).to(self.device, non_blocking=True)
-            batch = batch.counting_in_flight(in_flight, self._last_ids.index_select(0, previous_rows))
+        batch = batch.counting_in_flight(*penalized_in_flight(to_sample), self._last_ids)
         token_ids = self.sampler.sample(self.slot_logits.index_select(0, slots), batch)
         if rows is None:
             return token_ids, sampled_rows

@@ -88,14 +88,17 @@ class SamplingBatch:
     # [B, ceil(V / 32)] int32, bit v of a row set where token v is allowed; None: no row is constrained.
     token_bitmask: torch.Tensor | None = None
 
-    def counting_in_flight(self, rows: Sequence[int], token_ids: torch.Tensor) -> SamplingBatch:
-        """This batch with one more output token counted for each of `rows` (penalties): token_ids
-        [len(rows)] on the device, each row's token still in flight (a chained row's input, sampled
-        by the step before, which its host history does not hold yet)."""
+    def counting_in_flight(
+        self, rows: Sequence[int], previous_rows: Sequence[int], previous_ids: torch.Tensor | None
+    ) -> SamplingBatch:
+        """This batch with one more output token counted for each of `rows` (penalties): the token
+        still in flight, previous_ids[previous_rows[i]] for rows[i] on the device (a chained row's
+        input, sampled by the step before, which its host history does not hold yet)."""
         if not rows:
             return self
-        row_index = torch.tensor(rows, dtype=torch.int64).to(token_ids.device, non_blocking=True)
-        tokens = token_ids.to(torch.int64)
+        indices = torch.tensor([list(rows), list(previous_rows)], dtype=torch.int64)
+        row_index, previous = indices.to(previous_ids.device, non_blocking=True)
+        tokens = previous_ids.index_select(0, previous).to(torch.int64)
         if self.penalty_rows is not None and self.penalty_token_ids is not None:
             row_index = torch.cat((self.penalty_rows, row_index))
             tokens = torch.cat((self.penalty_token_ids, tokens))

@@ -246,8 +246,7 @@ class Scheduler:
         Only for steady decode, where no token inflight can sample changes the plan except
         by finishing its request. None while a request waits for a free lane, a request
         prefills or slot actions are pending; None when a row may reach its thinking budget
-        at inflight, and when a
-        grammar compiled meanwhile (schedule() queues its request). A request with an output
+        at inflight, and when a grammar compiled meanwhile (schedule() queues its request). A request with an output
         constraint runs ahead with its mask left to follow inflight's token
         (ScheduledChunk.mask_follows_previous, masks_after_commit). Rows that reach their
         output limit at inflight are left out."""
