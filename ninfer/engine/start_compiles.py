@@ -73,9 +73,9 @@ class StartCompiles:
         self._recorded: list[str] = []
         self._num_saved = 0  # records already merged into the machine's manifest
         self._began = 0.0  # wall-clock time recording began: autotuning results from then on are this start's
-        self._preload: threading.Thread | None = None
-        self._preloaded: tuple[int, list[str], float] | None = None
+        self._preload: threading.Thread | None = None  # a restart's, beside the weight load
         self._num_preloaded = 0
+        self._preload_errors: list[str] = []
 
     def begin(self, launches_during_load: bool = False) -> None:
         """After CUDA started (the target is the current device's), before any kernel launches.
@@ -108,45 +108,49 @@ class StartCompiles:
         elif local.exists() and PRELOAD_KERNELS and not launches_during_load:
             kept = KernelManifest.load(local)
             if kept is not None and kept.usable_with(triton.__version__, target):
-                device = torch.cuda.current_device()
-                self._preload = threading.Thread(target=self._preload_kernels, args=(kept, device),
+                self._preload = threading.Thread(target=self._preload_all, args=(kept, torch.cuda.current_device()),
                                                  name="ninfer-kernel-preload", daemon=True)
                 self._preload.start()
         self._recording = recording_compiles()
         self._recorded = self._recording.__enter__()
 
-    def _preload_kernels(self, manifest: KernelManifest, device: int) -> None:
+    def _preload_all(self, manifest: KernelManifest, device: int) -> None:
         import torch
 
-        started = time.perf_counter()
         torch.cuda.set_device(device)
-        errors = [error for data in manifest.specializations if (error := preload_in_process(data)) is not None]
-        self._preloaded = (len(manifest.specializations) - len(errors), errors, time.perf_counter() - started)
+        for data in manifest.specializations:
+            self._preload_one(data)
 
-    def _preload_compiled(self, data: str) -> None:
-        if preload_in_process(data) is None:
+    def _preload_one(self, data: str) -> None:
+        error = preload_in_process(data)
+        if error is None:
             self._num_preloaded += 1
+        else:
+            self._preload_errors.append(error)
+
+    def _log_preloaded(self, how: str) -> None:
+        log.info("%d GPU kernels brought into the process %s%s", self._num_preloaded, how,
+                 f" ({len(self._preload_errors)} left to their launch)" if self._preload_errors else "")
+        for error in self._preload_errors:
+            log.debug("not preloaded: %s", error)
 
     def loaded(self) -> None:
         """The weights are in place: the first kernels launch next, so the compiles (or the
         preload) finish first."""
         if self._preload is not None:
+            waited = time.perf_counter()
             self._preload.join()
             self._preload = None
-            if self._preloaded is not None:
-                loaded, errors, seconds = self._preloaded
-                log.info("%d GPU kernels brought in from the kernel cache in %.1f s, beside the load%s", loaded,
-                         seconds, f" ({len(errors)} left to their launch)" if errors else "")
-                for error in errors:
-                    log.debug("not preloaded: %s", error)
+            self._log_preloaded(f"from the kernel cache beside the load (waited {time.perf_counter() - waited:.1f} s after it)")
         if self.precompile is None:
             return
-        done, errors, seconds = self.precompile.wait(self._preload_compiled if PRELOAD_KERNELS else None)
-        log.info("%d GPU kernels compiled ahead in %.1f s%s%s", done, seconds,
-                 f" ({len(errors)} left to compile at first launch)" if errors else "",
-                 f"; {self._num_preloaded} brought into the process as they finished" if PRELOAD_KERNELS else "")  # fmt: skip
+        done, errors, seconds = self.precompile.wait(self._preload_one if PRELOAD_KERNELS else None)
+        log.info("%d GPU kernels compiled ahead in %.1f s%s", done, seconds,
+                 f" ({len(errors)} left to compile at first launch)" if errors else "")  # fmt: skip
         for error in errors:
             log.debug("not compiled ahead: %s", error)
+        if PRELOAD_KERNELS:
+            self._log_preloaded("as their compiles finished")
         self.precompile = None
 
     def save(self) -> None:
